@@ -1,0 +1,27 @@
+# The two commands of README.md. Each does its own set-up in .venv.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+
+.PHONY: demo test setup bench clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+# torch is pinned through constraints.txt so CPU machines take the CPU build.
+setup: $(BIN)/python
+	$(BIN)/pip install -q -c constraints.txt -e '.[worker,dev]'
+
+demo: setup
+	$(BIN)/python -m blockd.demo
+
+test: setup
+	$(BIN)/python -m pytest
+
+bench: setup
+	$(BIN)/python bench/core.py
+	$(BIN)/python bench/memory.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -1,0 +1,69 @@
+"""The allocator's error types: one class per way a caller can be refused.
+
+Three kinds of failure are kept apart (after vLLM's v1 core):
+
+* a caller's misuse (:class:`InvalidArgument`, :class:`NotFound`,
+  :class:`AlreadyExists`, :class:`WrongState`),
+* an expected "no room" answer (:class:`NoRoom`),
+* a broken invariant, i.e. a bug in blockd (:class:`InvariantViolation`).
+
+Each maps to exactly one gRPC status code in the service layer
+(``code`` names it, so the core needs no gRPC import). Every error raised by an
+operation leaves the allocator state exactly as it was before the call.
+Imports only the standard library.
+"""
+
+from __future__ import annotations
+
+
+class BlockdError(Exception):
+    """Base class. ``code`` is the gRPC status name the service maps it to."""
+
+    code = "INTERNAL"
+
+    def __init__(self, message: str, *, op_index: int | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        #: index of the failing operation inside a batch, if any
+        self.op_index = op_index
+
+    def at_op(self, op_index: int, what: str) -> "BlockdError":
+        """The same error, re-worded to name the failing operation of a batch."""
+        err = type(self)(f"operation {op_index} ({what}): {self.message}", op_index=op_index)
+        return err
+
+
+class InvalidArgument(BlockdError):
+    """Malformed request: negative or absurd sizes, bad token ids, empty names."""
+
+    code = "INVALID_ARGUMENT"
+
+
+class NotFound(BlockdError):
+    """Unknown pool or sequence."""
+
+    code = "NOT_FOUND"
+
+
+class AlreadyExists(BlockdError):
+    """A pool or sequence with that name already exists."""
+
+    code = "ALREADY_EXISTS"
+
+
+class NoRoom(BlockdError):
+    """Not enough free or evictable blocks (beyond the watermark for admissions)."""
+
+    code = "RESOURCE_EXHAUSTED"
+
+
+class WrongState(BlockdError):
+    """The request is well formed but the current state forbids it."""
+
+    code = "FAILED_PRECONDITION"
+
+
+class InvariantViolation(BlockdError):
+    """A bug: the allocator's own bookkeeping disagrees with itself."""
+
+    code = "INTERNAL"

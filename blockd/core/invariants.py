@@ -1,0 +1,84 @@
+"""The invariant checker: DESIGN.md's invariants, recomputed from scratch.
+
+:func:`check_invariants` walks every block and every table (O(blocks +
+table entries)), so it is for tests and debugging, never the hot path. It
+raises :class:`~blockd.core.errors.InvariantViolation` naming the first broken
+invariant:
+
+* each block is exactly one of free, evictable, used;
+* a block's ref count equals the number of tables that hold it;
+* ``len(table) == ceil(T / b)`` for every sequence;
+* the prefix index maps each hash to one block carrying that hash, and every
+  hashed block is indexed; evictable blocks are hashed, free ones are not;
+* free + evictable + used == num_blocks;
+* every holder of a block agrees on how many of its slots hold tokens, and the
+  O(1) counters (used blocks, filled slots, tokens) equal their recomputation.
+
+Imports only the standard library.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import TYPE_CHECKING
+
+from blockd.core.arith import num_blocks_for
+from blockd.core.errors import InvariantViolation
+
+if TYPE_CHECKING:
+    from blockd.core.pool import Pool
+
+
+def _fail(pool: Pool, message: str) -> None:
+    raise InvariantViolation(f"pool {pool.config.name!r}: {message}")
+
+
+def check_invariants(pool: Pool) -> None:
+    blocks, b = pool.blocks, pool.block_size
+    holders: Counter[int] = Counter()
+    fill_seen: dict[int, int] = {}
+    num_tokens = 0
+    for seq_id, seq in pool.seqs.items():
+        count = len(seq.token_ids)
+        num_tokens += count
+        if len(seq.table) != num_blocks_for(count, b):
+            _fail(pool, f"sequence {seq_id!r} has {count} tokens but {len(seq.table)} blocks")
+        if not 0 <= seq.num_committed <= count or len(seq.hashes) != seq.num_committed // b:
+            _fail(pool, f"sequence {seq_id!r}: committed {seq.num_committed} of {count}, "
+                        f"{len(seq.hashes)} hashes")
+        for logical, block in enumerate(seq.table):
+            holders[block] += 1
+            fill = min(b, count - logical * b)
+            if fill_seen.setdefault(block, fill) != fill:
+                _fail(pool, f"holders of block {block} disagree on its fill")
+    free_list = set(blocks.free)
+    if len(free_list) != len(blocks.free):
+        _fail(pool, "a block is twice in the free list")
+    evictable = set(blocks.lru)
+    used = filled = 0
+    for block in range(blocks.num_blocks):
+        ref = blocks.ref[block]
+        is_free = block >= blocks.next_fresh or block in free_list
+        states = (is_free, block in evictable, ref > 0)
+        if sum(states) != 1:
+            _fail(pool, f"block {block} is free/evictable/used = {states}")
+        if ref != holders.get(block, 0):
+            _fail(pool, f"block {block} has ref count {ref} but {holders.get(block, 0)} tables hold it")
+        h = blocks.hash[block]
+        if h is not None and blocks.index.get(h) != block:
+            _fail(pool, f"block {block} carries a hash the index maps elsewhere")
+        if (block in evictable and h is None) or (is_free and h is not None):
+            _fail(pool, f"block {block}: evictable blocks must be hashed, free ones not")
+        if ref:
+            used += 1
+            filled += fill_seen[block]
+            if blocks.fill[block] != fill_seen[block]:
+                _fail(pool, f"block {block} fill {blocks.fill[block]} != {fill_seen[block]}")
+    for h, block in blocks.index.items():
+        if blocks.hash[block] != h:
+            _fail(pool, f"index maps a hash to block {block}, which carries another")
+    if blocks.num_free + len(evictable) + used != blocks.num_blocks:
+        _fail(pool, "free + evictable + used != num_blocks")
+    if (used, filled, num_tokens) != (blocks.num_used, blocks.filled_slots, pool.num_tokens):
+        _fail(pool, f"counters (used, filled, tokens) = {(blocks.num_used, blocks.filled_slots, pool.num_tokens)}"
+                    f", recomputed {(used, filled, num_tokens)}")

@@ -1,0 +1,209 @@
+"""Plain data exchanged with the allocator: config, operations, results, events.
+
+These small frozen dataclasses are the whole interface between a caller (the
+gRPC service, a scheduler, a test) and :class:`blockd.core.pool.Pool`; they
+carry plain ints, strings and bytes, never internal block objects.
+Imports only the standard library.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Union
+
+from blockd.core.hashing import NO_EXTRA_KEYS, ExtraKeys
+
+#: bytes per element of the dtypes a pool may declare
+DTYPE_BYTES = {
+    "float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3": 1, "float8_e5m2": 1, "int8": 1,
+}
+MAX_BLOCK_SIZE = 1 << 16
+MAX_NUM_BLOCKS = 1 << 26
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    """One logical KV cache: ``num_blocks`` blocks of ``block_size`` slots.
+
+    The model geometry gives bytes per block for the metrics and the workers;
+    the allocator itself only needs the two sizes and the watermark.
+    """
+
+    name: str
+    num_blocks: int
+    block_size: int
+    num_layers: int = 1
+    num_kv_heads: int = 1
+    head_dim: int = 1
+    dtype: str = "float16"
+    #: blocks kept back from new sequences so running ones can still append
+    watermark_blocks: int = 0
+    #: how many past versions' deltas a follower can catch up from
+    max_retained_versions: int = 1024
+
+    @property
+    def bytes_per_slot(self) -> int:
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * DTYPE_BYTES[self.dtype]
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.block_size * self.bytes_per_slot
+
+
+@dataclass(frozen=True)
+class Allocate:
+    """Create a sequence holding ``prompt_token_ids``, reusing cached prefix blocks."""
+
+    seq_id: str
+    prompt_token_ids: tuple[int, ...] | list[int]
+    extra_keys: ExtraKeys = NO_EXTRA_KEYS
+
+
+@dataclass(frozen=True)
+class Append:
+    """Add tokens to a sequence; implies that all its earlier tokens are committed."""
+
+    seq_id: str
+    token_ids: tuple[int, ...] | list[int]
+
+
+@dataclass(frozen=True)
+class DecodeAppend:
+    """Append one token to each of many sequences: a decode step in one op.
+
+    Equivalent to ``Append(seq_ids[i], [token_ids[i]])`` for every ``i`` in
+    order, but columnar, so a step over thousands of running sequences costs
+    a tight loop instead of thousands of op objects (and, over gRPC, two
+    packed arrays instead of thousands of messages). Its result's
+    ``slot_mapping[i]`` is the slot of ``token_ids[i]``.
+    """
+
+    seq_ids: tuple[str, ...] | list[str]
+    token_ids: tuple[int, ...] | list[int]
+
+
+@dataclass(frozen=True)
+class Commit:
+    """The KV of the sequence's first ``num_tokens`` tokens has been written."""
+
+    seq_id: str
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class Fork:
+    """Create ``child_seq_id`` sharing every block of ``parent_seq_id``."""
+
+    parent_seq_id: str
+    child_seq_id: str
+
+
+@dataclass(frozen=True)
+class Free:
+    """Drop a sequence; its blocks lose one reference."""
+
+    seq_id: str
+
+
+Op = Union[Allocate, Append, DecodeAppend, Commit, Fork, Free]
+
+
+@dataclass(frozen=True)
+class OpResult:
+    """What one operation did, as plain ints.
+
+    ``slot_mapping`` holds the physical slots of the tokens the caller must now
+    compute, starting at token position ``slot_start``: for an allocation the
+    prompt tokens after the cached prefix, for an append the new tokens.
+    ``new_block_ids`` were appended to the table; ``copy_ops`` are
+    copy-on-write copies ``(src, dst)`` the workers run before attention.
+    For :class:`DecodeAppend` ``seq_id`` is empty, ``slot_mapping`` has one
+    slot per listed sequence and ``new_block_ids`` the blocks it added, in
+    order; the table changes themselves are in the version's delta.
+    """
+
+    seq_id: str
+    num_tokens: int
+    num_cached_tokens: int = 0
+    new_block_ids: tuple[int, ...] = ()
+    copy_ops: tuple[tuple[int, int], ...] = ()
+    slot_start: int = 0
+    slot_mapping: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class TableUpdate:
+    """One table change inside a version: keep the first ``keep`` entries, then
+    append ``block_ids``; or, when ``freed``, drop the sequence's table."""
+
+    seq_id: str
+    keep: int = 0
+    block_ids: tuple[int, ...] = ()
+    freed: bool = False
+
+
+@dataclass(frozen=True)
+class VersionDelta:
+    """Everything a follower applies to go from ``version - 1`` to ``version``:
+    first the copy ops, then the table updates in order."""
+
+    version: int
+    updates: tuple[TableUpdate, ...]
+    copy_ops: tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """Result of one atomic batch: the new version and one result per op."""
+
+    version: int
+    results: tuple[OpResult, ...]
+    copy_ops: tuple[tuple[int, int], ...] = ()
+
+
+BLOCK_STORED = "BlockStored"
+BLOCK_REMOVED = "BlockRemoved"
+ALL_BLOCKS_CLEARED = "AllBlocksCleared"
+
+
+@dataclass(frozen=True)
+class KVEvent:
+    """A change to the prefix index, numbered per pool from 1 without gaps."""
+
+    seq_no: int
+    kind: str
+    block_hash: bytes = b""
+    parent_hash: bytes = b""
+    block_id: int = -1
+    token_ids: tuple[int, ...] = field(default=())
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    """Counts read in O(1); ``tail_waste_slots`` = used blocks × b − distinct
+    token slots in use."""
+
+    name: str
+    num_blocks: int
+    block_size: int
+    num_free_blocks: int
+    num_used_blocks: int
+    num_evictable_blocks: int
+    num_seqs: int
+    num_tokens: int
+    tail_waste_slots: int
+    tail_waste_bytes: int
+    prefix_queried_tokens: int
+    prefix_hit_tokens: int
+    num_evictions: int
+    num_copies: int
+    version: int
+    last_event_seq_no: int
+
+    @property
+    def utilisation_ratio(self) -> float:
+        return self.num_used_blocks / self.num_blocks
+
+    @property
+    def prefix_hit_ratio(self) -> float:
+        return self.prefix_hit_tokens / self.prefix_queried_tokens if self.prefix_queried_tokens else 0.0
