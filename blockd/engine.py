@@ -1,0 +1,358 @@
+"""The daemon's state machine: every pool, idempotency, durability, followers.
+
+:class:`Engine` is what the gRPC servicer wraps; it imports no gRPC. It owns
+
+* the pools by name (each a :class:`blockd.core.Pool`),
+* the idempotency table: a mutating request's id maps to its first result,
+  so a retried request returns that result and changes nothing,
+* the write-ahead log (:mod:`blockd.wal`): a batch is applied in memory, then
+  logged (and fsynced per policy), then acknowledged; a batch that fails is
+  never logged, so it leaves no trace,
+* the retained KV events and the condition that wakes Watch/Events streams,
+* the worker registry (:mod:`blockd.workers`; in memory: workers re-register).
+
+Recovery loads the newest snapshot and replays the later records through the
+same code paths, so pools, tables, ref counts, the prefix index and its LRU
+order, versions, event numbers and the idempotency table come back exactly.
+All public methods are thread-safe (one engine lock: the GIL serialises the
+allocator anyway, and one lock keeps the log in commit order).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from itertools import islice
+
+from blockd.core import (
+    AlreadyExists,
+    ExtraKeys,
+    InvalidArgument,
+    KVEvent,
+    NotFound,
+    Op,
+    Pool,
+    PoolConfig,
+    PoolStats,
+    SnapshotRequired,
+    StepResult,
+    VersionDelta,
+    WrongState,
+)
+from blockd.core.state import config_to_json, dump_pool, load_pool, op_from_json, op_to_json
+from blockd.core.validate import check_name
+from blockd.idempotency import IdempotencyTable
+from blockd.wal import WriteAheadLog
+from blockd.workers import WorkerInfo, WorkerRegistry, WorkerStatus
+
+log = logging.getLogger("blockd.engine")
+
+#: KV events kept per pool for Events streams that resume
+MAX_RETAINED_EVENTS = 65536
+_WAIT_S = 0.25
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """All tables of a pool at ``version`` (for a follower that fell behind)."""
+
+    version: int
+    tables: dict[str, list[int]]
+
+
+@dataclass(frozen=True)
+class SequenceInfo:
+    seq_id: str
+    num_tokens: int
+    num_committed: int
+    block_table: list[int]
+
+
+class _PoolEntry:
+    __slots__ = ("pool", "events", "deleted")
+
+    def __init__(self, pool: Pool) -> None:
+        self.pool = pool
+        self.events: deque[KVEvent] = deque(maxlen=MAX_RETAINED_EVENTS)
+        self.deleted = False
+
+
+class Engine:
+    def __init__(self, data_dir: str | None = None, fsync: str = "always", fsync_interval_s: float = 0.05,
+                 snapshot_every: int = 10000, clock: Callable[[], float] = time.monotonic,
+                 worker_timeout_s: float = 10.0, max_request_ids: int = 16384,
+                 observe_wal_sync: Callable[[float], None] | None = None) -> None:
+        self._lock = threading.RLock()
+        self._changed = threading.Condition(self._lock)
+        self._pools: dict[str, _PoolEntry] = {}
+        self._requests = IdempotencyTable(max_request_ids)
+        self.workers = WorkerRegistry(clock, worker_timeout_s)
+        self.snapshot_every = snapshot_every
+        self._since_snapshot = 0
+        self._closed = False
+        self._wal: WriteAheadLog | None = None
+        if data_dir is not None:
+            self._wal = WriteAheadLog(data_dir, fsync, fsync_interval_s, observe_wal_sync)
+            self._recover()
+            self._wal.open_for_append()
+
+    # --- durability -------------------------------------------------------
+    def _recover(self) -> None:
+        start = time.perf_counter()
+        snapshot, records = self._wal.recover()
+        if snapshot is not None:
+            for data in snapshot["pools"]:
+                entry = _PoolEntry(load_pool(data))
+                entry.events.extend(KVEvent(*e[:2], bytes.fromhex(e[2]), bytes.fromhex(e[3]), e[4],
+                                            tuple(e[5])) for e in data.get("events", []))
+                self._pools[entry.pool.config.name] = entry
+            self._requests.load(snapshot["requests"])
+        replayed = 0
+        for record in records:
+            self._apply_record(record)
+            replayed += 1
+        log.info("recovered %d pools from %s (snapshot lsn %s, %d log records replayed) in %.2fs",
+                 len(self._pools), self._wal.data_dir, snapshot["lsn"] if snapshot else "none",
+                 replayed, time.perf_counter() - start)
+
+    def _apply_record(self, record: dict) -> None:
+        kind, rid = record["kind"], record.get("rid", "")
+        if kind == "create_pool":
+            result = self._create_pool(PoolConfig(**record["config"]))
+        elif kind == "delete_pool":
+            result = self._delete_pool(record["pool"])
+        elif kind == "step":
+            result = self._pools[record["pool"]].pool.step([op_from_json(o) for o in record["ops"]])
+            self._drain_events(self._pools[record["pool"]])
+        elif kind == "reset_prefix_cache":
+            result = self._reset(record["pool"])
+        else:
+            raise ValueError(f"unknown log record kind {kind!r}")
+        if rid:
+            self._requests.put(rid, self._fingerprint(kind, record.get("pool", "")), result)
+
+    def _log(self, record: dict) -> None:
+        if self._wal is None:
+            return
+        self._wal.append(record)
+        self._since_snapshot += 1
+        if self._since_snapshot >= self.snapshot_every:
+            self.snapshot()
+
+    def snapshot(self) -> None:
+        """Write a snapshot now (no-op without a data directory)."""
+        with self._lock:
+            if self._wal is None:
+                return
+            pools = []
+            for entry in self._pools.values():
+                data = dump_pool(entry.pool)
+                data["events"] = [[e.seq_no, e.kind, e.block_hash.hex(), e.parent_hash.hex(), e.block_id,
+                                   list(e.token_ids)] for e in entry.events]
+                pools.append(data)
+            self._wal.write_snapshot({"pools": pools, "requests": self._requests.dump()})
+            self._since_snapshot = 0
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for entry in self._pools.values():
+                entry.deleted = True  # ends Watch/Events streams
+            self._changed.notify_all()
+            if self._wal is not None:
+                self._wal.close()
+
+    # --- idempotency ----------------------------------------------------------
+    @staticmethod
+    def _fingerprint(kind: str, pool: str) -> str:
+        return f"{kind}:{pool}"
+
+    def _idempotent(self, rid: str, kind: str, pool: str, run: Callable[[], object], record: Callable[[], dict]):
+        if rid:
+            check_name(rid, "request_id")
+        with self._lock:
+            if self._closed:
+                raise WrongState("blockd is shutting down; retry against the new instance")
+            fingerprint = self._fingerprint(kind, pool)
+            if rid:
+                found = self._requests.get(rid)
+                if found is not None:
+                    if found[0] != fingerprint:
+                        raise InvalidArgument(
+                            f"request_id {rid!r} was already used for {found[0]}; use a fresh id per request")
+                    return found[1]
+            result = run()
+            body = record()
+            body["kind"] = kind
+            if rid:
+                body["rid"] = rid
+                self._requests.put(rid, fingerprint, result)
+            self._log(body)
+            self._changed.notify_all()
+            return result
+
+    # --- pools ------------------------------------------------------------------
+    def _entry(self, name: str) -> _PoolEntry:
+        entry = self._pools.get(name) if type(name) is str else None
+        if entry is None:
+            raise NotFound(f"no pool named {name!r}; list pools to see which exist")
+        return entry
+
+    def _create_pool(self, config: PoolConfig) -> PoolStats:
+        if config.name in self._pools:
+            raise AlreadyExists(f"pool {config.name!r} already exists")
+        entry = _PoolEntry(Pool(config))
+        self._pools[config.name] = entry
+        return entry.pool.stats()
+
+    def create_pool(self, config: PoolConfig, request_id: str = "") -> PoolStats:
+        if not isinstance(config, PoolConfig):
+            raise InvalidArgument("create_pool takes a PoolConfig")
+        return self._idempotent(request_id, "create_pool", config.name, lambda: self._create_pool(config),
+                                lambda: {"config": config_to_json(config)})
+
+    def _delete_pool(self, name: str) -> None:
+        entry = self._entry(name)
+        entry.deleted = True
+        del self._pools[name]
+        self.workers.forget_pool(name)
+
+    def delete_pool(self, name: str, request_id: str = "") -> None:
+        self._idempotent(request_id, "delete_pool", name, lambda: self._delete_pool(name),
+                         lambda: {"pool": name})
+
+    def get_pool(self, name: str) -> PoolStats:
+        with self._lock:
+            return self._entry(name).pool.stats()
+
+    def pool_config(self, name: str) -> PoolConfig:
+        with self._lock:
+            return self._entry(name).pool.config
+
+    def list_pools(self) -> list[PoolStats]:
+        with self._lock:
+            return [entry.pool.stats() for entry in self._pools.values()]
+
+    # --- steps -----------------------------------------------------------------
+    def _drain_events(self, entry: _PoolEntry) -> None:
+        entry.events.extend(entry.pool.take_events())
+
+    def step(self, pool: str, ops: list[Op], request_id: str = "") -> StepResult:
+        def run() -> StepResult:
+            entry = self._entry(pool)
+            result = entry.pool.step(ops)
+            self._drain_events(entry)
+            return result
+
+        return self._idempotent(request_id, "step", pool, run,
+                                lambda: {"pool": pool, "ops": [op_to_json(o) for o in ops]})
+
+    def _reset(self, pool: str) -> None:
+        entry = self._entry(pool)
+        entry.pool.reset_prefix_cache()
+        self._drain_events(entry)
+
+    def reset_prefix_cache(self, pool: str, request_id: str = "") -> None:
+        self._idempotent(request_id, "reset_prefix_cache", pool, lambda: self._reset(pool),
+                         lambda: {"pool": pool})
+
+    # --- reads -------------------------------------------------------------------
+    def get_tables(self, pool: str, seq_ids: list[str]) -> tuple[int, dict[str, list[int]]]:
+        with self._lock:
+            p = self._entry(pool).pool
+            if not seq_ids:
+                return p.version, p.tables()
+            return p.version, {seq_id: p.block_table(seq_id) for seq_id in seq_ids}
+
+    def sequence_info(self, pool: str, seq_id: str) -> SequenceInfo:
+        with self._lock:
+            seq = self._entry(pool).pool.get_seq(seq_id)
+            return SequenceInfo(seq.seq_id, len(seq.token_ids), seq.num_committed, list(seq.table))
+
+    def lookup_prefix(self, token_ids: list[int], extra_keys: ExtraKeys, pools: list[str]) -> dict[str, int]:
+        with self._lock:
+            names = pools or list(self._pools)
+            return {name: self._entry(name).pool.lookup_prefix(token_ids, extra_keys) for name in names}
+
+    def check_invariants(self) -> None:
+        from blockd.core import check_invariants
+
+        with self._lock:
+            for entry in self._pools.values():
+                check_invariants(entry.pool)
+
+    # --- followers ------------------------------------------------------------
+    def watch(self, pool: str, from_version: int,
+              should_stop: Callable[[], bool]) -> Iterator[Snapshot | VersionDelta]:
+        """Deltas after ``from_version`` in order (a snapshot first when they are
+        no longer retained), then new ones as they commit."""
+        with self._lock:
+            entry = self._entry(pool)
+            version = from_version
+            try:
+                pending: list = entry.pool.deltas_since(version)
+            except SnapshotRequired:
+                pending = [Snapshot(entry.pool.version, entry.pool.tables())]
+        while True:
+            for item in pending:
+                yield item
+                version = item.version
+            with self._lock:
+                while entry.pool.version == version and not entry.deleted and not should_stop():
+                    self._changed.wait(_WAIT_S)
+                if entry.deleted or should_stop():
+                    return
+                try:
+                    pending = entry.pool.deltas_since(version)
+                except SnapshotRequired:
+                    pending = [Snapshot(entry.pool.version, entry.pool.tables())]
+
+    def events(self, pool: str, from_seq_no: int, should_stop: Callable[[], bool]) -> Iterator[KVEvent]:
+        """KV events with ``seq_no > from_seq_no``, in order, waiting for new ones."""
+        if type(from_seq_no) is not int or from_seq_no < 0:
+            raise InvalidArgument(f"from_seq_no must be a non-negative int, got {from_seq_no!r}")
+        with self._lock:
+            entry = self._entry(pool)
+            last = entry.pool.last_event_seq_no
+            if from_seq_no > last:
+                raise WrongState(f"event {from_seq_no} is ahead of pool {pool!r} (last is {last})")
+            oldest = entry.events[0].seq_no if entry.events else last + 1
+            if from_seq_no + 1 < oldest:
+                raise WrongState(f"events after {from_seq_no} are no longer retained (oldest is {oldest}); "
+                                 "rebuild from a table snapshot and resume from the latest event")
+        seen = from_seq_no
+        while True:
+            with self._lock:
+                while entry.pool.last_event_seq_no == seen and not entry.deleted and not should_stop():
+                    self._changed.wait(_WAIT_S)
+                if entry.deleted or should_stop():
+                    return
+                first = entry.events[0].seq_no if entry.events else seen + 1
+                if seen + 1 < first:
+                    return  # fell out of the retained window while the consumer was slow
+                batch = list(islice(entry.events, seen + 1 - first, None))
+            for event in batch:
+                yield event
+                seen = event.seq_no
+
+    # --- workers ----------------------------------------------------------------
+    def register_worker(self, info: WorkerInfo) -> WorkerStatus:
+        with self._lock:
+            config = self._entry(info.pool).pool.config
+            return self.workers.register(info, config)
+
+    def heartbeat(self, worker_id: str, applied_version: int) -> WorkerStatus:
+        with self._lock:
+            return self.workers.heartbeat(worker_id, applied_version)
+
+    def list_workers(self, pool: str | None = None) -> list[WorkerStatus]:
+        with self._lock:
+            if pool:
+                self._entry(pool)
+            return self.workers.list(pool or None)

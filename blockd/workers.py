@@ -1,0 +1,84 @@
+"""The worker registry: which worker holds which shard of which pool, and
+whether it is alive.
+
+Workers register with their shard (a layer range and a KV-head range, so a
+tensor-parallel group shares one set of block ids) and heartbeat with the
+version their table replica has applied. A worker whose last heartbeat is
+older than ``timeout_s`` is reported down. Kept in memory only: after a
+daemon restart, a worker's heartbeat gets NOT_FOUND and it registers again.
+The clock is injected so tests need not sleep.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from blockd.core.errors import InvalidArgument, NotFound
+from blockd.core.types import PoolConfig
+from blockd.core.validate import check_int, check_name
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    worker_id: str
+    pool: str
+    address: str = ""
+    layer_start: int = 0
+    layer_end: int = 0
+    kv_head_start: int = 0
+    kv_head_end: int = 0
+    pool_bytes: int = 0
+    device: str = "cpu"
+
+
+@dataclass(frozen=True)
+class WorkerStatus:
+    info: WorkerInfo
+    is_up: bool
+    last_heartbeat_age_s: float
+    applied_version: int
+
+
+class WorkerRegistry:
+    def __init__(self, clock: Callable[[], float], timeout_s: float) -> None:
+        self._clock = clock
+        self.timeout_s = timeout_s
+        self._workers: dict[str, list] = {}  # id -> [info, last_heartbeat, applied_version]
+
+    def register(self, info: WorkerInfo, config: PoolConfig) -> WorkerStatus:
+        check_name(info.worker_id, "worker_id")
+        if len(info.address) > 256 or len(info.device) > 64:
+            raise InvalidArgument("worker address or device name is too long")
+        check_int(info.layer_start, "layer_start", 0, config.num_layers - 1)
+        check_int(info.layer_end, "layer_end", info.layer_start + 1, config.num_layers)
+        check_int(info.kv_head_start, "kv_head_start", 0, config.num_kv_heads - 1)
+        check_int(info.kv_head_end, "kv_head_end", info.kv_head_start + 1, config.num_kv_heads)
+        check_int(info.pool_bytes, "pool_bytes", 0, 1 << 60)
+        # re-registering (a restarted worker) replaces the old record
+        self._workers[info.worker_id] = [info, self._clock(), 0]
+        return self._status(info.worker_id)
+
+    def heartbeat(self, worker_id: str, applied_version: int) -> WorkerStatus:
+        record = self._workers.get(worker_id)
+        if record is None:
+            raise NotFound(f"worker {worker_id!r} is not registered; register it again")
+        check_int(applied_version, "applied_version", 0, 1 << 62)
+        record[1] = self._clock()
+        record[2] = applied_version
+        return self._status(worker_id)
+
+    def _status(self, worker_id: str) -> WorkerStatus:
+        info, last, applied = self._workers[worker_id]
+        age = self._clock() - last
+        return WorkerStatus(info, age <= self.timeout_s, age, applied)
+
+    def list(self, pool: str | None = None) -> list[WorkerStatus]:
+        return [self._status(w) for w, rec in self._workers.items() if pool is None or rec[0].pool == pool]
+
+    def forget_pool(self, pool: str) -> None:
+        for worker_id in [w for w, rec in self._workers.items() if rec[0].pool == pool]:
+            del self._workers[worker_id]
+
+
+__all__ = ["WorkerInfo", "WorkerRegistry", "WorkerStatus"]
