@@ -41,10 +41,6 @@ def unpack(text: str, typecode: str = "I") -> list[int]:
     return arr.tolist()
 
 
-def _hex(h: bytes | None) -> str:
-    return h.hex() if h is not None else ""
-
-
 def extra_to_json(extra: ExtraKeys) -> list:
     return [extra.model_id, extra.model_revision, extra.adapter_name, extra.adapter_id,
             extra.cache_salt, list(extra.mm_hashes)]
@@ -79,7 +75,6 @@ def dump_pool(pool: Pool) -> dict:
     return {
         "config": config_to_json(pool.config),
         "ref": pack(blocks.ref), "fill": pack(blocks.fill), "hash": hashed,
-        "index_order": [_hex(h) for h in blocks.index],
         "next_fresh": blocks.next_fresh, "free": pack(blocks.free), "lru": pack(list(blocks.lru)),
         "num_used": blocks.num_used, "filled_slots": blocks.filled_slots,
         "num_evictions": blocks.num_evictions, "seqs": seqs,
@@ -95,10 +90,8 @@ def load_pool(data: dict) -> Pool:
     blocks.ref = unpack(data["ref"])
     blocks.fill = unpack(data["fill"])
     for block, h in data["hash"].items():
-        blocks.hash[int(block)] = bytes.fromhex(h)
-    by_hash = {blocks.hash[int(b)]: int(b) for b in data["hash"]}
-    # dict order is kept so iteration over the index is reproducible too
-    blocks.index = {bytes.fromhex(h): by_hash[bytes.fromhex(h)] for h in data["index_order"]}
+        blocks.hash[int(block)] = digest = bytes.fromhex(h)
+        blocks.index[digest] = int(block)
     blocks.next_fresh = data["next_fresh"]
     blocks.free = deque(unpack(data["free"]))
     for block in unpack(data["lru"]):

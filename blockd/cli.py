@@ -1,0 +1,135 @@
+"""The ``blockd`` console script: ``blockd serve`` runs the daemon.
+
+Settings come from flags, falling back to environment variables:
+
+==================  =====================  ==================================
+flag                env                    default
+==================  =====================  ==================================
+``--listen``        ``BLOCKD_LISTEN``      ``127.0.0.1:50051`` (port 0: any)
+``--data-dir``      ``BLOCKD_DATA_DIR``    none: state in memory only
+``--fsync``         ``BLOCKD_FSYNC``       ``always`` (``interval``, ``never``)
+``--metrics-port``  ``BLOCKD_METRICS_PORT``  ``0``: no metrics endpoint
+==================  =====================  ==================================
+
+When the server is up it prints ``blockd listening on HOST:PORT`` (the real
+port when 0 was asked for) on stdout; tests and scripts wait for that line.
+SIGTERM and SIGINT shut down gracefully: stop accepting calls, give in-flight
+ones a grace period, flush and close the log.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import logging
+import os
+import signal
+import sys
+import threading
+
+from blockd.core.errors import BlockdError
+
+log = logging.getLogger("blockd")
+
+FSYNC_POLICIES = ("always", "interval", "never")
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name, "")
+    try:
+        return int(raw) if raw else default
+    except ValueError:
+        raise SystemExit(f"{name} must be an integer, got {raw!r}") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="blockd", description="blockd: a cluster's paged KV cache manager")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="run the daemon")
+    serve.add_argument("--listen", default=os.environ.get("BLOCKD_LISTEN", "127.0.0.1:50051"),
+                       help="HOST:PORT to serve gRPC on; port 0 picks a free one [env BLOCKD_LISTEN]")
+    serve.add_argument("--data-dir", default=os.environ.get("BLOCKD_DATA_DIR") or None,
+                       help="directory for the write-ahead log and snapshots; "
+                            "without it state is in memory only [env BLOCKD_DATA_DIR]")
+    serve.add_argument("--fsync", default=os.environ.get("BLOCKD_FSYNC", "always"),
+                       help="when the log is fsynced: always | interval | never [env BLOCKD_FSYNC]")
+    serve.add_argument("--fsync-interval-s", type=float, default=0.05,
+                       help="batching interval for --fsync interval")
+    serve.add_argument("--snapshot-every", type=int, default=10000,
+                       help="log records between snapshots")
+    serve.add_argument("--metrics-port", type=int, default=_env_int("BLOCKD_METRICS_PORT", 0),
+                       help="Prometheus metrics port; 0 = off [env BLOCKD_METRICS_PORT]")
+    serve.add_argument("--max-workers", type=int, default=32,
+                       help="RPC threads (each open Watch/Events stream holds one)")
+    serve.add_argument("--grace-s", type=float, default=5.0,
+                       help="seconds in-flight calls get to finish on shutdown")
+    serve.add_argument("--log-level", default=os.environ.get("BLOCKD_LOG_LEVEL", "INFO"))
+    return parser
+
+
+def _start_metrics(engine, port: int) -> None:
+    """Hand the engine to ``blockd.metrics`` when that optional module exists."""
+    if not port:
+        return
+    if importlib.util.find_spec("blockd.metrics") is None:
+        log.warning("--metrics-port %d given but blockd.metrics is not installed; metrics are off", port)
+        return
+    metrics = importlib.import_module("blockd.metrics")
+    metrics.start_metrics_server(engine, port)
+    log.info("metrics on port %d", port)
+
+
+def serve(args: argparse.Namespace) -> int:
+    # imported here so `blockd --help` stays fast and grpc-free
+    from blockd.engine import Engine
+    from blockd.service.server import BlockdServer
+
+    if args.fsync not in FSYNC_POLICIES:
+        raise SystemExit(f"--fsync must be one of {', '.join(FSYNC_POLICIES)}, got {args.fsync!r}")
+    log.info("data dir: %s; fsync: %s", args.data_dir or "none (in memory)", args.fsync)
+    try:
+        engine = Engine(data_dir=args.data_dir, fsync=args.fsync, fsync_interval_s=args.fsync_interval_s,
+                        snapshot_every=args.snapshot_every)
+    except (BlockdError, OSError, ValueError) as err:
+        log.error("cannot open the engine: %s", err)
+        return 1
+    for stats in sorted(engine.list_pools(), key=lambda s: s.name):
+        log.info("pool %s: %d blocks of %d, %d sequences, version %d", stats.name, stats.num_blocks,
+                 stats.block_size, stats.num_seqs, stats.version)
+    try:
+        server = BlockdServer(engine, args.listen, max_workers=args.max_workers, grace_s=args.grace_s)
+    except (OSError, ValueError, RuntimeError) as err:
+        log.error("cannot listen on %s: %s", args.listen, err)
+        engine.close()
+        return 1
+    _start_metrics(engine, args.metrics_port)
+
+    stop = threading.Event()
+
+    def on_signal(signum, frame) -> None:
+        log.info("received %s", signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    server.start()
+    print(f"blockd listening on {server.address}", flush=True)
+    # wait in short slices so the signal handler runs promptly
+    while not stop.wait(0.5):
+        pass
+    server.stop()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command == "serve":
+        return serve(args)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,251 @@
+"""Protobuf messages <-> blockd's plain dataclasses, in both directions.
+
+The servicer reads requests with the ``*_from_proto`` functions and writes
+responses with the ``*_to_proto`` ones; the client SDK does the reverse with
+the same functions, so each mapping exists once. Reading a request validates
+what the wire types cannot express (a missing oneof or sub-message, an empty
+id) and raises :class:`~blockd.service.errors.BadField` naming the field; the
+range checks of sizes and counts stay in the core (one place for each rule),
+which raises InvalidArgument naming the failing operation.
+
+Repeated ints are copied with ``list()`` (a C-level copy of a packed array):
+the core requires real lists, and this is the whole per-step parsing cost of
+a decode step. Imports protobuf and the core; never grpc, never the engine's
+internals.
+"""
+
+from __future__ import annotations
+
+from blockd.core.hashing import NO_EXTRA_KEYS, ExtraKeys
+from blockd.core.types import (
+    ALL_BLOCKS_CLEARED,
+    BLOCK_REMOVED,
+    BLOCK_STORED,
+    Allocate,
+    Append,
+    Commit,
+    DecodeAppend,
+    Fork,
+    Free,
+    KVEvent,
+    Op,
+    OpResult,
+    PoolConfig,
+    PoolStats,
+    StepResult,
+    TableUpdate,
+    VersionDelta,
+)
+from blockd.engine import SequenceInfo, Snapshot
+from blockd.service.errors import BadField
+from blockd.v1 import blockd_pb2 as pb
+from blockd.workers import WorkerInfo, WorkerStatus
+
+_OP_KINDS = "allocate, append, decode_append, commit, fork, free"
+_STATS_FIELDS = tuple(PoolStats.__dataclass_fields__)
+_WORKER_FIELDS = tuple(WorkerInfo.__dataclass_fields__)
+_EVENT_KINDS = {
+    BLOCK_STORED: pb.EVENT_KIND_BLOCK_STORED,
+    BLOCK_REMOVED: pb.EVENT_KIND_BLOCK_REMOVED,
+    ALL_BLOCKS_CLEARED: pb.EVENT_KIND_ALL_BLOCKS_CLEARED,
+}
+_EVENT_NAMES = {number: name for name, number in _EVENT_KINDS.items()}
+_CONFIG_DEFAULTS = {name: f.default for name, f in PoolConfig.__dataclass_fields__.items()}
+_OPTIONAL_CONFIG = ("num_layers", "num_kv_heads", "head_dim", "dtype", "max_retained_versions")
+
+
+def require_id(value: str, field: str, op_index: int | None = None) -> str:
+    """An id the wire cannot leave out: refuse the empty string up front."""
+    if not value:
+        raise BadField(field, "must be a non-empty name", op_index=op_index)
+    return value
+
+
+# --- pools --------------------------------------------------------------------
+def pool_config_from_proto(msg: pb.PoolConfig, field: str = "config") -> PoolConfig:
+    """Unset optional geometry takes the core's defaults; an explicit 0 is kept
+    (and refused by the core's checks)."""
+    require_id(msg.name, f"{field}.name")
+    optional = {name: getattr(msg, name) for name in _OPTIONAL_CONFIG if msg.HasField(name)}
+    return PoolConfig(name=msg.name, num_blocks=msg.num_blocks, block_size=msg.block_size,
+                      watermark_blocks=msg.watermark_blocks, **optional)
+
+
+def pool_config_to_proto(cfg: PoolConfig) -> pb.PoolConfig:
+    return pb.PoolConfig(
+        name=cfg.name, num_blocks=cfg.num_blocks, block_size=cfg.block_size, num_layers=cfg.num_layers,
+        num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, dtype=cfg.dtype,
+        watermark_blocks=cfg.watermark_blocks, max_retained_versions=cfg.max_retained_versions)
+
+
+def pool_config_from_reply(msg: pb.PoolConfig) -> PoolConfig:
+    """A config the daemon sent (every field set)."""
+    values = {name: getattr(msg, name) for name in _CONFIG_DEFAULTS if name not in _OPTIONAL_CONFIG}
+    for name in _OPTIONAL_CONFIG:
+        values[name] = getattr(msg, name) if msg.HasField(name) else _CONFIG_DEFAULTS[name]
+    return PoolConfig(**values)
+
+
+def stats_to_proto(stats: PoolStats) -> pb.PoolStats:
+    return pb.PoolStats(**{name: getattr(stats, name) for name in _STATS_FIELDS})
+
+
+def stats_from_proto(msg: pb.PoolStats) -> PoolStats:
+    return PoolStats(**{name: getattr(msg, name) for name in _STATS_FIELDS})
+
+
+# --- operations -----------------------------------------------------------------
+def extra_keys_from_proto(msg: pb.ExtraKeys) -> ExtraKeys:
+    return ExtraKeys(model_id=msg.model_id, model_revision=msg.model_revision,
+                     adapter_name=msg.adapter_name, adapter_id=msg.adapter_id,
+                     cache_salt=msg.cache_salt, mm_hashes=tuple(msg.mm_hashes))
+
+
+def extra_keys_to_proto(extra: ExtraKeys) -> pb.ExtraKeys:
+    return pb.ExtraKeys(model_id=extra.model_id, model_revision=extra.model_revision,
+                        adapter_name=extra.adapter_name, adapter_id=extra.adapter_id,
+                        cache_salt=extra.cache_salt, mm_hashes=list(extra.mm_hashes))
+
+
+def op_from_proto(msg: pb.Op, index: int) -> Op:
+    kind = msg.WhichOneof("kind")
+    where = f"ops[{index}].{kind}"
+    if kind == "decode_append":
+        body = msg.decode_append
+        seq_ids = list(body.seq_ids)
+        if "" in seq_ids:
+            raise BadField(f"{where}.seq_ids[{seq_ids.index('')}]", "must be a non-empty sequence id",
+                           op_index=index)
+        return DecodeAppend(seq_ids, list(body.token_ids))
+    if kind == "allocate":
+        body = msg.allocate
+        extra = extra_keys_from_proto(body.extra_keys) if body.HasField("extra_keys") else NO_EXTRA_KEYS
+        return Allocate(require_id(body.seq_id, f"{where}.seq_id", index), list(body.prompt_token_ids), extra)
+    if kind == "append":
+        return Append(require_id(msg.append.seq_id, f"{where}.seq_id", index), list(msg.append.token_ids))
+    if kind == "commit":
+        return Commit(require_id(msg.commit.seq_id, f"{where}.seq_id", index), msg.commit.num_tokens)
+    if kind == "fork":
+        return Fork(require_id(msg.fork.parent_seq_id, f"{where}.parent_seq_id", index),
+                    require_id(msg.fork.child_seq_id, f"{where}.child_seq_id", index))
+    if kind == "free":
+        return Free(require_id(msg.free.seq_id, f"{where}.seq_id", index))
+    raise BadField(f"ops[{index}]", f"no operation set; set exactly one of {_OP_KINDS}", op_index=index)
+
+
+def ops_from_proto(ops) -> list[Op]:
+    return [op_from_proto(op, i) for i, op in enumerate(ops)]
+
+
+def op_to_proto(op: Op) -> pb.Op:
+    if isinstance(op, DecodeAppend):
+        return pb.Op(decode_append=pb.DecodeAppendOp(seq_ids=op.seq_ids, token_ids=op.token_ids))
+    if isinstance(op, Allocate):
+        extra = None if op.extra_keys == NO_EXTRA_KEYS else extra_keys_to_proto(op.extra_keys)
+        return pb.Op(allocate=pb.AllocateOp(seq_id=op.seq_id, prompt_token_ids=op.prompt_token_ids,
+                                            extra_keys=extra))
+    if isinstance(op, Append):
+        return pb.Op(append=pb.AppendOp(seq_id=op.seq_id, token_ids=op.token_ids))
+    if isinstance(op, Commit):
+        return pb.Op(commit=pb.CommitOp(seq_id=op.seq_id, num_tokens=op.num_tokens))
+    if isinstance(op, Fork):
+        return pb.Op(fork=pb.ForkOp(parent_seq_id=op.parent_seq_id, child_seq_id=op.child_seq_id))
+    if isinstance(op, Free):
+        return pb.Op(free=pb.FreeOp(seq_id=op.seq_id))
+    raise TypeError(f"not a blockd operation: {type(op).__name__}")
+
+
+# --- step results -------------------------------------------------------------------
+def _copies_to_proto(copy_ops) -> list[pb.CopyOp]:
+    return [pb.CopyOp(src_block_id=src, dst_block_id=dst) for src, dst in copy_ops]
+
+
+def _copies_from_proto(msgs) -> tuple[tuple[int, int], ...]:
+    return tuple((c.src_block_id, c.dst_block_id) for c in msgs)
+
+
+def step_result_to_proto(result: StepResult) -> pb.StepResponse:
+    return pb.StepResponse(
+        version=result.version,
+        results=[pb.OpResult(seq_id=r.seq_id, num_tokens=r.num_tokens, num_cached_tokens=r.num_cached_tokens,
+                             new_block_ids=r.new_block_ids, copy_ops=_copies_to_proto(r.copy_ops),
+                             slot_start=r.slot_start, slot_mapping=r.slot_mapping)
+                 for r in result.results],
+        copy_ops=_copies_to_proto(result.copy_ops))
+
+
+def step_result_from_proto(msg: pb.StepResponse) -> StepResult:
+    results = tuple(
+        OpResult(r.seq_id, r.num_tokens, r.num_cached_tokens, tuple(r.new_block_ids),
+                 _copies_from_proto(r.copy_ops), r.slot_start, tuple(r.slot_mapping))
+        for r in msg.results)
+    return StepResult(msg.version, results, _copies_from_proto(msg.copy_ops))
+
+
+# --- tables, sequences, followers ----------------------------------------------------
+def tables_to_proto(tables: dict[str, list[int]]) -> list[pb.BlockTable]:
+    return [pb.BlockTable(seq_id=seq_id, block_ids=table) for seq_id, table in tables.items()]
+
+
+def tables_from_proto(msgs) -> dict[str, list[int]]:
+    return {t.seq_id: list(t.block_ids) for t in msgs}
+
+
+def sequence_to_proto(info: SequenceInfo) -> pb.GetSequenceResponse:
+    return pb.GetSequenceResponse(seq_id=info.seq_id, num_tokens=info.num_tokens,
+                                  num_committed=info.num_committed, block_ids=info.block_table)
+
+
+def sequence_from_proto(msg: pb.GetSequenceResponse) -> SequenceInfo:
+    return SequenceInfo(msg.seq_id, msg.num_tokens, msg.num_committed, list(msg.block_ids))
+
+
+def watch_item_to_proto(item: Snapshot | VersionDelta) -> pb.WatchResponse:
+    if isinstance(item, Snapshot):
+        return pb.WatchResponse(snapshot=pb.Snapshot(version=item.version, tables=tables_to_proto(item.tables)))
+    updates = [pb.TableUpdate(seq_id=u.seq_id, keep=u.keep, block_ids=u.block_ids, freed=u.freed)
+               for u in item.updates]
+    return pb.WatchResponse(delta=pb.VersionDelta(version=item.version, updates=updates,
+                                                  copy_ops=_copies_to_proto(item.copy_ops)))
+
+
+def watch_item_from_proto(msg: pb.WatchResponse) -> Snapshot | VersionDelta:
+    if msg.WhichOneof("kind") == "snapshot":
+        return Snapshot(msg.snapshot.version, tables_from_proto(msg.snapshot.tables))
+    delta = msg.delta
+    updates = tuple(TableUpdate(u.seq_id, u.keep, tuple(u.block_ids), u.freed) for u in delta.updates)
+    return VersionDelta(delta.version, updates, _copies_from_proto(delta.copy_ops))
+
+
+def event_to_proto(event: KVEvent) -> pb.KVEvent:
+    return pb.KVEvent(seq_no=event.seq_no, kind=_EVENT_KINDS[event.kind], block_hash=event.block_hash,
+                      parent_hash=event.parent_hash,
+                      block_id=event.block_id if event.block_id >= 0 else None,
+                      token_ids=event.token_ids)
+
+
+def event_from_proto(msg: pb.KVEvent) -> KVEvent:
+    return KVEvent(msg.seq_no, _EVENT_NAMES.get(msg.kind, "Unknown"), msg.block_hash, msg.parent_hash,
+                   msg.block_id if msg.HasField("block_id") else -1, tuple(msg.token_ids))
+
+
+# --- workers ---------------------------------------------------------------------------
+def worker_info_from_proto(msg: pb.WorkerInfo, field: str = "info") -> WorkerInfo:
+    require_id(msg.worker_id, f"{field}.worker_id")
+    require_id(msg.pool, f"{field}.pool")
+    return WorkerInfo(**{name: getattr(msg, name) for name in _WORKER_FIELDS})
+
+
+def worker_info_to_proto(info: WorkerInfo) -> pb.WorkerInfo:
+    return pb.WorkerInfo(**{name: getattr(info, name) for name in _WORKER_FIELDS})
+
+
+def worker_status_to_proto(status: WorkerStatus) -> pb.WorkerStatus:
+    return pb.WorkerStatus(info=worker_info_to_proto(status.info), is_up=status.is_up,
+                           last_heartbeat_age_s=status.last_heartbeat_age_s,
+                           applied_version=status.applied_version)
+
+
+def worker_status_from_proto(msg: pb.WorkerStatus) -> WorkerStatus:
+    info = WorkerInfo(**{name: getattr(msg.info, name) for name in _WORKER_FIELDS})
+    return WorkerStatus(info, msg.is_up, msg.last_heartbeat_age_s, msg.applied_version)

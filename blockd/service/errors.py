@@ -1,0 +1,164 @@
+"""The one way an RPC fails: core errors -> gRPC status with ``google.rpc`` details.
+
+Every servicer method is wrapped by :func:`unary` or :func:`server_stream`:
+
+* a :class:`~blockd.core.errors.BlockdError` leaves with the status its
+  ``code`` names, the error's message, and details:
+  ``google.rpc.ErrorInfo`` (domain ``blockd``, reason = the error class in
+  UPPER_SNAKE_CASE, metadata ``op_index`` for a failing batch operation,
+  ``rpc`` for the method) and, for INVALID_ARGUMENT, a ``google.rpc.BadRequest``
+  whose field violation names the offending field (``ops[3]``,
+  ``config.block_size``, ...);
+* anything else is a bug: it leaves as INTERNAL with an incident id, and the
+  traceback is logged under the same id. Nothing ever leaves as UNKNOWN.
+
+A request whose bytes do not parse is turned into INVALID_ARGUMENT here too:
+:func:`lenient_parser` returns a :class:`MalformedRequest` instead of raising
+(gRPC itself would answer INTERNAL), and the wrappers refuse it.
+Imports grpc, grpcio-status and the google.rpc protos; never the engine.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import re
+import uuid
+from collections.abc import Callable, Iterator
+
+import grpc
+from google.protobuf import any_pb2
+from google.protobuf.message import DecodeError, Message
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+from grpc_status import rpc_status
+
+from blockd.core.errors import BlockdError, InvalidArgument, InvariantViolation
+
+log = logging.getLogger("blockd.service")
+
+DOMAIN = "blockd"
+
+
+class BadField(InvalidArgument):
+    """A malformed request field found while converting a message; ``field`` is
+    its path (``ops[2].allocate.seq_id``) for the BadRequest detail."""
+
+    #: the ErrorInfo reason: the same as the core's InvalidArgument
+    reason = "INVALID_ARGUMENT"
+
+    def __init__(self, field: str, message: str, *, op_index: int | None = None) -> None:
+        super().__init__(f"{field}: {message}", op_index=op_index)
+        self.field = field
+        self.description = message
+
+
+class MalformedRequest(BadField):
+    """The request bytes are not a valid encoding of the method's message."""
+
+    reason = "MALFORMED_REQUEST"
+
+
+def lenient_parser(message_cls: type[Message]) -> Callable[[bytes], Message | MalformedRequest]:
+    """A request deserializer that returns :class:`MalformedRequest` instead of
+    raising, so the handler can answer INVALID_ARGUMENT rather than gRPC's
+    INTERNAL "Exception deserializing request!"."""
+    parse = message_cls.FromString
+    name = message_cls.DESCRIPTOR.full_name
+
+    def parser(data: bytes) -> Message | MalformedRequest:
+        try:
+            return parse(data)
+        except (DecodeError, ValueError, RuntimeError) as err:
+            return MalformedRequest("(request)", f"bytes do not parse as {name}: {err}")
+
+    return parser
+
+
+def _reason(err: BlockdError) -> str:
+    explicit = getattr(type(err), "reason", None)
+    if explicit is not None:
+        return explicit
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", type(err).__name__).upper()
+
+
+def blockd_status(err: BlockdError, rpc: str) -> grpc.Status:
+    """The status a core error leaves as (see the module docstring)."""
+    code = getattr(code_pb2, err.code, code_pb2.INTERNAL)
+    metadata = {"rpc": rpc}
+    if err.op_index is not None:
+        metadata["op_index"] = str(err.op_index)
+    details = [error_details_pb2.ErrorInfo(reason=_reason(err), domain=DOMAIN, metadata=metadata)]
+    if err.code == "INVALID_ARGUMENT":
+        field = getattr(err, "field", None)
+        if field is None and err.op_index is not None:
+            field = f"ops[{err.op_index}]"
+        description = getattr(err, "description", err.message)
+        violation = error_details_pb2.BadRequest.FieldViolation(field=field or "", description=description)
+        details.append(error_details_pb2.BadRequest(field_violations=[violation]))
+    return _status(code, err.message, details)
+
+
+def internal_status(rpc: str, err: BaseException) -> grpc.Status:
+    """INTERNAL for a bug; the traceback goes to the log under an incident id."""
+    incident = uuid.uuid4().hex[:12]
+    log.error("incident %s: %s failed unexpectedly", incident, rpc, exc_info=err)
+    message = (f"internal error in blockd while serving {rpc} (incident {incident}); "
+               "the request may be retried, and the daemon log has the details")
+    info = error_details_pb2.ErrorInfo(reason="INTERNAL", domain=DOMAIN,
+                                       metadata={"rpc": rpc, "incident": incident})
+    return _status(code_pb2.INTERNAL, message, [info])
+
+
+def _status(code: int, message: str, details: list[Message]) -> grpc.Status:
+    packed = []
+    for detail in details:
+        item = any_pb2.Any()
+        item.Pack(detail)
+        packed.append(item)
+    return rpc_status.to_status(status_pb2.Status(code=code, message=message, details=packed))
+
+
+def status_for(err: BaseException, rpc: str) -> grpc.Status:
+    """The status any exception raised while serving ``rpc`` leaves as."""
+    if isinstance(err, InvariantViolation):
+        log.error("invariant violated while serving %s", rpc, exc_info=err)
+        return blockd_status(err, rpc)
+    if isinstance(err, BlockdError):
+        return blockd_status(err, rpc)
+    return internal_status(rpc, err)
+
+
+def unary(method: Callable) -> Callable:
+    """Wrap a unary servicer method so every failure leaves through :func:`status_for`."""
+    rpc = method.__name__
+
+    @functools.wraps(method)
+    def handler(self, request, context: grpc.ServicerContext):
+        try:
+            if isinstance(request, MalformedRequest):
+                raise request
+            return method(self, request, context)
+        except Exception as err:  # noqa: BLE001 - the one place that classifies failures
+            status = status_for(err, rpc)
+        # abort raises, so it must run outside the try above
+        context.abort_with_status(status)
+
+    return handler
+
+
+def server_stream(method: Callable[..., Iterator]) -> Callable[..., Iterator]:
+    """Like :func:`unary`, for a servicer method that yields responses."""
+    rpc = method.__name__
+
+    @functools.wraps(method)
+    def handler(self, request, context: grpc.ServicerContext):
+        try:
+            if isinstance(request, MalformedRequest):
+                raise request
+            yield from method(self, request, context)
+            return
+        except Exception as err:  # noqa: BLE001 - the one place that classifies failures
+            status = status_for(err, rpc)
+        context.abort_with_status(status)
+
+    return handler

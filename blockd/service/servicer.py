@@ -1,0 +1,130 @@
+"""Thin gRPC adapters over :class:`blockd.engine.Engine`.
+
+Each method converts the request (:mod:`blockd.service.convert`), calls one
+engine method, and converts the result back; every failure leaves through
+:mod:`blockd.service.errors`. No allocation logic lives here.
+
+Streaming methods hand the engine a ``should_stop`` that turns true when the
+client goes away (``context.is_active()``) or the server begins shutting down,
+so a Watch or Events stream never outlives its reader by more than the
+engine's wait slice (0.25 s).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+
+import grpc
+
+from blockd.engine import Engine
+from blockd.service import convert
+from blockd.service.convert import require_id
+from blockd.service.errors import BadField, server_stream, unary
+from blockd.v1 import blockd_pb2 as pb
+from blockd.v1 import blockd_pb2_grpc as pb_grpc
+
+
+def _stopper(context: grpc.ServicerContext, shutdown: threading.Event) -> Callable[[], bool]:
+    return lambda: shutdown.is_set() or not context.is_active()
+
+
+class PoolServicer(pb_grpc.PoolServiceServicer):
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+
+    @unary
+    def CreatePool(self, request: pb.CreatePoolRequest, context) -> pb.CreatePoolResponse:
+        if not request.HasField("config"):
+            raise BadField("config", "is required: name, num_blocks and block_size at least")
+        config = convert.pool_config_from_proto(request.config)
+        stats = self._engine.create_pool(config, request.request_id)
+        return pb.CreatePoolResponse(stats=convert.stats_to_proto(stats))
+
+    @unary
+    def GetPool(self, request: pb.GetPoolRequest, context) -> pb.GetPoolResponse:
+        name = require_id(request.pool, "pool")
+        # both reads name the same pool; a delete in between shows as NOT_FOUND
+        config = self._engine.pool_config(name)
+        stats = self._engine.get_pool(name)
+        return pb.GetPoolResponse(config=convert.pool_config_to_proto(config),
+                                  stats=convert.stats_to_proto(stats))
+
+    @unary
+    def ListPools(self, request: pb.ListPoolsRequest, context) -> pb.ListPoolsResponse:
+        pools = sorted(self._engine.list_pools(), key=lambda s: s.name)
+        return pb.ListPoolsResponse(pools=[convert.stats_to_proto(s) for s in pools])
+
+    @unary
+    def DeletePool(self, request: pb.DeletePoolRequest, context) -> pb.DeletePoolResponse:
+        self._engine.delete_pool(require_id(request.pool, "pool"), request.request_id)
+        return pb.DeletePoolResponse()
+
+    @unary
+    def ResetPrefixCache(self, request: pb.ResetPrefixCacheRequest, context) -> pb.ResetPrefixCacheResponse:
+        self._engine.reset_prefix_cache(require_id(request.pool, "pool"), request.request_id)
+        return pb.ResetPrefixCacheResponse()
+
+
+class BlockServicer(pb_grpc.BlockServiceServicer):
+    def __init__(self, engine: Engine, shutdown: threading.Event) -> None:
+        self._engine = engine
+        self._shutdown = shutdown
+
+    @unary
+    def Step(self, request: pb.StepRequest, context) -> pb.StepResponse:
+        pool = require_id(request.pool, "pool")
+        result = self._engine.step(pool, convert.ops_from_proto(request.ops), request.request_id)
+        return convert.step_result_to_proto(result)
+
+    @unary
+    def GetTables(self, request: pb.GetTablesRequest, context) -> pb.GetTablesResponse:
+        version, tables = self._engine.get_tables(require_id(request.pool, "pool"), list(request.seq_ids))
+        return pb.GetTablesResponse(version=version, tables=convert.tables_to_proto(tables))
+
+    @unary
+    def GetSequence(self, request: pb.GetSequenceRequest, context) -> pb.GetSequenceResponse:
+        info = self._engine.sequence_info(require_id(request.pool, "pool"), require_id(request.seq_id, "seq_id"))
+        return convert.sequence_to_proto(info)
+
+    @server_stream
+    def Watch(self, request: pb.WatchRequest, context) -> Iterator[pb.WatchResponse]:
+        stream = self._engine.watch(require_id(request.pool, "pool"), request.from_version,
+                                    _stopper(context, self._shutdown))
+        for item in stream:
+            yield convert.watch_item_to_proto(item)
+
+    @server_stream
+    def Events(self, request: pb.EventsRequest, context) -> Iterator[pb.EventsResponse]:
+        stream = self._engine.events(require_id(request.pool, "pool"), request.from_seq_no,
+                                     _stopper(context, self._shutdown))
+        for event in stream:
+            yield pb.EventsResponse(event=convert.event_to_proto(event))
+
+    @unary
+    def LookupPrefix(self, request: pb.LookupPrefixRequest, context) -> pb.LookupPrefixResponse:
+        extra = convert.extra_keys_from_proto(request.extra_keys)
+        cached = self._engine.lookup_prefix(list(request.token_ids), extra, list(request.pools))
+        return pb.LookupPrefixResponse(num_cached_tokens=cached)
+
+
+class WorkerServicer(pb_grpc.WorkerServiceServicer):
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+
+    @unary
+    def RegisterWorker(self, request: pb.RegisterWorkerRequest, context) -> pb.RegisterWorkerResponse:
+        if not request.HasField("info"):
+            raise BadField("info", "is required: worker_id, pool and the shard's layer and head ranges")
+        status = self._engine.register_worker(convert.worker_info_from_proto(request.info))
+        return pb.RegisterWorkerResponse(status=convert.worker_status_to_proto(status))
+
+    @unary
+    def Heartbeat(self, request: pb.HeartbeatRequest, context) -> pb.HeartbeatResponse:
+        status = self._engine.heartbeat(require_id(request.worker_id, "worker_id"), request.applied_version)
+        return pb.HeartbeatResponse(status=convert.worker_status_to_proto(status))
+
+    @unary
+    def ListWorkers(self, request: pb.ListWorkersRequest, context) -> pb.ListWorkersResponse:
+        workers = self._engine.list_workers(request.pool or None)
+        return pb.ListWorkersResponse(workers=[convert.worker_status_to_proto(w) for w in workers])

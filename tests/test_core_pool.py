@@ -1,0 +1,280 @@
+"""Allocator behaviour with exact block ids, eviction order and errors."""
+
+import pytest
+
+from blockd.core import (
+    ALL_BLOCKS_CLEARED,
+    BLOCK_REMOVED,
+    BLOCK_STORED,
+    Allocate,
+    AlreadyExists,
+    Append,
+    Commit,
+    ExtraKeys,
+    Fork,
+    Free,
+    InvalidArgument,
+    NoRoom,
+    NotFound,
+    Pool,
+    PoolConfig,
+    SnapshotRequired,
+    WrongState,
+    check_invariants,
+)
+from blockd.core.types import DecodeAppend
+
+
+def make_pool(num_blocks=8, block_size=4, **kw) -> Pool:
+    return Pool(PoolConfig("p", num_blocks=num_blocks, block_size=block_size, **kw))
+
+
+def state(pool):
+    s = pool.stats()
+    return (pool.tables(), s.num_free_blocks, s.num_used_blocks, s.num_evictable_blocks, s.version,
+            s.num_tokens, s.tail_waste_slots, list(pool.blocks.lru), list(pool.blocks.free),
+            dict(pool.blocks.index), s.num_evictions, s.num_copies, s.prefix_hit_tokens)
+
+
+def test_allocate_gives_ascending_fresh_blocks_and_slots():
+    pool = make_pool()
+    r = pool.step([Allocate("a", list(range(10)))]).results[0]
+    assert r.new_block_ids == (0, 1, 2)
+    assert r.slot_mapping == tuple(range(10))
+    assert r.num_cached_tokens == 0
+    assert pool.block_table("a") == [0, 1, 2]
+    assert pool.stats().tail_waste_slots == 2
+    check_invariants(pool)
+
+
+def test_empty_sequence_has_no_blocks_and_no_waste():
+    pool = make_pool()
+    pool.step([Allocate("e", [])])
+    assert pool.block_table("e") == []
+    assert pool.stats().tail_waste_slots == 0
+    r = pool.step([Append("e", [7])]).results[0]
+    assert r.new_block_ids == (0,) and r.slot_mapping == (0,)
+    check_invariants(pool)
+
+
+def test_append_crosses_block_boundary_only_when_needed():
+    pool = make_pool()
+    pool.step([Allocate("a", [1, 2, 3])])
+    r = pool.step([Append("a", [4])]).results[0]
+    assert r.new_block_ids == () and r.slot_mapping == (3,)
+    r = pool.step([Append("a", [5, 6, 7, 8, 9, 10])]).results[0]
+    assert r.new_block_ids == (1, 2)
+    assert r.slot_mapping == (4, 5, 6, 7, 8, 9)
+    assert pool.block_table("a") == [0, 1, 2]
+
+
+def test_fork_shares_and_append_copies_on_write():
+    pool = make_pool()
+    pool.step([Allocate("a", list(range(6)))])  # blocks 0, 1 (block 1 half full)
+    pool.step([Fork("a", "b")])
+    assert pool.block_table("b") == [0, 1]
+    assert pool.blocks.ref[0] == 2 and pool.blocks.ref[1] == 2
+    step = pool.step([Append("a", [99])])
+    r = step.results[0]
+    assert r.copy_ops == ((1, 2),) and step.copy_ops == ((1, 2),)
+    assert pool.block_table("a") == [0, 2] and pool.block_table("b") == [0, 1]
+    assert r.slot_mapping == (2 * 4 + 2,)
+    assert pool.stats().num_copies == 1
+    # b now owns block 1 alone: no copy
+    r = pool.step([Append("b", [42])]).results[0]
+    assert r.copy_ops == () and r.slot_mapping == (1 * 4 + 2,)
+    check_invariants(pool)
+
+
+def test_fork_of_full_last_block_needs_no_copy():
+    pool = make_pool()
+    pool.step([Allocate("a", list(range(8))), Fork("a", "b")])
+    r = pool.step([Append("a", [1])]).results[0]
+    assert r.copy_ops == () and r.new_block_ids == (2,)
+    assert pool.block_table("b") == [0, 1]
+
+
+def test_prefix_reuse_needs_committed_blocks_and_leaves_last_token():
+    pool = make_pool(num_blocks=16)
+    prompt = list(range(12))
+    pool.step([Allocate("a", prompt)])
+    # nothing committed yet: no hit, the KV is not written
+    r = pool.step([Allocate("b", prompt)]).results[0]
+    assert r.num_cached_tokens == 0
+    pool.step([Commit("a", 12)])
+    r = pool.step([Allocate("c", prompt)]).results[0]
+    # a full hit still leaves the last token (block 2) to compute
+    assert r.num_cached_tokens == 8
+    assert pool.block_table("c")[:2] == [0, 1]
+    assert r.slot_start == 8 and len(r.slot_mapping) == 4
+    assert pool.lookup_prefix(prompt) == 12
+    stats = pool.stats()
+    assert stats.prefix_queried_tokens == 36 and stats.prefix_hit_tokens == 8
+    check_invariants(pool)
+
+
+def test_extra_keys_never_share():
+    pool = make_pool(num_blocks=16)
+    prompt = list(range(9))
+    pool.step([Allocate("a", prompt, ExtraKeys(model_id="m", adapter_name="lora1", adapter_id=1)),
+               Commit("a", 9)])
+    for extra in (ExtraKeys(model_id="m"), ExtraKeys(model_id="m", adapter_name="lora2", adapter_id=2),
+                  ExtraKeys(model_id="m", adapter_name="lora1", adapter_id=1, cache_salt="tenant-b"),
+                  ExtraKeys(model_id="m", adapter_name="lora1", adapter_id=1, mm_hashes=("img",))):
+        assert pool.lookup_prefix(prompt, extra) == 0
+    same = ExtraKeys(model_id="m", adapter_name="lora1", adapter_id=1)
+    assert pool.lookup_prefix(prompt, same) == 8
+
+
+def test_eviction_is_lru_and_a_freed_sequence_loses_its_tail_first():
+    pool = make_pool(num_blocks=6)
+    pool.step([Allocate("a", list(range(12))), Commit("a", 12)])  # blocks 0,1,2 hashed
+    pool.step([Allocate("b", list(range(100, 108))), Commit("b", 8)])  # blocks 3,4 hashed
+    pool.step([Free("a")])
+    pool.step([Free("b")])
+    assert list(pool.blocks.lru) == [2, 1, 0, 4, 3]
+    events = pool.take_events()
+    assert [e.kind for e in events] == [BLOCK_STORED] * 5
+    # 1 fresh block left (5); then evictions in LRU order: 2, then 1
+    r = pool.step([Allocate("c", list(range(200, 212)))]).results[0]
+    assert r.new_block_ids == (5, 2, 1)
+    assert pool.stats().num_evictions == 2
+    removed = [(e.kind, e.block_id) for e in pool.take_events()]
+    assert removed == [(BLOCK_REMOVED, 2), (BLOCK_REMOVED, 1)]
+    # a's head block 0 is still cached: hit revives it from the middle of the LRU
+    # and its second block comes from evicting the next LRU block, 4
+    r = pool.step([Allocate("d", list(range(5)))]).results[0]
+    assert r.num_cached_tokens == 4 and pool.block_table("d") == [0, 4]
+    assert list(pool.blocks.lru) == [3]
+    check_invariants(pool)
+
+
+def test_watermark_refuses_admission_but_allows_append():
+    pool = make_pool(num_blocks=4, watermark_blocks=1)
+    pool.step([Allocate("a", list(range(8)))])
+    assert pool.can_allocate(list(range(4)))
+    pool.step([Allocate("b", list(range(4)))])
+    assert not pool.can_allocate([1])
+    with pytest.raises(NoRoom) as err:
+        pool.step([Allocate("c", [1])])
+    assert "reserve" in str(err.value) and err.value.code == "RESOURCE_EXHAUSTED"
+    assert pool.can_append("a", 1)
+    pool.step([Append("a", [1])])
+    assert not pool.can_append("a", 4)
+    with pytest.raises(NoRoom):
+        pool.step([Append("a", [1, 2, 3, 4])])
+
+
+def test_can_queries_change_nothing():
+    pool = make_pool()
+    pool.step([Allocate("a", list(range(9))), Commit("a", 9)])
+    before = state(pool)
+    pool.can_allocate(list(range(9)))
+    pool.can_append("a", 3)
+    pool.lookup_prefix(list(range(9)))
+    assert state(pool) == before
+
+
+def test_failed_batch_leaves_no_trace_and_names_the_op():
+    pool = make_pool(num_blocks=6)
+    pool.step([Allocate("a", list(range(6))), Commit("a", 6), Fork("a", "b")])
+    pool.step([Allocate("x", list(range(50, 54))), Commit("x", 4), Free("x")])  # block 2 evictable
+    pool.take_events()
+    before = state(pool)
+    with pytest.raises(NoRoom) as err:
+        # CoW, an eviction, a new sequence... then one op too many
+        pool.step([Append("a", [1]), Allocate("c", list(range(60, 68))), Free("b"),
+                   Append("c", list(range(12)))])
+    assert err.value.op_index == 3 and "operation 3 (append 'c')" in str(err.value)
+    assert state(pool) == before
+    assert pool.take_events() == []
+    check_invariants(pool)
+    with pytest.raises(NotFound) as err:
+        pool.step([Free("a"), Free("a")])
+    assert err.value.op_index == 1
+    assert state(pool) == before
+
+
+@pytest.mark.parametrize("op, exc", [
+    (Allocate("", [1]), InvalidArgument),
+    (Allocate("a", [-1]), InvalidArgument),
+    (Allocate("a", [2**32]), InvalidArgument),
+    (Allocate("a", "abc"), InvalidArgument),
+    (Allocate("s", [1]), AlreadyExists),
+    (Append("nope", [1]), NotFound),
+    (Append("s", [1.5]), InvalidArgument),
+    (Commit("s", 5), InvalidArgument),
+    (Commit("s", -1), InvalidArgument),
+    (Fork("s", "s"), AlreadyExists),
+    (Fork("nope", "t"), NotFound),
+    (Free("nope"), NotFound),
+    (DecodeAppend(["s"], [1, 2]), InvalidArgument),
+    (DecodeAppend(["nope"], [1]), NotFound),
+])
+def test_bad_input_is_refused_without_change(op, exc):
+    pool = make_pool()
+    pool.step([Allocate("s", [1, 2, 3])])
+    before = state(pool)
+    with pytest.raises(exc) as err:
+        pool.step([op])
+    assert err.value.message
+    assert state(pool) == before
+
+
+def test_bad_configs_are_refused():
+    for kw in ({"block_size": 0}, {"block_size": -4}, {"num_blocks": 0}, {"watermark_blocks": 99},
+               {"dtype": "float64"}, {"name": ""}):
+        args = {"name": "p", "num_blocks": 8, "block_size": 4, **kw}
+        with pytest.raises(InvalidArgument):
+            Pool(PoolConfig(**args))
+
+
+def test_decode_append_matches_single_appends():
+    a, b = make_pool(num_blocks=32), make_pool(num_blocks=32)
+    for pool in (a, b):
+        pool.step([Allocate("x", list(range(7))), Allocate("y", list(range(4))), Fork("x", "z")])
+    for step in range(6):
+        ra = a.step([DecodeAppend(["x", "y", "z"], [step, step + 1, step + 2])]).results[0]
+        rb = b.step([Append("x", [step]), Append("y", [step + 1]), Append("z", [step + 2])]).results
+        assert ra.slot_mapping == tuple(r.slot_mapping[0] for r in rb)
+        assert ra.copy_ops == tuple(c for r in rb for c in r.copy_ops)
+        assert state(a) == state(b)
+        check_invariants(a)
+
+
+def test_versions_and_deltas_replay_to_the_same_tables():
+    pool = make_pool(num_blocks=16, max_retained_versions=4)
+    replica: dict[str, list[int]] = {}
+    seen = 0
+    steps = [[Allocate("a", list(range(6)))], [Fork("a", "b")], [Append("a", [1, 2, 3])],
+             [Free("b"), Allocate("c", [1])], [Commit("a", 9)]]
+    for ops in steps:
+        pool.step(ops)
+        for delta in pool.deltas_since(seen):
+            for update in delta.updates:
+                if update.freed:
+                    del replica[update.seq_id]
+                else:
+                    replica[update.seq_id] = replica.get(update.seq_id, [])[: update.keep] + list(update.block_ids)
+            seen = delta.version
+        assert replica == pool.tables()
+    assert pool.version == 5
+    assert pool.deltas_since(5) == []
+    with pytest.raises(SnapshotRequired):
+        pool.deltas_since(0)
+    with pytest.raises(WrongState):
+        pool.deltas_since(6)
+    assert [d.version for d in pool.deltas_since(1)] == [2, 3, 4, 5]
+
+
+def test_events_are_numbered_and_reset_clears_cache():
+    pool = make_pool()
+    pool.step([Allocate("a", list(range(8))), Commit("a", 8)])
+    pool.step([Free("a")])
+    pool.reset_prefix_cache()
+    events = pool.take_events()
+    assert [e.seq_no for e in events] == [1, 2, 3]
+    assert [e.kind for e in events] == [BLOCK_STORED, BLOCK_STORED, ALL_BLOCKS_CLEARED]
+    assert events[1].parent_hash == events[0].block_hash
+    assert pool.stats().num_evictable_blocks == 0 and pool.lookup_prefix(list(range(8))) == 0
+    check_invariants(pool)

@@ -1,0 +1,229 @@
+"""Hypothesis throws malformed, out-of-range and random requests at a running
+daemon - raw protobuf messages and raw bytes, including what the SDK would
+never send - and checks that:
+
+* no call ends UNKNOWN or INTERNAL (only OK or a caller-error status);
+* the daemon keeps serving (health SERVING, ListPools answers);
+* ``check_invariants`` holds on every pool of the daemon's engine;
+* the state equals what the accepted requests alone produce: they are
+  replayed, in order, on a fresh Engine and tables and stats compared.
+
+One daemon serves the whole module; each example works on its own pool names
+and request ids so examples do not see each other.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from blockd.engine import Engine
+from blockd.service import convert
+from blockd.service.server import BlockdServer
+from blockd.v1 import blockd_pb2 as pb
+from blockd.v1 import blockd_pb2_grpc as pb_grpc
+
+ALLOWED = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.ALREADY_EXISTS,
+           grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.FAILED_PRECONDITION}
+POOLS = 4  # symbols 0, 1: this example's pools; 2: a pool nobody creates; 3: the empty name
+_example = itertools.count()
+
+# --- strategies: symbolic requests, bound to real names when run ---------------------
+u32 = st.one_of(st.integers(0, 40), st.sampled_from([2**31 - 1, 2**32 - 1]))
+u64 = st.one_of(st.integers(0, 40), st.sampled_from([2**32, 2**63 - 1, 2**64 - 1]))
+token = st.one_of(st.integers(0, 3), st.just(2**32 - 1))
+tokens = st.lists(token, max_size=12)
+seq_id = st.sampled_from(["s0", "s1", "s2", "", "x" * 300, "tab\tid", "\u00e9t\u00e9"])
+pool_sym = st.integers(0, POOLS - 1)
+rid_sym = st.one_of(st.none(), st.integers(0, 2))
+
+extra_keys = st.builds(pb.ExtraKeys, model_id=st.sampled_from(["", "m"]), adapter_id=st.sampled_from([0, -1]),
+                       mm_hashes=st.lists(st.sampled_from(["h", "y" * 2000]), max_size=1))
+op = st.one_of(
+    st.builds(lambda s, t, e: pb.Op(allocate=pb.AllocateOp(seq_id=s, prompt_token_ids=t, extra_keys=e)),
+              seq_id, tokens, st.one_of(st.none(), extra_keys)),
+    st.builds(lambda s, t: pb.Op(append=pb.AppendOp(seq_id=s, token_ids=t)), seq_id, tokens),
+    st.builds(lambda s, t: pb.Op(decode_append=pb.DecodeAppendOp(seq_ids=s, token_ids=t)),
+              st.lists(seq_id, max_size=4), st.lists(token, max_size=4)),
+    st.builds(lambda s, n: pb.Op(commit=pb.CommitOp(seq_id=s, num_tokens=n)), seq_id, u64),
+    st.builds(lambda a, b: pb.Op(fork=pb.ForkOp(parent_seq_id=a, child_seq_id=b)), seq_id, seq_id),
+    st.builds(lambda s: pb.Op(free=pb.FreeOp(seq_id=s)), seq_id),
+    st.just(pb.Op()),
+)
+config = st.fixed_dictionaries(
+    {"num_blocks": st.one_of(st.integers(0, 24), u32), "block_size": st.one_of(st.integers(0, 4), u32),
+     "watermark_blocks": st.integers(0, 30)},
+    optional={"num_layers": u32, "num_kv_heads": u32, "head_dim": u32,
+              "dtype": st.sampled_from(["float16", "int8", "float13", ""]),
+              "max_retained_versions": st.one_of(st.integers(0, 4), u32)})
+
+
+def _request(kind: str, body):
+    return st.tuples(st.just(kind), body)
+
+
+request = st.one_of(
+    _request("CreatePool", st.tuples(pool_sym, st.one_of(st.none(), config), rid_sym)),
+    _request("Step", st.tuples(pool_sym, st.lists(op, max_size=4), rid_sym)),
+    _request("Step", st.tuples(pool_sym, st.lists(op, max_size=4), rid_sym)),
+    _request("Step", st.tuples(pool_sym, st.lists(op, max_size=4), rid_sym)),
+    _request("DeletePool", st.tuples(pool_sym, rid_sym)),
+    _request("ResetPrefixCache", st.tuples(pool_sym, rid_sym)),
+    _request("GetPool", st.tuples(pool_sym)),
+    _request("GetTables", st.tuples(pool_sym, st.lists(seq_id, max_size=3))),
+    _request("GetSequence", st.tuples(pool_sym, seq_id)),
+    _request("LookupPrefix", st.tuples(st.lists(pool_sym, max_size=2), tokens, st.one_of(st.none(), extra_keys))),
+    _request("RegisterWorker", st.tuples(pool_sym, seq_id, u32, u32, u32, u32, u64)),
+    _request("Heartbeat", st.tuples(seq_id, u64)),
+    _request("ListWorkers", st.tuples(pool_sym)),
+    _request("Raw", st.tuples(st.sampled_from(["Step", "CreatePool", "GetTables", "LookupPrefix"]),
+                              st.binary(max_size=40))),
+)
+
+# --- running them --------------------------------------------------------------------------
+_SERVICE = {"CreatePool": "PoolService", "DeletePool": "PoolService", "ResetPrefixCache": "PoolService",
+            "GetPool": "PoolService", "RegisterWorker": "WorkerService", "Heartbeat": "WorkerService",
+            "ListWorkers": "WorkerService"}
+
+
+class Run:
+    """One example: binds symbols to names and records the accepted mutations."""
+
+    def __init__(self, channel: grpc.Channel) -> None:
+        n = next(_example)
+        self.pools = [f"f{n}a", f"f{n}b", f"f{n}-missing", ""]
+        self.rids = [f"f{n}-r{i}" for i in range(3)]
+        self.channel = channel
+        self.accepted: list[tuple[str, object]] = []
+
+    def rid(self, sym: int | None) -> str:
+        return "" if sym is None else self.rids[sym]
+
+    def message(self, kind: str, body: tuple):
+        if kind == "CreatePool":
+            pool, cfg, rid = body
+            conf = None if cfg is None else pb.PoolConfig(name=self.pools[pool], **cfg)
+            return pb.CreatePoolRequest(config=conf, request_id=self.rid(rid))
+        if kind == "Step":
+            return pb.StepRequest(pool=self.pools[body[0]], ops=body[1], request_id=self.rid(body[2]))
+        if kind in ("DeletePool", "ResetPrefixCache"):
+            cls = pb.DeletePoolRequest if kind == "DeletePool" else pb.ResetPrefixCacheRequest
+            return cls(pool=self.pools[body[0]], request_id=self.rid(body[1]))
+        if kind == "GetPool":
+            return pb.GetPoolRequest(pool=self.pools[body[0]])
+        if kind == "GetTables":
+            return pb.GetTablesRequest(pool=self.pools[body[0]], seq_ids=body[1])
+        if kind == "GetSequence":
+            return pb.GetSequenceRequest(pool=self.pools[body[0]], seq_id=body[1])
+        if kind == "LookupPrefix":
+            return pb.LookupPrefixRequest(pools=[self.pools[p] for p in body[0]], token_ids=body[1],
+                                          extra_keys=body[2])
+        if kind == "RegisterWorker":
+            pool, worker, *ranges, size = body
+            info = pb.WorkerInfo(worker_id=worker, pool=self.pools[pool], layer_start=ranges[0],
+                                 layer_end=ranges[1], kv_head_start=ranges[2], kv_head_end=ranges[3],
+                                 pool_bytes=size)
+            return pb.RegisterWorkerRequest(info=info)
+        if kind == "Heartbeat":
+            return pb.HeartbeatRequest(worker_id=body[0], applied_version=body[1])
+        return pb.ListWorkersRequest(pool=self.pools[body[0]])
+
+    def send(self, kind: str, body: tuple) -> None:
+        if kind == "Raw":
+            method, data = body
+            service = _SERVICE.get(method, "BlockService")
+            call, payload = self.channel.unary_unary(f"/blockd.v1.{service}/{method}"), data
+        else:
+            service = _SERVICE.get(kind, "BlockService")
+            call = self.channel.unary_unary(f"/blockd.v1.{service}/{kind}",
+                                            response_deserializer=lambda b: b)
+            payload = self.message(kind, body).SerializeToString()
+        try:
+            call(payload, timeout=10)
+        except grpc.RpcError as err:
+            assert err.code() in ALLOWED, f"{kind} {body!r} -> {err.code()}: {err.details()}"
+            return
+        if kind in ("CreatePool", "Step", "DeletePool", "ResetPrefixCache"):
+            self.accepted.append((kind, self.message(kind, body)))
+
+
+def replay(accepted: list[tuple[str, object]]) -> Engine:
+    """The accepted mutations alone, applied in order to a fresh engine."""
+    engine = Engine()
+    for kind, msg in accepted:
+        if kind == "CreatePool":
+            engine.create_pool(convert.pool_config_from_proto(msg.config), msg.request_id)
+        elif kind == "Step":
+            engine.step(msg.pool, convert.ops_from_proto(msg.ops), msg.request_id)
+        elif kind == "DeletePool":
+            engine.delete_pool(msg.pool, msg.request_id)
+        else:
+            engine.reset_prefix_cache(msg.pool, msg.request_id)
+    return engine
+
+
+def observe(engine: Engine, names: list[str]) -> dict:
+    state = {}
+    for name in names:
+        try:
+            state[name] = (engine.get_pool(name), engine.get_tables(name, []))
+        except Exception as err:  # noqa: BLE001 - absence is part of the observed state
+            state[name] = type(err).__name__
+    return state
+
+
+@pytest.fixture(scope="module")
+def daemon():
+    server = BlockdServer(Engine(), "127.0.0.1:0", max_workers=8)
+    server.start()
+    channel = grpc.insecure_channel(server.address)
+    yield server, channel
+    channel.close()
+    server.stop(0.5)
+
+
+@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                  HealthCheck.function_scoped_fixture])
+@given(requests=st.lists(request, min_size=1, max_size=16))
+def test_random_requests_never_break_the_daemon(daemon, requests) -> None:
+    server, channel = daemon
+    run = Run(channel)
+    for kind, body in requests:
+        run.send(kind, body)
+    server.engine.check_invariants()
+    names = run.pools[:3]
+    assert observe(server.engine, names) == observe(replay(run.accepted), names)
+
+
+def test_daemon_still_serving_after_fuzzing(daemon) -> None:
+    server, channel = daemon
+    reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+    assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    pb_grpc.PoolServiceStub(channel).ListPools(pb.ListPoolsRequest(), timeout=5)
+    server.engine.check_invariants()
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(stream=st.sampled_from(["Watch", "Events"]), pool=pool_sym, start=u64, steps=st.integers(0, 3))
+def test_random_stream_requests(daemon, stream, pool, start, steps) -> None:
+    server, channel = daemon
+    run = Run(channel)
+    if pool == 0:
+        run.send("CreatePool", (0, {"num_blocks": 8, "block_size": 2, "watermark_blocks": 0}, None))
+        for i in range(steps):
+            op = pb.Op(allocate=pb.AllocateOp(seq_id=f"s{i}", prompt_token_ids=[1, 2, 3]))
+            run.send("Step", (0, [op, pb.Op(commit=pb.CommitOp(seq_id=f"s{i}", num_tokens=3))], None))
+    request = (pb.WatchRequest(pool=run.pools[pool], from_version=start) if stream == "Watch"
+               else pb.EventsRequest(pool=run.pools[pool], from_seq_no=start))
+    call = channel.unary_stream(f"/blockd.v1.BlockService/{stream}", response_deserializer=lambda b: b)
+    try:
+        for _ in call(request.SerializeToString(), timeout=0.3):
+            pass
+    except grpc.RpcError as err:
+        assert err.code() in ALLOWED | {grpc.StatusCode.DEADLINE_EXCEEDED}, err.details()
+    server.engine.check_invariants()

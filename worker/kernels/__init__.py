@@ -1,0 +1,24 @@
+"""The worker's data-plane kernels, in vectorised torch (CPU, or CUDA when present).
+
+* :func:`write_kv`, :func:`copy_blocks` (:mod:`.cache_ops`): writes into the pool.
+* :class:`PagedAttention` (:mod:`.attention`), planned by :mod:`.plan`: paged
+  decode, prefill/extend and mixed-batch attention, grouped-query included;
+  :func:`paged_decode_attention` / :func:`paged_prefill_attention` plan and run once.
+* :func:`select_device` (:mod:`.device`).
+
+The pool layout they all read is documented once, in :mod:`worker.layout`.
+"""
+
+from worker.kernels.attention import PagedAttention, paged_decode_attention, paged_prefill_attention
+from worker.kernels.cache_ops import copy_blocks, write_kv
+from worker.kernels.device import default_tile_bytes, select_device
+
+__all__ = [
+    "PagedAttention",
+    "copy_blocks",
+    "default_tile_bytes",
+    "paged_decode_attention",
+    "paged_prefill_attention",
+    "select_device",
+    "write_kv",
+]

@@ -1,0 +1,238 @@
+"""Paged attention over a pool layer: decode, prefill/extend and mixed batches.
+
+After FlashInfer's wrappers: :meth:`PagedAttention.plan` does the host-side
+work once per batch (validation, tiling, gather and mask indices, workspace
+sizing; see :mod:`worker.kernels.plan`), and :meth:`PagedAttention.run` is
+called once per layer on the caller's query and the pool's layer tensor.
+
+How a tile runs (all on buffers owned by the wrapper, grown only at plan
+time, so a run allocates nothing proportional to the context)::
+
+    K tile  <- index_select(as_rows(kv_layer[0]), kv_rows)     [pairs, T, D]
+    scores  <- bmm(q * scale, K^T)                            [pairs, m*g, T]  float32
+    scores  += bias (causal / padding), softmax in place      float32
+    V tile  <- index_select(as_rows(kv_layer[1]), kv_rows)     [pairs, T, D]
+    out     <- bmm(scores, V)                                  [pairs, m*g, D]
+
+One ``index_select`` per tile and tensor reads the scattered blocks into a
+cache-sized buffer that the following matmul reads back from cache, so on a
+CPU the paged kernel reads each K/V byte from memory about once, like
+attention over contiguous K/V does (bench/attention.py measures the ratio).
+Low-precision pools (bf16, fp16) are widened to float32 tile by tile: logits,
+softmax and the weighted sum are all float32, and only the output is
+rounded back to the query's dtype.
+
+The same code runs on CUDA tensors (with larger tiles); imports torch and the
+worker's layout and plan modules only.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from worker.kernels.device import default_tile_bytes, select_device
+from worker.kernels.plan import AttentionPlan, Tile, build_plan
+from worker.layout import as_rows
+
+__all__ = ["PagedAttention", "paged_decode_attention", "paged_prefill_attention"]
+
+_COMPUTE_DTYPE = torch.float32
+_softmax_out = torch.ops.aten._softmax.out  # in place (out=input) is safe: rows are read before written
+
+
+class _Workspace:
+    """Grow-only flat buffers, one per (name, dtype); slices of them back every tile."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._buffers: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+
+    def reserve(self, name: str, numel: int, dtype: torch.dtype) -> None:
+        buf = self._buffers.get((name, dtype))
+        if buf is None or buf.numel() < numel:
+            self._buffers[(name, dtype)] = torch.empty(max(numel, 1), dtype=dtype, device=self.device)
+
+    def take(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return self._buffers[(name, dtype)][:numel]
+
+
+class PagedAttention:
+    """Attention of query tokens against their sequences' paged K/V, one layer per :meth:`run`.
+
+    Handles decode (one query token per sequence), prefill and chunked
+    prefill / prefix-cache hits (several new tokens, causal over cached + new
+    tokens) and mixed batches of both, with grouped- and multi-query attention
+    (``num_q_heads`` a multiple of ``num_kv_heads``).
+    """
+
+    def __init__(self, device: torch.device | str | None = None, tile_bytes: int | None = None) -> None:
+        self.device = select_device(device)
+        self.tile_bytes = tile_bytes if tile_bytes is not None else default_tile_bytes(self.device)
+        self._workspace = _Workspace(self.device)
+        self._plan: AttentionPlan | None = None
+
+    @property
+    def plan_info(self) -> AttentionPlan:
+        """The current plan (tiles and index tensors), for inspection and tests."""
+        if self._plan is None:
+            raise ValueError("PagedAttention.run/plan_info called before plan()")
+        return self._plan
+
+    def plan(self, block_tables: torch.Tensor, context_lens: torch.Tensor,
+             query_start_loc: torch.Tensor | None = None, *, num_q_heads: int, num_kv_heads: int,
+             head_dim: int, block_size: int, kv_dtype: torch.dtype, scale: float | None = None) -> None:
+        """Plan one batch; valid for every layer until the next ``plan``.
+
+        * ``block_tables``: int32/int64 ``[batch, max_blocks]``, physical block
+          ids in logical order; entries past a sequence's blocks are ignored.
+        * ``context_lens``: int32/int64 ``[batch]``, cached + new tokens per sequence.
+        * ``query_start_loc``: int32/int64 ``[batch + 1]``, sequence ``i``'s query
+          tokens are rows ``query_start_loc[i] : query_start_loc[i + 1]`` of the
+          query and are the *last* tokens of its context. ``None`` = decode
+          (one query token per sequence).
+        * ``scale``: logit scale, default ``head_dim ** -0.5``.
+
+        Raises ``ValueError`` naming the offending sequence for an inconsistent batch.
+        """
+        plan = build_plan(block_tables, context_lens, query_start_loc, num_q_heads=num_q_heads,
+                          num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size,
+                          kv_dtype=kv_dtype, scale=scale, device=self.device, tile_bytes=self.tile_bytes)
+        ws, rows = self._workspace, plan.total_q * num_q_heads * head_dim
+        ws.reserve("k", plan.max_kv_elems, kv_dtype)
+        ws.reserve("v", plan.max_kv_elems, kv_dtype)
+        ws.reserve("scores", plan.max_score_elems, _COMPUTE_DTYPE)
+        ws.reserve("q", rows, _COMPUTE_DTYPE)
+        ws.reserve("o", rows, _COMPUTE_DTYPE)
+        if kv_dtype != _COMPUTE_DTYPE:  # widened copies of the K/V tile, and of q/out
+            ws.reserve("k_wide", plan.max_kv_elems, _COMPUTE_DTYPE)
+            ws.reserve("v_wide", plan.max_kv_elems, _COMPUTE_DTYPE)
+            ws.reserve("q_native", rows, kv_dtype)
+        self._plan = plan
+
+    def run(self, query: torch.Tensor, kv_layer: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention output for one layer.
+
+        * ``query``: ``[total_q, num_q_heads, head_dim]``, the pool's dtype (fp32/bf16/fp16).
+        * ``kv_layer``: ``[2, num_blocks, num_kv_heads, block_size, head_dim]``,
+          contiguous (``pool[layer]`` of :mod:`worker.layout`).
+        * ``out``: optional contiguous ``[total_q, num_q_heads, head_dim]`` of ``query.dtype``.
+
+        Returns ``out`` (or a new tensor): ``[total_q, num_q_heads, head_dim]``, ``query.dtype``.
+        """
+        plan = self.plan_info
+        self._check_run(plan, query, kv_layer, out)
+        if out is None:
+            out = torch.empty_like(query)
+        if plan.total_q == 0:
+            return out
+        ws, group_width = self._workspace, plan.group_size * plan.head_dim
+        rows = plan.total_q * plan.num_kv_heads
+        q = self._gather_queries(plan, query, rows * group_width)
+        o = ws.take("o", rows * group_width, _COMPUTE_DTYPE)
+        k_rows, v_rows = as_rows(kv_layer[0]), as_rows(kv_layer[1])
+        for tile in plan.tiles:
+            self._run_tile(plan, tile, q, o, k_rows, v_rows)
+        # Tile order back to token order, straight into the caller's buffer.
+        out_rows = out.view(rows, group_width)
+        if out.dtype == _COMPUTE_DTYPE:
+            torch.index_select(o.view(rows, group_width), 0, plan.inverse_q_rows, out=out_rows)
+        else:
+            native = ws.take("q_native", rows * group_width, out.dtype).view(rows, group_width)
+            native.copy_(o.view(rows, group_width))
+            torch.index_select(native, 0, plan.inverse_q_rows, out=out_rows)
+        return out
+
+    def _gather_queries(self, plan: AttentionPlan, query: torch.Tensor, numel: int) -> torch.Tensor:
+        """Scaled float32 queries in tile order: ``[total_q * Hkv * g * D]`` (flat)."""
+        ws, width = self._workspace, plan.group_size * plan.head_dim
+        q_rows_view = query.reshape(-1, width)  # row = token * Hkv + kv_head
+        q = ws.take("q", numel, _COMPUTE_DTYPE)
+        if query.dtype == _COMPUTE_DTYPE:
+            torch.index_select(q_rows_view, 0, plan.q_rows, out=q.view(-1, width))
+        else:
+            native = ws.take("q_native", numel, query.dtype)
+            torch.index_select(q_rows_view, 0, plan.q_rows, out=native.view(-1, width))
+            q.copy_(native)
+        return q.mul_(plan.scale)
+
+    def _run_tile(self, plan: AttentionPlan, tile: Tile, q: torch.Tensor, o: torch.Tensor,
+                  k_rows: torch.Tensor, v_rows: torch.Tensor) -> None:
+        """One tile: gather K, scores, mask, softmax, gather V, weighted sum into ``o``."""
+        pairs, keys, d = tile.num_pairs, tile.num_blocks * plan.block_size, plan.head_dim
+        q_height = tile.q_rows * plan.group_size
+        idx = plan.kv_rows[tile.kv_offset: tile.kv_offset + pairs * tile.num_blocks]
+        q_off = tile.q_offset * plan.group_size * d
+        q_tile = q[q_off: q_off + pairs * q_height * d].view(pairs, q_height, d)
+        o_tile = o[q_off: q_off + pairs * q_height * d].view(pairs, q_height, d)
+        scores = self._workspace.take("scores", pairs * q_height * keys, _COMPUTE_DTYPE)
+        scores = scores.view(pairs, q_height, keys)
+        torch.bmm(q_tile, self._gather(k_rows, idx, "k", pairs, keys, d).transpose(1, 2), out=scores)
+        if tile.bias_offset >= 0:
+            n_seq, m = tile.num_seqs, tile.q_rows
+            bias = plan.bias[tile.bias_offset: tile.bias_offset + n_seq * m * keys]
+            scores.view(n_seq, tile.num_heads, m, plan.group_size, keys).add_(bias.view(n_seq, 1, m, 1, keys))
+        _softmax_out(scores, -1, False, out=scores)
+        torch.bmm(scores, self._gather(v_rows, idx, "v", pairs, keys, d), out=o_tile)
+
+    def _gather(self, src_rows: torch.Tensor, idx: torch.Tensor, name: str, pairs: int, keys: int,
+                head_dim: int) -> torch.Tensor:
+        """Rows ``idx`` of a layer half into the tile buffer, widened to float32: ``[pairs, keys, D]``."""
+        numel = pairs * keys * head_dim
+        native = self._workspace.take(name, numel, src_rows.dtype)
+        torch.index_select(src_rows, 0, idx, out=native.view(idx.numel(), src_rows.shape[1]))
+        if src_rows.dtype == _COMPUTE_DTYPE:
+            return native.view(pairs, keys, head_dim)
+        wide = self._workspace.take(name + "_wide", numel, _COMPUTE_DTYPE)
+        return wide.copy_(native).view(pairs, keys, head_dim)
+
+    def _check_run(self, plan: AttentionPlan, query: torch.Tensor, kv_layer: torch.Tensor,
+                   out: torch.Tensor | None) -> None:
+        want_q = (plan.total_q, plan.num_q_heads, plan.head_dim)
+        if tuple(query.shape) != want_q or query.dtype != plan.kv_dtype:
+            raise ValueError(f"query must be {list(want_q)} of {plan.kv_dtype} (as planned); "
+                             f"got {list(query.shape)} of {query.dtype}")
+        if kv_layer.dim() != 5 or kv_layer.shape[0] != 2 or tuple(kv_layer.shape[2:]) != (
+                plan.num_kv_heads, plan.block_size, plan.head_dim):
+            raise ValueError("kv_layer must be [2, num_blocks, num_kv_heads, block_size, head_dim] = "
+                             f"[2, N, {plan.num_kv_heads}, {plan.block_size}, {plan.head_dim}]; "
+                             f"got {list(kv_layer.shape)}")
+        if kv_layer.dtype != plan.kv_dtype or not kv_layer.is_contiguous():
+            raise ValueError(f"kv_layer must be contiguous {plan.kv_dtype}, got {kv_layer.dtype} "
+                             f"(contiguous={kv_layer.is_contiguous()})")
+        if plan.max_block_id >= kv_layer.shape[1]:
+            raise ValueError(f"block tables name block {plan.max_block_id}, but the layer has "
+                             f"{kv_layer.shape[1]} blocks")
+        for name, tensor in (("query", query), ("kv_layer", kv_layer), ("out", out)):
+            if tensor is not None and tensor.device != self.device:
+                raise ValueError(f"{name} is on {tensor.device}; this wrapper was planned for {self.device}")
+        if out is not None and (out.shape != query.shape or out.dtype != query.dtype
+                                or not out.is_contiguous()):
+            raise ValueError(f"out must be contiguous {list(want_q)} of {query.dtype}")
+
+
+def paged_decode_attention(query: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Tensor,
+                           context_lens: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """One-shot decode (plans and runs once): ``query`` ``[batch, Hq, D]`` -> ``[batch, Hq, D]``.
+
+    ``kv_layer`` ``[2, N, Hkv, b, D]``; ``block_tables`` int ``[batch, max_blocks]``;
+    ``context_lens`` int ``[batch]``. For many layers, keep a :class:`PagedAttention`.
+    """
+    return paged_prefill_attention(query, kv_layer, None, block_tables, context_lens, scale)
+
+
+def paged_prefill_attention(query: torch.Tensor, kv_layer: torch.Tensor,
+                            query_start_loc: torch.Tensor | None, block_tables: torch.Tensor,
+                            context_lens: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """One-shot varlen prefill/extend: ``query`` ``[total_q, Hq, D]`` -> ``[total_q, Hq, D]``.
+
+    ``query_start_loc`` int ``[batch + 1]`` (``None`` = decode); the rest as
+    :meth:`PagedAttention.plan`.
+    """
+    if query.dim() != 3 or kv_layer.dim() != 5:
+        raise ValueError(f"query must be [total_q, Hq, D] and kv_layer [2, N, Hkv, b, D]; "
+                         f"got {list(query.shape)} and {list(kv_layer.shape)}")
+    wrapper = PagedAttention(device=query.device)
+    wrapper.plan(block_tables, context_lens, query_start_loc, num_q_heads=query.shape[1],
+                 num_kv_heads=kv_layer.shape[2], head_dim=kv_layer.shape[4],
+                 block_size=kv_layer.shape[3], kv_dtype=kv_layer.dtype, scale=scale)
+    return wrapper.run(query, kv_layer)

@@ -1,0 +1,301 @@
+"""Host-side planning of one batch of paged attention: tiles and gather indices.
+
+Planning runs once per batch (per scheduler step) and is shared by every
+layer; :mod:`worker.kernels.attention` then runs the plan per layer. A plan
+cuts the batch into *tiles*. A tile is a grid of sequences x KV heads that
+share a query-row count ``m`` and a gathered key count ``T = num_blocks * b``::
+
+    tile = seqs [s0, s1, ...] x heads [h0, h1)  ->  pairs (seq, head), seq-major
+    per pair: queries  [m * g, D]   (m query tokens x g = Hq / Hkv query heads)
+              keys     [T, D]       (the pair's blocks 0 .. num_blocks-1, gathered)
+              scores   [m * g, T]   (+ bias [m, T]: 0 = visible, -inf = masked)
+
+Tiles are sized so one tile's gathered K stays under ``tile_bytes`` (a CPU's
+last-level cache; see :mod:`worker.kernels.device`), which is what makes the
+gather nearly free on a CPU: the matmul reads it back from cache. Decode
+sequences (one query token) are sorted by length and packed many to a tile,
+so padding to the tile's longest sequence wastes at most a quarter; a sequence
+with several query tokens (prefill, chunked prefill, prefix-cache hit) gets
+tiles of its own, cut by query rows, and each row chunk gathers only the
+blocks its last row may see (causal trimming).
+
+Causality: a sequence with ``ctx`` context tokens and ``q_len`` new tokens
+has its new tokens at positions ``ctx - q_len .. ctx - 1``::
+
+    positions:  0 1 2 ... ctx-q_len-1 | ctx-q_len ... ctx-1
+                cached (prefix hit,   | new: query rows 0 .. q_len-1
+                earlier chunks)       |
+    query row r sees keys 0 .. ctx - q_len + r
+
+Keys past that (including padding up to the tile's ``T``) get bias ``-inf``.
+
+Gathered rows index the layer viewed by :func:`worker.layout.as_rows`. Padded
+block columns repeat the sequence's first block, so every gathered key is a
+finite value of the pool (never an out-of-range read).
+
+Imports torch and :mod:`blockd.core.arith` / :mod:`worker.layout` only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from blockd.core.arith import num_blocks_for
+from worker.layout import gather_rows
+
+__all__ = ["AttentionPlan", "Tile", "build_plan"]
+
+# A decode tile stops taking (shorter) sequences once their block count
+# falls under this fraction of its first one: padding waste <= 25%.
+_MIN_FILL_NUM, _MIN_FILL_DEN = 3, 4
+
+
+@dataclass(frozen=True)
+class Tile:
+    """One tile; offsets index the flat tensors of its :class:`AttentionPlan`."""
+
+    num_seqs: int
+    num_heads: int
+    q_rows: int  # query tokens per sequence (m)
+    num_blocks: int  # blocks gathered per (seq, head) pair
+    kv_offset: int  # start in ``AttentionPlan.kv_rows``
+    q_offset: int  # start in ``AttentionPlan.q_rows``
+    bias_offset: int  # start in ``AttentionPlan.bias``, or -1 when nothing is masked
+
+    @property
+    def num_pairs(self) -> int:
+        return self.num_seqs * self.num_heads
+
+
+@dataclass
+class AttentionPlan:
+    """Everything :meth:`PagedAttention.run` needs, already on the run device.
+
+    * ``kv_rows``: int64 ``[sum of pairs * num_blocks]`` rows of ``as_rows(kv_layer[0 or 1])``.
+    * ``q_rows``: int64 ``[total_q * Hkv]``, a permutation of the rows of
+      ``query.view(total_q * Hkv, g * D)`` (row ``token * Hkv + head``) in tile order.
+    * ``inverse_q_rows``: int64 ``[total_q * Hkv]``, ``q_rows``'s inverse permutation.
+    * ``bias``: float32 ``[sum of masked tiles' seqs * m * T]``, 0 or ``-inf``.
+    """
+
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    kv_dtype: torch.dtype
+    scale: float
+    total_q: int
+    max_block_id: int
+    tiles: list[Tile]
+    kv_rows: torch.Tensor
+    q_rows: torch.Tensor
+    inverse_q_rows: torch.Tensor
+    bias: torch.Tensor
+    max_kv_elems: int = field(default=0)  # largest tile's gathered K, in elements
+    max_score_elems: int = field(default=0)  # largest tile's scores, in elements
+
+    @property
+    def group_size(self) -> int:
+        return self.num_q_heads // self.num_kv_heads
+
+
+@dataclass
+class _Batch:
+    """The validated batch, on the CPU, as the planner reads it."""
+
+    tables: torch.Tensor  # int64 [B, M]
+    ctx: list[int]
+    q_start: list[int]
+    q_len: list[int]
+
+
+def _as_cpu_int64(name: str, value: torch.Tensor, dims: int) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor) or value.dim() != dims:
+        raise ValueError(f"{name} must be a {dims}-d integer tensor, got {getattr(value, 'shape', value)!r}")
+    if value.dtype.is_floating_point or value.dtype == torch.bool:
+        raise ValueError(f"{name} must hold integers (int32/int64), got {value.dtype}")
+    return value.detach().to("cpu", torch.int64)
+
+
+def _validate_batch(block_tables, context_lens, query_start_loc, block_size: int) -> _Batch:
+    tables = _as_cpu_int64("block_tables", block_tables, 2)
+    ctx_t = _as_cpu_int64("context_lens", context_lens, 1)
+    batch = tables.shape[0]
+    if ctx_t.shape[0] != batch:
+        raise ValueError(f"context_lens has {ctx_t.shape[0]} entries for {batch} block tables")
+    if query_start_loc is None:  # decode: one query token per sequence
+        qsl = torch.arange(batch + 1, dtype=torch.int64)
+    else:
+        qsl = _as_cpu_int64("query_start_loc", query_start_loc, 1)
+        if qsl.shape[0] != batch + 1 or qsl[0] != 0:
+            raise ValueError(f"query_start_loc must be [batch + 1] = [{batch + 1}] starting at 0, got {qsl.tolist()}")
+    ctx, q_start = ctx_t.tolist(), qsl.tolist()
+    q_len = [q_start[i + 1] - q_start[i] for i in range(batch)]
+    for i in range(batch):
+        if q_len[i] < 0:
+            raise ValueError(f"query_start_loc must not decrease (sequence {i} has {q_len[i]} query tokens)")
+        if q_len[i] > ctx[i]:
+            raise ValueError(
+                f"sequence {i}: context_lens ({ctx[i]}) counts cached + new tokens, so it must be "
+                f">= its {q_len[i]} query tokens"
+            )
+        needed = num_blocks_for(ctx[i], block_size)
+        if needed > tables.shape[1]:
+            raise ValueError(f"sequence {i}: {ctx[i]} tokens need {needed} blocks, table has {tables.shape[1]}")
+        if needed and int(tables[i, :needed].min()) < 0:
+            raise ValueError(f"sequence {i}: negative block id among its first {needed} table entries")
+    return _Batch(tables, ctx, q_start, q_len)
+
+
+class _PlanBuilder:
+    """Accumulates tiles and their index tensors (on the CPU) for one batch."""
+
+    def __init__(self, batch: _Batch, num_kv_heads: int, head_dim: int, block_size: int,
+                 group_size: int, kv_itemsize: int, tile_bytes: int) -> None:
+        self.batch = batch
+        self.heads, self.head_dim, self.block_size = num_kv_heads, head_dim, block_size
+        self.group, self.itemsize, self.tile_bytes = group_size, kv_itemsize, tile_bytes
+        self.tiles: list[Tile] = []
+        self.kv_parts: list[torch.Tensor] = []
+        self.q_parts: list[torch.Tensor] = []
+        self.bias_parts: list[torch.Tensor] = []
+        self.kv_len = self.q_len = self.bias_len = 0
+        self.max_kv_elems = self.max_score_elems = 0
+
+    def pair_bytes(self, num_tokens: int) -> int:
+        """Bytes of K one (sequence, head) pair gathers for ``num_tokens`` keys."""
+        return num_blocks_for(num_tokens, self.block_size) * self.block_size * self.head_dim * self.itemsize
+
+    def add_decode_tiles(self) -> None:
+        """Pack the one-query-token sequences, longest first, into tiles."""
+        ctx = self.batch.ctx
+        order = sorted((i for i, n in enumerate(self.batch.q_len) if n == 1), key=lambda i: -ctx[i])
+        i = 0
+        while i < len(order):
+            first = order[i]
+            per_pair = self.pair_bytes(ctx[first])
+            if self.heads * per_pair > self.tile_bytes:  # one sequence alone is too big: split heads
+                self._add_head_split([first], 0, 1, num_blocks_for(ctx[first], self.block_size), per_pair)
+                i += 1
+                continue
+            seqs = [first]
+            for nxt in order[i + 1:]:
+                fits = (len(seqs) + 1) * self.heads * per_pair <= self.tile_bytes
+                if not fits or _MIN_FILL_DEN * self.pair_bytes(ctx[nxt]) < _MIN_FILL_NUM * per_pair:
+                    break
+                seqs.append(nxt)
+            self.add_tile(seqs, 0, self.heads, 0, 1, num_blocks_for(ctx[first], self.block_size))
+            i += len(seqs)
+
+    def add_extend_tiles(self, seq: int) -> None:
+        """Tiles of one multi-token sequence: row chunks x head ranges, causally trimmed."""
+        ctx, q_len = self.batch.ctx[seq], self.batch.q_len[seq]
+        per_pair = self.pair_bytes(ctx)
+        heads_per_tile = max(1, min(self.heads, self.tile_bytes // per_pair))
+        keys = num_blocks_for(ctx, self.block_size) * self.block_size
+        # Scores are float32 [heads, rows * g, keys]: keep them within the same budget.
+        rows = max(1, min(q_len, self.tile_bytes // (heads_per_tile * self.group * keys * 4)))
+        for row_lo in range(0, q_len, rows):
+            m = min(rows, q_len - row_lo)
+            last_visible = ctx - q_len + row_lo + m  # keys the chunk's last row may see
+            num_blocks = num_blocks_for(last_visible, self.block_size)
+            self._add_head_split([seq], row_lo, m, num_blocks, per_pair, heads_per_tile)
+
+    def _add_head_split(self, seqs, row_lo, m, num_blocks, per_pair, step=None) -> None:
+        step = step or max(1, self.tile_bytes // per_pair)
+        for lo in range(0, self.heads, step):
+            self.add_tile(seqs, lo, min(lo + step, self.heads), row_lo, m, num_blocks)
+
+    def add_tile(self, seqs: list[int], head_lo: int, head_hi: int, row_lo: int, m: int,
+                 num_blocks: int) -> None:
+        """Append one tile: its gather rows, query rows and (if anything is masked) bias."""
+        b, batch = self.block_size, self.batch
+        seq_t = torch.tensor(seqs, dtype=torch.int64)
+        heads = torch.arange(head_lo, head_hi, dtype=torch.int64)
+        # Padded columns repeat block column 0: a real, finite block of the same sequence.
+        owned = torch.tensor([num_blocks_for(batch.ctx[s], b) for s in seqs], dtype=torch.int64)
+        cols = torch.arange(num_blocks, dtype=torch.int64)
+        cols = torch.where(cols[None, :] < owned[:, None], cols[None, :], 0)
+        blocks = batch.tables[seq_t[:, None], cols]  # [n_seq, num_blocks]
+        kv_rows = gather_rows(blocks[:, None, :], heads[None, :, None], self.heads)
+        tokens = torch.tensor([batch.q_start[s] + row_lo for s in seqs], dtype=torch.int64)
+        tokens = tokens[:, None] + torch.arange(m, dtype=torch.int64)[None, :]  # [n_seq, m]
+        q_rows = tokens[:, None, :] * self.heads + heads[None, :, None]  # [n_seq, n_heads, m]
+        bias_offset = self._add_bias(seqs, row_lo, m, num_blocks * b)
+        self.tiles.append(Tile(len(seqs), len(heads), m, num_blocks, self.kv_len, self.q_len, bias_offset))
+        self.kv_parts.append(kv_rows.reshape(-1))
+        self.q_parts.append(q_rows.reshape(-1))
+        self.kv_len += kv_rows.numel()
+        self.q_len += q_rows.numel()
+        pairs, keys = len(seqs) * len(heads), num_blocks * b
+        self.max_kv_elems = max(self.max_kv_elems, pairs * keys * self.head_dim)
+        self.max_score_elems = max(self.max_score_elems, pairs * m * self.group * keys)
+
+    def _add_bias(self, seqs: list[int], row_lo: int, m: int, keys: int) -> int:
+        """Append the tile's ``[n_seq, m, keys]`` bias; -1 when every key is visible."""
+        batch = self.batch
+        # Absolute position of each query row; row r sees keys 0 .. position.
+        first = torch.tensor([batch.ctx[s] - batch.q_len[s] + row_lo for s in seqs], dtype=torch.int64)
+        positions = first[:, None] + torch.arange(m, dtype=torch.int64)[None, :]
+        if int(positions.min()) >= keys - 1:
+            return -1
+        key_pos = torch.arange(keys, dtype=torch.int64)
+        visible = key_pos[None, None, :] <= positions[:, :, None]
+        bias = torch.zeros(visible.shape, dtype=torch.float32).masked_fill_(~visible, float("-inf"))
+        offset = self.bias_len
+        self.bias_parts.append(bias.reshape(-1))
+        self.bias_len += bias.numel()
+        return offset
+
+
+def build_plan(block_tables: torch.Tensor, context_lens: torch.Tensor,
+               query_start_loc: torch.Tensor | None, *, num_q_heads: int, num_kv_heads: int,
+               head_dim: int, block_size: int, kv_dtype: torch.dtype, scale: float | None,
+               device: torch.device, tile_bytes: int) -> AttentionPlan:
+    """Validate a batch and cut it into tiles; see the module docstring.
+
+    ``block_tables``: int32/int64 ``[batch, max_blocks]`` (entries past a
+    sequence's blocks are ignored, may be any value); ``context_lens``: int
+    ``[batch]`` (cached + new tokens); ``query_start_loc``: int ``[batch + 1]``
+    offsets of each sequence's query tokens, or ``None`` for decode (one each).
+    """
+    for name, value in (("num_q_heads", num_q_heads), ("num_kv_heads", num_kv_heads),
+                        ("head_dim", head_dim), ("block_size", block_size), ("tile_bytes", tile_bytes)):
+        if not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    batch = _validate_batch(block_tables, context_lens, query_start_loc, block_size)
+    itemsize = torch.empty((), dtype=kv_dtype).element_size()
+    builder = _PlanBuilder(batch, num_kv_heads, head_dim, block_size, num_q_heads // num_kv_heads,
+                           itemsize, tile_bytes)
+    builder.add_decode_tiles()
+    for seq, n in enumerate(batch.q_len):
+        if n > 1:
+            builder.add_extend_tiles(seq)
+    return _finish(builder, num_q_heads, kv_dtype, scale, device)
+
+
+def _finish(builder: _PlanBuilder, num_q_heads: int, kv_dtype: torch.dtype, scale: float | None,
+            device: torch.device) -> AttentionPlan:
+    def cat(parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        flat = torch.cat(parts) if parts else torch.empty(0, dtype=dtype)
+        return flat.to(device)
+
+    batch = builder.batch
+    q_rows = cat(builder.q_parts, torch.int64)
+    inverse = torch.empty_like(q_rows)
+    inverse[q_rows] = torch.arange(q_rows.numel(), device=device)
+    used = [batch.tables[i, : num_blocks_for(c, builder.block_size)] for i, c in enumerate(batch.ctx)]
+    max_block_id = max((int(u.max()) for u in used if u.numel()), default=-1)
+    return AttentionPlan(
+        num_q_heads=num_q_heads, num_kv_heads=builder.heads, head_dim=builder.head_dim,
+        block_size=builder.block_size, kv_dtype=kv_dtype,
+        scale=float(scale) if scale is not None else builder.head_dim ** -0.5,
+        total_q=batch.q_start[-1], max_block_id=max_block_id, tiles=builder.tiles,
+        kv_rows=cat(builder.kv_parts, torch.int64), q_rows=q_rows, inverse_q_rows=inverse,
+        bias=cat(builder.bias_parts, torch.float32),
+        max_kv_elems=builder.max_kv_elems, max_score_elems=builder.max_score_elems,
+    )
