@@ -203,6 +203,7 @@ def test_failed_batch_leaves_no_trace_and_names_the_op():
     (Allocate("s", [1]), AlreadyExists),
     (Append("nope", [1]), NotFound),
     (Append("s", [1.5]), InvalidArgument),
+    (Append("s", ["7"]), InvalidArgument),
     (Commit("s", 5), InvalidArgument),
     (Commit("s", -1), InvalidArgument),
     (Fork("s", "s"), AlreadyExists),

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -88,6 +89,13 @@ def hash_full_blocks(
 
 def check_token_ids(token_ids: Sequence[int]) -> None:
     """Refuse token ids that are not ints in ``[0, 2**32)``."""
+    try:
+        # array() range- and type-checks in C; the loop below only runs to
+        # name the offending id for the error message
+        array("I", token_ids)
+        return
+    except (TypeError, OverflowError):
+        pass
     for t in token_ids:
         if type(t) is not int or not 0 <= t <= MAX_TOKEN_ID:
             raise InvalidArgument(f"token id {t!r} is not an integer in [0, {MAX_TOKEN_ID}]")

@@ -55,6 +55,10 @@ class _Workspace:
     def take(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return self._buffers[(name, dtype)][:numel]
 
+    @property
+    def nbytes(self) -> int:
+        return sum(buf.numel() * buf.element_size() for buf in self._buffers.values())
+
 
 class PagedAttention:
     """Attention of query tokens against their sequences' paged K/V, one layer per :meth:`run`.
@@ -70,6 +74,11 @@ class PagedAttention:
         self.tile_bytes = tile_bytes if tile_bytes is not None else default_tile_bytes(self.device)
         self._workspace = _Workspace(self.device)
         self._plan: AttentionPlan | None = None
+
+    @property
+    def workspace_bytes(self) -> int:
+        """Bytes of the tile and query buffers this wrapper holds (they only grow, at plan time)."""
+        return self._workspace.nbytes
 
     @property
     def plan_info(self) -> AttentionPlan:
@@ -106,7 +115,7 @@ class PagedAttention:
         if kv_dtype != _COMPUTE_DTYPE:  # widened copies of the K/V tile, and of q/out
             ws.reserve("k_wide", plan.max_kv_elems, _COMPUTE_DTYPE)
             ws.reserve("v_wide", plan.max_kv_elems, _COMPUTE_DTYPE)
-            ws.reserve("q_native", rows, kv_dtype)
+            ws.reserve("native_rows", rows, kv_dtype)
         self._plan = plan
 
     def run(self, query: torch.Tensor, kv_layer: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -137,7 +146,7 @@ class PagedAttention:
         if out.dtype == _COMPUTE_DTYPE:
             torch.index_select(o.view(rows, group_width), 0, plan.inverse_q_rows, out=out_rows)
         else:
-            native = ws.take("q_native", rows * group_width, out.dtype).view(rows, group_width)
+            native = ws.take("native_rows", rows * group_width, out.dtype).view(rows, group_width)
             native.copy_(o.view(rows, group_width))
             torch.index_select(native, 0, plan.inverse_q_rows, out=out_rows)
         return out
@@ -150,7 +159,7 @@ class PagedAttention:
         if query.dtype == _COMPUTE_DTYPE:
             torch.index_select(q_rows_view, 0, plan.q_rows, out=q.view(-1, width))
         else:
-            native = ws.take("q_native", numel, query.dtype)
+            native = ws.take("native_rows", numel, query.dtype)
             torch.index_select(q_rows_view, 0, plan.q_rows, out=native.view(-1, width))
             q.copy_(native)
         return q.mul_(plan.scale)

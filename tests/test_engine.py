@@ -1,0 +1,169 @@
+"""The daemon's engine without gRPC: durability, idempotency, followers, workers."""
+
+import json
+import os
+import threading
+
+import pytest
+
+from blockd.core import (
+    Allocate,
+    Append,
+    Commit,
+    Fork,
+    Free,
+    InvalidArgument,
+    NotFound,
+    PoolConfig,
+    WrongState,
+)
+from blockd.core.state import dump_pool
+from blockd.core.types import DecodeAppend, VersionDelta
+from blockd.engine import Engine, Snapshot
+from blockd.workers import WorkerInfo
+
+
+def pool_state(engine: Engine, name: str) -> str:
+    data = dump_pool(engine._pools[name].pool)
+    data["seqs"].sort()
+    return json.dumps(data, sort_keys=True)
+
+
+def drive(engine: Engine, rounds: int = 6) -> list:
+    engine.create_pool(PoolConfig("a", num_blocks=40, block_size=4, num_layers=2, num_kv_heads=2,
+                                  head_dim=8), request_id="create-a")
+    engine.create_pool(PoolConfig("b", num_blocks=10, block_size=2), request_id="create-b")
+    results = []
+    for r in range(rounds):
+        results.append(engine.step("a", [Allocate(f"s{r}", list(range(9))), Commit(f"s{r}", 9)], f"a{r}"))
+        results.append(engine.step("a", [Fork(f"s{r}", f"f{r}"), DecodeAppend([f"s{r}", f"f{r}"], [r, r])],
+                                   f"k{r}"))
+        if r % 2:
+            results.append(engine.step("a", [Free(f"s{r - 1}")], f"x{r}"))
+        results.append(engine.step("b", [Allocate(f"b{r}", [r, r + 1, r + 2])], f"b{r}"))
+        if r == 3:
+            engine.reset_prefix_cache("a", request_id="reset")
+            engine.step("b", [Free("b0"), Free("b1")], "bfree")
+    return results
+
+
+@pytest.mark.parametrize("snapshot_every", [3, 10_000])
+@pytest.mark.parametrize("fsync", ["always", "interval", "never"])
+def test_restart_restores_everything_exactly(tmp_path, fsync, snapshot_every):
+    engine = Engine(str(tmp_path), fsync=fsync, snapshot_every=snapshot_every)
+    results = drive(engine)
+    before = {name: pool_state(engine, name) for name in ("a", "b")}
+    events = {name: list(engine._pools[name].events) for name in ("a", "b")}
+    engine.close()
+
+    again = Engine(str(tmp_path), fsync=fsync, snapshot_every=snapshot_every)
+    assert {name: pool_state(again, name) for name in ("a", "b")} == before
+    assert {name: list(again._pools[name].events) for name in ("a", "b")} == events
+    again.check_invariants()
+    # the idempotency table came back: a retried step returns its first result, changes nothing
+    assert again.step("a", [Allocate("s0", list(range(9))), Commit("s0", 9)], "a0") == results[0]
+    assert pool_state(again, "a") == before["a"]
+    # and the engine keeps going where it left off
+    nxt = again.step("a", [Append("s5", [1])], "next")
+    assert nxt.version == again.get_pool("a").version
+    again.close()
+
+
+def test_torn_tail_record_is_dropped(tmp_path):
+    engine = Engine(str(tmp_path))
+    engine.create_pool(PoolConfig("p", num_blocks=8, block_size=4), request_id="c")
+    engine.step("p", [Allocate("x", [1, 2, 3])], "s1")
+    state = pool_state(engine, "p")
+    engine.step("p", [Allocate("y", [4, 5])], "s2")
+    engine.close()
+    (wal,) = [n for n in os.listdir(tmp_path) if n.startswith("wal-")]
+    path = tmp_path / wal
+    path.write_bytes(path.read_bytes()[:-5])  # the last record was cut short by a crash
+    again = Engine(str(tmp_path))
+    assert pool_state(again, "p") == state
+    again.step("p", [Allocate("y", [4, 5])], "s2-retry")
+    again.close()
+    assert "y" in Engine(str(tmp_path)).get_tables("p", [])[1]
+
+
+def test_request_id_reuse_for_another_request_is_refused():
+    engine = Engine()
+    engine.create_pool(PoolConfig("p", num_blocks=8, block_size=4), request_id="r1")
+    assert engine.create_pool(PoolConfig("p", num_blocks=8, block_size=4), request_id="r1").name == "p"
+    with pytest.raises(InvalidArgument):
+        engine.step("p", [Allocate("x", [1])], "r1")
+    assert engine.get_pool("p").num_seqs == 0
+
+
+def test_failed_step_is_not_logged(tmp_path):
+    engine = Engine(str(tmp_path))
+    engine.create_pool(PoolConfig("p", num_blocks=2, block_size=4))
+    with pytest.raises(Exception):
+        engine.step("p", [Allocate("x", [1] * 4), Allocate("y", [1] * 9)], "bad")
+    with pytest.raises(NotFound):
+        engine.step("nope", [Free("x")])
+    engine.close()
+    again = Engine(str(tmp_path))
+    assert again.get_pool("p").version == 0
+    # the failed request id was not remembered: the same id may now succeed
+    again.step("p", [Allocate("x", [1] * 4)], "bad")
+    assert again.get_tables("p", []) == (1, {"x": [0]})
+
+
+def test_watch_sends_deltas_then_snapshot_when_too_old():
+    engine = Engine()
+    engine.create_pool(PoolConfig("p", num_blocks=16, block_size=2, max_retained_versions=2))
+    for i in range(4):
+        engine.step("p", [Allocate(f"s{i}", [i, i])])
+    stop = threading.Event()
+    items = engine.watch("p", 0, stop.is_set)
+    first = next(items)
+    assert isinstance(first, Snapshot) and first.version == 4 and len(first.tables) == 4
+    got = []
+
+    def follow():
+        for item in items:
+            got.append(item)
+            if item.version == 5:
+                stop.set()
+
+    thread = threading.Thread(target=follow)
+    thread.start()
+    engine.step("p", [Append("s0", [9])])
+    thread.join(timeout=5)
+    assert not thread.is_alive()
+    assert [type(i) for i in got] == [VersionDelta] and got[0].version == 5
+    recent = list(engine.watch("p", 3, lambda: True))
+    assert [d.version for d in recent] == [4, 5]
+    with pytest.raises(WrongState):
+        list(engine.watch("p", 99, lambda: True))
+
+
+def test_events_resume_by_sequence_number():
+    engine = Engine()
+    engine.create_pool(PoolConfig("p", num_blocks=16, block_size=2))
+    engine.step("p", [Allocate("a", [1, 2, 3, 4, 5]), Commit("a", 5)])  # stores 2 blocks
+    engine.step("p", [Free("a")])
+    engine.reset_prefix_cache("p")
+    events = []
+    for event in engine.events("p", 1, lambda: len(events) >= 2):
+        events.append(event)
+    assert [(e.seq_no, e.kind) for e in events] == [(2, "BlockStored"), (3, "AllBlocksCleared")]
+    with pytest.raises(WrongState):
+        next(engine.events("p", 10, lambda: True))
+
+
+def test_worker_registry_marks_silent_workers_down():
+    now = [100.0]
+    engine = Engine(clock=lambda: now[0], worker_timeout_s=5)
+    engine.create_pool(PoolConfig("p", num_blocks=8, block_size=4, num_layers=4, num_kv_heads=8))
+    info = WorkerInfo("w0", "p", "127.0.0.1:1", 0, 4, 0, 4, pool_bytes=1024)
+    assert engine.register_worker(info).is_up
+    with pytest.raises(InvalidArgument):
+        engine.register_worker(WorkerInfo("w1", "p", "", 0, 5, 0, 4))
+    now[0] += 6
+    assert not engine.list_workers("p")[0].is_up
+    status = engine.heartbeat("w0", 3)
+    assert status.is_up and status.applied_version == 3
+    with pytest.raises(NotFound):
+        engine.heartbeat("ghost", 0)

@@ -1,0 +1,385 @@
+"""The worker's kernels against dense attention, plus the pool layout and cache ops.
+
+The reference is deliberately naive: it gathers each sequence's full K/V
+history out of the pool token by token (through ``blockd.core.arith``, not the
+kernels' index code) into contiguous tensors and computes
+``softmax(Q K^T * scale + causal mask) V`` in float32.
+
+Tolerances (kernel output vs the float32 reference on the same input values):
+
+* float32: ``atol = rtol = 1e-4`` (observed errors are ~1e-6),
+* bfloat16: ``atol = rtol = 2e-2`` (the output is rounded to bf16, ~4e-3
+  relative, and the kernel may round probabilities differently).
+
+CUDA variants run the same checks on a GPU and skip when torch sees none.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from blockd.core.arith import num_blocks_for, slot_mapping, slot_of
+from worker.kernels import PagedAttention, copy_blocks, paged_decode_attention, paged_prefill_attention
+from worker.kernels import select_device, write_kv
+from worker.layout import KVGeometry, allocate_kv_pool, as_rows, gather_rows, split_slots
+
+TOLERANCE = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+NUM_KV_HEADS = 2  # small: the grid is wide, and heads are independent anyway
+
+CUDA = pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="CUDA path: needs a GPU, torch.cuda.is_available() is False"))
+DEVICES = ["cpu", CUDA]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _single_thread():
+    """These tensors are tiny: one thread is faster and immune to a busy shared CI host."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def make_batch(ctx_lens, block_size, num_kv_heads, head_dim, dtype, device="cpu", seed=0,
+               spare_blocks=3, table_pad=-1):
+    """A random one-layer pool and shuffled, non-contiguous block tables for ``ctx_lens``."""
+    gen = torch.Generator().manual_seed(seed)
+    needed = [num_blocks_for(c, block_size) for c in ctx_lens]
+    geometry = KVGeometry(1, sum(needed) + spare_blocks, block_size, num_kv_heads, head_dim)
+    kv = allocate_kv_pool(geometry, dtype)
+    kv.normal_(generator=gen)
+    ids = torch.randperm(geometry.num_blocks, generator=gen).tolist()
+    width = max(needed) + 1  # one padding column at least
+    tables, start = [], 0
+    for n in needed:
+        tables.append(ids[start:start + n] + [table_pad] * (width - n))
+        start += n
+    return kv.to(device), torch.tensor(tables, dtype=torch.int32, device=device)
+
+
+def dense_reference(query, kv_layer, tables, ctx_lens, q_lens, scale):
+    """Float32 ``[total_q, Hq, D]``: per sequence, contiguous K/V and an explicit causal softmax."""
+    kv_layer, tables, query = kv_layer.cpu().float(), tables.cpu().tolist(), query.cpu().float()
+    block_size, group = kv_layer.shape[3], query.shape[1] // kv_layer.shape[2]
+    outputs, q_start = [], 0
+    for table, ctx, q_len in zip(tables, ctx_lens, q_lens):
+        slots = [slot_of(table, t, block_size) for t in range(ctx)]
+        blocks, offsets = [s // block_size for s in slots], [s % block_size for s in slots]
+        k = kv_layer[0][blocks, :, offsets].repeat_interleave(group, dim=1)  # [ctx, Hq, D]
+        v = kv_layer[1][blocks, :, offsets].repeat_interleave(group, dim=1)
+        q = query[q_start:q_start + q_len]  # [q_len, Hq, D]
+        scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+        positions = torch.arange(ctx - q_len, ctx)  # the new tokens are the last q_len
+        hidden = torch.arange(ctx)[None, :] > positions[:, None]
+        scores = scores.masked_fill(hidden[None], float("-inf"))
+        outputs.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), v))
+        q_start += q_len
+    return torch.cat(outputs)
+
+
+def check_close(actual, expected):
+    torch.testing.assert_close(actual.cpu().float(), expected, **TOLERANCE[actual.dtype])
+
+
+def run_attention(ctx_lens, q_lens, block_size, head_dim, ratio, dtype, device="cpu", tile_bytes=None,
+                  decode_api=False, seed=0):
+    kv, tables = make_batch(ctx_lens, block_size, NUM_KV_HEADS, head_dim, dtype, device, seed)
+    num_q_heads = NUM_KV_HEADS * ratio
+    gen = torch.Generator().manual_seed(seed + 1)
+    query = torch.randn(sum(q_lens), num_q_heads, head_dim, generator=gen).to(dtype).to(device)
+    q_start = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    context = torch.tensor(ctx_lens, dtype=torch.int64, device=device)
+    scale = 1.0 / math.sqrt(head_dim)
+    wrapper = PagedAttention(device=device, tile_bytes=tile_bytes)
+    wrapper.plan(tables, context, None if decode_api else q_start, num_q_heads=num_q_heads,
+                 num_kv_heads=NUM_KV_HEADS, head_dim=head_dim, block_size=block_size, kv_dtype=dtype,
+                 scale=scale)
+    actual = wrapper.run(query, kv[0])
+    expected = dense_reference(query, kv[0], tables, ctx_lens, q_lens, scale)
+    check_close(actual, expected)
+    return wrapper
+
+
+def edge_lengths(block_size):
+    """1, b-1, b, b+1, several multiples of b (and one between), deduplicated, > 0."""
+    b = block_size
+    return sorted({n for n in (1, b - 1, b, b + 1, 2 * b, 3 * b, 5 * b + 3, 8 * b) if n > 0})
+
+
+# ---------------------------------------------------------------- decode
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("ratio", [1, 4, 8])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+def test_decode_matches_dense(block_size, head_dim, ratio, dtype):
+    ctx = edge_lengths(block_size)
+    run_attention(ctx, [1] * len(ctx), block_size, head_dim, ratio, dtype, decode_api=True)
+
+
+@pytest.mark.parametrize("tile_bytes", [1, 64 << 10, 1 << 30])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_long_context_any_tiling(dtype, tile_bytes):
+    """~2000 tokens; tile sizes from one (seq, head) pair per tile to the whole batch in one."""
+    ctx = [2000, 1999, 2049, 7, 16]
+    wrapper = run_attention(ctx, [1] * len(ctx), 16, 128, 4, dtype, tile_bytes=tile_bytes)
+    if tile_bytes == 1:
+        assert len(wrapper.plan_info.tiles) == len(ctx) * NUM_KV_HEADS
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_decode_one_shot_function(device):
+    ctx = [1, 15, 16, 17, 40]
+    kv, tables = make_batch(ctx, 16, NUM_KV_HEADS, 64, torch.float32, device)
+    query = torch.randn(len(ctx), 8, 64, device=device)
+    out = paged_decode_attention(query, kv[0], tables, torch.tensor(ctx, device=device))
+    check_close(out, dense_reference(query, kv[0], tables, ctx, [1] * len(ctx), 64 ** -0.5))
+
+
+def test_table_padding_entries_are_ignored():
+    """Entries past a sequence's blocks may hold anything, even ids beyond the pool."""
+    ctx = [5, 40, 17]
+    kv, tables = make_batch(ctx, 16, NUM_KV_HEADS, 64, torch.float32, table_pad=10**6)
+    query = torch.randn(len(ctx), 4, 64)
+    out = paged_decode_attention(query, kv[0], tables, torch.tensor(ctx), scale=0.3)
+    check_close(out, dense_reference(query, kv[0], tables, ctx, [1] * len(ctx), 0.3))
+
+
+# ---------------------------------------------------------------- prefill / extend / mixed
+
+
+def mixed_batch(block_size):
+    """(context_lens, q_lens): decode, full prefill, chunked prefill / prefix hit, aligned extend."""
+    b = block_size
+    pairs = [(1, 1), (b + 1, b + 1), (3 * b + 2, 5), (2 * b, 1), (5 * b, 2 * b), (7, 7), (b, 3)]
+    pairs = [(c, min(q, c)) for c, q in pairs]
+    return [c for c, _ in pairs], [q for _, q in pairs]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("ratio", [1, 4, 8])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+def test_mixed_prefill_and_decode_match_dense(block_size, head_dim, ratio, dtype):
+    ctx, q_lens = mixed_batch(block_size)
+    run_attention(ctx, q_lens, block_size, head_dim, ratio, dtype)
+
+
+@pytest.mark.parametrize("tile_bytes", [16 << 10, None])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_long_prefill_and_extend(dtype, tile_bytes):
+    """~2000-token prompt, a 300-token chunk after a 1700-token prefix, and decodes.
+
+    Small tiles force row chunks with causally trimmed key ranges and head splits.
+    """
+    ctx, q_lens = [2000, 2000, 33, 1], [2000, 300, 1, 1]
+    wrapper = run_attention(ctx, q_lens, 16, 64, 4, dtype, tile_bytes=tile_bytes)
+    if tile_bytes:
+        tiles = wrapper.plan_info.tiles
+        assert len({t.num_blocks for t in tiles}) > 2  # trimmed: early row chunks gather less
+
+
+def test_skips_sequences_without_query_tokens():
+    ctx, q_lens = [20, 30, 9], [4, 0, 9]
+    run_attention(ctx, q_lens, 16, 64, 2, torch.float32)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_prefill_one_shot_function(device):
+    ctx, q_lens = mixed_batch(16)
+    kv, tables = make_batch(ctx, 16, NUM_KV_HEADS, 64, torch.float32, device)
+    query = torch.randn(sum(q_lens), 8, 64, device=device)
+    starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], device=device)
+    out = paged_prefill_attention(query, kv[0], starts, tables, torch.tensor(ctx, device=device))
+    check_close(out, dense_reference(query, kv[0], tables, ctx, q_lens, 64 ** -0.5))
+
+
+# ---------------------------------------------------------------- plan once, run per layer
+
+
+def test_plan_once_run_every_layer_reuses_workspace():
+    ctx, q_lens = mixed_batch(16)
+    geometry = KVGeometry(3, 64, 16, NUM_KV_HEADS, 64)
+    pool = allocate_kv_pool(geometry, torch.float32).normal_()
+    _, tables = make_batch(ctx, 16, NUM_KV_HEADS, 64, torch.float32, spare_blocks=64)
+    tables = torch.where(tables >= 0, tables % 64, tables)  # ids must fit this pool; collisions are fine
+    starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()])
+    wrapper = PagedAttention(device="cpu")
+    wrapper.plan(tables, torch.tensor(ctx), starts, num_q_heads=8, num_kv_heads=NUM_KV_HEADS, head_dim=64,
+                 block_size=16, kv_dtype=torch.float32)
+    workspace = wrapper.workspace_bytes
+    out = torch.empty(sum(q_lens), 8, 64)
+    for layer in range(geometry.num_layers):
+        query = torch.randn(sum(q_lens), 8, 64)
+        assert wrapper.run(query, pool[layer], out=out) is out
+        check_close(out, dense_reference(query, pool[layer], tables, ctx, q_lens, 64 ** -0.5))
+        assert wrapper.workspace_bytes == workspace
+    # A smaller batch fits the existing buffers: workspaces only grow.
+    wrapper.plan(tables[:2], torch.tensor(ctx[:2]), starts[:3], num_q_heads=8, num_kv_heads=NUM_KV_HEADS,
+                 head_dim=64, block_size=16, kv_dtype=torch.float32)
+    assert wrapper.workspace_bytes == workspace
+
+
+def test_plan_rejects_inconsistent_batches():
+    tables = torch.tensor([[0, 1], [2, -1]])
+    kwargs = dict(num_q_heads=4, num_kv_heads=2, head_dim=8, block_size=4, kv_dtype=torch.float32)
+    wrapper = PagedAttention(device="cpu")
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        wrapper.plan(tables, torch.tensor([3, 3]), **{**kwargs, "num_q_heads": 3})
+    with pytest.raises(ValueError, match="need 2 blocks, table has 2|need 3 blocks"):
+        wrapper.plan(tables, torch.tensor([9, 3]), **kwargs)
+    with pytest.raises(ValueError, match="negative block id"):
+        wrapper.plan(tables, torch.tensor([3, 5]), **kwargs)
+    with pytest.raises(ValueError, match=r"must be\s+>= its 4 query tokens"):
+        wrapper.plan(tables, torch.tensor([3, 3]), torch.tensor([0, 4, 5]), **kwargs)
+    with pytest.raises(ValueError, match="context_lens has 1 entries"):
+        wrapper.plan(tables, torch.tensor([3]), **kwargs)
+    with pytest.raises(ValueError, match="integers"):
+        wrapper.plan(tables.float(), torch.tensor([3, 3]), **kwargs)
+    with pytest.raises(ValueError, match="before plan"):
+        PagedAttention(device="cpu").run(torch.zeros(2, 4, 8), torch.zeros(2, 3, 2, 4, 8))
+
+
+def test_run_rejects_mismatched_tensors():
+    wrapper = PagedAttention(device="cpu")
+    wrapper.plan(torch.tensor([[0, 5]]), torch.tensor([6]), num_q_heads=4, num_kv_heads=2, head_dim=8,
+                 block_size=4, kv_dtype=torch.float32)
+    layer = torch.zeros(2, 6, 2, 4, 8)
+    with pytest.raises(ValueError, match="query must be"):
+        wrapper.run(torch.zeros(1, 2, 8), layer)
+    with pytest.raises(ValueError, match="query must be"):
+        wrapper.run(torch.zeros(1, 4, 8, dtype=torch.bfloat16), layer)
+    with pytest.raises(ValueError, match="kv_layer must be"):
+        wrapper.run(torch.zeros(1, 4, 8), torch.zeros(2, 6, 2, 8, 8))
+    with pytest.raises(ValueError, match="name block 5, but the layer has 5 blocks"):
+        wrapper.run(torch.zeros(1, 4, 8), torch.zeros(2, 5, 2, 4, 8))
+    with pytest.raises(ValueError, match="out must be"):
+        wrapper.run(torch.zeros(1, 4, 8), layer, out=torch.zeros(1, 4, 8, dtype=torch.float64))
+
+
+# ---------------------------------------------------------------- write_kv
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_skips_padding_slots(device, dtype):
+    geometry = KVGeometry(1, 6, 4, 2, 8)
+    kv = allocate_kv_pool(geometry, dtype, device)
+    table = [5, 2, 0]
+    slots = slot_mapping(table, 0, 10, 4)
+    padded = torch.tensor(slots[:4] + [-1, -1] + slots[4:] + [-1], dtype=torch.int32, device=device)
+    key = torch.randn(len(padded), 2, 8, device=device).to(dtype)
+    value = torch.randn(len(padded), 2, 8, device=device).to(dtype)
+    write_kv(kv[0], key, value, padded)
+    real = (padded >= 0).nonzero()[:, 0]
+    expected = torch.zeros_like(kv)
+    for row, slot in zip(real.tolist(), slots):
+        block, offset = divmod(slot, 4)
+        expected[0, 0, block, :, offset] = key[row]
+        expected[0, 1, block, :, offset] = value[row]
+    assert torch.equal(kv, expected)  # the padding rows were written nowhere
+
+
+def test_write_kv_whole_pool_all_layers():
+    geometry = KVGeometry(3, 5, 2, 2, 4)
+    kv = allocate_kv_pool(geometry, torch.float32)
+    slots = torch.tensor([7, -1, 0, 4])
+    key, value = torch.randn(3, 4, 2, 4), torch.randn(3, 4, 2, 4)
+    write_kv(kv, key, value, slots)
+    for layer in range(3):
+        for row, slot in ((0, 7), (2, 0), (3, 4)):
+            block, offset = divmod(slot, 2)
+            assert torch.equal(kv[layer, 0, block, :, offset], key[layer, row])
+            assert torch.equal(kv[layer, 1, block, :, offset], value[layer, row])
+    assert int((kv != 0).sum()) == 3 * 2 * 3 * 2 * 4  # exactly 3 slots x 3 layers x K,V written
+
+
+def test_write_kv_rejects_bad_input():
+    kv = allocate_kv_pool(KVGeometry(1, 2, 4, 2, 8), torch.float32)
+    key = torch.zeros(3, 2, 8)
+    with pytest.raises(ValueError, match="past the pool's 8 slots"):
+        write_kv(kv[0], key, key, torch.tensor([0, 8, -1]))
+    with pytest.raises(ValueError, match="cast it first"):
+        write_kv(kv[0], key.double(), key.double(), torch.tensor([0, 1, 2]))
+    with pytest.raises(ValueError, match="key must be"):
+        write_kv(kv[0], torch.zeros(3, 4, 8), torch.zeros(3, 4, 8), torch.tensor([0, 1, 2]))
+    with pytest.raises(ValueError, match="slot_mapping must be"):
+        write_kv(kv[0], key, key, torch.tensor([0, 1]))
+
+
+# ---------------------------------------------------------------- copy_blocks
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_copy_blocks_copies_every_layer_k_and_v(device):
+    kv = allocate_kv_pool(KVGeometry(2, 6, 4, 2, 8), torch.float32, device).normal_()
+    before = kv.clone()
+    copy_blocks(kv, torch.tensor([[1, 4], [3, 0]], device=device))
+    expected = before.clone()
+    expected[:, :, 4], expected[:, :, 0] = before[:, :, 1], before[:, :, 3]
+    assert torch.equal(kv, expected)
+
+
+def test_copy_blocks_reads_all_sources_before_writing():
+    kv = allocate_kv_pool(KVGeometry(1, 3, 2, 1, 4), torch.float32).normal_()
+    before = kv.clone()
+    copy_blocks(kv, torch.tensor([[0, 1], [1, 0]]))  # a swap
+    assert torch.equal(kv[:, :, 0], before[:, :, 1]) and torch.equal(kv[:, :, 1], before[:, :, 0])
+
+
+def test_copy_blocks_rejects_bad_pairs():
+    kv = allocate_kv_pool(KVGeometry(1, 3, 2, 1, 4), torch.float32)
+    with pytest.raises(ValueError, match="destinations must be distinct"):
+        copy_blocks(kv, torch.tensor([[0, 2], [1, 2]]))
+    with pytest.raises(ValueError, match=r"block ids must be in \[0, 3\)"):
+        copy_blocks(kv, torch.tensor([[0, 3]]))
+    with pytest.raises(ValueError, match="pairs must be"):
+        copy_blocks(kv, torch.tensor([0, 1]))
+
+
+# ---------------------------------------------------------------- layout and device
+
+
+def test_pool_bytes_formula_and_row_view():
+    geometry = KVGeometry(num_layers=2, num_blocks=5, block_size=4, num_kv_heads=3, head_dim=8)
+    kv = allocate_kv_pool(geometry, torch.bfloat16)
+    assert kv.shape == (2, 2, 5, 3, 4, 8)
+    assert geometry.pool_bytes(torch.bfloat16) == 5 * 4 * 2 * 2 * 3 * 8 * 2 == kv.numel() * kv.element_size()
+    assert KVGeometry.of(kv) == geometry
+    kv.normal_()
+    rows = as_rows(kv[1, 0])
+    row = gather_rows(torch.tensor(4), torch.tensor(2), 3)
+    assert torch.equal(rows[row], kv[1, 0, 4, 2].reshape(-1))  # block 4, head 2: b x D contiguous
+
+
+def test_split_slots_inverts_arith():
+    table, block_size = [9, 3, 7], 4
+    slots = torch.tensor([slot_of(table, t, block_size) for t in range(12)])
+    blocks, offsets = split_slots(slots, block_size)
+    assert blocks.tolist() == [table[t // block_size] for t in range(12)]
+    assert offsets.tolist() == [t % block_size for t in range(12)]
+
+
+def test_geometry_and_pool_validation():
+    with pytest.raises(ValueError, match="block_size must be a positive int"):
+        KVGeometry(1, 4, 0, 1, 8)
+    with pytest.raises(ValueError, match="floating-point"):
+        allocate_kv_pool(KVGeometry(1, 1, 1, 1, 1), torch.int8)
+    with pytest.raises(ValueError, match="a KV pool is"):
+        KVGeometry.of(torch.zeros(2, 3, 4))
+
+
+def test_select_device():
+    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    assert select_device().type == expected
+    assert select_device("cpu") == torch.device("cpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="no CUDA GPU"):
+            select_device("cuda")
