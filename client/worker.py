@@ -1,0 +1,69 @@
+"""SDK for a worker's data plane (``blockd.v1.KVShardService``): what a model
+runner in another process calls to write K/V and run attention for a batch at
+a named pool version.
+
+Tensors go out as raw bytes (:mod:`worker.tensors`, torch only, no worker
+state); errors come back as :mod:`client.errors` exceptions, like the blockd
+SDK's. Every call has a deadline.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import grpc
+import torch
+
+from blockd.v1 import worker_pb2 as pb
+from blockd.v1 import worker_pb2_grpc
+from client import calls
+from client.errors import from_rpc_error
+from worker.tensors import from_proto, to_proto
+
+
+class WorkerClient:
+    def __init__(self, target: str, *, timeout_s: float = 30.0) -> None:
+        self.target = target
+        self.timeout_s = timeout_s
+        options = [*calls.channel_options(), ("grpc.max_receive_message_length", 256 << 20),
+                   ("grpc.max_send_message_length", 256 << 20)]
+        self._channel = grpc.insecure_channel(target, options=options)
+        self._stub = worker_pb2_grpc.KVShardServiceStub(self._channel)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> WorkerClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _call(self, method, request):
+        try:
+            return method(request, timeout=self.timeout_s)
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from None
+
+    def stats(self) -> pb.GetWorkerStatsResponse:
+        return self._call(self._stub.GetWorkerStats, pb.GetWorkerStatsRequest())
+
+    def write_kv(self, pool: str, version: int, layer: int, key: torch.Tensor, value: torch.Tensor,
+                 slot_mapping: Sequence[int]) -> None:
+        self._call(self._stub.WriteKV, pb.WriteKVRequest(
+            pool=pool, version=version, layer=layer, key=to_proto(key), value=to_proto(value),
+            slot_mapping=list(slot_mapping)))
+
+    def attention(self, pool: str, version: int, layer: int, seq_ids: Sequence[str],
+                  query_lens: Sequence[int], context_lens: Sequence[int], query: torch.Tensor, *,
+                  key: torch.Tensor | None = None, value: torch.Tensor | None = None,
+                  slot_mapping: Sequence[int] = (), scale: float = 0.0) -> torch.Tensor:
+        """``[sum(query_lens), q_heads, head_dim]`` (see ``AttentionRequest``)."""
+        request = pb.AttentionRequest(pool=pool, version=version, layer=layer, seq_ids=list(seq_ids),
+                                      query_lens=list(query_lens), context_lens=list(context_lens),
+                                      query=to_proto(query), slot_mapping=list(slot_mapping), scale=scale)
+        if key is not None:
+            request.key.CopyFrom(to_proto(key))
+        if value is not None:
+            request.value.CopyFrom(to_proto(value))
+        return from_proto(self._call(self._stub.Attention, request).output, "output")

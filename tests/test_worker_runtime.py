@@ -1,0 +1,124 @@
+"""The worker's in-process API on real tensors: a core Pool drives the replica
+through its deltas; attention at each version equals dense attention."""
+
+import pytest
+import torch
+
+from blockd.core import Allocate, Append, BlockdError, Fork, Free, NotFound, Pool, PoolConfig
+from blockd.core.errors import InvalidArgument
+from tests.dense import dense_attention
+from worker.replica import StaleVersion, TableReplica, VersionUnavailable
+from worker.runtime import ShardSpec, WorkerRuntime
+
+HEADS, Q_HEADS, DIM = 2, 4, 16
+
+
+class Harness:
+    """A pool, a runtime following it, and the full K/V history per sequence."""
+
+    def __init__(self, dtype="float32"):
+        self.config = PoolConfig("p", num_blocks=32, block_size=4, num_layers=2, num_kv_heads=HEADS,
+                                 head_dim=DIM, dtype=dtype)
+        self.pool = Pool(self.config)
+        self.runtime = WorkerRuntime(self.config, device="cpu", version_timeout_s=0.2,
+                                     latest_committed=lambda: self.pool.version)
+        self.history: dict[str, list[torch.Tensor]] = {}  # seq -> per layer [T, H, 2, D]
+        self.gen = torch.Generator().manual_seed(0)
+
+    def step(self, ops):
+        result = self.pool.step(ops)
+        for delta in self.pool.deltas_since(self.runtime.replica.received_version):
+            self.runtime.replica.push(delta)
+        return result
+
+    def rand(self, *shape):
+        return torch.randn(*shape, generator=self.gen).to(self.runtime.dtype)
+
+    def run(self, version, seq_ids, new_counts, slots):
+        """Write new K/V for each sequence and check attention on every layer."""
+        total = sum(new_counts)
+        ctx = [len(self.history.get(s, [torch.empty(0, HEADS, 2, DIM)])[0]) + n
+               for s, n in zip(seq_ids, new_counts)]
+        for layer in range(2):
+            kv = self.rand(total, HEADS, 2, DIM)
+            query = self.rand(total, Q_HEADS, DIM)
+            out = self.runtime.attention(version, layer, seq_ids, new_counts, ctx, query,
+                                         key=kv[:, :, 0].contiguous(), value=kv[:, :, 1].contiguous(),
+                                         slot_mapping=slots)
+            row = 0
+            for s, n in zip(seq_ids, new_counts):
+                hist = self.history.setdefault(s, [torch.empty(0, HEADS, 2, DIM, dtype=kv.dtype)] * 2)
+                hist[layer] = torch.cat([hist[layer], kv[row : row + n]])
+                want = dense_attention(query[row : row + n], hist[layer][:, :, 0], hist[layer][:, :, 1])
+                tol = 1e-4 if kv.dtype == torch.float32 else 3e-2
+                torch.testing.assert_close(out[row : row + n].float(), want, atol=tol, rtol=tol)
+                row += n
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_runtime_follows_versions_and_matches_dense(dtype):
+    h = Harness(dtype)
+    r = h.step([Allocate("a", list(range(7))), Allocate("b", list(range(100, 105)))])
+    h.run(r.version, ["a", "b"], [7, 5], list(r.results[0].slot_mapping + r.results[1].slot_mapping))
+    r = h.step([Fork("a", "c")])
+    h.history["c"] = [t.clone() for t in h.history["a"]]
+    r = h.step([Append("a", [1]), Append("c", [2])])  # a copies the shared half-full block on write
+    assert r.copy_ops
+    h.run(r.version, ["a", "c"], [1, 1], [r.results[0].slot_mapping[0], r.results[1].slot_mapping[0]])
+    r = h.step([Free("b"), Allocate("d", list(range(200, 209)))])  # reuses b's blocks
+    h.run(r.version, ["d"], [9], list(r.results[1].slot_mapping))
+    assert h.runtime.replica.num_copy_ops == 1
+    assert h.runtime.replica.tables == h.pool.tables()
+
+
+def test_versions_stale_future_and_bad_input():
+    h = Harness()
+    r1 = h.step([Allocate("a", [1, 2, 3])])
+    h.run(r1.version, ["a"], [3], list(r1.results[0].slot_mapping))
+    r2 = h.step([Append("a", [4])])
+    q = h.rand(1, Q_HEADS, DIM)
+    h.runtime.attention(r2.version, 0, ["a"], [1], [4], q)
+    with pytest.raises(StaleVersion) as err:
+        h.runtime.attention(r1.version, 0, ["a"], [1], [4], q)
+    assert err.value.code == "FAILED_PRECONDITION"
+    with pytest.raises(VersionUnavailable, match="never committed"):
+        h.runtime.attention(r2.version + 5, 0, ["a"], [1], [4], q)
+    with pytest.raises(NotFound):
+        h.runtime.attention(r2.version, 0, ["zz"], [1], [4], q)
+    for bad in [dict(layer=5), dict(query=h.rand(1, 3, DIM)), dict(query=q.double()),
+                dict(context_lens=[99]), dict(query_lens=[0])]:
+        args = dict(version=r2.version, layer=0, seq_ids=["a"], query_lens=[1], context_lens=[4], query=q)
+        args.update(bad)
+        with pytest.raises(BlockdError) as err:
+            h.runtime.attention(**args)
+        assert err.value.code == "INVALID_ARGUMENT", bad
+    with pytest.raises(InvalidArgument):
+        h.runtime.write_kv(r2.version, 0, h.rand(1, HEADS, DIM), h.rand(1, HEADS, DIM), [10_000])
+
+
+def test_replica_refuses_gaps_and_ignores_duplicates():
+    pool = Pool(PoolConfig("p", num_blocks=8, block_size=2))
+    copies = []
+    replica = TableReplica(copies.extend)
+    for i in range(3):
+        pool.step([Allocate(f"s{i}", [i])])
+    d1, d2, d3 = pool.deltas_since(0)
+    replica.push(d1)
+    replica.push(d1)
+    with pytest.raises(BlockdError):
+        replica.push(d3)
+    replica.push(d2)
+    replica.advance_to(2, 0.1)
+    assert replica.tables == {"s0": [0], "s1": [1]}
+    with pytest.raises(VersionUnavailable):
+        replica.advance_to(3, 0.05)
+
+
+def test_shard_checks():
+    config = PoolConfig("p", num_blocks=4, block_size=2, num_layers=2, num_kv_heads=4, head_dim=8)
+    with pytest.raises(InvalidArgument):
+        WorkerRuntime(config, ShardSpec(0, 3, 0, 4))
+    with pytest.raises(InvalidArgument):
+        WorkerRuntime(PoolConfig("q", num_blocks=4, block_size=2, dtype="int8"))
+    rt = WorkerRuntime(config, ShardSpec(1, 2, 2, 4))
+    assert rt.pool_bytes == 4 * 2 * 1 * 2 * 2 * 8 * 2

@@ -1,0 +1,108 @@
+"""Keeps a worker attached to blockd: registration, heartbeats, and the Watch
+stream that feeds the table replica.
+
+Two daemon threads, both bounded and stoppable:
+
+* the follower reads ``Watch(pool, from_version=received)`` and pushes each
+  delta (or snapshot) into the replica; when the stream breaks (blockd
+  restarted, network blip) it reconnects from the last version received, so
+  there is no gap, and any duplicate is dropped by the replica;
+* the heartbeat thread reports the applied version every ``interval_s``; a
+  NOT_FOUND answer (blockd restarted and forgot its in-memory registry) makes
+  it register again.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from blockd.engine import Snapshot
+from blockd.workers import WorkerInfo
+from client.errors import BlockdClientError, NotFoundError
+from client.sdk import BlockdClient
+from worker.runtime import WorkerRuntime
+
+log = logging.getLogger("blockd.worker")
+
+
+class Follower:
+    def __init__(self, client: BlockdClient, runtime: WorkerRuntime, info: WorkerInfo,
+                 heartbeat_interval_s: float = 1.0, metrics=None) -> None:
+        self.client = client
+        self.runtime = runtime
+        self.info = info
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.metrics = metrics
+        self.connected = threading.Event()
+        self._stop = threading.Event()
+        self._stream = None
+        self._threads = [
+            threading.Thread(target=self._follow, name="blockd-worker-watch", daemon=True),
+            threading.Thread(target=self._heartbeat, name="blockd-worker-heartbeat", daemon=True),
+        ]
+
+    def start(self) -> None:
+        self.client.register_worker(self.info)
+        for thread in self._threads:
+            thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        stream = self._stream
+        if stream is not None and hasattr(stream, "cancel"):
+            stream.cancel()
+        for thread in self._threads:
+            thread.join(timeout=5)
+
+    def _follow(self) -> None:
+        replica, backoff = self.runtime.replica, 0.05
+        while not self._stop.is_set():
+            try:
+                self._stream = self.client.watch(self.info.pool, replica.received_version, timeout_s=None)
+                self.connected.set()
+                for item in self._stream:
+                    if isinstance(item, Snapshot):
+                        log.warning("replica of %s fell behind; loading the snapshot of version %d",
+                                    self.info.pool, item.version)
+                        replica.load_snapshot(item.version, item.tables)
+                    else:
+                        replica.push(item)
+                    if replica.lag > replica.max_pending:
+                        self.runtime.catch_up()
+                    self._report_lag()
+                    backoff = 0.05
+                if not self._stop.is_set():
+                    log.warning("blockd ended the Watch stream of %s (pool deleted?)", self.info.pool)
+                    self._stop.wait(1.0)
+            except BlockdClientError as err:
+                self.connected.clear()
+                if self._stop.is_set():
+                    return
+                log.info("Watch stream broke (%s); reconnecting from version %d", err.code,
+                         replica.received_version)
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, 2.0)
+
+    def _report_lag(self) -> None:
+        if self.metrics is not None:
+            self.metrics.set_replica_lag(self.runtime.replica.lag)
+            self.metrics.set_applied_version(self.runtime.replica.applied_version)
+
+    def latest_committed(self) -> int:
+        """The pool's version as blockd sees it (to refuse versions that never come)."""
+        return self.client.get_pool(self.info.pool).version
+
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(self.heartbeat_interval_s):
+            self._report_lag()
+            try:
+                self.client.heartbeat(self.info.worker_id, self.runtime.replica.applied_version)
+            except NotFoundError:
+                log.info("blockd forgot worker %s; registering again", self.info.worker_id)
+                try:
+                    self.client.register_worker(self.info)
+                except BlockdClientError as err:
+                    log.warning("re-registration failed: %s", err)
+            except BlockdClientError as err:
+                log.debug("heartbeat failed: %s", err)

@@ -1,0 +1,153 @@
+"""A worker's replica of one pool's block tables, advanced version by version.
+
+The replica receives the pool's Watch stream (ordered
+:class:`~blockd.core.types.VersionDelta`\\ s, or a snapshot when it fell too
+far behind) into a pending queue and applies it *lazily*: work that names
+version V first applies every pending delta up to V -- running each
+version's copy ops on the KV memory before its table updates -- and then runs
+on exactly V's tables. Applying lazily matters because KV memory cannot be
+rewound: once V+1's copy ops ran, V's blocks may hold other data, so work for
+an older version than the applied one is refused as stale.
+
+:meth:`trim` applies the oldest pending deltas once more than ``max_pending``
+pile up, so an idle worker's memory stays bounded. Pure Python, thread-safe; the copy op
+executor is injected (the torch shard, or a list in tests).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+
+from blockd.core.errors import InvalidArgument, NotFound, WrongState
+from blockd.core.types import VersionDelta
+
+CopyFn = Callable[[Sequence[tuple[int, int]]], None]
+
+
+class StaleVersion(WrongState):
+    """The work names a version older than the one the replica has applied."""
+
+
+class VersionUnavailable(WrongState):
+    """The named version did not arrive in time (or never will)."""
+
+
+class TableReplica:
+    def __init__(self, copy_blocks: CopyFn, max_pending: int = 4096) -> None:
+        self._copy_blocks = copy_blocks
+        self.max_pending = max_pending
+        self.tables: dict[str, list[int]] = {}
+        self.applied_version = 0
+        #: highest version received (applied or pending)
+        self.received_version = 0
+        self.num_snapshots = 0
+        self.num_copy_ops = 0
+        self._pending: deque[VersionDelta] = deque()
+        self._cond = threading.Condition()
+
+    # --- feeding ---------------------------------------------------------
+    def load_snapshot(self, version: int, tables: dict[str, list[int]]) -> None:
+        """Replace everything with the tables of ``version`` (copy ops of the
+        skipped versions are lost: blockd retains them no longer)."""
+        with self._cond:
+            self.tables = {seq_id: list(t) for seq_id, t in tables.items()}
+            self.applied_version = self.received_version = version
+            self._pending.clear()
+            self.num_snapshots += 1
+            self._cond.notify_all()
+
+    def push(self, delta: VersionDelta) -> None:
+        """Queue the next delta; it must follow the last one received."""
+        with self._cond:
+            if delta.version <= self.received_version:
+                return  # a duplicate after a reconnect: already have it
+            if delta.version != self.received_version + 1:
+                raise WrongState(f"version gap: got {delta.version} after {self.received_version}")
+            self._pending.append(delta)
+            self.received_version = delta.version
+            self._cond.notify_all()
+
+    def trim(self) -> None:
+        """Apply the oldest pending deltas beyond ``max_pending`` (an idle
+        worker's memory stays bounded). The caller must hold whatever lock
+        keeps kernels off the KV memory, as for :meth:`advance_to`."""
+        with self._cond:
+            if len(self._pending) > self.max_pending:
+                self._apply_until(self.received_version - self.max_pending // 2)
+
+    # --- using --------------------------------------------------------------
+    @property
+    def lag(self) -> int:
+        """Versions received but not yet applied."""
+        return self.received_version - self.applied_version
+
+    def advance_to(self, version: int, timeout_s: float,
+                   latest_committed: Callable[[], int] | None = None) -> None:
+        """Make the replica sit exactly at ``version`` (see module docstring).
+
+        Raises :class:`StaleVersion` when already past it, and
+        :class:`VersionUnavailable` when it does not arrive within
+        ``timeout_s`` -- at once if ``latest_committed()`` says the pool never
+        reached it, so a request for a version that can never arrive does not
+        hang.
+        """
+        if type(version) is not int or version < 0:
+            raise InvalidArgument(f"version must be a non-negative integer, got {version!r}")
+        deadline = time.monotonic() + timeout_s
+        checked = False
+        with self._cond:
+            while True:
+                if version < self.applied_version:
+                    raise StaleVersion(
+                        f"version {version} is stale: this worker already applied {self.applied_version}; "
+                        "step the pool again and use the new version")
+                if version <= self.received_version:
+                    self._apply_until(version)
+                    return
+                if latest_committed is not None and not checked:
+                    checked = True
+                    self._cond.release()
+                    try:
+                        latest = latest_committed()
+                    finally:
+                        self._cond.acquire()
+                    if latest < version:
+                        raise VersionUnavailable(
+                            f"version {version} was never committed: the pool is at {latest}")
+                    continue
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise VersionUnavailable(
+                        f"version {version} did not arrive within {timeout_s:.1f}s "
+                        f"(replica at {self.applied_version}, received {self.received_version})")
+                self._cond.wait(remaining)
+
+    def _apply_until(self, version: int) -> None:
+        while self._pending and self._pending[0].version <= version:
+            delta = self._pending.popleft()
+            if delta.copy_ops:
+                self._copy_blocks(delta.copy_ops)
+                self.num_copy_ops += len(delta.copy_ops)
+            for update in delta.updates:
+                if update.freed:
+                    self.tables.pop(update.seq_id, None)
+                else:
+                    table = self.tables.get(update.seq_id, [])
+                    del table[update.keep:]
+                    table.extend(update.block_ids)
+                    self.tables[update.seq_id] = table
+            self.applied_version = delta.version
+
+    def tables_of(self, seq_ids: Sequence[str]) -> list[list[int]]:
+        """Tables at the applied version (call right after :meth:`advance_to`)."""
+        with self._cond:
+            out = []
+            for seq_id in seq_ids:
+                table = self.tables.get(seq_id)
+                if table is None:
+                    raise NotFound(f"sequence {seq_id!r} has no table at version {self.applied_version}")
+                out.append(list(table))
+            return out

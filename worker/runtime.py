@@ -1,0 +1,230 @@
+"""The worker's in-process API: one pool shard's KV memory, its table replica
+and the kernels, behind version-checked calls.
+
+A model runner living in the worker process calls :class:`WorkerRuntime`
+directly; the gRPC service (:mod:`worker.service`) is a thin adapter over the
+same methods. Every call names the pool version its tables come from; the
+runtime advances the replica to exactly that version (running that version's
+copy-on-write copies first) under one execution lock, so kernels never race
+with copy ops.
+
+The shard holds layers ``[layer_start, layer_end)`` and KV heads
+``[kv_head_start, kv_head_end)`` of the pool; a tensor-parallel group of
+workers shares one set of block ids and splits the heads. Layer arguments are
+the pool's global layer indices.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from blockd.core.errors import InvalidArgument
+from blockd.core.types import PoolConfig
+from worker.kernels import PagedAttention, copy_blocks, select_device, write_kv
+from worker.layout import KVGeometry, allocate_kv_pool
+from worker.replica import TableReplica
+
+TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """Which part of a pool this worker holds."""
+
+    layer_start: int
+    layer_end: int
+    kv_head_start: int
+    kv_head_end: int
+
+    @classmethod
+    def whole(cls, config: PoolConfig) -> ShardSpec:
+        return cls(0, config.num_layers, 0, config.num_kv_heads)
+
+    def check(self, config: PoolConfig) -> None:
+        if not 0 <= self.layer_start < self.layer_end <= config.num_layers:
+            raise InvalidArgument(f"layer range [{self.layer_start}, {self.layer_end}) is not inside the "
+                                  f"pool's {config.num_layers} layers")
+        if not 0 <= self.kv_head_start < self.kv_head_end <= config.num_kv_heads:
+            raise InvalidArgument(f"KV head range [{self.kv_head_start}, {self.kv_head_end}) is not inside "
+                                  f"the pool's {config.num_kv_heads} KV heads")
+
+
+class _NoMetrics:
+    def observe_kernel(self, kernel: str, seconds: float) -> None: ...
+    def add_tokens(self, n: int) -> None: ...
+    def add_copy_ops(self, n: int) -> None: ...
+
+
+def _int_tensor(values: Sequence[int] | torch.Tensor, name: str) -> torch.Tensor:
+    if isinstance(values, torch.Tensor):
+        return values.to(torch.int64)
+    try:
+        return torch.tensor(list(values), dtype=torch.int64)
+    except (TypeError, ValueError, RuntimeError, OverflowError) as err:
+        raise InvalidArgument(f"{name} must be a list of integers: {err}") from None
+
+
+class WorkerRuntime:
+    def __init__(self, config: PoolConfig, shard: ShardSpec | None = None, *, device: str | None = None,
+                 version_timeout_s: float = 5.0, latest_committed: Callable[[], int] | None = None,
+                 metrics=None) -> None:
+        if config.dtype not in TORCH_DTYPES:
+            raise InvalidArgument(f"workers hold float32, float16 or bfloat16 pools, not {config.dtype}")
+        self.config = config
+        self.shard = shard or ShardSpec.whole(config)
+        self.shard.check(config)
+        self.device = select_device(device)
+        self.dtype = TORCH_DTYPES[config.dtype]
+        self.geometry = KVGeometry(
+            num_layers=self.shard.layer_end - self.shard.layer_start, num_blocks=config.num_blocks,
+            num_kv_heads=self.shard.kv_head_end - self.shard.kv_head_start, block_size=config.block_size,
+            head_dim=config.head_dim)
+        self.kv = allocate_kv_pool(self.geometry, self.dtype, self.device)
+        self.replica = TableReplica(self._copy_blocks)
+        self.version_timeout_s = version_timeout_s
+        self.latest_committed = latest_committed
+        self.metrics = metrics or _NoMetrics()
+        self.tokens_processed = 0
+        self._attention = PagedAttention(self.device)
+        self._plan_key: tuple | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def pool_bytes(self) -> int:
+        return self.kv.numel() * self.kv.element_size()
+
+    # --- replica feeding (the Watch follower calls these) ---------------------
+    def catch_up(self) -> None:
+        """Apply old pending deltas when too many piled up (idle worker)."""
+        with self._lock:
+            self.replica.trim()
+
+    def _copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
+        start = time.perf_counter()
+        copy_blocks(self.kv, torch.tensor(pairs, dtype=torch.int64, device=self.device).view(-1, 2))
+        self.metrics.observe_kernel("copy_blocks", time.perf_counter() - start)
+        self.metrics.add_copy_ops(len(pairs))
+
+    # --- checks -----------------------------------------------------------
+    def _local_layer(self, layer: int) -> int:
+        if type(layer) is not int or not self.shard.layer_start <= layer < self.shard.layer_end:
+            raise InvalidArgument(f"layer {layer!r} is not held by this worker (it holds "
+                                  f"[{self.shard.layer_start}, {self.shard.layer_end}))")
+        return layer - self.shard.layer_start
+
+    def _check_tensor(self, tensor: torch.Tensor, name: str, shape: tuple) -> torch.Tensor:
+        if not isinstance(tensor, torch.Tensor):
+            raise InvalidArgument(f"{name} must be a tensor")
+        if tensor.dtype != self.dtype:
+            raise InvalidArgument(f"{name} is {tensor.dtype} but the pool holds {self.dtype}")
+        if tuple(tensor.shape) != shape:
+            raise InvalidArgument(f"{name} must have shape {list(shape)}, got {list(tensor.shape)}")
+        return tensor.to(self.device)
+
+    def _check_slots(self, slot_mapping, num_tokens: int) -> torch.Tensor:
+        slots = _int_tensor(slot_mapping, "slot_mapping")
+        if slots.dim() != 1 or slots.numel() != num_tokens:
+            raise InvalidArgument(f"slot_mapping needs one slot per token ({num_tokens}), got {slots.numel()}")
+        limit = self.config.num_blocks * self.config.block_size
+        if num_tokens and int(slots.max()) >= limit:
+            raise InvalidArgument(f"slot {int(slots.max())} is past the pool's {limit} slots")
+        return slots
+
+    # --- the data plane --------------------------------------------------------
+    def _advance(self, version: int) -> None:
+        self.replica.advance_to(version, self.version_timeout_s, self.latest_committed)
+
+    def write_kv(self, version: int, layer: int, key: torch.Tensor, value: torch.Tensor,
+                 slot_mapping: Sequence[int] | torch.Tensor) -> None:
+        """Store ``key``/``value`` ``[num_tokens, local_kv_heads, head_dim]`` in their slots."""
+        local = self._local_layer(layer)
+        n = key.shape[0] if isinstance(key, torch.Tensor) and key.dim() else -1
+        shape = (n, self.geometry.num_kv_heads, self.geometry.head_dim)
+        key, value = self._check_tensor(key, "key", shape), self._check_tensor(value, "value", shape)
+        slots = self._check_slots(slot_mapping, n)
+        with self._lock:
+            self._advance(version)
+            start = time.perf_counter()
+            write_kv(self.kv[local], key, value, slots.to(self.device))
+            self.metrics.observe_kernel("write_kv", time.perf_counter() - start)
+
+    def attention(self, version: int, layer: int, seq_ids: Sequence[str], query_lens: Sequence[int],
+                  context_lens: Sequence[int], query: torch.Tensor, *, key: torch.Tensor | None = None,
+                  value: torch.Tensor | None = None, slot_mapping: Sequence[int] | None = None,
+                  scale: float | None = None) -> torch.Tensor:
+        """Paged attention of ``query`` ``[sum(query_lens), local_q_heads, head_dim]``
+        for sequences ``seq_ids`` at ``version``; each sequence's query tokens are
+        the last ``query_lens[i]`` of its ``context_lens[i]`` tokens. With ``key``,
+        ``value`` and ``slot_mapping`` the new tokens' K/V are written first.
+        Returns ``[sum(query_lens), local_q_heads, head_dim]`` in the pool dtype."""
+        local = self._local_layer(layer)
+        q_lens = _int_tensor(query_lens, "query_lens")
+        ctx = _int_tensor(context_lens, "context_lens")
+        if not (len(seq_ids) == q_lens.numel() == ctx.numel()) or not seq_ids:
+            raise InvalidArgument("seq_ids, query_lens and context_lens need one entry per sequence, "
+                                  f"got {len(seq_ids)}, {q_lens.numel()}, {ctx.numel()}")
+        if bool((q_lens < 1).any()) or bool((ctx < q_lens).any()):
+            raise InvalidArgument("each sequence needs 1 <= query_len <= context_len")
+        total = int(q_lens.sum())
+        heads = query.shape[1] if isinstance(query, torch.Tensor) and query.dim() == 3 else -1
+        if heads <= 0 or heads % self.geometry.num_kv_heads:
+            raise InvalidArgument(f"query must be [tokens, q_heads, head_dim] with q_heads a multiple of the "
+                                  f"worker's {self.geometry.num_kv_heads} KV heads")
+        query = self._check_tensor(query, "query", (total, heads, self.geometry.head_dim))
+        with self._lock:
+            self._advance(version)
+            if key is not None or value is not None or slot_mapping is not None:
+                if key is None or value is None or slot_mapping is None:
+                    raise InvalidArgument("key, value and slot_mapping go together")
+                shape = (total, self.geometry.num_kv_heads, self.geometry.head_dim)
+                key, value = self._check_tensor(key, "key", shape), self._check_tensor(value, "value", shape)
+                slots = self._check_slots(slot_mapping, total).to(self.device)
+                start = time.perf_counter()
+                write_kv(self.kv[local], key, value, slots)
+                self.metrics.observe_kernel("write_kv", time.perf_counter() - start)
+            self._plan(version, seq_ids, q_lens, ctx, heads, scale)
+            start = time.perf_counter()
+            out = self._attention.run(query, self.kv[local])
+            self.metrics.observe_kernel("attention", time.perf_counter() - start)
+        self.tokens_processed += total
+        self.metrics.add_tokens(total)
+        return out
+
+    def _plan(self, version, seq_ids, q_lens, ctx, heads, scale) -> None:
+        """Plan once per batch: every layer of a forward pass reuses it."""
+        key = (version, tuple(seq_ids), tuple(q_lens.tolist()), tuple(ctx.tolist()), heads, scale)
+        if key == self._plan_key:
+            return
+        tables = self.replica.tables_of(seq_ids)
+        b = self.config.block_size
+        for seq_id, table, n in zip(seq_ids, tables, ctx.tolist()):
+            if n > len(table) * b:
+                raise InvalidArgument(f"sequence {seq_id!r} has {len(table)} blocks at version {version}, "
+                                      f"too few for context length {n}")
+        width = max(len(t) for t in tables) or 1
+        padded = torch.zeros((len(tables), width), dtype=torch.int64)
+        for i, table in enumerate(tables):
+            padded[i, : len(table)] = torch.tensor(table, dtype=torch.int64)
+        starts = torch.zeros(len(tables) + 1, dtype=torch.int64)
+        torch.cumsum(q_lens, 0, out=starts[1:])
+        decode = bool((q_lens == 1).all())
+        self._attention.plan(padded, ctx, None if decode else starts, num_q_heads=heads,
+                             num_kv_heads=self.geometry.num_kv_heads, head_dim=self.geometry.head_dim,
+                             block_size=b, kv_dtype=self.dtype, scale=scale)
+        self._plan_key = key
+
+    def stats(self) -> dict:
+        return {
+            "applied_version": self.replica.applied_version,
+            "received_version": self.replica.received_version,
+            "num_sequences": len(self.replica.tables),
+            "tokens_processed": self.tokens_processed,
+            "copy_ops_applied": self.replica.num_copy_ops,
+            "snapshots_loaded": self.replica.num_snapshots,
+            "pool_bytes": self.pool_bytes,
+        }

@@ -1,0 +1,101 @@
+"""The worker's gRPC server: ``blockd.v1.KVShardService`` over a
+:class:`~worker.runtime.WorkerRuntime`, plus the stock health and reflection
+services.
+
+The servicer is a thin adapter: decode tensors (:mod:`worker.tensors`), call
+the runtime, encode the result. Failures leave through blockd's one error
+mapping (:mod:`blockd.service.errors`): bad shapes or dtypes are
+INVALID_ARGUMENT, unknown sequences NOT_FOUND, stale or never-arriving
+versions FAILED_PRECONDITION; nothing leaks as UNKNOWN.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent import futures
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from blockd.core.errors import InvalidArgument, NotFound
+from blockd.service.errors import unary
+from blockd.service.server import _handlers, split_address
+from blockd.v1 import worker_pb2 as pb
+from worker.runtime import WorkerRuntime
+from worker.tensors import from_proto, to_proto
+
+log = logging.getLogger("blockd.worker")
+
+SERVICE = pb.DESCRIPTOR.services_by_name["KVShardService"]
+
+
+class KVShardServicer:
+    def __init__(self, runtime: WorkerRuntime, worker_id: str, device: str) -> None:
+        self.runtime = runtime
+        self.worker_id = worker_id
+        self.device = device
+
+    def _check_pool(self, pool: str) -> None:
+        if pool != self.runtime.config.name:
+            raise NotFound(f"this worker holds pool {self.runtime.config.name!r}, not {pool!r}")
+
+    @unary
+    def GetWorkerStats(self, request, context):
+        shard, stats = self.runtime.shard, self.runtime.stats()
+        return pb.GetWorkerStatsResponse(
+            worker_id=self.worker_id, pool=self.runtime.config.name, layer_start=shard.layer_start,
+            layer_end=shard.layer_end, kv_head_start=shard.kv_head_start, kv_head_end=shard.kv_head_end,
+            device=self.device, dtype=self.runtime.config.dtype, **stats)
+
+    @unary
+    def WriteKV(self, request, context):
+        self._check_pool(request.pool)
+        self.runtime.write_kv(request.version, request.layer, from_proto(request.key, "key"),
+                              from_proto(request.value, "value"), list(request.slot_mapping))
+        return pb.WriteKVResponse(version=request.version)
+
+    @unary
+    def Attention(self, request, context):
+        self._check_pool(request.pool)
+        has_kv = request.HasField("key") or request.HasField("value")
+        if has_kv and not (request.HasField("key") and request.HasField("value")):
+            raise InvalidArgument("key and value go together")
+        out = self.runtime.attention(
+            request.version, request.layer, list(request.seq_ids), list(request.query_lens),
+            list(request.context_lens), from_proto(request.query, "query"),
+            key=from_proto(request.key, "key") if has_kv else None,
+            value=from_proto(request.value, "value") if has_kv else None,
+            slot_mapping=list(request.slot_mapping) if has_kv else None,
+            scale=request.scale or None)
+        return pb.AttentionResponse(output=to_proto(out), version=request.version)
+
+
+class WorkerServer:
+    """The worker's gRPC endpoint (port 0 picks a free port)."""
+
+    def __init__(self, runtime: WorkerRuntime, worker_id: str, listen: str = "127.0.0.1:0",
+                 max_workers: int = 8) -> None:
+        host, _ = split_address(listen)
+        options = [("grpc.max_receive_message_length", 256 << 20), ("grpc.max_send_message_length", 256 << 20)]
+        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers, thread_name_prefix="worker-rpc"),
+                                   options=options)
+        servicer = KVShardServicer(runtime, worker_id, str(runtime.device))
+        self._server.add_registered_method_handlers(SERVICE.full_name, _handlers(servicer, SERVICE))
+        self.health = health.HealthServicer(experimental_non_blocking=True)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
+        reflection.enable_server_reflection((SERVICE.full_name, health.SERVICE_NAME, reflection.SERVICE_NAME),
+                                            self._server)
+        self.port = self._server.add_insecure_port(listen)
+        if self.port == 0:
+            raise OSError(f"cannot listen on {listen!r}")
+        self.address = f"{host}:{self.port}"
+
+    def start(self) -> None:
+        self._server.start()
+        for name in ("", SERVICE.full_name):
+            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+    def stop(self, grace_s: float = 2.0) -> None:
+        self.health.enter_graceful_shutdown()
+        self._server.stop(grace_s).wait()
