@@ -11,6 +11,9 @@ flag                env                    default
 ``--metrics-port``  ``BLOCKD_METRICS_PORT``  ``0``: no metrics endpoint
 ==================  =====================  ==================================
 
+With a metrics port, :mod:`blockd.metrics` (optional) times RPCs through a
+server interceptor and WAL fsyncs through the engine, and serves ``/metrics``.
+
 When the server is up it prints ``blockd listening on HOST:PORT`` (the real
 port when 0 was asked for) on stdout; tests and scripts wait for that line.
 SIGTERM and SIGINT shut down gracefully: stop accepting calls, give in-flight
@@ -60,24 +63,32 @@ def build_parser() -> argparse.ArgumentParser:
                        help="log records between snapshots")
     serve.add_argument("--metrics-port", type=int, default=_env_int("BLOCKD_METRICS_PORT", 0),
                        help="Prometheus metrics port; 0 = off [env BLOCKD_METRICS_PORT]")
-    serve.add_argument("--max-workers", type=int, default=32,
-                       help="RPC threads (each open Watch/Events stream holds one)")
+    serve.add_argument("--max-workers", type=int, default=128,
+                       help="most RPC threads; each open Watch/Events stream holds one while open")
     serve.add_argument("--grace-s", type=float, default=5.0,
                        help="seconds in-flight calls get to finish on shutdown")
     serve.add_argument("--log-level", default=os.environ.get("BLOCKD_LOG_LEVEL", "INFO"))
     return parser
 
 
-def _start_metrics(engine, port: int) -> None:
-    """Hand the engine to ``blockd.metrics`` when that optional module exists."""
+def _load_metrics(port: int):
+    """``blockd.metrics.BlockdMetrics`` when a port is asked for and the module
+    exists (it is optional); None otherwise."""
     if not port:
-        return
+        return None
     if importlib.util.find_spec("blockd.metrics") is None:
         log.warning("--metrics-port %d given but blockd.metrics is not installed; metrics are off", port)
-        return
-    metrics = importlib.import_module("blockd.metrics")
-    metrics.start_metrics_server(engine, port)
-    log.info("metrics on port %d", port)
+        return None
+    return importlib.import_module("blockd.metrics").BlockdMetrics()
+
+
+def _start_metrics(engine, port: int, metrics):
+    """Serve ``/metrics``; returns the HTTP server (``close()``), or None."""
+    if metrics is None:
+        return None
+    _, http = importlib.import_module("blockd.metrics").start_metrics_server(engine, port, metrics)
+    log.info("metrics on http://%s:%d/metrics", http.addr, http.port)
+    return http
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -88,9 +99,11 @@ def serve(args: argparse.Namespace) -> int:
     if args.fsync not in FSYNC_POLICIES:
         raise SystemExit(f"--fsync must be one of {', '.join(FSYNC_POLICIES)}, got {args.fsync!r}")
     log.info("data dir: %s; fsync: %s", args.data_dir or "none (in memory)", args.fsync)
+    metrics = _load_metrics(args.metrics_port)
     try:
         engine = Engine(data_dir=args.data_dir, fsync=args.fsync, fsync_interval_s=args.fsync_interval_s,
-                        snapshot_every=args.snapshot_every)
+                        snapshot_every=args.snapshot_every,
+                        observe_wal_sync=metrics.observe_wal_sync if metrics is not None else None)
     except (BlockdError, OSError, ValueError) as err:
         log.error("cannot open the engine: %s", err)
         return 1
@@ -98,12 +111,13 @@ def serve(args: argparse.Namespace) -> int:
         log.info("pool %s: %d blocks of %d, %d sequences, version %d", stats.name, stats.num_blocks,
                  stats.block_size, stats.num_seqs, stats.version)
     try:
-        server = BlockdServer(engine, args.listen, max_workers=args.max_workers, grace_s=args.grace_s)
+        server = BlockdServer(engine, args.listen, max_workers=args.max_workers, grace_s=args.grace_s,
+                              interceptors=[metrics.interceptor()] if metrics is not None else [])
+        http = _start_metrics(engine, args.metrics_port, metrics)
     except (OSError, ValueError, RuntimeError) as err:
-        log.error("cannot listen on %s: %s", args.listen, err)
+        log.error("cannot serve on %s (metrics port %d): %s", args.listen, args.metrics_port, err)
         engine.close()
         return 1
-    _start_metrics(engine, args.metrics_port)
 
     stop = threading.Event()
 
@@ -119,6 +133,8 @@ def serve(args: argparse.Namespace) -> int:
     while not stop.wait(0.5):
         pass
     server.stop()
+    if http is not None:
+        http.close()
     return 0
 
 

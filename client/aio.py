@@ -12,21 +12,36 @@ the sync client); the same deadlines, retries and request ids apply.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
+from typing import TYPE_CHECKING
 
 import grpc
 import grpc.aio
 
 from blockd.core.hashing import ExtraKeys
 from blockd.core.types import (
-    Allocate, Append, Commit, DecodeAppend, Fork, Free, KVEvent, Op, OpResult, PoolConfig, PoolStats,
-    StepResult, VersionDelta,
+    Allocate,
+    Append,
+    Commit,
+    DecodeAppend,
+    Fork,
+    Free,
+    KVEvent,
+    Op,
+    OpResult,
+    PoolConfig,
+    PoolStats,
+    StepResult,
+    VersionDelta,
 )
 from blockd.engine import SequenceInfo, Snapshot
 from blockd.workers import WorkerInfo, WorkerStatus
 from client import calls
 from client.calls import Call
 from client.errors import from_rpc_error
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 
 class AsyncBlockdClient:
@@ -42,7 +57,7 @@ class AsyncBlockdClient:
     async def close(self) -> None:
         await self._channel.close()
 
-    async def __aenter__(self) -> AsyncBlockdClient:
+    async def __aenter__(self) -> Self:
         return self
 
     async def __aexit__(self, *exc) -> None:
@@ -56,7 +71,7 @@ class AsyncBlockdClient:
             raise from_rpc_error(err) from None
         return call.reply(reply)
 
-    async def _stream(self, call: Call, *args, timeout_s: float | None = None) -> AsyncIterator:
+    async def _stream(self, call: Call, *args, timeout_s: float | None = None) -> AsyncGenerator:
         stream = self._rpc[call.method](call.request(*args), timeout=timeout_s)
         try:
             async for reply in stream:
@@ -122,11 +137,15 @@ class AsyncBlockdClient:
         return await self._call(calls.GET_SEQUENCE, pool, seq_id)
 
     def watch(self, pool: str, from_version: int = 0, *,
-              timeout_s: float | None = None) -> AsyncIterator[Snapshot | VersionDelta]:
+              timeout_s: float | None = None) -> AsyncGenerator[Snapshot | VersionDelta, None]:
+        """Like :meth:`client.sdk.BlockdClient.watch`. An async generator is only
+        finalised when closed: leave it early inside ``contextlib.aclosing(...)``
+        (or ``await it.aclose()``) so the call is cancelled at once."""
         return self._stream(calls.WATCH, pool, from_version, timeout_s=timeout_s)
 
     def events(self, pool: str, from_seq_no: int = 0, *,
-               timeout_s: float | None = None) -> AsyncIterator[KVEvent]:
+               timeout_s: float | None = None) -> AsyncGenerator[KVEvent, None]:
+        """Like :meth:`client.sdk.BlockdClient.events`; close it as :meth:`watch` says."""
         return self._stream(calls.EVENTS, pool, from_seq_no, timeout_s=timeout_s)
 
     async def lookup_prefix(self, token_ids: Sequence[int], extra_keys: ExtraKeys | None = None,

@@ -80,7 +80,7 @@ def _rid(request_id: str | None) -> str:
 
 
 def _step_request(pool: str, ops: Sequence[Op], request_id: str | None = None) -> pb.StepRequest:
-    return pb.StepRequest(pool=pool, ops=[convert.op_to_proto(op) for op in ops], request_id=_rid(request_id))
+    return convert.step_request_to_proto(pool, ops, _rid(request_id))
 
 
 def _only_result(reply: pb.StepResponse) -> OpResult:

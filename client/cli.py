@@ -5,15 +5,15 @@
     blockctl pools show NAME
     blockctl seq show POOL SEQ
     blockctl events tail POOL [--from N] [--limit N] [--follow]
+    blockctl top [--interval S] [--once]
 
 Human-readable tables by default; ``--json`` prints JSON (events as one object
 per line, so a tail can be piped). The target defaults to ``$BLOCKD_TARGET``
 or ``127.0.0.1:50051``. Exit status: 0 ok, 1 the call failed (the status and
 blockd's message go to stderr), 2 bad usage.
 
-Each command group registers itself in :data:`COMMANDS`; ``blockctl top``
-(its own issue) is meant to be added there as one more module-level
-``add_*`` function.
+Each command group registers itself in :data:`COMMANDS` through one
+``add_*(subparsers)`` function; ``blockctl top`` is :mod:`client.top`'s.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from blockd.core.types import PoolConfig
 from client.calls import DEFAULT_TARGET
 from client.errors import BlockdClientError
 from client.sdk import BlockdClient
+from client.top import add_top
 
 #: events `events tail` shows when no --from is given, like tail(1)
 TAIL_DEFAULT = 10
@@ -50,15 +51,15 @@ def _jsonable(value):
 
 def render_table(headers: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
     """Left-aligned text columns, two spaces apart; numbers right-aligned."""
-    rows = [[str(cell) for cell in row] for row in rows]
-    widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(headers)]
-    numeric = [all(r[i].lstrip("-").isdigit() for r in rows) and rows != [] for i in range(len(headers))]
+    cells = [[str(cell) for cell in row] for row in rows]
+    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
+    numeric = [bool(cells) and all(r[i].lstrip("-").isdigit() for r in cells) for i in range(len(headers))]
 
     def line(cells: Sequence[str]) -> str:
         return "  ".join(c.rjust(w) if num else c.ljust(w)
                          for c, w, num in zip(cells, widths, numeric)).rstrip()
 
-    return "\n".join([line([h.upper() for h in headers]), *(line(r) for r in rows)])
+    return "\n".join([line([h.upper() for h in headers]), *(line(r) for r in cells)])
 
 
 def _emit(args: argparse.Namespace, data: object, human: Callable[[], str]) -> None:
@@ -174,8 +175,8 @@ def add_events(sub: argparse._SubParsersAction) -> None:
     tail.set_defaults(run=_events_tail)
 
 
-#: command groups; `blockctl top` joins this list in its own issue
-COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [add_pools, add_seq, add_events]
+#: command groups, each registering its subcommands (``top`` lives in client.top)
+COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [add_pools, add_seq, add_events, add_top]
 
 
 def build_parser() -> argparse.ArgumentParser:

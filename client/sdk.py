@@ -20,20 +20,35 @@ Requests and replies are built and read in :mod:`client.calls`, shared with
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Sequence
+from typing import TYPE_CHECKING
 
 import grpc
 
 from blockd.core.hashing import ExtraKeys
 from blockd.core.types import (
-    Allocate, Append, Commit, DecodeAppend, Fork, Free, KVEvent, Op, OpResult, PoolConfig, PoolStats,
-    StepResult, VersionDelta,
+    Allocate,
+    Append,
+    Commit,
+    DecodeAppend,
+    Fork,
+    Free,
+    KVEvent,
+    Op,
+    OpResult,
+    PoolConfig,
+    PoolStats,
+    StepResult,
+    VersionDelta,
 )
 from blockd.engine import SequenceInfo, Snapshot
 from blockd.workers import WorkerInfo, WorkerStatus
 from client import calls
 from client.calls import Call
 from client.errors import from_rpc_error
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 
 class BlockdClient:
@@ -49,7 +64,7 @@ class BlockdClient:
     def close(self) -> None:
         self._channel.close()
 
-    def __enter__(self) -> BlockdClient:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -63,7 +78,7 @@ class BlockdClient:
             raise from_rpc_error(err) from None
         return call.reply(reply)
 
-    def _stream(self, call: Call, *args, timeout_s: float | None = None) -> Iterator:
+    def _stream(self, call: Call, *args, timeout_s: float | None = None) -> Generator:
         stream = self._rpc[call.method](call.request(*args), timeout=timeout_s)
         try:
             for reply in stream:
@@ -131,12 +146,13 @@ class BlockdClient:
         return self._call(calls.GET_SEQUENCE, pool, seq_id)
 
     def watch(self, pool: str, from_version: int = 0, *,
-              timeout_s: float | None = None) -> Iterator[Snapshot | VersionDelta]:
+              timeout_s: float | None = None) -> Generator[Snapshot | VersionDelta, None, None]:
         """Deltas after ``from_version`` (a snapshot first when they are gone),
         then new ones as they commit; ends when the pool is deleted."""
         return self._stream(calls.WATCH, pool, from_version, timeout_s=timeout_s)
 
-    def events(self, pool: str, from_seq_no: int = 0, *, timeout_s: float | None = None) -> Iterator[KVEvent]:
+    def events(self, pool: str, from_seq_no: int = 0, *,
+               timeout_s: float | None = None) -> Generator[KVEvent, None, None]:
         """KV events with ``seq_no > from_seq_no``, in order, then new ones."""
         return self._stream(calls.EVENTS, pool, from_seq_no, timeout_s=timeout_s)
 

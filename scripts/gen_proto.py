@@ -39,8 +39,8 @@ def _plugin(name: str) -> str:
 
 def generate(out_dir: Path) -> list[Path]:
     """Run protoc over every .proto file into ``out_dir``; return what it wrote."""
-    from grpc_tools import protoc  # dev-only dependency, so imported here
     import grpc_tools
+    from grpc_tools import protoc  # dev-only dependency, so imported here
 
     sources = sorted(p.relative_to(PROTO_ROOT).as_posix() for p in PROTO_ROOT.rglob("*.proto"))
     if not sources:

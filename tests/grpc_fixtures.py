@@ -122,6 +122,6 @@ def daemon() -> Iterator:
 def run_module():
     def run(module: str, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=python_env(**(env or {})),
-                              capture_output=True, text=True, timeout=60)
+                              capture_output=True, text=True, timeout=60, check=False)
 
     return run

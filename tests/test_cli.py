@@ -4,6 +4,8 @@ as a process: the ready line, env settings, SIGTERM, recovery from a data dir.""
 from __future__ import annotations
 
 import json
+import socket
+import urllib.request
 
 import pytest
 
@@ -108,3 +110,16 @@ def test_serve_process_blockctl_and_sigterm(daemon, run_module, tmp_path) -> Non
 def test_serve_refuses_a_bad_fsync_policy(run_module) -> None:
     proc = run_module("blockd.cli", "serve", "--listen", "127.0.0.1:0", env={"BLOCKD_FSYNC": "sometimes"})
     assert proc.returncode != 0 and "--fsync must be one of always, interval, never" in proc.stderr
+
+
+def test_serve_passes_the_metrics_port_through(daemon) -> None:
+    with socket.socket() as probe:  # a port that was free a moment ago
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    d = daemon("--listen", "127.0.0.1:0", env={"BLOCKD_METRICS_PORT": str(port)})
+    with BlockdClient(d.address) as c:
+        c.create_pool(PoolConfig("m", num_blocks=8, block_size=4))
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    assert 'blockd_rpc_duration_seconds_count{code="OK",method="blockd.v1.PoolService/CreatePool"} 1.0' in text
+    assert d.stop() == 0

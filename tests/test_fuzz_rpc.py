@@ -22,6 +22,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from blockd.core import Allocate, Append, Commit, ExtraKeys, Fork, Free
+from blockd.core.types import DecodeAppend
 from blockd.engine import Engine
 from blockd.service import convert
 from blockd.service.server import BlockdServer
@@ -176,7 +178,7 @@ def observe(engine: Engine, names: list[str]) -> dict:
 
 
 @pytest.fixture(scope="module")
-def daemon():
+def fuzz_daemon():
     server = BlockdServer(Engine(), "127.0.0.1:0", max_workers=8)
     server.start()
     channel = grpc.insecure_channel(server.address)
@@ -192,8 +194,8 @@ valid_config = st.fixed_dictionaries({"num_blocks": st.integers(1, 24), "block_s
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                   HealthCheck.function_scoped_fixture])
 @given(first=valid_config, requests=st.lists(request, min_size=4, max_size=24))
-def test_random_requests_never_break_the_daemon(daemon, first, requests) -> None:
-    server, channel = daemon
+def test_random_requests_never_break_the_daemon(fuzz_daemon, first, requests) -> None:
+    server, channel = fuzz_daemon
     run = Run(channel)
     # most random requests need a pool to mean anything: start each example with one
     for kind, body in [("CreatePool", (0, first, None)), *requests]:
@@ -203,8 +205,8 @@ def test_random_requests_never_break_the_daemon(daemon, first, requests) -> None
     assert observe(server.engine, names) == observe(replay(run.accepted), names)
 
 
-def test_daemon_still_serving_after_fuzzing(daemon) -> None:
-    server, channel = daemon
+def test_daemon_still_serving_after_fuzzing(fuzz_daemon) -> None:
+    server, channel = fuzz_daemon
     reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
     assert reply.status == health_pb2.HealthCheckResponse.SERVING
     pb_grpc.PoolServiceStub(channel).ListPools(pb.ListPoolsRequest(), timeout=5)
@@ -213,8 +215,8 @@ def test_daemon_still_serving_after_fuzzing(daemon) -> None:
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(stream=st.sampled_from(["Watch", "Events"]), pool=pool_sym, start=u64, steps=st.integers(0, 3))
-def test_random_stream_requests(daemon, stream, pool, start, steps) -> None:
-    server, channel = daemon
+def test_random_stream_requests(fuzz_daemon, stream, pool, start, steps) -> None:
+    server, channel = fuzz_daemon
     run = Run(channel)
     if pool == 0:
         run.send("CreatePool", (0, {"num_blocks": 8, "block_size": 2, "watermark_blocks": 0}, None))
@@ -230,3 +232,25 @@ def test_random_stream_requests(daemon, stream, pool, start, steps) -> None:
     except grpc.RpcError as err:
         assert err.code() in ALLOWED | {grpc.StatusCode.DEADLINE_EXCEEDED}, err.details()
     server.engine.check_invariants()
+
+
+core_op = st.one_of(
+    st.builds(Allocate, seq_id, tokens, st.builds(ExtraKeys, model_id=st.sampled_from(["", "m"]),
+                                                  mm_hashes=st.lists(st.just("h"), max_size=2).map(tuple))),
+    st.builds(Append, seq_id, tokens),
+    st.builds(DecodeAppend, st.lists(seq_id.filter(bool), max_size=3), st.lists(token, max_size=3)),
+    st.builds(Commit, seq_id.filter(bool), st.integers(0, 2**64 - 1)),
+    st.builds(Fork, seq_id.filter(bool), seq_id.filter(bool)),
+    st.builds(Free, seq_id.filter(bool)),
+)
+
+
+@given(ops=st.lists(core_op.filter(lambda o: getattr(o, "seq_id", "x") != ""), max_size=4))
+def test_ops_survive_the_wire(ops) -> None:
+    """What the SDK writes is what the servicer reads (lists compared as lists)."""
+    wire = pb.StepRequest.FromString(convert.step_request_to_proto("p", ops, "r").SerializeToString())
+    back = convert.ops_from_proto(wire.ops)
+    assert [type(o) for o in back] == [type(o) for o in ops]
+    for sent, got in zip(ops, back):
+        for name, value in vars(sent).items():
+            assert getattr(got, name) == (list(value) if isinstance(value, list) else value)

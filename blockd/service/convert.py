@@ -16,6 +16,8 @@ internals.
 
 from __future__ import annotations
 
+from typing import Literal
+
 from blockd.core.hashing import NO_EXTRA_KEYS, ExtraKeys
 from blockd.core.types import (
     ALL_BLOCKS_CLEARED,
@@ -51,7 +53,9 @@ _EVENT_KINDS = {
 }
 _EVENT_NAMES = {number: name for name, number in _EVENT_KINDS.items()}
 _CONFIG_DEFAULTS = {name: f.default for name, f in PoolConfig.__dataclass_fields__.items()}
-_OPTIONAL_CONFIG = ("num_layers", "num_kv_heads", "head_dim", "dtype", "max_retained_versions")
+_OptionalField = Literal["num_layers", "num_kv_heads", "head_dim", "dtype", "max_retained_versions"]
+_OPTIONAL_CONFIG: tuple[_OptionalField, ...] = (
+    "num_layers", "num_kv_heads", "head_dim", "dtype", "max_retained_versions")
 
 
 def require_id(value: str, field: str, op_index: int | None = None) -> str:
@@ -111,16 +115,15 @@ def op_from_proto(msg: pb.Op, index: int) -> Op:
     kind = msg.WhichOneof("kind")
     where = f"ops[{index}].{kind}"
     if kind == "decode_append":
-        body = msg.decode_append
-        seq_ids = list(body.seq_ids)
+        seq_ids = list(msg.decode_append.seq_ids)
         if "" in seq_ids:
             raise BadField(f"{where}.seq_ids[{seq_ids.index('')}]", "must be a non-empty sequence id",
                            op_index=index)
-        return DecodeAppend(seq_ids, list(body.token_ids))
+        return DecodeAppend(seq_ids, list(msg.decode_append.token_ids))
     if kind == "allocate":
-        body = msg.allocate
-        extra = extra_keys_from_proto(body.extra_keys) if body.HasField("extra_keys") else NO_EXTRA_KEYS
-        return Allocate(require_id(body.seq_id, f"{where}.seq_id", index), list(body.prompt_token_ids), extra)
+        alloc = msg.allocate
+        extra = extra_keys_from_proto(alloc.extra_keys) if alloc.HasField("extra_keys") else NO_EXTRA_KEYS
+        return Allocate(require_id(alloc.seq_id, f"{where}.seq_id", index), list(alloc.prompt_token_ids), extra)
     if kind == "append":
         return Append(require_id(msg.append.seq_id, f"{where}.seq_id", index), list(msg.append.token_ids))
     if kind == "commit":
@@ -137,22 +140,47 @@ def ops_from_proto(ops) -> list[Op]:
     return [op_from_proto(op, i) for i, op in enumerate(ops)]
 
 
-def op_to_proto(op: Op) -> pb.Op:
+def op_into_proto(op: Op, out: pb.Op) -> None:
+    """Write ``op`` into ``out`` in place (e.g. ``request.ops.add()``): building
+    a sub-message and then assigning it would copy its arrays once more."""
     if isinstance(op, DecodeAppend):
-        return pb.Op(decode_append=pb.DecodeAppendOp(seq_ids=op.seq_ids, token_ids=op.token_ids))
-    if isinstance(op, Allocate):
-        extra = None if op.extra_keys == NO_EXTRA_KEYS else extra_keys_to_proto(op.extra_keys)
-        return pb.Op(allocate=pb.AllocateOp(seq_id=op.seq_id, prompt_token_ids=op.prompt_token_ids,
-                                            extra_keys=extra))
-    if isinstance(op, Append):
-        return pb.Op(append=pb.AppendOp(seq_id=op.seq_id, token_ids=op.token_ids))
-    if isinstance(op, Commit):
-        return pb.Op(commit=pb.CommitOp(seq_id=op.seq_id, num_tokens=op.num_tokens))
-    if isinstance(op, Fork):
-        return pb.Op(fork=pb.ForkOp(parent_seq_id=op.parent_seq_id, child_seq_id=op.child_seq_id))
-    if isinstance(op, Free):
-        return pb.Op(free=pb.FreeOp(seq_id=op.seq_id))
-    raise TypeError(f"not a blockd operation: {type(op).__name__}")
+        out.decode_append.SetInParent()
+        out.decode_append.seq_ids.extend(op.seq_ids)
+        out.decode_append.token_ids.extend(op.token_ids)
+    elif isinstance(op, Allocate):
+        out.allocate.SetInParent()
+        out.allocate.seq_id = op.seq_id
+        out.allocate.prompt_token_ids.extend(op.prompt_token_ids)
+        if op.extra_keys != NO_EXTRA_KEYS:
+            out.allocate.extra_keys.CopyFrom(extra_keys_to_proto(op.extra_keys))
+    elif isinstance(op, Append):
+        out.append.SetInParent()
+        out.append.seq_id = op.seq_id
+        out.append.token_ids.extend(op.token_ids)
+    elif isinstance(op, Commit):
+        out.commit.SetInParent()
+        out.commit.seq_id, out.commit.num_tokens = op.seq_id, op.num_tokens
+    elif isinstance(op, Fork):
+        out.fork.SetInParent()
+        out.fork.parent_seq_id, out.fork.child_seq_id = op.parent_seq_id, op.child_seq_id
+    elif isinstance(op, Free):
+        out.free.SetInParent()
+        out.free.seq_id = op.seq_id
+    else:
+        raise TypeError(f"not a blockd operation: {type(op).__name__}")
+
+
+def op_to_proto(op: Op) -> pb.Op:
+    out = pb.Op()
+    op_into_proto(op, out)
+    return out
+
+
+def step_request_to_proto(pool: str, ops, request_id: str) -> pb.StepRequest:
+    request = pb.StepRequest(pool=pool, request_id=request_id)
+    for op in ops:
+        op_into_proto(op, request.ops.add())
+    return request
 
 
 # --- step results -------------------------------------------------------------------
@@ -165,13 +193,13 @@ def _copies_from_proto(msgs) -> tuple[tuple[int, int], ...]:
 
 
 def step_result_to_proto(result: StepResult) -> pb.StepResponse:
-    return pb.StepResponse(
-        version=result.version,
-        results=[pb.OpResult(seq_id=r.seq_id, num_tokens=r.num_tokens, num_cached_tokens=r.num_cached_tokens,
-                             new_block_ids=r.new_block_ids, copy_ops=_copies_to_proto(r.copy_ops),
-                             slot_start=r.slot_start, slot_mapping=r.slot_mapping)
-                 for r in result.results],
-        copy_ops=_copies_to_proto(result.copy_ops))
+    response = pb.StepResponse(version=result.version, copy_ops=_copies_to_proto(result.copy_ops))
+    add = response.results.add  # built in place: no copy of the slot arrays
+    for r in result.results:
+        add(seq_id=r.seq_id, num_tokens=r.num_tokens, num_cached_tokens=r.num_cached_tokens,
+            new_block_ids=r.new_block_ids, copy_ops=_copies_to_proto(r.copy_ops), slot_start=r.slot_start,
+            slot_mapping=r.slot_mapping)
+    return response
 
 
 def step_result_from_proto(msg: pb.StepResponse) -> StepResult:

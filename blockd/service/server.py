@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Sequence
 from concurrent import futures
 
 import grpc
@@ -35,7 +36,9 @@ from blockd.v1 import blockd_pb2 as pb
 log = logging.getLogger("blockd.server")
 
 SERVICE_NAMES = tuple(service.full_name for service in pb.DESCRIPTOR.services_by_name.values())
-DEFAULT_MAX_WORKERS = 32
+#: RPC threads, created on demand; every open Watch/Events stream holds one for
+#: its lifetime, so this bounds followers + concurrent unary calls
+DEFAULT_MAX_WORKERS = 128
 DEFAULT_GRACE_S = 5.0
 #: large enough for a full table dump of a big pool or a very long prompt
 DEFAULT_MAX_MESSAGE_BYTES = 64 << 20
@@ -63,11 +66,15 @@ def split_address(address: str) -> tuple[str, int]:
 
 
 class BlockdServer:
-    """One engine served over gRPC on one address (port 0 picks a free port)."""
+    """One engine served over gRPC on one address (port 0 picks a free port).
+
+    ``interceptors`` wrap every handler (e.g. :mod:`blockd.metrics`' RPC timer).
+    """
 
     def __init__(self, engine: Engine, listen: str = "127.0.0.1:0", *,
                  max_workers: int = DEFAULT_MAX_WORKERS, grace_s: float = DEFAULT_GRACE_S,
-                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                 interceptors: Sequence[grpc.ServerInterceptor] = ()) -> None:
         host, _ = split_address(listen)
         self.engine = engine
         self.grace_s = grace_s
@@ -80,7 +87,7 @@ class BlockdServer:
             ("grpc.max_send_message_length", max_message_bytes),
         ]
         executor = futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="blockd-rpc")
-        self._server = grpc.server(executor, options=options)
+        self._server = grpc.server(executor, interceptors=list(interceptors), options=options)
         services = {
             "blockd.v1.PoolService": PoolServicer(engine),
             "blockd.v1.BlockService": BlockServicer(engine, self._shutdown),

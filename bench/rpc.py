@@ -1,0 +1,190 @@
+"""blockd over gRPC on loopback: what a scheduler's step costs end to end.
+
+Prints one JSON object per line. Parts (``--part NAME``, repeatable; all by
+default) are functions registered in :data:`PARTS` that yield result dicts,
+so another part (e.g. ``recovery``) is one more function and one more entry.
+
+``step_rpc``: the daemon runs in its own process (``blockd serve``, state in
+memory); each scheduler owns a pool of 256 running sequences and sends a
+256-sequence decode step (one ``decode_append`` op) per call through the
+sync SDK. With 4 schedulers each is a separate process, so the client GIL
+does not serialise them. Fields:
+
+* ``schedulers``, ``p50_ms``, ``p99_ms`` (per-step latency), ``steps_per_s``
+  (all schedulers together);
+* ``empty_rpc_p50_ms``: a GetPool round trip, the floor of any call;
+* ``inprocess_us``: the same step on an in-process ``blockd.core.Pool``
+  (median; ``inprocess_mean_us`` includes the block-boundary steps);
+* ``cpus``: cores of this machine, shared by daemon and schedulers.
+
+Run: ``python bench/rpc.py [--part step_rpc] [--seconds 3]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from blockd.core import Allocate, Pool, PoolConfig
+from blockd.core.types import DecodeAppend
+from client.sdk import BlockdClient
+
+NUM_SEQS = 256
+BLOCK_SIZE = 16
+# room for 8192 decode steps of 256 tokens without freeing anything
+NUM_BLOCKS = 1 << 17
+MAX_STEPS = NUM_BLOCKS * BLOCK_SIZE // NUM_SEQS - 2
+
+
+def start_daemon(*flags: str, timeout_s: float = 30.0) -> tuple[subprocess.Popen, str]:
+    """``blockd serve`` on a free port; returns the process and its address."""
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.Popen([sys.executable, "-m", "blockd.cli", "serve", "--listen", "127.0.0.1:0",
+                             "--log-level", "WARNING", *flags],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        match = re.match(r"blockd listening on (\S+)", line)
+        if match:
+            return proc, match.group(1)
+        if not line and proc.poll() is not None:
+            break
+    proc.kill()
+    raise RuntimeError("blockd did not start")
+
+
+def stop_daemon(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(30)
+
+
+def percentile(sorted_values: list[float], q: float) -> float:
+    return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
+
+
+def _seq_ids(pool: str) -> list[str]:
+    return [f"{pool}-seq-{i}" for i in range(NUM_SEQS)]
+
+
+def inprocess_us(reps: int = 2000) -> tuple[float, float]:
+    """(median, mean) of the same decode step on an in-process core Pool: the
+    mean includes the one step in 16 where every sequence fills a block
+    (hashing it) and takes a new one."""
+    pool = Pool(PoolConfig("local", num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE))
+    ids = _seq_ids("local")
+    pool.step([Allocate(s, list(range(BLOCK_SIZE))) for s in ids])
+    op, times = [DecodeAppend(ids, [7] * NUM_SEQS)], []
+    for _ in range(min(reps, MAX_STEPS)):
+        start = time.perf_counter()
+        pool.step(op)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e6, statistics.fmean(times) * 1e6
+
+
+def empty_rpc_p50_ms(address: str, reps: int = 2000) -> float:
+    with BlockdClient(address) as client:
+        client.create_pool(PoolConfig("empty-rpc", num_blocks=1, block_size=1))
+        times = []
+        for _ in range(reps):
+            start = time.perf_counter()
+            client.get_pool("empty-rpc")
+            times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def run_scheduler(address: str, pool: str, seconds: float, barrier=None) -> tuple[list[float], float]:
+    """One scheduler's decode loop: (per-step latencies, loop wall time), seconds."""
+    with BlockdClient(address) as client:
+        client.create_pool(PoolConfig(pool, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE))
+        ids = _seq_ids(pool)
+        client.step(pool, [Allocate(s, list(range(BLOCK_SIZE))) for s in ids])
+        tokens = [7] * NUM_SEQS
+        for _ in range(50):  # warm up the channel and both sides' code paths
+            client.decode_append(pool, ids, tokens)
+        if barrier is not None:
+            barrier.wait()
+        times: list[float] = []
+        began = time.perf_counter()
+        end = began + seconds
+        while time.perf_counter() < end and len(times) < MAX_STEPS - 50:
+            start = time.perf_counter()
+            client.decode_append(pool, ids, tokens)
+            times.append(time.perf_counter() - start)
+        elapsed = time.perf_counter() - began
+    return times, elapsed
+
+
+def _scheduler_process(address: str, pool: str, seconds: float, barrier, results) -> None:
+    results.put(run_scheduler(address, pool, seconds, barrier))
+
+
+def run_schedulers(address: str, count: int, seconds: float) -> tuple[list[float], float]:
+    """``count`` scheduler processes on their own pools: (latencies, steps/s together)."""
+    ctx = multiprocessing.get_context("spawn")
+    barrier, results = ctx.Barrier(count + 1), ctx.Queue()
+    procs = [ctx.Process(target=_scheduler_process, args=(address, f"sched-{count}-{i}", seconds, barrier,
+                                                          results)) for i in range(count)]
+    for proc in procs:
+        proc.start()
+    barrier.wait()
+    runs = [results.get(timeout=seconds + 120) for _ in procs]
+    for proc in procs:
+        proc.join(30)
+    return [t for times, _ in runs for t in times], sum(len(times) / elapsed for times, elapsed in runs)
+
+
+def step_rpc(args: argparse.Namespace) -> Iterator[dict]:
+    base = {"name": "step_rpc", "seqs": NUM_SEQS, "block_size": BLOCK_SIZE, "cpus": os.cpu_count(),
+            "durability": "memory"}
+    local_us, local_mean_us = inprocess_us()
+    proc, address = start_daemon()
+    try:
+        empty_ms = empty_rpc_p50_ms(address)
+        for count in (1, 4):
+            if count == 1:
+                times, elapsed = run_scheduler(address, "sched-1-0", args.seconds)
+                rate = len(times) / elapsed
+            else:
+                times, rate = run_schedulers(address, count, args.seconds)
+            times.sort()
+            yield {**base, "schedulers": count, "steps": len(times),
+                   "p50_ms": round(percentile(times, 0.50) * 1e3, 3),
+                   "p99_ms": round(percentile(times, 0.99) * 1e3, 3),
+                   "steps_per_s": round(rate, 1),
+                   "empty_rpc_p50_ms": round(empty_ms, 3), "inprocess_us": round(local_us, 1),
+                   "inprocess_mean_us": round(local_mean_us, 1)}
+    finally:
+        stop_daemon(proc)
+
+
+#: part name -> generator of result lines; add new parts here
+PARTS: dict[str, Callable[[argparse.Namespace], Iterator[dict]]] = {"step_rpc": step_rpc}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--part", action="append", choices=sorted(PARTS),
+                        help="which part to run (repeatable; default: all)")
+    parser.add_argument("--seconds", type=float, default=3.0, help="timed seconds per configuration")
+    args = parser.parse_args(argv)
+    for name in args.part or list(PARTS):
+        for line in PARTS[name](args):
+            print(json.dumps(line), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
