@@ -103,7 +103,8 @@ def serve(args: argparse.Namespace) -> int:
     try:
         engine = Engine(data_dir=args.data_dir, fsync=args.fsync, fsync_interval_s=args.fsync_interval_s,
                         snapshot_every=args.snapshot_every,
-                        observe_wal_sync=metrics.observe_wal_sync if metrics is not None else None)
+                        observe_wal_sync=metrics.observe_wal_sync if metrics is not None else None,
+                        observe_step=metrics.observe_step if metrics is not None else None)
     except (BlockdError, OSError, ValueError) as err:
         log.error("cannot open the engine: %s", err)
         return 1

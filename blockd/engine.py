@@ -30,6 +30,7 @@ from itertools import islice
 
 from blockd.core import (
     AlreadyExists,
+    BlockdError,
     ExtraKeys,
     InvalidArgument,
     KVEvent,
@@ -85,11 +86,15 @@ class Engine:
     def __init__(self, data_dir: str | None = None, fsync: str = "always", fsync_interval_s: float = 0.05,
                  snapshot_every: int = 10000, clock: Callable[[], float] = time.monotonic,
                  worker_timeout_s: float = 10.0, max_request_ids: int = 16384,
-                 observe_wal_sync: Callable[[float], None] | None = None) -> None:
+                 observe_wal_sync: Callable[[float], None] | None = None,
+                 observe_step: Callable[[str, list, str, float], None] | None = None) -> None:
         self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)
         self._pools: dict[str, _PoolEntry] = {}
         self._requests = IdempotencyTable(max_request_ids)
+        #: called as (pool, ops, outcome, seconds) after every step; outcome is
+        #: "ok" or the lowercase status code name
+        self.observe_step = observe_step
         self.workers = WorkerRegistry(clock, worker_timeout_s)
         self.snapshot_every = snapshot_every
         self._since_snapshot = 0
@@ -250,8 +255,20 @@ class Engine:
             self._drain_events(entry)
             return result
 
-        return self._idempotent(request_id, "step", pool, run,
-                                lambda: {"pool": pool, "ops": [op_to_json(o) for o in ops]})
+        if self.observe_step is None:
+            return self._idempotent(request_id, "step", pool, run,
+                                    lambda: {"pool": pool, "ops": [op_to_json(o) for o in ops]})
+        start, outcome = time.perf_counter(), "ok"
+        try:
+            return self._idempotent(request_id, "step", pool, run,
+                                    lambda: {"pool": pool, "ops": [op_to_json(o) for o in ops]})
+        except BlockdError as err:
+            outcome = err.code.lower()
+            raise
+        finally:
+            if type(pool) is str and pool in self._pools:  # unknown pool names stay out of the labels
+                self.observe_step(pool, ops if isinstance(ops, (list, tuple)) else [], outcome,
+                                  time.perf_counter() - start)
 
     def _reset(self, pool: str) -> None:
         entry = self._entry(pool)
@@ -335,7 +352,8 @@ class Engine:
                     return
                 first = entry.events[0].seq_no if entry.events else seen + 1
                 if seen + 1 < first:
-                    return  # fell out of the retained window while the consumer was slow
+                    raise WrongState(f"events after {seen} fell out of the retained window while the "
+                                     "reader was slow; rebuild from a table snapshot and resume")
                 batch = list(islice(entry.events, seen + 1 - first, None))
             for event in batch:
                 yield event

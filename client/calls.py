@@ -50,6 +50,10 @@ def channel_options(max_attempts: int = DEFAULT_MAX_ATTEMPTS) -> list[tuple[str,
     options: list[tuple[str, Any]] = [
         ("grpc.service_config", json.dumps(config)),
         ("grpc.enable_retries", 1 if max_attempts > 1 else 0),
+        # reconnect quickly after a daemon restart (gRPC's default waits ~1 s, then longer)
+        ("grpc.initial_reconnect_backoff_ms", 100),
+        ("grpc.min_reconnect_backoff_ms", 100),
+        ("grpc.max_reconnect_backoff_ms", 2000),
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ]

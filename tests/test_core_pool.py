@@ -189,7 +189,7 @@ def test_failed_batch_leaves_no_trace_and_names_the_op():
     assert state(pool) == before
     assert pool.take_events() == []
     check_invariants(pool)
-    with pytest.raises(NotFound) as err:
+    with pytest.raises(WrongState) as err:
         pool.step([Free("a"), Free("a")])
     assert err.value.op_index == 1
     assert state(pool) == before
@@ -279,3 +279,16 @@ def test_events_are_numbered_and_reset_clears_cache():
     assert events[1].parent_hash == events[0].block_hash
     assert pool.stats().num_evictable_blocks == 0 and pool.lookup_prefix(list(range(8))) == 0
     check_invariants(pool)
+
+
+def test_using_a_freed_sequence_is_wrong_state_until_reallocated():
+    pool = make_pool()
+    pool.step([Allocate("a", [1, 2, 3]), Free("a")])
+    for op in (Append("a", [1]), Commit("a", 1), Fork("a", "b"), Free("a"), DecodeAppend(["a"], [1])):
+        with pytest.raises(WrongState, match="freed at version 1"):
+            pool.step([op])
+    with pytest.raises(NotFound):
+        pool.step([Append("never", [1])])
+    pool.step([Allocate("a", [4])])
+    pool.step([Append("a", [5])])
+    assert pool.seqs["a"].token_ids == [4, 5]

@@ -46,6 +46,7 @@ def apply_decode(pool: Pool, op: DecodeAppend) -> OpResult:
     for i, seq_id in enumerate(op.seq_ids):
         seq = seqs.get(seq_id) if type(seq_id) is str else None
         if seq is None:
+            pool.get_seq(seq_id)  # raises NotFound, or WrongState for a freed id
             raise NotFound(f"sequence #{i} {seq_id!r} is not in pool {pool.config.name!r}")
         token = op.token_ids[i]
         if type(token) is not int or not 0 <= token <= MAX_TOKEN_ID:

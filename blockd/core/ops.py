@@ -126,6 +126,7 @@ def _apply_allocate(pool: Pool, op: Allocate) -> OpResult:
     seq.num_committed = cached = len(hits) * b
     pool.seqs[seq_id] = seq
     blocks.log(("seq_add", seq_id))
+    pool.unbury(seq_id)
     pool.num_tokens += len(tokens)
     pool.prefix_queried_tokens += len(tokens)
     pool.prefix_hit_tokens += cached
@@ -193,6 +194,7 @@ def _apply_fork(pool: Pool, op: Fork) -> OpResult:
         pool.blocks.acquire(block)
     pool.seqs[child_id] = child
     pool.blocks.log(("seq_add", child_id))
+    pool.unbury(child_id)
     pool.num_tokens += len(child.token_ids)
     pool.record_update(TableUpdate(child_id, 0, tuple(child.table)))
     return OpResult(child_id, len(child.token_ids))
@@ -205,6 +207,7 @@ def _apply_free(pool: Pool, op: Free) -> OpResult:
         pool.blocks.release(block)
     del pool.seqs[seq.seq_id]
     pool.blocks.log(("seq_del", seq.seq_id, seq))
+    pool.bury(seq.seq_id)
     pool.num_tokens -= len(seq.token_ids)
     pool.record_update(TableUpdate(seq.seq_id, freed=True))
     return OpResult(seq.seq_id, 0)

@@ -23,7 +23,7 @@ prefix index are queued as :class:`~blockd.core.types.KVEvent` for
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 from itertools import islice
 
 from blockd.core import ops as _ops
@@ -48,6 +48,8 @@ from blockd.core.types import (
 from blockd.core.validate import check_config
 
 MAX_OPS_PER_STEP = 65536
+#: freed sequence ids remembered, so a late append is told 'freed', not 'unknown'
+MAX_TOMBSTONES = 65536
 
 
 class SnapshotRequired(WrongState):
@@ -63,6 +65,8 @@ class Pool:
         self.block_size = config.block_size
         self.blocks = BlockSpace(config.num_blocks, config.block_size)
         self.seqs: dict[str, Sequence] = {}
+        #: recently freed sequence id -> the version that freed it
+        self.freed: OrderedDict[str, int] = OrderedDict()
         self.version = 0
         self.num_tokens = 0
         self.prefix_queried_tokens = 0
@@ -122,11 +126,19 @@ class Pool:
             del self.seqs[entry[1]]
         elif kind == "seq_del":
             self.seqs[entry[1]] = entry[2]
+        elif kind == "tomb_add":
+            del self.freed[entry[1]]
+            if entry[2] is not None:
+                self.freed[entry[1]] = entry[2]
+        elif kind == "tomb_del":
+            self.freed[entry[1]] = entry[2]
         else:
             raise InvariantViolation(f"unknown undo entry {kind!r}")
 
     def _finish(self, results: tuple[OpResult, ...]) -> StepResult:
         self.version += 1
+        while len(self.freed) > MAX_TOMBSTONES:
+            self.freed.popitem(last=False)
         copy_ops = tuple(self._copy_ops)
         self.deltas.append(VersionDelta(self.version, tuple(self._updates), copy_ops))
         self._publish_events()
@@ -171,10 +183,25 @@ class Pool:
                 self._stored.append((block, h, parent or b"", tuple(tokens)))
 
     def get_seq(self, seq_id: str) -> Sequence:
-        seq = self.seqs.get(seq_id)
+        seq = self.seqs.get(seq_id) if type(seq_id) is str else None
         if seq is None:
+            freed_at = self.freed.get(seq_id) if type(seq_id) is str else None
+            if freed_at is not None:
+                raise WrongState(f"sequence {seq_id!r} was freed at version {freed_at} of pool "
+                                 f"{self.config.name!r}; allocate it again to reuse the id")
             raise NotFound(f"pool {self.config.name!r} has no sequence {seq_id!r}")
         return seq
+
+    def bury(self, seq_id: str) -> None:
+        """Remember that ``seq_id`` was freed in the batch now running."""
+        self.blocks.log(("tomb_add", seq_id, self.freed.pop(seq_id, None)))
+        self.freed[seq_id] = self.version + 1
+
+    def unbury(self, seq_id: str) -> None:
+        """A freed id is taken again by a new sequence."""
+        freed_at = self.freed.pop(seq_id, None)
+        if freed_at is not None:
+            self.blocks.log(("tomb_del", seq_id, freed_at))
 
     def no_room_message(self, what: str, *, watermark: bool) -> str:
         blocks, cfg = self.blocks, self.config

@@ -81,6 +81,7 @@ def dump_pool(pool: Pool) -> dict:
         "counters": [pool.version, pool.num_tokens, pool.prefix_queried_tokens,
                      pool.prefix_hit_tokens, pool.num_copies, pool.last_event_seq_no],
         "deltas": [_delta_to_json(d) for d in pool.deltas],
+        "freed": [[seq_id, version] for seq_id, version in pool.freed.items()],
     }
 
 
@@ -111,6 +112,7 @@ def load_pool(data: dict) -> Pool:
     (pool.version, pool.num_tokens, pool.prefix_queried_tokens, pool.prefix_hit_tokens,
      pool.num_copies, pool.last_event_seq_no) = data["counters"]
     pool.deltas.extend(_delta_from_json(d) for d in data["deltas"])
+    pool.freed.update((seq_id, version) for seq_id, version in data.get("freed", []))
     return pool
 
 
