@@ -26,6 +26,7 @@ from blockd.core.types import (
     Allocate,
     Append,
     Commit,
+    DecodeAppend,
     Fork,
     Free,
     KVEvent,
@@ -40,7 +41,7 @@ from blockd.core.types import (
 
 __all__ = [
     "ALL_BLOCKS_CLEARED", "BLOCK_REMOVED", "BLOCK_STORED", "Allocate", "AlreadyExists", "Append",
-    "BlockdError", "Commit", "ExtraKeys", "Fork", "Free", "InvalidArgument", "InvariantViolation",
+    "BlockdError", "Commit", "DecodeAppend", "ExtraKeys", "Fork", "Free", "InvalidArgument", "InvariantViolation",
     "KVEvent", "NO_EXTRA_KEYS", "NoRoom", "NotFound", "Op", "OpResult", "Pool", "PoolConfig",
     "PoolStats", "SnapshotRequired", "StepResult", "TableUpdate", "VersionDelta", "WrongState",
     "check_invariants", "hash_block", "hash_full_blocks", "locate", "num_blocks_for", "slot_mapping",
