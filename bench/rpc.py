@@ -170,8 +170,71 @@ def step_rpc(args: argparse.Namespace) -> Iterator[dict]:
         stop_daemon(proc)
 
 
+def _fill_data_dir(data_dir: str, num_seqs: int, prompt_len: int, snapshot: bool) -> None:
+    """A data directory holding ``num_seqs`` sequences (in batches of 1,000),
+    written through the same engine the daemon runs."""
+    from blockd.engine import Engine
+
+    engine = Engine(data_dir, fsync="never", snapshot_every=1 << 30)
+    blocks = num_seqs * -(-prompt_len // BLOCK_SIZE) + 1024
+    engine.create_pool(PoolConfig("big", num_blocks=blocks, block_size=BLOCK_SIZE))
+    for start in range(0, num_seqs, 1000):
+        engine.step("big", [Allocate(f"r{i}", [(i * 31 + j) % 32000 for j in range(prompt_len)])
+                            for i in range(start, min(num_seqs, start + 1000))])
+    if snapshot:
+        engine.snapshot()
+    engine.close()
+
+
+def _time_restart(data_dir: str, num_seqs: int) -> float:
+    """Seconds from ``blockd serve --data-dir`` to serving (process start included)."""
+    began = time.perf_counter()
+    proc, address = start_daemon("--data-dir", data_dir, timeout_s=120)
+    elapsed = time.perf_counter() - began
+    with BlockdClient(address) as client:
+        restored = client.get_pool("big").num_seqs
+    stop_daemon(proc)
+    if restored != num_seqs:
+        raise RuntimeError(f"restored {restored} sequences, expected {num_seqs}")
+    return elapsed
+
+
+def _durable_steps_per_s(fsync: str, seconds: float) -> float:
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as data_dir:
+        proc, address = start_daemon("--data-dir", data_dir, "--fsync", fsync)
+        try:
+            times, elapsed = run_scheduler(address, "durable", seconds)
+        finally:
+            stop_daemon(proc)
+    return len(times) / elapsed
+
+
+def recovery(args: argparse.Namespace) -> Iterator[dict]:
+    """Restart time from a data directory of 100k sequences (from a snapshot,
+    and from the write-ahead log alone), and decode-step throughput with
+    fsync ``always`` vs ``never`` over the same daemon code."""
+    import tempfile
+
+    num_seqs, prompt_len = (10_000 if args.quick else 100_000), 64
+    base = {"name": "recovery", "seqs": num_seqs, "prompt_len": prompt_len, "block_size": BLOCK_SIZE,
+            "cpus": os.cpu_count()}
+    for source in ("snapshot", "wal"):
+        with tempfile.TemporaryDirectory() as data_dir:
+            _fill_data_dir(data_dir, num_seqs, prompt_len, snapshot=source == "snapshot")
+            size = sum(os.path.getsize(os.path.join(data_dir, n)) for n in os.listdir(data_dir))
+            restart = _time_restart(data_dir, num_seqs)
+        yield {**base, "source": source, "restart_s": round(restart, 2), "data_dir_mb": round(size / 2**20, 1),
+               "target_s": 5.0}
+    never = _durable_steps_per_s("never", args.seconds)
+    always = _durable_steps_per_s("always", args.seconds)
+    yield {**base, "source": "fsync", "seqs": NUM_SEQS, "steps_per_s_always": round(always, 1),
+           "steps_per_s_never": round(never, 1), "ratio_always_vs_never": round(always / never, 3)}
+
+
 #: part name -> generator of result lines; add new parts here
-PARTS: dict[str, Callable[[argparse.Namespace], Iterator[dict]]] = {"step_rpc": step_rpc}
+PARTS: dict[str, Callable[[argparse.Namespace], Iterator[dict]]] = {"step_rpc": step_rpc, "recovery": recovery}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -179,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--part", action="append", choices=sorted(PARTS),
                         help="which part to run (repeatable; default: all)")
     parser.add_argument("--seconds", type=float, default=3.0, help="timed seconds per configuration")
+    parser.add_argument("--quick", action="store_true", help="smaller recovery data set (10k sequences)")
     args = parser.parse_args(argv)
     for name in args.part or list(PARTS):
         for line in PARTS[name](args):
