@@ -265,6 +265,9 @@ class Engine:
         except BlockdError as err:
             outcome = err.code.lower()
             raise
+        except Exception:
+            outcome = "internal"
+            raise
         finally:
             if type(pool) is str and pool in self._pools:  # unknown pool names stay out of the labels
                 self.observe_step(pool, ops if isinstance(ops, (list, tuple)) else [], outcome,

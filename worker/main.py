@@ -56,8 +56,8 @@ def _metrics(pool: str, port: int):
     from worker.metrics import WorkerMetrics
 
     metrics = WorkerMetrics(pool)
-    metrics.start_http(port)
-    log.info("worker metrics on 127.0.0.1:%d/metrics", port)
+    server = metrics.start_http(port)
+    log.info("worker metrics on http://%s:%d/metrics", server.addr, server.port)
     return metrics
 
 

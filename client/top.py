@@ -1,0 +1,137 @@
+"""``blockctl top``: a live terminal view of every pool, for operators without Grafana.
+
+    blockctl top [--interval 2] [--once]
+
+Each frame shows, per pool: a utilisation bar (used blocks / capacity),
+blocks by state, tail waste (slots and the share of used slots it wastes),
+the prefix-cache hit rate (since the previous frame when there is one, else
+over the pool's lifetime), sequences, tokens, version and workers up/down.
+
+Everything comes from two SDK reads per frame (``list_pools``,
+``list_workers``): the same O(1) per-pool stats the metrics endpoint serves,
+so running ``top`` costs blockd nothing measurable. ``--once`` prints one
+frame and exits (for scripts and tests); otherwise the screen is redrawn
+every ``--interval`` seconds until Ctrl-C. Owns rendering only; the SDK owns
+the calls and their errors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import TextIO
+
+from blockd.core.types import PoolStats
+
+BAR_WIDTH = 20
+#: ANSI: cursor home, clear screen; only written to a terminal
+CLEAR = "\x1b[H\x1b[2J"
+HEADERS = ("POOL", "UTILISATION", "USED", "FREE", "EVICT", "TAIL WASTE", "PREFIX HIT", "SEQS", "TOKENS",
+           "VERSION", "WORKERS")
+
+
+def utilisation_bar(ratio: float, width: int = BAR_WIDTH) -> str:
+    """``[#####...............]  25.0%``; the bar never overflows its width."""
+    ratio = min(max(ratio, 0.0), 1.0)
+    filled = round(ratio * width)
+    return f"[{'#' * filled}{'.' * (width - filled)}] {ratio * 100:5.1f}%"
+
+
+def tail_waste_cell(stats: PoolStats) -> str:
+    """Wasted slots and their share of the slots in used blocks."""
+    used_slots = stats.num_used_blocks * stats.block_size
+    share = stats.tail_waste_slots / used_slots if used_slots else 0.0
+    return f"{stats.tail_waste_slots} ({share * 100:.1f}%)"
+
+
+def prefix_hit_cell(stats: PoolStats, previous: PoolStats | None) -> str:
+    """Hit rate over the last interval when tokens were queried in it, else lifetime."""
+    if previous is not None and stats.prefix_queried_tokens > previous.prefix_queried_tokens:
+        queried = stats.prefix_queried_tokens - previous.prefix_queried_tokens
+        hit = stats.prefix_hit_tokens - previous.prefix_hit_tokens
+        return f"{max(hit, 0) / queried * 100:.1f}%"
+    if not stats.prefix_queried_tokens:
+        return "-"
+    return f"{stats.prefix_hit_ratio * 100:.1f}%"
+
+
+def _row(stats: PoolStats, previous: PoolStats | None, workers: tuple[int, int]) -> list[str]:
+    up, down = workers
+    return [stats.name, utilisation_bar(stats.utilisation_ratio), str(stats.num_used_blocks),
+            str(stats.num_free_blocks), str(stats.num_evictable_blocks), tail_waste_cell(stats),
+            prefix_hit_cell(stats, previous), str(stats.num_seqs), str(stats.num_tokens), str(stats.version),
+            f"{up} up / {down} down"]
+
+
+def _table(rows: Sequence[Sequence[str]]) -> list[str]:
+    widths = [max(len(HEADERS[i]), *(len(r[i]) for r in rows)) for i in range(len(HEADERS))]
+    return ["  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip()
+            for line in (HEADERS, *rows)]
+
+
+def count_workers(workers: Sequence) -> dict[str, tuple[int, int]]:
+    """``{pool: (up, down)}`` from the SDK's ``WorkerStatus`` list."""
+    counts: dict[str, list[int]] = {}
+    for status in workers:
+        counts.setdefault(status.info.pool, [0, 0])[0 if status.is_up else 1] += 1
+    return {pool: (up, down) for pool, (up, down) in counts.items()}
+
+
+def render_frame(pools: Sequence[PoolStats], workers: Sequence, previous: dict[str, PoolStats] | None = None,
+                 title: str = "") -> str:
+    """One frame as text: a title line, then one row per pool (sorted by name)."""
+    pools = sorted(pools, key=lambda s: s.name)
+    previous = previous or {}
+    counts = count_workers(workers)
+    lines = [title or f"blockd top  {time.strftime('%H:%M:%S')}  {len(pools)} pools", ""]
+    if not pools:
+        lines.append("no pools (create one with `blockctl pools create`)")
+    else:
+        lines.extend(_table([_row(s, previous.get(s.name), counts.get(s.name, (0, 0))) for s in pools]))
+    orphans = sorted(set(counts) - {s.name for s in pools})
+    if orphans:
+        lines.append("")
+        lines.append("workers of unknown pools: " + ", ".join(orphans))
+    return "\n".join(lines) + "\n"
+
+
+def run_top(client, interval: float, once: bool, out: TextIO, *, sleep: Callable[[float], None] = time.sleep,
+            max_frames: int | None = None) -> int:
+    """Draw frames from ``client`` (a :class:`client.sdk.BlockdClient`) into
+    ``out`` every ``interval`` seconds; one frame when ``once``. Returns the
+    number of frames drawn. ``max_frames`` bounds the loop for tests."""
+    if not once and not interval > 0:
+        raise ValueError(f"interval must be a positive number of seconds, got {interval!r}")
+    clear = CLEAR if getattr(out, "isatty", lambda: False)() else ""
+    title_target = getattr(client, "target", "")
+    previous: dict[str, PoolStats] = {}
+    frames = 0
+    while True:
+        pools = client.list_pools()
+        workers = client.list_workers()
+        where = f"  {title_target}" if title_target else ""
+        title = f"blockd top{where}  {time.strftime('%H:%M:%S')}  {len(pools)} pools"
+        out.write(clear + render_frame(pools, workers, previous, title))
+        out.flush()
+        frames += 1
+        if once or (max_frames is not None and frames >= max_frames):
+            return frames
+        previous = {s.name: s for s in pools}
+        sleep(interval)
+
+
+def _run(client, args: argparse.Namespace) -> None:
+    try:
+        run_top(client, args.interval, args.once, sys.stdout)
+    except KeyboardInterrupt:
+        pass  # Ctrl-C is how a live view ends: not an error
+
+
+def add_top(sub: argparse._SubParsersAction) -> None:
+    """Register ``top`` with ``blockctl`` (an entry of ``client.cli.COMMANDS``)."""
+    top = sub.add_parser("top", help="live view of pools: utilisation, blocks, tail waste, prefix hits")
+    top.add_argument("--interval", type=float, default=2.0, help="seconds between frames (default 2)")
+    top.add_argument("--once", action="store_true", help="print one frame and exit")
+    top.set_defaults(run=_run)

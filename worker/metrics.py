@@ -1,0 +1,94 @@
+"""A worker's Prometheus metrics: kernel time, throughput, replica lag, memory.
+
+One :class:`WorkerMetrics` per worker process, labelled with the one pool the
+worker serves; the ``kernel`` label takes its values from a fixed list
+(:data:`KERNELS`), so a worker never creates unbounded series. Lives in its
+own ``CollectorRegistry`` so tests can run several workers in one process.
+
+Everything a worker reports is set from its own loop (the follower sets
+applied version and lag as it applies deltas; the kernels time themselves),
+so this module needs no view into worker state. It must stay free of torch:
+``blockd-worker --help`` and the metric tests import it without a GPU stack.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from blockd.metrics import DEFAULT_METRICS_ADDR, MetricsServer
+
+#: kernel label values; a kernel outside this list is a programming error
+#: "attention" is a planned mixed batch (decode and prefill together)
+KERNELS = ("write_kv", "copy_blocks", "attention", "decode_attention", "prefill_attention")
+#: kernels run from a few µs (a small copy on CPU) to seconds (long CPU prefill)
+KERNEL_BUCKETS = (0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01,
+                  0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
+
+
+class WorkerMetrics:
+    """The metrics of one worker of ``pool``."""
+
+    def __init__(self, pool: str, registry: CollectorRegistry | None = None,
+                 kernels: Sequence[str] = KERNELS) -> None:
+        if not isinstance(pool, str) or not pool:
+            raise ValueError(f"pool must be a non-empty string, got {pool!r}")
+        self.pool = pool
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self._kernel_names = frozenset(kernels)
+        self.kernel_duration = Histogram(
+            "blockd_worker_kernel_duration_seconds", "Wall time of one kernel call (synchronised on GPU).",
+            ("pool", "kernel"), buckets=KERNEL_BUCKETS, registry=self.registry)
+        tokens = Counter("blockd_worker_tokens_processed", "Query tokens run through attention.",
+                         ("pool",), registry=self.registry)
+        copies = Counter("blockd_worker_copy_ops", "Copy-on-write block copies executed.",
+                         ("pool",), registry=self.registry)
+        lag = Gauge("blockd_worker_replica_lag_versions",
+                    "Versions the worker's table replica is behind the pool's latest known version.",
+                    ("pool",), registry=self.registry)
+        applied = Gauge("blockd_worker_applied_version", "Latest pool version the replica has applied.",
+                        ("pool",), registry=self.registry)
+        pool_bytes = Gauge("blockd_worker_pool_bytes", "Bytes of KV memory this worker's pool shard holds.",
+                           ("pool",), registry=self.registry)
+        # one pool per worker: bind the children once, off the hot path
+        self._tokens = tokens.labels(pool)
+        self._copies = copies.labels(pool)
+        self._lag = lag.labels(pool)
+        self._applied = applied.labels(pool)
+        self._pool_bytes = pool_bytes.labels(pool)
+        self._kernels = {name: self.kernel_duration.labels(pool, name) for name in self._kernel_names}
+
+    def observe_kernel(self, kernel: str, seconds: float) -> None:
+        child = self._kernels.get(kernel)
+        if child is None:
+            raise ValueError(f"unknown kernel {kernel!r}; metrics know {', '.join(sorted(self._kernel_names))}")
+        child.observe(seconds)
+
+    def add_tokens(self, n: int) -> None:
+        self._tokens.inc(n)
+
+    def add_copy_ops(self, n: int) -> None:
+        self._copies.inc(n)
+
+    def set_replica_lag(self, versions: int) -> None:
+        self._lag.set(versions)
+
+    def set_applied_version(self, version: int) -> None:
+        self._applied.set(version)
+
+    def set_pool_bytes(self, num_bytes: int) -> None:
+        self._pool_bytes.set(num_bytes)
+
+    def start_http(self, port: int, addr: str | None = None) -> MetricsServer:
+        """Serve ``/metrics`` on ``addr:port`` (port 0 picks one; see ``.port``).
+
+        ``addr`` defaults to ``$BLOCKD_METRICS_ADDR`` or 127.0.0.1, as for
+        blockd itself: loopback unless a deployment (a container) opens it.
+        """
+        if type(port) is not int or not 0 <= port <= 65535:
+            raise ValueError(f"metrics port must be an int in 0..65535, got {port!r}")
+        host = addr if addr is not None else os.environ.get("BLOCKD_METRICS_ADDR", DEFAULT_METRICS_ADDR)
+        server, thread = start_http_server(port, addr=host, registry=self.registry)
+        return MetricsServer(server, thread)
