@@ -33,6 +33,7 @@ from blockd.core import (
     BlockdError,
     ExtraKeys,
     InvalidArgument,
+    InvariantViolation,
     KVEvent,
     NotFound,
     Op,
@@ -99,6 +100,7 @@ class Engine:
         self.snapshot_every = snapshot_every
         self._since_snapshot = 0
         self._closed = False
+        self._broken = ""
         self._wal: WriteAheadLog | None = None
         if data_dir is not None:
             self._wal = WriteAheadLog(data_dir, fsync, fsync_interval_s, observe_wal_sync)
@@ -143,7 +145,14 @@ class Engine:
     def _log(self, record: dict) -> None:
         if self._wal is None:
             return
-        self._wal.append(record)
+        try:
+            self._wal.append(record)
+        except OSError as err:
+            # memory already holds a batch the disk does not: stop taking
+            # writes (fail-stop); a restart recovers the last durable state
+            self._broken = f"the write-ahead log failed ({err}); restart blockd to recover"
+            log.critical(self._broken)
+            raise InvariantViolation(self._broken) from err
         self._since_snapshot += 1
         if self._since_snapshot >= self.snapshot_every:
             self.snapshot()
@@ -184,6 +193,8 @@ class Engine:
         with self._lock:
             if self._closed:
                 raise WrongState("blockd is shutting down; retry against the new instance")
+            if self._broken:
+                raise WrongState(self._broken)
             fingerprint = self._fingerprint(kind, pool)
             if rid:
                 found = self._requests.get(rid)

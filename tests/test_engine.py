@@ -167,3 +167,17 @@ def test_worker_registry_marks_silent_workers_down():
     assert status.is_up and status.applied_version == 3
     with pytest.raises(NotFound):
         engine.heartbeat("ghost", 0)
+
+
+def test_a_failing_log_stops_writes_until_restart(tmp_path):
+    engine = Engine(str(tmp_path))
+    engine.create_pool(PoolConfig("p", num_blocks=8, block_size=4))
+    os.close(engine._wal._fd)  # the disk goes away under the log
+    with pytest.raises(Exception) as err:
+        engine.step("p", [Allocate("x", [1])])
+    assert "write-ahead log failed" in str(err.value)
+    with pytest.raises(WrongState, match="restart blockd"):
+        engine.step("p", [Allocate("y", [1])])
+    engine._wal._fd = None
+    again = Engine(str(tmp_path))
+    assert again.get_tables("p", []) == (0, {})  # the unlogged batch never happened
