@@ -1,6 +1,7 @@
 """SDK for a worker's data plane (``blockd.v1.KVShardService``): what a model
 runner in another process calls to write K/V and run attention for a batch at
-a named pool version.
+a named pool version, and what a scheduler calls to run one model step on a
+worker that runs a model (``model_step``).
 
 Tensors go out as raw bytes (:mod:`worker.tensors`, torch only, no worker
 state); errors come back as :mod:`client.errors` exceptions, like the blockd
@@ -67,3 +68,21 @@ class WorkerClient:
         if value is not None:
             request.value.CopyFrom(to_proto(value))
         return from_proto(self._call(self._stub.Attention, request).output, "output")
+
+    def model_step(self, pool: str, version: int, seq_ids: Sequence[str], query_lens: Sequence[int],
+                   context_lens: Sequence[int], token_ids: Sequence[int], slot_mapping: Sequence[int],
+                   return_logits: bool = False) -> tuple[list[int], torch.Tensor | None]:
+        """One forward step of the worker's model (see ``ModelStepRequest``).
+
+        ``token_ids`` and ``slot_mapping`` hold ``sum(query_lens)`` entries, the
+        sequences' new tokens concatenated. Returns each sequence's greedy next
+        token and, with ``return_logits``, the ``[batch, vocab]`` float32 logits
+        of its last new token (else None).
+        """
+        request = pb.ModelStepRequest(
+            pool=pool, version=version, seq_ids=list(seq_ids), query_lens=list(query_lens),
+            context_lens=list(context_lens), token_ids=list(token_ids), slot_mapping=list(slot_mapping),
+            return_logits=return_logits)
+        response = self._call(self._stub.ModelStep, request)
+        logits = from_proto(response.logits, "logits") if response.HasField("logits") else None
+        return list(response.next_token_ids), logits

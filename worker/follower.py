@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 
+from blockd.core.errors import BlockdError
 from blockd.engine import Snapshot
 from blockd.workers import WorkerInfo
 from client.errors import BlockdClientError, NotFoundError
@@ -36,7 +37,10 @@ class Follower:
         self.metrics = metrics
         self.connected = threading.Event()
         self._stop = threading.Event()
-        self._stream = None
+        # the stream gets its own channel: closing it is the one way to end a
+        # blocked stream from another thread (a generator cannot be closed
+        # while it runs)
+        self._watch_client = BlockdClient(client.target, timeout_s=client.timeout_s)
         self._threads = [
             threading.Thread(target=self._follow, name="blockd-worker-watch", daemon=True),
             threading.Thread(target=self._heartbeat, name="blockd-worker-heartbeat", daemon=True),
@@ -49,9 +53,7 @@ class Follower:
 
     def stop(self) -> None:
         self._stop.set()
-        stream = self._stream
-        if stream is not None and hasattr(stream, "cancel"):
-            stream.cancel()
+        self._watch_client.close()
         for thread in self._threads:
             thread.join(timeout=5)
 
@@ -59,9 +61,9 @@ class Follower:
         replica, backoff = self.runtime.replica, 0.05
         while not self._stop.is_set():
             try:
-                self._stream = self.client.watch(self.info.pool, replica.received_version, timeout_s=None)
+                stream = self._watch_client.watch(self.info.pool, replica.received_version, timeout_s=None)
                 self.connected.set()
-                for item in self._stream:
+                for item in stream:
                     if isinstance(item, Snapshot):
                         log.warning("replica of %s fell behind; loading the snapshot of version %d",
                                     self.info.pool, item.version)
@@ -75,11 +77,14 @@ class Follower:
                 if not self._stop.is_set():
                     log.warning("blockd ended the Watch stream of %s (pool deleted?)", self.info.pool)
                     self._stop.wait(1.0)
-            except BlockdClientError as err:
+            except (BlockdClientError, BlockdError, ValueError) as err:
+                # ValueError: the channel was closed by stop(); BlockdError: the
+                # replica refused a delta (a gap) -- reconnecting from the last
+                # version received repairs both
                 self.connected.clear()
                 if self._stop.is_set():
                     return
-                log.info("Watch stream broke (%s); reconnecting from version %d", err.code,
+                log.info("Watch stream broke (%s); reconnecting from version %d", err,
                          replica.received_version)
                 self._stop.wait(backoff)
                 backoff = min(backoff * 2, 2.0)

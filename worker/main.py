@@ -47,7 +47,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--metrics-port", type=int, default=int(env("BLOCKD_WORKER_METRICS_PORT", "0")))
     p.add_argument("--heartbeat-s", type=float, default=1.0)
     p.add_argument("--log-level", default=env("BLOCKD_LOG_LEVEL", "INFO"))
-    return p.parse_args(argv)
+    p.add_argument("--model", default=env("BLOCKD_WORKER_MODEL"),
+                   help="run a model: tiny-llama, tiny-qwen2, tiny-gpt2 or a local model directory")
+    p.add_argument("--model-seed", type=int, default=0, help="weights seed of the tiny models")
+    p.add_argument("--tp-rank", type=int, default=0, help="this worker's tensor-parallel rank")
+    p.add_argument("--tp-world-size", type=int, default=1, help="workers in the tensor-parallel group")
+    p.add_argument("--tp-init", default=env("BLOCKD_WORKER_TP_INIT"),
+                   help="tcp://HOST:PORT where the tensor-parallel group meets (rank 0 listens)")
+    p.add_argument("--tp-timeout-s", type=float, default=60.0, help="bound on joining and on each collective")
+    args = p.parse_args(argv)
+    if args.tp_world_size > 1 and not (args.model and args.tp_init):
+        p.error("--tp-world-size > 1 needs --model and --tp-init")
+    if not 0 <= args.tp_rank < args.tp_world_size:
+        p.error(f"--tp-rank must be in [0, {args.tp_world_size})")
+    return args
 
 
 def _metrics(pool: str, port: int):
@@ -61,19 +74,60 @@ def _metrics(pool: str, port: int):
     return metrics
 
 
+def _kv_heads(args: argparse.Namespace, config) -> tuple[int, int]:
+    if args.kv_heads or args.tp_world_size == 1:
+        return _range(args.kv_heads, config.num_kv_heads, "kv-heads")
+    from worker.model.tp import kv_head_range
+
+    try:
+        return kv_head_range(config.num_kv_heads, args.tp_rank, args.tp_world_size)
+    except ValueError as err:
+        raise SystemExit(f"pool {config.name!r}: {err}") from None
+
+
+def _load_model(args: argparse.Namespace, config):
+    """The model (this rank's shard) and its TP group, or (None, None) without --model."""
+    if not args.model:
+        return None, None
+    from worker.model import build_model, check_pool
+    from worker.model.tp import TensorParallel
+
+    try:
+        model = build_model(args.model, seed=args.model_seed, dtype=config.dtype)
+        check_pool(model, config)
+    except (ValueError, OSError) as err:
+        raise SystemExit(f"cannot run model {args.model!r} on pool {config.name!r}: {err}") from None
+    if args.tp_world_size == 1:
+        return model, None
+    log.info("rank %d waiting for %d tensor-parallel peers at %s", args.tp_rank, args.tp_world_size - 1,
+             args.tp_init)
+    tp = TensorParallel(args.tp_rank, args.tp_world_size, args.tp_init, timeout_s=args.tp_timeout_s)
+    return tp.shard(model), tp
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     client = BlockdClient(args.blockd)
     config = client.pool_config(args.pool)
     layers = _range(args.layers, config.num_layers, "layers")
-    heads = _range(args.kv_heads, config.num_kv_heads, "kv-heads")
+    heads = _kv_heads(args, config)
+    model, tp = _load_model(args, config)
     metrics = _metrics(config.name, args.metrics_port)
     runtime = WorkerRuntime(config, ShardSpec(*layers, *heads),
                             device=None if args.device == "auto" else args.device, metrics=metrics)
     if metrics is not None:
         metrics.set_pool_bytes(runtime.pool_bytes)
-    server = WorkerServer(runtime, args.worker_id, args.listen)
+    runner = None
+    if model is not None:
+        from worker.model import ModelRunner
+
+        try:
+            runner = ModelRunner(model, runtime, tp)
+        except ValueError as err:
+            raise SystemExit(f"cannot run model {args.model!r} on this shard: {err}") from None
+        log.info("running model %s (TP rank %d of %d)", args.model, args.tp_rank, args.tp_world_size)
+    server = WorkerServer(runtime, args.worker_id, args.listen, runner=runner)
     info = WorkerInfo(args.worker_id, config.name, server.address, *layers, *heads,
                       pool_bytes=runtime.pool_bytes, device=str(runtime.device))
     follower = Follower(client, runtime, info, args.heartbeat_s, metrics)
@@ -90,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     log.info("shutting down")
     server.stop()
     follower.stop()
+    if tp is not None:
+        tp.close()
     client.close()
     return 0
 

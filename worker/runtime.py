@@ -139,6 +139,13 @@ class WorkerRuntime:
     def _advance(self, version: int) -> None:
         self.replica.advance_to(version, self.version_timeout_s, self.latest_committed)
 
+    def advance(self, version: int) -> None:
+        """Bring the replica to exactly ``version`` (its copy ops included) under
+        the execution lock, without running a kernel: a model step does this
+        before its forward so it fails early, before any layer ran."""
+        with self._lock:
+            self._advance(version)
+
     def write_kv(self, version: int, layer: int, key: torch.Tensor, value: torch.Tensor,
                  slot_mapping: Sequence[int] | torch.Tensor) -> None:
         """Store ``key``/``value`` ``[num_tokens, local_kv_heads, head_dim]`` in their slots."""

@@ -1,6 +1,7 @@
 """The worker's gRPC server: ``blockd.v1.KVShardService`` over a
-:class:`~worker.runtime.WorkerRuntime`, plus the stock health and reflection
-services.
+:class:`~worker.runtime.WorkerRuntime` (and, when the worker runs a model, a
+:class:`~worker.model.ModelRunner` for ``ModelStep``), plus the stock health
+and reflection services.
 
 The servicer is a thin adapter: decode tensors (:mod:`worker.tensors`), call
 the runtime, encode the result. Failures leave through blockd's one error
@@ -18,7 +19,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from blockd.core.errors import InvalidArgument, NotFound
+from blockd.core.errors import InvalidArgument, NotFound, WrongState
 from blockd.service.errors import unary
 from blockd.service.server import _handlers, split_address
 from blockd.v1 import worker_pb2 as pb
@@ -31,8 +32,9 @@ SERVICE = pb.DESCRIPTOR.services_by_name["KVShardService"]
 
 
 class KVShardServicer:
-    def __init__(self, runtime: WorkerRuntime, worker_id: str, device: str) -> None:
+    def __init__(self, runtime: WorkerRuntime, worker_id: str, device: str, runner=None) -> None:
         self.runtime = runtime
+        self.runner = runner
         self.worker_id = worker_id
         self.device = device
 
@@ -70,17 +72,31 @@ class KVShardServicer:
             scale=request.scale or None)
         return pb.AttentionResponse(output=to_proto(out), version=request.version)
 
+    @unary
+    def ModelStep(self, request, context):
+        self._check_pool(request.pool)
+        if self.runner is None:
+            raise WrongState("this worker runs no model (start blockd-worker with --model)")
+        logits = self.runner.step(request.version, list(request.seq_ids), list(request.query_lens),
+                                  list(request.context_lens), list(request.token_ids),
+                                  list(request.slot_mapping))
+        response = pb.ModelStepResponse(version=request.version,
+                                        next_token_ids=logits.argmax(dim=-1).tolist())
+        if request.return_logits:
+            response.logits.CopyFrom(to_proto(logits.float()))
+        return response
+
 
 class WorkerServer:
     """The worker's gRPC endpoint (port 0 picks a free port)."""
 
     def __init__(self, runtime: WorkerRuntime, worker_id: str, listen: str = "127.0.0.1:0",
-                 max_workers: int = 8) -> None:
+                 max_workers: int = 8, runner=None) -> None:
         host, _ = split_address(listen)
         options = [("grpc.max_receive_message_length", 256 << 20), ("grpc.max_send_message_length", 256 << 20)]
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers, thread_name_prefix="worker-rpc"),
                                    options=options)
-        servicer = KVShardServicer(runtime, worker_id, str(runtime.device))
+        servicer = KVShardServicer(runtime, worker_id, str(runtime.device), runner)
         self._server.add_registered_method_handlers(SERVICE.full_name, _handlers(servicer, SERVICE))
         self.health = health.HealthServicer(experimental_non_blocking=True)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)

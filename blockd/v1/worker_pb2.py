@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x62lockd/v1/worker.proto\x12\tblockd.v1\"4\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\x17\n\x15GetWorkerStatsRequest\"\xd8\x02\n\x16GetWorkerStatsResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04pool\x18\x02 \x01(\t\x12\x13\n\x0blayer_start\x18\x03 \x01(\r\x12\x11\n\tlayer_end\x18\x04 \x01(\r\x12\x15\n\rkv_head_start\x18\x05 \x01(\r\x12\x13\n\x0bkv_head_end\x18\x06 \x01(\r\x12\x12\n\npool_bytes\x18\x07 \x01(\x04\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\r\n\x05\x64type\x18\t \x01(\t\x12\x17\n\x0f\x61pplied_version\x18\n \x01(\x04\x12\x18\n\x10received_version\x18\x0b \x01(\x04\x12\x15\n\rnum_sequences\x18\x0c \x01(\x04\x12\x18\n\x10tokens_processed\x18\r \x01(\x04\x12\x18\n\x10\x63opy_ops_applied\x18\x0e \x01(\x04\x12\x18\n\x10snapshots_loaded\x18\x0f \x01(\x04\"\x9a\x01\n\x0eWriteKVRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\r\n\x05layer\x18\x03 \x01(\r\x12\x1e\n\x03key\x18\x04 \x01(\x0b\x32\x11.blockd.v1.Tensor\x12 \n\x05value\x18\x05 \x01(\x0b\x32\x11.blockd.v1.Tensor\x12\x18\n\x0cslot_mapping\x18\x06 \x03(\x03\x42\x02\x10\x01\"\"\n\x0fWriteKVResponse\x12\x0f\n\x07version\x18\x01 \x01(\x04\"\x90\x02\n\x10\x41ttentionRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\r\n\x05layer\x18\x03 \x01(\r\x12\x0f\n\x07seq_ids\x18\x04 \x03(\t\x12\x16\n\nquery_lens\x18\x05 \x03(\rB\x02\x10\x01\x12\x18\n\x0c\x63ontext_lens\x18\x06 \x03(\rB\x02\x10\x01\x12 \n\x05query\x18\x07 \x01(\x0b\x32\x11.blockd.v1.Tensor\x12\x1e\n\x03key\x18\x08 \x01(\x0b\x32\x11.blockd.v1.Tensor\x12 \n\x05value\x18\t \x01(\x0b\x32\x11.blockd.v1.Tensor\x12\x18\n\x0cslot_mapping\x18\n \x03(\x03\x42\x02\x10\x01\x12\r\n\x05scale\x18\x0b \x01(\x02\"G\n\x11\x41ttentionResponse\x12!\n\x06output\x18\x01 \x01(\x0b\x32\x11.blockd.v1.Tensor\x12\x0f\n\x07version\x18\x02 \x01(\x04\x32\xf1\x01\n\x0eKVShardService\x12U\n\x0eGetWorkerStats\x12 .blockd.v1.GetWorkerStatsRequest\x1a!.blockd.v1.GetWorkerStatsResponse\x12@\n\x07WriteKV\x12\x19.blockd.v1.WriteKVRequest\x1a\x1a.blockd.v1.WriteKVResponse\x12\x46\n\tAttention\x12\x1b.blockd.v1.AttentionRequest\x1a\x1c.blockd.v1.AttentionResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x62lockd/v1/worker.proto\x12\tblockd.v1\"4\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\x17\n\x15GetWorkerStatsRequest\"\xd8\x02\n\x16GetWorkerStatsResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04pool\x18\x02 \x01(\t\x12\x13\n\x0blayer_start\x18\x03 \x01(\r\x12\x11\n\tlayer_end\x18\x04 \x01(\r\x12\x15\n\rkv_head_start\x18\x05 \x01(\r\x12\x13\n\x0bkv_head_end\x18\x06 \x01(\r\x12\x12\n\npool_bytes\x18\x07 \x01(\x04\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\r\n\x05\x64type\x18\t \x01(\t\x12\x17\n\x0f\x61pplied_version\x18\n \x01(\x04\x12\x18\n\x10received_version\x18\x0b \x01(\x04\x12\x15\n\rnum_sequences\x18\x0c \x01(\x04\x12\x18\n\x10tokens_processed\x18\r \x01(\x04\x12\x18\n\x10\x63opy_ops_applied\x18\x0e \x01(\x04\x12\x18\n\x10snapshots_loaded\x18\x0f \x01(\x04\"\x9a\x01\n\x0eWriteKVRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\r\n\x05layer\x18\x03 \x01(\r\x12\x1e\n\x03key\x18\x04 \x01(\x0b\x32\x11.blockd.v1.Tensor\x12 \n\x05value\x18\x05 \x01(\x0b\x32\x11.blockd.v1.Tensor\x12\x18\n\x0cslot_mapping\x18\x06 \x03(\x03\x42\x02\x10\x01\"\"\n\x0fWriteKVResponse\x12\x0f\n\x07version\x18\x01 \x01(\x04\"\x90\x02\n\x10\x41ttentionRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\r\n\x05layer\x18\x03 \x01(\r\x12\x0f\n\x07seq_ids\x18\x04 \x03(\t\x12\x16\n\nquery_lens\x18\x05 \x03(\rB\x02\x10\x01\x12\x18\n\x0c\x63ontext_lens\x18\x06 \x03(\rB\x02\x10\x01\x12 \n\x05query\x18\x07 \x01(\x0b\x32\x11.blockd.v1.Tensor\x12\x1e\n\x03key\x18\x08 \x01(\x0b\x32\x11.blockd.v1.Tensor\x12 \n\x05value\x18\t \x01(\x0b\x32\x11.blockd.v1.Tensor\x12\x18\n\x0cslot_mapping\x18\n \x03(\x03\x42\x02\x10\x01\x12\r\n\x05scale\x18\x0b \x01(\x02\"G\n\x11\x41ttentionResponse\x12!\n\x06output\x18\x01 \x01(\x0b\x32\x11.blockd.v1.Tensor\x12\x0f\n\x07version\x18\x02 \x01(\x04\"\xbc\x01\n\x10ModelStepRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x0f\n\x07seq_ids\x18\x03 \x03(\t\x12\x16\n\nquery_lens\x18\x04 \x03(\rB\x02\x10\x01\x12\x18\n\x0c\x63ontext_lens\x18\x05 \x03(\rB\x02\x10\x01\x12\x15\n\ttoken_ids\x18\x06 \x03(\rB\x02\x10\x01\x12\x18\n\x0cslot_mapping\x18\x07 \x03(\x03\x42\x02\x10\x01\x12\x15\n\rreturn_logits\x18\x08 \x01(\x08\"c\n\x11ModelStepResponse\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x1a\n\x0enext_token_ids\x18\x02 \x03(\rB\x02\x10\x01\x12!\n\x06logits\x18\x03 \x01(\x0b\x32\x11.blockd.v1.Tensor2\xb9\x02\n\x0eKVShardService\x12U\n\x0eGetWorkerStats\x12 .blockd.v1.GetWorkerStatsRequest\x1a!.blockd.v1.GetWorkerStatsResponse\x12@\n\x07WriteKV\x12\x19.blockd.v1.WriteKVRequest\x1a\x1a.blockd.v1.WriteKVResponse\x12\x46\n\tAttention\x12\x1b.blockd.v1.AttentionRequest\x1a\x1c.blockd.v1.AttentionResponse\x12\x46\n\tModelStep\x12\x1b.blockd.v1.ModelStepRequest\x1a\x1c.blockd.v1.ModelStepResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,6 +39,16 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ATTENTIONREQUEST'].fields_by_name['context_lens']._serialized_options = b'\020\001'
   _globals['_ATTENTIONREQUEST'].fields_by_name['slot_mapping']._loaded_options = None
   _globals['_ATTENTIONREQUEST'].fields_by_name['slot_mapping']._serialized_options = b'\020\001'
+  _globals['_MODELSTEPREQUEST'].fields_by_name['query_lens']._loaded_options = None
+  _globals['_MODELSTEPREQUEST'].fields_by_name['query_lens']._serialized_options = b'\020\001'
+  _globals['_MODELSTEPREQUEST'].fields_by_name['context_lens']._loaded_options = None
+  _globals['_MODELSTEPREQUEST'].fields_by_name['context_lens']._serialized_options = b'\020\001'
+  _globals['_MODELSTEPREQUEST'].fields_by_name['token_ids']._loaded_options = None
+  _globals['_MODELSTEPREQUEST'].fields_by_name['token_ids']._serialized_options = b'\020\001'
+  _globals['_MODELSTEPREQUEST'].fields_by_name['slot_mapping']._loaded_options = None
+  _globals['_MODELSTEPREQUEST'].fields_by_name['slot_mapping']._serialized_options = b'\020\001'
+  _globals['_MODELSTEPRESPONSE'].fields_by_name['next_token_ids']._loaded_options = None
+  _globals['_MODELSTEPRESPONSE'].fields_by_name['next_token_ids']._serialized_options = b'\020\001'
   _globals['_TENSOR']._serialized_start=37
   _globals['_TENSOR']._serialized_end=89
   _globals['_GETWORKERSTATSREQUEST']._serialized_start=91
@@ -53,6 +63,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ATTENTIONREQUEST']._serialized_end=929
   _globals['_ATTENTIONRESPONSE']._serialized_start=931
   _globals['_ATTENTIONRESPONSE']._serialized_end=1002
-  _globals['_KVSHARDSERVICE']._serialized_start=1005
-  _globals['_KVSHARDSERVICE']._serialized_end=1246
+  _globals['_MODELSTEPREQUEST']._serialized_start=1005
+  _globals['_MODELSTEPREQUEST']._serialized_end=1193
+  _globals['_MODELSTEPRESPONSE']._serialized_start=1195
+  _globals['_MODELSTEPRESPONSE']._serialized_end=1294
+  _globals['_KVSHARDSERVICE']._serialized_start=1297
+  _globals['_KVSHARDSERVICE']._serialized_end=1610
 # @@protoc_insertion_point(module_scope)

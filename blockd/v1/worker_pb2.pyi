@@ -288,3 +288,94 @@ class AttentionResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___AttentionResponse: _TypeAlias = AttentionResponse  # noqa: Y015
+
+@_typing.final
+class ModelStepRequest(_message.Message):
+    """ModelStep input: a batch of sequences packed as one row. Sequence i brings
+    query_lens[i] new tokens, the last query_lens[i] of its context_lens[i]
+    tokens (cached + new); its tokens sit at positions
+    context_lens[i] - query_lens[i] ... context_lens[i] - 1.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    POOL_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
+    SEQ_IDS_FIELD_NUMBER: _builtins.int
+    QUERY_LENS_FIELD_NUMBER: _builtins.int
+    CONTEXT_LENS_FIELD_NUMBER: _builtins.int
+    TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    SLOT_MAPPING_FIELD_NUMBER: _builtins.int
+    RETURN_LOGITS_FIELD_NUMBER: _builtins.int
+    pool: _builtins.str
+    version: _builtins.int
+    return_logits: _builtins.bool
+    """Also return the logits of each sequence's last new token."""
+    @_builtins.property
+    def seq_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def query_lens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def context_lens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The new tokens of all sequences, concatenated: sum(query_lens) ids, each
+        below the model's vocabulary size.
+        """
+
+    @_builtins.property
+    def slot_mapping(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """One physical slot per new token (same order as token_ids)."""
+
+    def __init__(
+        self,
+        *,
+        pool: _builtins.str = ...,
+        version: _builtins.int = ...,
+        seq_ids: _abc.Iterable[_builtins.str] | None = ...,
+        query_lens: _abc.Iterable[_builtins.int] | None = ...,
+        context_lens: _abc.Iterable[_builtins.int] | None = ...,
+        token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        slot_mapping: _abc.Iterable[_builtins.int] | None = ...,
+        return_logits: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["context_lens", b"context_lens", "pool", b"pool", "query_lens", b"query_lens", "return_logits", b"return_logits", "seq_ids", b"seq_ids", "slot_mapping", b"slot_mapping", "token_ids", b"token_ids", "version", b"version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ModelStepRequest: _TypeAlias = ModelStepRequest  # noqa: Y015
+
+@_typing.final
+class ModelStepResponse(_message.Message):
+    """ModelStep output."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    VERSION_FIELD_NUMBER: _builtins.int
+    NEXT_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    LOGITS_FIELD_NUMBER: _builtins.int
+    version: _builtins.int
+    @_builtins.property
+    def next_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Greedy (argmax) next token of each sequence's last new token."""
+
+    @_builtins.property
+    def logits(self) -> Global___Tensor:
+        """[batch, vocab] float32; set only when return_logits was asked."""
+
+    def __init__(
+        self,
+        *,
+        version: _builtins.int = ...,
+        next_token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        logits: Global___Tensor | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["logits", b"logits"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["logits", b"logits", "next_token_ids", b"next_token_ids", "version", b"version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ModelStepResponse: _TypeAlias = ModelStepResponse  # noqa: Y015

@@ -50,6 +50,11 @@ class KVShardServiceStub:
                 request_serializer=blockd_dot_v1_dot_worker__pb2.AttentionRequest.SerializeToString,
                 response_deserializer=blockd_dot_v1_dot_worker__pb2.AttentionResponse.FromString,
                 _registered_method=True)
+        self.ModelStep = channel.unary_unary(
+                '/blockd.v1.KVShardService/ModelStep',
+                request_serializer=blockd_dot_v1_dot_worker__pb2.ModelStepRequest.SerializeToString,
+                response_deserializer=blockd_dot_v1_dot_worker__pb2.ModelStepResponse.FromString,
+                _registered_method=True)
 
 
 class KVShardServiceServicer:
@@ -78,6 +83,17 @@ class KVShardServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ModelStep(self, request, context):
+        """Runs one forward step of the worker's model over a packed batch: writes
+        every layer's new keys/values into their slots, runs paged attention, and
+        returns each sequence's greedy next token (and optionally its logits). In
+        a tensor-parallel group every rank gets the same request and answers the
+        same result. FAILED_PRECONDITION when the worker runs no model.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVShardServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -95,6 +111,11 @@ def add_KVShardServiceServicer_to_server(servicer, server):
                     servicer.Attention,
                     request_deserializer=blockd_dot_v1_dot_worker__pb2.AttentionRequest.FromString,
                     response_serializer=blockd_dot_v1_dot_worker__pb2.AttentionResponse.SerializeToString,
+            ),
+            'ModelStep': grpc.unary_unary_rpc_method_handler(
+                    servicer.ModelStep,
+                    request_deserializer=blockd_dot_v1_dot_worker__pb2.ModelStepRequest.FromString,
+                    response_serializer=blockd_dot_v1_dot_worker__pb2.ModelStepResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -179,6 +200,33 @@ class KVShardService:
             '/blockd.v1.KVShardService/Attention',
             blockd_dot_v1_dot_worker__pb2.AttentionRequest.SerializeToString,
             blockd_dot_v1_dot_worker__pb2.AttentionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ModelStep(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/blockd.v1.KVShardService/ModelStep',
+            blockd_dot_v1_dot_worker__pb2.ModelStepRequest.SerializeToString,
+            blockd_dot_v1_dot_worker__pb2.ModelStepResponse.FromString,
             options,
             channel_credentials,
             insecure,

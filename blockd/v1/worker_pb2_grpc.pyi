@@ -53,6 +53,13 @@ class KVShardServiceStub:
     """Runs paged attention for a batch of sequences on one layer, optionally
     writing the batch's new keys and values first.
     """
+    ModelStep: _grpc.UnaryUnaryMultiCallable[_worker_pb2.ModelStepRequest, _worker_pb2.ModelStepResponse]
+    """Runs one forward step of the worker's model over a packed batch: writes
+    every layer's new keys/values into their slots, runs paged attention, and
+    returns each sequence's greedy next token (and optionally its logits). In
+    a tensor-parallel group every rank gets the same request and answers the
+    same result. FAILED_PRECONDITION when the worker runs no model.
+    """
 
 @_typing.type_check_only
 class KVShardServiceAsyncStub(KVShardServiceStub):
@@ -66,6 +73,13 @@ class KVShardServiceAsyncStub(KVShardServiceStub):
     Attention: _aio.UnaryUnaryMultiCallable[_worker_pb2.AttentionRequest, _worker_pb2.AttentionResponse]  # type: ignore[assignment]
     """Runs paged attention for a batch of sequences on one layer, optionally
     writing the batch's new keys and values first.
+    """
+    ModelStep: _aio.UnaryUnaryMultiCallable[_worker_pb2.ModelStepRequest, _worker_pb2.ModelStepResponse]  # type: ignore[assignment]
+    """Runs one forward step of the worker's model over a packed batch: writes
+    every layer's new keys/values into their slots, runs paged attention, and
+    returns each sequence's greedy next token (and optionally its logits). In
+    a tensor-parallel group every rank gets the same request and answers the
+    same result. FAILED_PRECONDITION when the worker runs no model.
     """
 
 class KVShardServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -95,6 +109,19 @@ class KVShardServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_worker_pb2.AttentionResponse, _abc.Awaitable[_worker_pb2.AttentionResponse]]:
         """Runs paged attention for a batch of sequences on one layer, optionally
         writing the batch's new keys and values first.
+        """
+
+    @_abc_1.abstractmethod
+    def ModelStep(
+        self,
+        request: _worker_pb2.ModelStepRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_worker_pb2.ModelStepResponse, _abc.Awaitable[_worker_pb2.ModelStepResponse]]:
+        """Runs one forward step of the worker's model over a packed batch: writes
+        every layer's new keys/values into their slots, runs paged attention, and
+        returns each sequence's greedy next token (and optionally its logits). In
+        a tensor-parallel group every rank gets the same request and answers the
+        same result. FAILED_PRECONDITION when the worker runs no model.
         """
 
 def add_KVShardServiceServicer_to_server(servicer: KVShardServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

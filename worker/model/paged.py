@@ -1,0 +1,76 @@
+"""The bridge between a Hugging Face model's attention layers and the paged KV
+pool: an attention implementation registered with transformers under
+:data:`ATTN_IMPLEMENTATION`, and the per-step batch it reads.
+
+How a step's metadata reaches the attention function: as a forward keyword
+(``blockd_batch=PagedBatch(...)``). transformers passes the model's extra
+forward kwargs through every decoder layer down to the attention function, so
+the batch travels with the call itself: no global or thread-local state,
+nothing to reset after an exception, and two runners in one process (tests,
+TP ranks in threads) cannot see each other's batches. Calling the model
+without it fails loudly instead of attending over a stale batch.
+
+No mask is built: transformers only builds a dense mask for implementations
+present in its ``AttentionMaskInterface``, and this one is deliberately not
+registered there (causality and sequence boundaries come from the paged
+kernel's per-sequence plan), so the function receives ``attention_mask=None``.
+Imports torch, transformers and :mod:`worker.runtime`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import AttentionInterface
+
+from worker.runtime import WorkerRuntime
+
+ATTN_IMPLEMENTATION = "blockd_paged"
+
+
+@dataclass(frozen=True)
+class PagedBatch:
+    """One model step's batch, packed as one row of ``sum(query_lens)`` tokens.
+
+    Sequence ``i``'s new tokens are the last ``query_lens[i]`` of its
+    ``context_lens[i]``; ``slot_mapping`` has one physical slot per new token.
+    """
+
+    runtime: WorkerRuntime
+    version: int
+    seq_ids: list[str]
+    query_lens: list[int]
+    context_lens: list[int]
+    slot_mapping: torch.Tensor
+
+
+def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                            value: torch.Tensor, attention_mask: torch.Tensor | None, *,
+                            scaling: float | None = None, blockd_batch: PagedBatch | None = None,
+                            **kwargs) -> tuple[torch.Tensor, None]:
+    """Write this layer's new K/V into the pool and attend over cached + new.
+
+    * ``query``: ``[1, Hq_local, T, D]``; ``key``, ``value``: ``[1, Hkv_local, T, D]``
+      (after RoPE), ``T = sum(query_lens)``; the pool's dtype.
+    * returns ``([1, T, Hq_local, D], None)``: no attention weights.
+
+    The runtime advances its replica to exactly ``blockd_batch.version`` and
+    plans once per batch; every later layer reuses that plan.
+    """
+    if blockd_batch is None:
+        raise RuntimeError(f"attention implementation {ATTN_IMPLEMENTATION!r} runs only inside "
+                           "ModelRunner.step, which passes blockd_batch")
+    if query.dim() != 4 or query.shape[0] != 1:
+        raise ValueError(f"the paged path packs a batch as one row; got query of shape {list(query.shape)}")
+    if kwargs.get("sliding_window") is not None or kwargs.get("softcap") is not None:
+        raise ValueError("sliding-window and soft-capped attention are not supported by the paged pool")
+    batch = blockd_batch
+    out = batch.runtime.attention(
+        batch.version, module.layer_idx, batch.seq_ids, batch.query_lens, batch.context_lens,
+        query[0].transpose(0, 1).contiguous(), key=key[0].transpose(0, 1).contiguous(),
+        value=value[0].transpose(0, 1).contiguous(), slot_mapping=batch.slot_mapping, scale=scaling)
+    return out.unsqueeze(0), None
+
+
+AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)

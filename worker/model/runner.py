@@ -1,0 +1,177 @@
+"""One forward step of a model over a packed batch, on a worker's KV pool shard.
+
+:class:`ModelRunner` owns the model (whole, or this rank's tensor-parallel
+shard) and the step contract that ``ModelStep`` serves::
+
+    seq i:  |<------------- context_lens[i] ------------->|
+            |  cached (already in the pool)  | query_lens[i] new tokens |
+            positions  0 ..                    ctx-q .. ctx-1
+
+All sequences' new tokens are packed into one row (``input_ids`` ``[1, T]``,
+``position_ids`` ``[1, T]``); the paged attention function writes each layer's
+new K/V into ``slot_mapping`` and attends over the sequence's whole context.
+The result is the logits of each sequence's last new token, ``[batch, vocab]``.
+
+Errors are the runtime's (:mod:`blockd.core.errors`): inconsistent lengths,
+token ids past the vocabulary, slots that are not the sequence's slots at that
+version -> InvalidArgument; unknown sequence -> NotFound; stale or
+never-arriving version -> WrongState. All of them are raised before the model
+runs, and in a tensor-parallel group the ranks agree on them first, so one
+rank never waits in a collective for a peer that refused the step.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel
+
+from blockd.core import arith
+from blockd.core.errors import BlockdError, InvalidArgument
+from worker.model.build import check_pool, model_geometry
+from worker.model.paged import PagedBatch
+from worker.runtime import WorkerRuntime
+
+#: a batch larger than this is a caller's bug, not a workload
+MAX_STEP_TOKENS = 1 << 20
+
+
+@dataclass(frozen=True)
+class StepInput:
+    """A validated step request."""
+
+    version: int
+    seq_ids: list[str]
+    query_lens: list[int]
+    context_lens: list[int]
+    token_ids: torch.Tensor  # int64 [T]
+    slot_mapping: torch.Tensor  # int64 [T]
+
+    def digest(self) -> bytes:
+        """Identifies the request, so TP ranks can check that they run the same step."""
+        h = hashlib.blake2b(digest_size=16)
+        h.update(repr((self.version, self.seq_ids, self.query_lens, self.context_lens)).encode())
+        h.update(self.token_ids.numpy().tobytes())
+        h.update(self.slot_mapping.numpy().tobytes())
+        return h.digest()
+
+
+def _ints(values, name: str) -> list[int]:
+    values = list(values)
+    if not all(type(v) is int for v in values):
+        raise InvalidArgument(f"{name} must be a list of integers")
+    return values
+
+
+class ModelRunner:
+    """Runs ``model`` on ``runtime``'s pool shard; ``tp`` is the tensor-parallel
+    group when the model is sharded (:class:`worker.model.tp.TensorParallel`)."""
+
+    def __init__(self, model: PreTrainedModel, runtime: WorkerRuntime, tp=None) -> None:
+        check_pool(model, runtime.config)
+        geometry = model_geometry(model.config)
+        shard = runtime.shard
+        if (shard.layer_start, shard.layer_end) != (0, geometry.num_layers):
+            raise ValueError("a model runner needs every layer of the pool on this worker")
+        heads = (0, geometry.num_kv_heads) if tp is None else tp.kv_head_range(geometry.num_kv_heads)
+        if (shard.kv_head_start, shard.kv_head_end) != heads:
+            raise ValueError(f"this worker holds KV heads [{shard.kv_head_start}, {shard.kv_head_end}) "
+                             f"but its model shard needs {list(heads)}")
+        self.model = model.to(runtime.device)
+        self.runtime = runtime
+        self.tp = tp
+        self.vocab_size = model.config.vocab_size
+        self.max_positions = getattr(model.config, "max_position_embeddings", None)
+        # One step at a time: the runtime keeps one plan, and TP ranks must issue
+        # their collectives in the same order.
+        self._lock = threading.Lock()
+
+    def step(self, version: int, seq_ids: Sequence[str], query_lens: Sequence[int],
+             context_lens: Sequence[int], token_ids: Sequence[int],
+             slot_mapping: Sequence[int]) -> torch.Tensor:
+        """Logits ``[batch, vocab]`` (float32, CPU) of each sequence's last new token."""
+        batch = self.check(version, seq_ids, query_lens, context_lens, token_ids, slot_mapping)
+        with self._lock:
+            error = self._prepare(batch)
+            if self.tp is None:
+                if error is not None:
+                    raise error
+                return self._forward(batch)
+            with self.tp.collective():
+                self.tp.agree(error, batch.digest())
+            with self.tp.collective(agreed=True):
+                return self._forward(batch)
+
+    def check(self, version, seq_ids, query_lens, context_lens, token_ids, slot_mapping) -> StepInput:
+        """Validate a request on its own (no pool state): the same on every rank."""
+        if type(version) is not int or version < 0:
+            raise InvalidArgument(f"version must be a non-negative integer, got {version!r}")
+        seq_ids = list(seq_ids)
+        if not seq_ids or not all(isinstance(s, str) and s for s in seq_ids):
+            raise InvalidArgument("seq_ids must be a non-empty list of sequence ids")
+        if len(set(seq_ids)) != len(seq_ids):
+            raise InvalidArgument("a sequence may appear only once in a step")
+        q_lens, ctx = _ints(query_lens, "query_lens"), _ints(context_lens, "context_lens")
+        if not len(seq_ids) == len(q_lens) == len(ctx):
+            raise InvalidArgument("seq_ids, query_lens and context_lens need one entry per sequence, "
+                                  f"got {len(seq_ids)}, {len(q_lens)}, {len(ctx)}")
+        for seq_id, q, n in zip(seq_ids, q_lens, ctx):
+            if not 1 <= q <= n:
+                raise InvalidArgument(f"sequence {seq_id!r}: need 1 <= query_len <= context_len, "
+                                      f"got {q}, {n}")
+            if self.max_positions is not None and n > self.max_positions:
+                raise InvalidArgument(f"sequence {seq_id!r}: context length {n} is past the model's "
+                                      f"{self.max_positions} positions")
+        total = sum(q_lens)
+        tokens, slots = _ints(token_ids, "token_ids"), _ints(slot_mapping, "slot_mapping")
+        if total > MAX_STEP_TOKENS or not len(tokens) == len(slots) == total:
+            raise InvalidArgument(f"token_ids and slot_mapping need sum(query_lens) = {total} entries "
+                                  f"(at most {MAX_STEP_TOKENS}), got {len(tokens)} and {len(slots)}")
+        bad = [t for t in tokens if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidArgument(f"token id {bad[0]} is not in the model's vocabulary of {self.vocab_size}")
+        return StepInput(version, seq_ids, q_lens, ctx, torch.tensor(tokens, dtype=torch.int64),
+                         torch.tensor(slots, dtype=torch.int64))
+
+    def _prepare(self, batch: StepInput) -> BlockdError | None:
+        """Bring the replica to ``batch.version`` and check the slots against its
+        tables; return (not raise) the error so TP ranks can agree on it."""
+        try:
+            self.runtime.advance(batch.version)
+            tables = self.runtime.replica.tables_of(batch.seq_ids)
+            self._check_slots(batch, tables)
+        except BlockdError as err:
+            return err
+        return None
+
+    def _check_slots(self, batch: StepInput, tables: list[list[int]]) -> None:
+        """Each new token's slot must be the one its table gives at this version:
+        a wrong slot would silently overwrite another sequence's cache."""
+        b, row = self.runtime.config.block_size, 0
+        given = batch.slot_mapping.tolist()
+        for seq_id, table, q, n in zip(batch.seq_ids, tables, batch.query_lens, batch.context_lens):
+            try:
+                want = arith.slot_mapping(table, n - q, n, b)
+            except (IndexError, ValueError):
+                raise InvalidArgument(f"sequence {seq_id!r} has {len(table)} blocks at version "
+                                      f"{batch.version}, too few for context length {n}") from None
+            if given[row : row + q] != want:
+                raise InvalidArgument(f"slot_mapping of sequence {seq_id!r} is not its slots at version "
+                                      f"{batch.version} (expected {want[:8]}...)")
+            row += q
+
+    def _forward(self, batch: StepInput) -> torch.Tensor:
+        device = self.runtime.device
+        positions = torch.cat([torch.arange(n - q, n) for q, n in zip(batch.query_lens, batch.context_lens)])
+        last = torch.tensor(batch.query_lens).cumsum(0) - 1
+        paged = PagedBatch(self.runtime, batch.version, batch.seq_ids, batch.query_lens, batch.context_lens,
+                           batch.slot_mapping.to(device))
+        with torch.inference_mode():
+            out = self.model(input_ids=batch.token_ids.to(device).unsqueeze(0),
+                             position_ids=positions.to(device).unsqueeze(0), use_cache=False,
+                             logits_to_keep=last.to(device), blockd_batch=paged)
+        return out.logits[0].float().cpu()
