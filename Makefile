@@ -14,7 +14,7 @@ setup: $(BIN)/python
 	$(BIN)/pip install -q -c constraints.txt -e '.[worker,model,dev]'
 
 demo: setup
-	$(BIN)/python -m blockd.demo
+	$(BIN)/python -m blockd.cluster_demo
 
 test: setup
 	$(BIN)/python -m pytest

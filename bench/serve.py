@@ -1,0 +1,185 @@
+"""Serving benchmark: a real local cluster (``blockd serve`` + ``blockd-worker
+--model``), the continuous-batching scheduler, ShareGPT-like request lengths,
+and blockd's paging compared with max-length reservation on the same KV budget.
+
+Both schemes run on the same cluster and the same pool (same ``num_blocks``),
+on the same requests, all arriving at t = 0 (an offline batch, as in vLLM's
+throughput benchmark), with the prefix cache reset in between. They differ
+only in admission (:mod:`client.serving`):
+
+* ``paging``: admit while blockd has blocks above the watermark; blocks are
+  taken as tokens arrive; preempt (recompute) when a decode finds none;
+* ``max_reservation``: a request is admitted only if ``ceil(max_len / b)``
+  blocks per sequence are still unreserved, as a contiguous allocator
+  (Orca, FasterTransformer) must reserve the model's maximum length up front.
+
+Prints one JSON object per line, ``name="serve"``, one per scheme:
+``ttft_p50_ms``, ``ttft_p99_ms``, ``tpot_p50_ms``, ``tpot_p99_ms``,
+``tokens_per_s`` (output tokens / wall time), ``max_concurrency`` (most
+requests running at once), ``mean_concurrency`` (over scheduler steps) and
+``mean_concurrency_saturated`` (over the steps where requests were queued),
+``ratio_concurrency``, ``ratio_concurrency_saturated`` and
+``ratio_tokens_per_s`` (paging over reservation),
+``outputs_match_reference`` (the first requests' tokens equal transformers'
+contiguous-cache ``generate``), and the set-up: model config, precision,
+library versions, the length distributions and their scaling, concurrency
+limits, hardware. TTFT counts from t = 0, so it includes the time queued.
+
+Lengths: the ShareGPT fit of :data:`blockd.sim.SHAREGPT` (lognormal, mean
+input ~160, output ~340 tokens, max 2,048) scaled by 1/8 so that a CPU run
+fits the tiny model's 256 positions and a few minutes: mean input ~20,
+output ~42, max 256. Run: ``python bench/serve.py [--quick] [--seed N]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from blockd.local_cluster import ClusterSpec, LocalCluster, model_config
+from blockd.sim import SHAREGPT, LengthDist, TraceSpec
+
+SCALE = 1 / 8
+TRACE = TraceSpec("sharegpt_like_x1/8", LengthDist(SHAREGPT.prompt.mean * SCALE, SHAREGPT.prompt.sigma),
+                  LengthDist(SHAREGPT.output.mean * SCALE, SHAREGPT.output.sigma), int(SHAREGPT.max_len * SCALE))
+MODEL = "tiny-llama"
+NUM_BLOCKS, BLOCK_SIZE, WATERMARK_BLOCKS = 256, 16, 2
+MAX_NUM_SEQS, MAX_NUM_BATCHED_TOKENS = 256, 512
+NUM_VERIFIED = 8  # outputs per scheme checked against the contiguous reference
+
+
+def make_requests(num: int, seed: int, vocab_size: int):
+    from client.serving import GenerationRequest
+
+    rng = random.Random(seed)
+    requests = []
+    for index in range(num):
+        num_prompt, num_output = TRACE.draw(rng)
+        prompt = tuple(rng.randrange(vocab_size) for _ in range(num_prompt))
+        requests.append(GenerationRequest(f"q{index}", prompt, num_output))
+    return requests
+
+
+def run_scheme(scheme: str, cluster: LocalCluster, requests) -> tuple[dict, list]:
+    from client.model_group import WorkerGroup
+    from client.scheduler import Scheduler, SchedulerConfig
+    from client.sdk import BlockdClient
+    from client.serving import ReservationAdmission, percentile
+
+    pool = cluster.spec.pool
+    admission = None
+    if scheme == "max_reservation":
+        admission = ReservationAdmission(NUM_BLOCKS, BLOCK_SIZE, TRACE.max_len, WATERMARK_BLOCKS)
+    with BlockdClient(cluster.blockd_address) as client, WorkerGroup(pool, cluster.worker_addresses) as group:
+        client.reset_prefix_cache(pool)
+        sched = Scheduler(client, pool, group, SchedulerConfig(MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS),
+                          admission=admission)
+        start = time.perf_counter()
+        for req in requests:
+            sched.add_request(req)
+        outputs, running, saturated = [], [], []
+        while not sched.is_idle:
+            sched.step()
+            running.append(len(sched.running))
+            if sched.waiting:  # requests queued: the scheme's own limit is what binds
+                saturated.append(len(sched.running))
+            outputs += sched.take_finished()
+        seconds = time.perf_counter() - start
+    c = sched.counters
+    ttft = [o.ttft_s * 1e3 for o in outputs]
+    tpot = [o.tpot_s * 1e3 for o in outputs if len(o.output_token_ids[0]) > 1]
+    num_tokens = sum(len(s) for o in outputs for s in o.output_token_ids)
+    return {
+        "scheme": scheme,
+        "ttft_p50_ms": round(percentile(ttft, 50), 2), "ttft_p99_ms": round(percentile(ttft, 99), 2),
+        "tpot_p50_ms": round(percentile(tpot, 50), 2), "tpot_p99_ms": round(percentile(tpot, 99), 2),
+        "tokens_per_s": round(num_tokens / seconds, 1), "max_concurrency": c.peak_running_requests,
+        "mean_concurrency": round(sum(running) / max(1, len(running)), 2),
+        "mean_concurrency_saturated": round(sum(saturated) / max(1, len(saturated)), 2),
+        "seconds": round(seconds, 2),
+        "num_requests": len(outputs), "num_rejected": c.num_rejected, "output_tokens": num_tokens,
+        "steps": c.num_steps, "preemptions": c.num_preemptions, "refused_batches": c.num_refused_batches,
+    }, outputs
+
+
+def setup_record(args, config, num_requests: int) -> dict:
+    import grpc
+    import torch
+    import transformers
+
+    rng = random.Random(args.seed)
+    draws = [TRACE.draw(rng) for _ in range(20000)]
+    return {
+        "model": {"name": MODEL, **{k: getattr(config, k) for k in (
+            "model_type", "num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
+            "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings")}},
+        "precision": "float32",
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
+                     "grpcio": grpc.__version__, "python": platform.python_version()},
+        "hardware": {"cpu_count": os.cpu_count(), "platform": platform.platform(),
+                     "machine": platform.machine(), "torch_threads": torch.get_num_threads(), "device": "cpu"},
+        "workload": {"trace": TRACE.name, "scale": SCALE,
+                     "scaling": "ShareGPT-like lognormal lengths (mean input 160, output 340, max 2048) "
+                                "with means and max scaled by 1/8 (sigmas kept) to fit the tiny model's "
+                                "256 positions and CPU time",
+                     **TRACE.params(), "num_requests": num_requests, "arrival": "all at t=0 (offline batch)",
+                     "empirical_mean_input": round(sum(p for p, _ in draws) / len(draws), 1),
+                     "empirical_mean_output": round(sum(o for _, o in draws) / len(draws), 1),
+                     "seed": args.seed, "n": 1},
+        "pool": {"num_blocks": NUM_BLOCKS, "block_size": BLOCK_SIZE, "watermark_blocks": WATERMARK_BLOCKS,
+                 "kv_budget_tokens": NUM_BLOCKS * BLOCK_SIZE},
+        "concurrency": {"max_num_seqs": MAX_NUM_SEQS, "max_num_batched_tokens": MAX_NUM_BATCHED_TOKENS,
+                        "tp_size": args.tp},
+    }
+
+
+def verify(requests, outputs) -> bool:
+    from client.reference import ContiguousReference
+
+    sample = requests[:NUM_VERIFIED]
+    return not ContiguousReference(MODEL).mismatches(sample, outputs)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help="150 requests instead of 1000")
+    parser.add_argument("--requests", type=int, default=None, help="override the request count")
+    parser.add_argument("--tp", type=int, default=1, choices=(1, 2), help="workers in the TP group (default 1)")
+    args = parser.parse_args(argv)
+    num_requests = args.requests or (150 if args.quick else 1000)
+    if num_requests < 1:
+        parser.error("--requests must be >= 1")
+    start = time.perf_counter()
+    config = model_config(MODEL)
+    requests = make_requests(num_requests, args.seed, config.vocab_size)
+    spec = ClusterSpec(MODEL, args.tp, "serve", NUM_BLOCKS, BLOCK_SIZE, WATERMARK_BLOCKS)
+    results = {}
+    with LocalCluster(spec) as cluster:
+        for scheme in ("paging", "max_reservation"):
+            result, outputs = run_scheme(scheme, cluster, requests)
+            result["outputs_match_reference"] = verify(requests, outputs)
+            results[scheme] = result
+    paging, reserved = results["paging"], results["max_reservation"]
+    ratios = {"ratio_concurrency": round(paging["max_concurrency"] / reserved["max_concurrency"], 2),
+              "ratio_tokens_per_s": round(paging["tokens_per_s"] / reserved["tokens_per_s"], 2),
+              "ratio_concurrency_saturated": round(paging["mean_concurrency_saturated"]
+                                                   / reserved["mean_concurrency_saturated"], 2)}
+    common = {"name": "serve", **setup_record(args, config, num_requests)}
+    for result in results.values():
+        print(json.dumps({**common, **result, **ratios}), flush=True)
+    print(f"bench/serve.py: paging runs {ratios['ratio_concurrency']}x the concurrent requests of max-length "
+          f"reservation at {ratios['ratio_tokens_per_s']}x its throughput "
+          f"({time.perf_counter() - start:.0f} s)", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

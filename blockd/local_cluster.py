@@ -1,0 +1,210 @@
+"""A whole cluster as local child processes on loopback: ``blockd serve``, one
+pool sized for a model, and ``blockd-worker --model`` processes (one holding
+the whole model, or a tensor-parallel group each holding its share of the KV
+heads). For demos, benchmarks and integration tests.
+
+Owns the children's lifetimes. Each runs in its own session, so a terminal's
+Ctrl-C reaches only the parent, which stops them in order; their output is
+collected in the background for error messages; :meth:`LocalCluster.stop`
+(also on ``with`` exit, whatever happened) sends SIGTERM to blockd, then to
+the workers, waits, SIGKILLs stragglers and reaps every child. Only a parent
+killed by SIGKILL cannot do this: its children then live on.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+START_TIMEOUT_S = 120.0
+STOP_TIMEOUT_S = 10.0
+
+
+class ChildProcess:
+    """One child: started with ``python -m``, ready when it prints ``ready_prefix ADDRESS``."""
+
+    def __init__(self, name: str, args: list[str], ready_prefix: str) -> None:
+        self.name = name
+        self.lines: collections.deque[str] = collections.deque(maxlen=200)
+        self._ready: queue.Queue[str] = queue.Queue()
+        env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               "PYTHONUNBUFFERED": "1"}
+        self.popen = subprocess.Popen([sys.executable, *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True,
+                                      start_new_session=True)
+        self.address = ""
+        threading.Thread(target=self._read, args=(ready_prefix,), daemon=True, name=f"{name}-output").start()
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def _read(self, prefix: str) -> None:
+        for line in self.popen.stdout:
+            self.lines.append(line.rstrip())
+            if line.startswith(prefix):
+                self._ready.put(line.split()[-1])
+
+    def wait_ready(self, deadline: float) -> str:
+        while time.monotonic() < deadline:
+            try:
+                self.address = self._ready.get(timeout=0.1)
+                return self.address
+            except queue.Empty:
+                if self.popen.poll() is not None:
+                    break
+        raise RuntimeError(f"{self.name} did not start (exit code {self.popen.poll()}); its last output:\n"
+                           + "\n".join(list(self.lines)[-30:]))
+
+    def terminate(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+
+    def reap(self, deadline: float) -> int:
+        try:
+            return self.popen.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            self.popen.kill()
+            return self.popen.wait()
+
+
+def free_port() -> int:
+    """A loopback port nobody listens on now (for the TP rendezvous)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    model: str = "tiny-llama"
+    tp_size: int = 1
+    pool: str = "model"
+    num_blocks: int = 256
+    block_size: int = 16
+    watermark_blocks: int = 0
+    model_seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.tp_size < 1 or self.num_blocks < 1 or self.block_size < 1:
+            raise ValueError("tp_size, num_blocks and block_size must be >= 1")
+
+
+class LocalCluster:
+    """Start with :meth:`start` (or ``with``); ``blockd_address`` and
+    ``worker_addresses`` (rank order) are then set."""
+
+    def __init__(self, spec: ClusterSpec) -> None:
+        self.spec = spec
+        self.blockd: ChildProcess | None = None
+        self.workers: list[ChildProcess] = []
+        self.pool_config = None
+
+    @property
+    def blockd_address(self) -> str:
+        return self.blockd.address if self.blockd else ""
+
+    @property
+    def worker_addresses(self) -> list[str]:
+        return [worker.address for worker in self.workers]
+
+    @property
+    def pids(self) -> list[int]:
+        return [child.pid for child in self._children()]
+
+    def _children(self) -> list[ChildProcess]:
+        return [*self.workers, *([self.blockd] if self.blockd else [])]
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def start(self) -> LocalCluster:
+        try:
+            self._start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start(self) -> None:
+        # imported here: the launcher itself needs neither torch nor the SDK
+        from client.sdk import BlockdClient
+        from worker.model import pool_config_for
+
+        spec = self.spec
+        self.blockd = ChildProcess("blockd", ["-m", "blockd.cli", "serve", "--listen", "127.0.0.1:0",
+                                              "--fsync", "never"], "blockd listening on")
+        self.blockd.wait_ready(time.monotonic() + START_TIMEOUT_S)
+        self.pool_config = pool_config_for(model_config(spec.model), spec.pool, spec.num_blocks, spec.block_size,
+                                           dtype="float32", watermark_blocks=spec.watermark_blocks)
+        with BlockdClient(self.blockd.address) as client:
+            client.create_pool(self.pool_config)
+        tp_init = f"tcp://127.0.0.1:{free_port()}"
+        for rank in range(spec.tp_size):
+            args = ["-m", "worker.main", "--blockd", self.blockd.address, "--pool", spec.pool,
+                    "--model", spec.model, "--model-seed", str(spec.model_seed), "--device", "cpu",
+                    "--worker-id", f"{spec.pool}-rank{rank}", "--heartbeat-s", "0.5"]
+            if spec.tp_size > 1:
+                args += ["--tp-rank", str(rank), "--tp-world-size", str(spec.tp_size), "--tp-init", tp_init]
+            self.workers.append(ChildProcess(f"worker rank {rank}", args, "blockd-worker listening on"))
+        # the ranks meet in their rendezvous before any prints its ready line
+        deadline = time.monotonic() + START_TIMEOUT_S
+        for worker in self.workers:
+            worker.wait_ready(deadline)
+
+    def stop(self) -> None:
+        """blockd first, then the workers; every child reaped.
+
+        In this order a worker's Watch stream ends as blockd goes away, so the
+        worker stops at once; stopped first, a worker waits seconds for its
+        watch thread, blocked on a stream that nothing cancels.
+        """
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        for group in ([self.blockd] if self.blockd else [], self.workers):
+            for child in group:
+                child.terminate()
+            for child in group:
+                child.reap(deadline)
+
+
+def model_config(model: str):
+    """The Hugging Face config of a worker's ``--model`` (tiny name or local directory)."""
+    from transformers import AutoConfig
+
+    from worker.model import TINY_MODELS, tiny_config
+
+    if model in TINY_MODELS:
+        return tiny_config(model.removeprefix("tiny-"))
+    if os.path.isdir(model):
+        return AutoConfig.from_pretrained(model, local_files_only=True)
+    raise ValueError(f"model must be one of {', '.join(TINY_MODELS)} or a local model directory, got {model!r}")
+
+
+def live_pids(pids: list[int]) -> list[int]:
+    """Those of ``pids`` that are still running (not gone, not zombies), read from /proc."""
+    alive = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            continue
+        if state != "Z":
+            alive.append(pid)
+    return alive

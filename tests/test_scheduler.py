@@ -1,0 +1,235 @@
+"""The continuous-batching scheduler against a real in-process blockd and a fake
+model that computes on what the pool's slots hold.
+
+:class:`SlotModel` stands in for the workers: it writes every new token id into
+the slot the step names (after checking that slot against the sequence's
+table), runs the step's copy-on-write copies, and answers with a hash of the
+sequence's whole context *as read back through its block table*. So a wrong
+slot, a missed copy, a prefix hit on blocks that were never written or a
+recompute that lost a token all change the generated tokens, and the tests
+compare them with the same hash over the plain token list.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from blockd.core import PoolConfig
+from client.model_group import ModelBatch
+from client.scheduler import Scheduler, SchedulerConfig
+from client.serving import GenerationRequest, ReservationAdmission, percentile
+
+pytest_plugins = ["tests.grpc_fixtures"]
+
+VOCAB = 1000
+BLOCK = 4
+
+
+def next_token(context: list[int]) -> int:
+    acc = len(context)
+    for token in context:
+        acc = (acc * 131 + token + 7) % 1_000_003
+    return acc % VOCAB
+
+
+def reference(prompt: tuple[int, ...], max_new_tokens: int) -> tuple[int, ...]:
+    tokens = list(prompt)
+    for _ in range(max_new_tokens):
+        tokens.append(next_token(tokens))
+    return tuple(tokens[len(prompt):])
+
+
+class SlotModel:
+    """The fake model; ``step`` wraps the client's so it sees each version's copy ops."""
+
+    def __init__(self, client, pool: str) -> None:
+        self.client, self.pool = client, pool
+        self.slots: dict[int, int] = {}
+        self.num_steps = 0
+
+    def step(self, pool, ops, **kwargs):
+        result = self.client.step(pool, ops, **kwargs)
+        for src, dst in result.copy_ops:
+            for offset in range(BLOCK):
+                if src * BLOCK + offset in self.slots:
+                    self.slots[dst * BLOCK + offset] = self.slots[src * BLOCK + offset]
+        return result
+
+    def run(self, version: int, batch: ModelBatch) -> list[int]:
+        self.num_steps += 1
+        _, tables = self.client.get_tables(self.pool, batch.seq_ids)
+        out, row = [], 0
+        for seq_id, q, n in zip(batch.seq_ids, batch.query_lens, batch.context_lens):
+            table = tables[seq_id]
+            for pos in range(n - q, n):
+                slot = table[pos // BLOCK] * BLOCK + pos % BLOCK
+                assert batch.slot_mapping[row] == slot, f"{seq_id} token {pos}: wrong slot"
+                self.slots[slot] = batch.token_ids[row]
+                row += 1
+            context = [self.slots[table[pos // BLOCK] * BLOCK + pos % BLOCK] for pos in range(n)]
+            out.append(next_token(context))
+        return out
+
+
+class _StepThrough:
+    """The client as the scheduler sees it, with ``step`` going through the model."""
+
+    def __init__(self, client, model: SlotModel) -> None:
+        self._client, self._model = client, model
+
+    def step(self, pool, ops, **kwargs):
+        return self._model.step(pool, ops, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._client, name)
+
+
+def make(client, num_blocks: int, config: SchedulerConfig, *, watermark: int = 0, admission=None):
+    client.create_pool(PoolConfig("p", num_blocks, BLOCK, watermark_blocks=watermark))
+    model = SlotModel(client, "p")
+    return Scheduler(_StepThrough(client, model), "p", model, config, admission=admission), model
+
+
+def workload(seed: int, count: int) -> list[GenerationRequest]:
+    rng = random.Random(seed)
+    shared = [tuple(rng.randrange(VOCAB) for _ in range(rng.randint(9, 23))) for _ in range(2)]
+    requests = []
+    for i in range(count):
+        prefix = rng.choice(shared + [()])
+        prompt = prefix + tuple(rng.randrange(VOCAB) for _ in range(rng.randint(1, 12)))
+        requests.append(GenerationRequest(f"r{i}", prompt, rng.randint(1, 14), n=rng.choice((1, 1, 2, 3))))
+    return requests
+
+
+def check_outputs(outputs, requests) -> None:
+    by_id = {out.request_id: out for out in outputs}
+    assert set(by_id) == {req.request_id for req in requests}
+    for req in requests:
+        out = by_id[req.request_id]
+        assert out.error is None, out.error
+        assert out.output_token_ids == (reference(req.prompt_token_ids, req.max_new_tokens),) * req.n
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_greedy_tokens_survive_chunking_prefix_reuse_forks_and_preemption(client, seed):
+    requests = workload(seed, 16)
+    sched, _ = make(client, 24, SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=12), watermark=1)
+    for req in requests:
+        sched.add_request(req)
+    check_outputs(sched.run(), requests)
+    c = sched.counters
+    assert c.num_preemptions > 0 and c.num_refused_batches > 0, "the small pool must force preemption"
+    assert c.num_forks == sum(req.n - 1 for req in requests if req.max_new_tokens > 1)
+    assert c.num_cached_tokens > 0, "shared prefixes must hit the prefix cache"
+    stats = client.get_pool("p")
+    assert stats.num_seqs == 0 and stats.num_used_blocks == 0, "every sequence is freed at the end"
+
+
+def test_one_step_call_per_scheduler_step_when_room_suffices(client):
+    requests = workload(3, 8)
+    sched, model = make(client, 400, SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=32))
+    calls = []
+    original = model.step
+    model.step = lambda *a, **k: calls.append(1) or original(*a, **k)
+    for req in requests:
+        sched.add_request(req)
+    check_outputs(sched.run(), requests)
+    assert sched.counters.num_refused_batches == 0 and sched.counters.num_preemptions == 0
+    assert len(calls) == sched.counters.num_steps
+    assert model.num_steps <= sched.counters.num_steps  # one model step per scheduler step at most
+
+
+def test_chunked_prefill_respects_the_token_budget(client):
+    sched, model = make(client, 100, SchedulerConfig(max_num_batched_tokens=8, max_num_seqs=4))
+    sizes = []
+    original = model.run
+    model.run = lambda version, batch: sizes.append(batch.num_tokens) or original(version, batch)
+    req = GenerationRequest("long", tuple(range(1, 30)), 3)
+    sched.add_request(req)
+    check_outputs(sched.run(), [req])
+    assert max(sizes) <= 8 and sizes[:4] == [8, 8, 8, 5]
+    out = sched.counters
+    assert out.num_prefill_tokens == 29 and out.num_output_tokens == 3
+
+
+def test_reservation_admission_bounds_concurrency(client):
+    requests = [GenerationRequest(f"r{i}", (i + 1,) * 5, 6) for i in range(6)]
+    policy = ReservationAdmission(40, BLOCK, max_len=32)  # 8 blocks a sequence: 5 at once
+    sched, _ = make(client, 40, SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=16), admission=policy)
+    for req in requests:
+        sched.add_request(req)
+    check_outputs(sched.run(), requests)
+    assert sched.counters.peak_running_requests == 5 and policy.num_reserved_blocks == 0
+
+
+def test_requests_that_can_never_fit_are_rejected_not_waited_on(client):
+    sched, _ = make(client, 6, SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4))
+    fits = GenerationRequest("fits", (1, 2, 3), 4)
+    sched.add_request(GenerationRequest("huge", tuple(range(1, 40)), 2))
+    sched.add_request(GenerationRequest("wide", (5, 6), 2, n=9))
+    sched.add_request(fits)
+    outputs = {out.request_id: out for out in sched.run()}
+    assert "blocks" in outputs["huge"].error and "max_num_seqs" in outputs["wide"].error
+    assert outputs["fits"].output_token_ids == (reference(fits.prompt_token_ids, 4),)
+    assert sched.counters.num_rejected == 2
+
+
+def test_one_new_token_with_several_samples(client):
+    req = GenerationRequest("one", (9, 8, 7, 6, 5), 1, n=3)
+    sched, _ = make(client, 20, SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=8))
+    sched.add_request(req)
+    check_outputs(sched.run(), [req])
+    assert sched.counters.num_forks == 0
+
+
+def test_timings_come_from_the_injected_clock(client):
+    ticks = iter(range(1000))
+    client.create_pool(PoolConfig("p", 50, BLOCK))
+    model = SlotModel(client, "p")
+    sched = Scheduler(_StepThrough(client, model), "p", model, SchedulerConfig(16, 4),
+                      clock=lambda: float(next(ticks)))
+    sched.add_request(GenerationRequest("a", (1, 2, 3), 4))
+    (out,) = sched.run()
+    assert out.ttft_s == 1.0 and out.tpot_s == 1.0 and out.e2e_s == 4.0 and out.tokens_per_s == 1.0
+
+
+def test_validation():
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        GenerationRequest("a", (1,), 0)
+    with pytest.raises(ValueError, match="prompt"):
+        GenerationRequest("a", (), 1)
+    with pytest.raises(ValueError, match="without '.'"):
+        GenerationRequest("a.b", (1,), 1)
+    with pytest.raises(ValueError, match="n must"):
+        GenerationRequest("a", (1,), 1, n=0)
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        SchedulerConfig(max_num_batched_tokens=4, max_num_seqs=8)
+    with pytest.raises(ValueError):
+        ReservationAdmission(0, 16, 100)
+    assert percentile([3.0, 1.0, 2.0], 50) == 2.0 and percentile([], 99) == 0.0
+
+
+def test_duplicate_request_ids_are_refused(client):
+    sched, _ = make(client, 10, SchedulerConfig(8, 4))
+    sched.add_request(GenerationRequest("a", (1,), 1))
+    with pytest.raises(ValueError, match="already"):
+        sched.add_request(GenerationRequest("a", (2,), 1))
+
+
+def test_tensor_parallel_ranks_must_agree(monkeypatch):
+    from client.model_group import TensorParallelMismatch, WorkerGroup
+
+    batch = ModelBatch()
+    batch.add("a", 3, [1, 2], [10, 11])
+    batch.add("b", 1, [5], [20])
+    with WorkerGroup("p", ["127.0.0.1:1", "127.0.0.1:2"]) as group:  # channels connect lazily
+        answers = {group.workers[0].target: [7, 8], group.workers[1].target: [7, 8]}
+        monkeypatch.setattr(group, "_step", lambda worker, version, b: answers[worker.target])
+        assert group.run(3, batch) == [7, 8]
+        answers[group.workers[1].target] = [7, 9]
+        with pytest.raises(TensorParallelMismatch, match="rank 1 .* sequence 'b'"):
+            group.run(3, batch)
+    with pytest.raises(ValueError, match="one slot each"):
+        batch.add("c", 4, [1, 2], [3])
