@@ -9,7 +9,8 @@ Tolerances (kernel output vs the float32 reference on the same input values):
 
 * float32: ``atol = rtol = 1e-4`` (observed errors are ~1e-6),
 * bfloat16: ``atol = rtol = 2e-2`` (the output is rounded to bf16, ~4e-3
-  relative, and the kernel may round probabilities differently).
+  relative; the kernel itself computes in float32),
+* float16 (one smoke case): ``atol = rtol = 5e-3`` (fp16 rounds at ~5e-4).
 
 CUDA variants run the same checks on a GPU and skip when torch sees none.
 """
@@ -22,11 +23,21 @@ import pytest
 import torch
 
 from blockd.core.arith import num_blocks_for, slot_mapping, slot_of
-from worker.kernels import PagedAttention, copy_blocks, paged_decode_attention, paged_prefill_attention
-from worker.kernels import select_device, write_kv
+from worker.kernels import (
+    PagedAttention,
+    copy_blocks,
+    paged_decode_attention,
+    paged_prefill_attention,
+    select_device,
+    write_kv,
+)
 from worker.layout import KVGeometry, allocate_kv_pool, as_rows, gather_rows, split_slots
 
-TOLERANCE = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+TOLERANCE = {
+    torch.float32: {"atol": 1e-4, "rtol": 1e-4},
+    torch.bfloat16: {"atol": 2e-2, "rtol": 2e-2},
+    torch.float16: {"atol": 5e-3, "rtol": 5e-3},
+}
 NUM_KV_HEADS = 2  # small: the grid is wide, and heads are independent anyway
 
 CUDA = pytest.param("cuda", marks=pytest.mark.skipif(
@@ -88,7 +99,7 @@ def check_close(actual, expected):
 
 
 def run_attention(ctx_lens, q_lens, block_size, head_dim, ratio, dtype, device="cpu", tile_bytes=None,
-                  decode_api=False, seed=0):
+                  decode_api=False, seed=0, bag_rows=None):
     kv, tables = make_batch(ctx_lens, block_size, NUM_KV_HEADS, head_dim, dtype, device, seed)
     num_q_heads = NUM_KV_HEADS * ratio
     gen = torch.Generator().manual_seed(seed + 1)
@@ -96,7 +107,7 @@ def run_attention(ctx_lens, q_lens, block_size, head_dim, ratio, dtype, device="
     q_start = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
     context = torch.tensor(ctx_lens, dtype=torch.int64, device=device)
     scale = 1.0 / math.sqrt(head_dim)
-    wrapper = PagedAttention(device=device, tile_bytes=tile_bytes)
+    wrapper = PagedAttention(device=device, tile_bytes=tile_bytes, bag_rows=bag_rows)
     wrapper.plan(tables, context, None if decode_api else q_start, num_q_heads=num_q_heads,
                  num_kv_heads=NUM_KV_HEADS, head_dim=head_dim, block_size=block_size, kv_dtype=dtype,
                  scale=scale)
@@ -124,14 +135,18 @@ def test_decode_matches_dense(block_size, head_dim, ratio, dtype):
     run_attention(ctx, [1] * len(ctx), block_size, head_dim, ratio, dtype, decode_api=True)
 
 
+@pytest.mark.parametrize("bag_rows", [0, None])
 @pytest.mark.parametrize("tile_bytes", [1, 64 << 10, 1 << 30])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_long_context_any_tiling(dtype, tile_bytes):
-    """~2000 tokens; tile sizes from one (seq, head) pair per tile to the whole batch in one."""
+def test_decode_long_context_any_tiling(dtype, tile_bytes, bag_rows):
+    """~2000 tokens; tile sizes from one (seq, head) pair per tile to the whole batch in one;
+    probs @ V by embedding_bag (the CPU default for decode) and by gather + bmm (bag_rows=0)."""
     ctx = [2000, 1999, 2049, 7, 16]
-    wrapper = run_attention(ctx, [1] * len(ctx), 16, 128, 4, dtype, tile_bytes=tile_bytes)
+    wrapper = run_attention(ctx, [1] * len(ctx), 16, 128, 4, dtype, tile_bytes=tile_bytes, bag_rows=bag_rows)
+    tiles = wrapper.plan_info.tiles
     if tile_bytes == 1:
-        assert len(wrapper.plan_info.tiles) == len(ctx) * NUM_KV_HEADS
+        assert len(tiles) == len(ctx) * NUM_KV_HEADS
+    assert all((t.bag_offset >= 0) == (bag_rows is None) for t in tiles)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -186,6 +201,20 @@ def test_long_prefill_and_extend(dtype, tile_bytes):
         assert len({t.num_blocks for t in tiles}) > 2  # trimmed: early row chunks gather less
 
 
+def test_float16_pool():
+    ctx, q_lens = mixed_batch(16)
+    run_attention(ctx, q_lens, 16, 64, 4, torch.float16)
+
+
+@pytest.mark.parametrize("bag_rows", [0, 10**6])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mixed_batch_either_value_path(dtype, bag_rows):
+    """Every tile's probs @ V by gather + bmm (0), or by embedding_bag even for long prefills."""
+    ctx, q_lens = mixed_batch(16)
+    wrapper = run_attention(ctx, q_lens, 16, 64, 4, dtype, bag_rows=bag_rows)
+    assert all((t.bag_offset >= 0) == bool(bag_rows) for t in wrapper.plan_info.tiles)
+
+
 def test_skips_sequences_without_query_tokens():
     ctx, q_lens = [20, 30, 9], [4, 0, 9]
     run_attention(ctx, q_lens, 16, 64, 2, torch.float32)
@@ -229,7 +258,7 @@ def test_plan_once_run_every_layer_reuses_workspace():
 
 def test_plan_rejects_inconsistent_batches():
     tables = torch.tensor([[0, 1], [2, -1]])
-    kwargs = dict(num_q_heads=4, num_kv_heads=2, head_dim=8, block_size=4, kv_dtype=torch.float32)
+    kwargs = {"num_q_heads": 4, "num_kv_heads": 2, "head_dim": 8, "block_size": 4, "kv_dtype": torch.float32}
     wrapper = PagedAttention(device="cpu")
     with pytest.raises(ValueError, match="multiple of num_kv_heads"):
         wrapper.plan(tables, torch.tensor([3, 3]), **{**kwargs, "num_q_heads": 3})

@@ -45,18 +45,15 @@ from dataclasses import dataclass
 
 import torch
 
-
 __all__ = [
     "KVGeometry",
     "allocate_kv_pool",
     "as_rows",
+    "as_token_rows",
     "gather_rows",
     "split_slots",
+    "token_rows",
 ]
-
-K_INDEX = 0
-V_INDEX = 1
-
 
 @dataclass(frozen=True)
 class KVGeometry:
@@ -88,7 +85,7 @@ class KVGeometry:
         )
 
     @classmethod
-    def of(cls, kv: torch.Tensor) -> "KVGeometry":
+    def of(cls, kv: torch.Tensor) -> KVGeometry:
         """Geometry of an allocated pool ``kv`` (6-d, see the module docstring)."""
         if kv.dim() != 6 or kv.shape[1] != 2:
             raise ValueError(
@@ -129,6 +126,22 @@ def gather_rows(block_ids: torch.Tensor, heads: torch.Tensor, num_kv_heads: int)
     ``block_ids`` and ``heads`` broadcast against each other.
     """
     return block_ids.to(torch.int64) * num_kv_heads + heads.to(torch.int64)
+
+
+def as_token_rows(kv_half: torch.Tensor) -> torch.Tensor:
+    """View one layer's K or V ``[N, H, b, D]`` as one row per (block, head, offset): ``[N*H*b, D]``."""
+    as_rows(kv_half)  # same validation
+    return kv_half.view(-1, kv_half.shape[-1])
+
+
+def token_rows(pair_rows: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Rows in :func:`as_token_rows` of every token of :func:`gather_rows` rows: ``[..., b]`` int64.
+
+    Row ``block * H + head`` of :func:`as_rows` holds tokens
+    ``(block * H + head) * b + offset`` for ``offset`` in ``[0, b)``.
+    """
+    offsets = torch.arange(block_size, dtype=torch.int64, device=pair_rows.device)
+    return pair_rows.to(torch.int64)[..., None] * block_size + offsets
 
 
 def split_slots(slots: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:

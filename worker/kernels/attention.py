@@ -10,17 +10,28 @@ time, so a run allocates nothing proportional to the context)::
 
     K tile  <- index_select(as_rows(kv_layer[0]), kv_rows)     [pairs, T, D]
     scores  <- bmm(q * scale, K^T)                            [pairs, m*g, T]  float32
-    scores  += bias (causal / padding), softmax in place      float32
-    V tile  <- index_select(as_rows(kv_layer[1]), kv_rows)     [pairs, T, D]
-    out     <- bmm(scores, V)                                  [pairs, m*g, D]
+    scores  += bias (causal / padding); probs <- softmax      float32
+    out     <- embedding_bag(as_token_rows(kv_layer[1]),       [pairs * m*g, D]
+                             bag_rows, probs)                  (few rows: decode)
+            or bmm(probs, index_select(as_rows(kv_layer[1])))  [pairs, m*g, D]
 
-One ``index_select`` per tile and tensor reads the scattered blocks into a
-cache-sized buffer that the following matmul reads back from cache, so on a
-CPU the paged kernel reads each K/V byte from memory about once, like
-attention over contiguous K/V does (bench/attention.py measures the ratio).
-Low-precision pools (bf16, fp16) are widened to float32 tile by tile: logits,
-softmax and the weighted sum are all float32, and only the output is
-rounded back to the query's dtype.
+One ``index_select`` per tile reads the scattered K blocks into a cache-sized
+buffer that the following matmul reads back from cache, so on a CPU the paged
+kernel reads each K byte from memory about once, like attention over
+contiguous K/V does. For V, when a pair has few query rows, ``embedding_bag``
+(a weighted sum of scattered rows; its CPU kernel prefetches them) does
+gather and sum in one pass with no V tile at all: on the decode benchmark it
+is 2-3x faster than gather + bmm (bench/attention.py measures the result).
+Low-precision pools (bf16, fp16) are widened to float32 tile by tile, so
+logits and softmax are float32. The weighted sum is float32 on the bmm path;
+on the bag path the probabilities are rounded to the pool's dtype to weigh
+its values (as flash attention rounds P before P @ V) and torch accumulates
+in float32. The output is rounded to the query's dtype once, at the end.
+
+Allocation: none of the wrapper's own per run, beyond ``out`` when the caller
+passes none; ``embedding_bag`` returns a fresh ``[bags, D]`` result per tile
+(and for bf16/fp16 builds an index map as long as the tile's bag rows), both
+bounded by the tile size, never by the context.
 
 The same code runs on CUDA tensors (with larger tiles); imports torch and the
 worker's layout and plan modules only.
@@ -29,15 +40,17 @@ worker's layout and plan modules only.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
-from worker.kernels.device import default_tile_bytes, select_device
+from worker.kernels.device import default_bag_rows, default_tile_bytes, select_device
 from worker.kernels.plan import AttentionPlan, Tile, build_plan
-from worker.layout import as_rows
+from worker.layout import as_rows, as_token_rows
 
 __all__ = ["PagedAttention", "paged_decode_attention", "paged_prefill_attention"]
 
 _COMPUTE_DTYPE = torch.float32
-_softmax_out = torch.ops.aten._softmax.out  # in place (out=input) is safe: rows are read before written
+# softmax with out=: writes probabilities into a workspace instead of allocating.
+_softmax_out = torch.ops.aten._softmax.out
 
 
 class _Workspace:
@@ -69,9 +82,14 @@ class PagedAttention:
     (``num_q_heads`` a multiple of ``num_kv_heads``).
     """
 
-    def __init__(self, device: torch.device | str | None = None, tile_bytes: int | None = None) -> None:
+    def __init__(self, device: torch.device | str | None = None, tile_bytes: int | None = None,
+                 bag_rows: int | None = None) -> None:
+        """``device``: see :func:`select_device`; ``tile_bytes`` / ``bag_rows``: tuning
+        (defaults per device in :mod:`worker.kernels.device`; ``bag_rows=0`` never uses
+        ``embedding_bag``)."""
         self.device = select_device(device)
         self.tile_bytes = tile_bytes if tile_bytes is not None else default_tile_bytes(self.device)
+        self.bag_rows = bag_rows if bag_rows is not None else default_bag_rows(self.device)
         self._workspace = _Workspace(self.device)
         self._plan: AttentionPlan | None = None
 
@@ -105,17 +123,20 @@ class PagedAttention:
         """
         plan = build_plan(block_tables, context_lens, query_start_loc, num_q_heads=num_q_heads,
                           num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size,
-                          kv_dtype=kv_dtype, scale=scale, device=self.device, tile_bytes=self.tile_bytes)
+                          kv_dtype=kv_dtype, scale=scale, device=self.device, tile_bytes=self.tile_bytes,
+                          max_bag_rows=self.bag_rows)
         ws, rows = self._workspace, plan.total_q * num_q_heads * head_dim
         ws.reserve("k", plan.max_kv_elems, kv_dtype)
-        ws.reserve("v", plan.max_kv_elems, kv_dtype)
+        ws.reserve("v", plan.max_v_elems, kv_dtype)
         ws.reserve("scores", plan.max_score_elems, _COMPUTE_DTYPE)
+        ws.reserve("probs", plan.max_score_elems, _COMPUTE_DTYPE)
         ws.reserve("q", rows, _COMPUTE_DTYPE)
         ws.reserve("o", rows, _COMPUTE_DTYPE)
-        if kv_dtype != _COMPUTE_DTYPE:  # widened copies of the K/V tile, and of q/out
+        if kv_dtype != _COMPUTE_DTYPE:  # widened tiles; native-width q/out rows and bag weights
             ws.reserve("k_wide", plan.max_kv_elems, _COMPUTE_DTYPE)
-            ws.reserve("v_wide", plan.max_kv_elems, _COMPUTE_DTYPE)
+            ws.reserve("v_wide", plan.max_v_elems, _COMPUTE_DTYPE)
             ws.reserve("native_rows", rows, kv_dtype)
+            ws.reserve("probs_native", plan.max_score_elems, kv_dtype)
         self._plan = plan
 
     def run(self, query: torch.Tensor, kv_layer: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -138,9 +159,15 @@ class PagedAttention:
         rows = plan.total_q * plan.num_kv_heads
         q = self._gather_queries(plan, query, rows * group_width)
         o = ws.take("o", rows * group_width, _COMPUTE_DTYPE)
-        k_rows, v_rows = as_rows(kv_layer[0]), as_rows(kv_layer[1])
+        k_rows, v_rows, v_tokens = as_rows(kv_layer[0]), as_rows(kv_layer[1]), as_token_rows(kv_layer[1])
         for tile in plan.tiles:
-            self._run_tile(plan, tile, q, o, k_rows, v_rows)
+            probs, o_tile = self._attention_weights(plan, tile, q, o, k_rows)
+            if tile.bag_offset >= 0:
+                self._weigh_values_by_bag(plan, tile, probs, o_tile, v_tokens)
+            else:
+                idx = plan.kv_rows[tile.kv_offset: tile.kv_offset + tile.num_pairs * tile.num_blocks]
+                v_tile = self._gather(v_rows, idx, "v", tile.num_pairs, probs.shape[2], plan.head_dim)
+                torch.bmm(probs, v_tile, out=o_tile)
         # Tile order back to token order, straight into the caller's buffer.
         out_rows = out.view(rows, group_width)
         if out.dtype == _COMPUTE_DTYPE:
@@ -164,9 +191,9 @@ class PagedAttention:
             q.copy_(native)
         return q.mul_(plan.scale)
 
-    def _run_tile(self, plan: AttentionPlan, tile: Tile, q: torch.Tensor, o: torch.Tensor,
-                  k_rows: torch.Tensor, v_rows: torch.Tensor) -> None:
-        """One tile: gather K, scores, mask, softmax, gather V, weighted sum into ``o``."""
+    def _attention_weights(self, plan: AttentionPlan, tile: Tile, q: torch.Tensor, o: torch.Tensor,
+                           k_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gather K, scores, mask, softmax: ``(probs [pairs, m*g, T], o_tile [pairs, m*g, D])``."""
         pairs, keys, d = tile.num_pairs, tile.num_blocks * plan.block_size, plan.head_dim
         q_height = tile.q_rows * plan.group_size
         idx = plan.kv_rows[tile.kv_offset: tile.kv_offset + pairs * tile.num_blocks]
@@ -180,8 +207,25 @@ class PagedAttention:
             n_seq, m = tile.num_seqs, tile.q_rows
             bias = plan.bias[tile.bias_offset: tile.bias_offset + n_seq * m * keys]
             scores.view(n_seq, tile.num_heads, m, plan.group_size, keys).add_(bias.view(n_seq, 1, m, 1, keys))
-        _softmax_out(scores, -1, False, out=scores)
-        torch.bmm(scores, self._gather(v_rows, idx, "v", pairs, keys, d), out=o_tile)
+        probs = self._workspace.take("probs", scores.numel(), _COMPUTE_DTYPE).view(scores.shape)
+        _softmax_out(scores, -1, False, out=probs)
+        return probs, o_tile
+
+    def _weigh_values_by_bag(self, plan: AttentionPlan, tile: Tile, probs: torch.Tensor,
+                             o_tile: torch.Tensor, v_tokens: torch.Tensor) -> None:
+        """``o_tile = probs @ V`` as one ``embedding_bag`` over the pool's value rows (no V tile).
+
+        Each (pair, query row) is a bag of the pair's ``T`` value rows weighted
+        by its probabilities; a bf16/fp16 pool needs the weights in its dtype.
+        """
+        bags, keys = o_tile.shape[0] * o_tile.shape[1], probs.shape[2]
+        rows = plan.bag_rows[tile.bag_offset: tile.bag_offset + bags * keys]
+        starts = plan.bag_starts[tile.bag_starts_offset: tile.bag_starts_offset + bags]
+        weights = probs.view(-1)
+        if v_tokens.dtype != _COMPUTE_DTYPE:
+            weights = self._workspace.take("probs_native", weights.numel(), v_tokens.dtype).copy_(weights)
+        summed = F.embedding_bag(rows, v_tokens, starts, mode="sum", per_sample_weights=weights)
+        o_tile.copy_(summed.view(o_tile.shape))
 
     def _gather(self, src_rows: torch.Tensor, idx: torch.Tensor, name: str, pairs: int, keys: int,
                 head_dim: int) -> torch.Tensor:

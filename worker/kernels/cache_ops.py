@@ -14,7 +14,7 @@ import torch
 
 from worker.layout import split_slots
 
-__all__ = ["write_kv", "copy_blocks"]
+__all__ = ["copy_blocks", "write_kv"]
 
 
 def write_kv(kv: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -30,9 +30,9 @@ def write_kv(kv: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapp
     duplicates, which write lands is unspecified.
     """
     per_layer = kv.dim() == 5
+    _check_write(kv, key, value, slot_mapping, per_layer)
     half = kv[0] if per_layer else kv[:, 0]  # [N, H, b, D] or [L, N, H, b, D]
     token_dim = 0 if per_layer else 1
-    _check_write(kv, key, value, slot_mapping, per_layer)
     slots = slot_mapping.to(device=kv.device, dtype=torch.int64)
     keep = slots >= 0
     if not bool(keep.all()):

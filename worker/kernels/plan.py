@@ -19,6 +19,12 @@ with several query tokens (prefill, chunked prefill, prefix-cache hit) gets
 tiles of its own, cut by query rows, and each row chunk gathers only the
 blocks its last row may see (causal trimming).
 
+For tiles with few query rows per pair (decode), ``probs @ V`` needs no V
+tile: one ``embedding_bag`` weighs the values straight out of the pool (its
+kernel prefetches the scattered rows, about twice as fast as gathering them
+first; see :mod:`worker.kernels.attention`). The plan stores the per-key
+value rows and bag starts that call needs.
+
 Causality: a sequence with ``ctx`` context tokens and ``q_len`` new tokens
 has its new tokens at positions ``ctx - q_len .. ctx - 1``::
 
@@ -43,13 +49,15 @@ from dataclasses import dataclass, field
 import torch
 
 from blockd.core.arith import num_blocks_for
-from worker.layout import gather_rows
+from worker.layout import gather_rows, token_rows
 
 __all__ = ["AttentionPlan", "Tile", "build_plan"]
 
 # A decode tile stops taking (shorter) sequences once their block count
 # falls under this fraction of its first one: padding waste <= 25%.
 _MIN_FILL_NUM, _MIN_FILL_DEN = 3, 4
+# Tiles are computed in float32 (see worker.kernels.attention).
+_COMPUTE_BYTES = 4
 
 
 @dataclass(frozen=True)
@@ -63,6 +71,8 @@ class Tile:
     kv_offset: int  # start in ``AttentionPlan.kv_rows``
     q_offset: int  # start in ``AttentionPlan.q_rows``
     bias_offset: int  # start in ``AttentionPlan.bias``, or -1 when nothing is masked
+    bag_offset: int  # start in ``AttentionPlan.bag_rows``, or -1: ``probs @ V`` is gather + bmm
+    bag_starts_offset: int  # start in ``AttentionPlan.bag_starts`` (when ``bag_offset >= 0``)
 
     @property
     def num_pairs(self) -> int:
@@ -78,6 +88,12 @@ class AttentionPlan:
       ``query.view(total_q * Hkv, g * D)`` (row ``token * Hkv + head``) in tile order.
     * ``inverse_q_rows``: int64 ``[total_q * Hkv]``, ``q_rows``'s inverse permutation.
     * ``bias``: float32 ``[sum of masked tiles' seqs * m * T]``, 0 or ``-inf``.
+    * ``bag_rows``: int32/int64 ``[sum of bag tiles' pairs * m * g * T]``, for tiles
+      whose ``probs @ V`` runs as ``embedding_bag``: the row of every key's value
+      in :func:`worker.layout.as_token_rows` of ``kv_layer[1]``, repeated for
+      each of the pair's ``m * g`` query rows (one bag each).
+    * ``bag_starts``: same dtype, ``[sum of bag tiles' pairs * m * g]``, each
+      bag's start within its tile's ``bag_rows`` slice (``embedding_bag`` offsets).
     """
 
     num_q_heads: int
@@ -93,7 +109,10 @@ class AttentionPlan:
     q_rows: torch.Tensor
     inverse_q_rows: torch.Tensor
     bias: torch.Tensor
+    bag_rows: torch.Tensor
+    bag_starts: torch.Tensor
     max_kv_elems: int = field(default=0)  # largest tile's gathered K, in elements
+    max_v_elems: int = field(default=0)  # largest gathered V of a bmm (not bag) tile
     max_score_elems: int = field(default=0)  # largest tile's scores, in elements
 
     @property
@@ -109,6 +128,7 @@ class _Batch:
     ctx: list[int]
     q_start: list[int]
     q_len: list[int]
+    max_block_id: int  # largest block id any sequence uses; -1 when none
 
 
 def _as_cpu_int64(name: str, value: torch.Tensor, dims: int) -> torch.Tensor:
@@ -134,6 +154,8 @@ def _validate_batch(block_tables, context_lens, query_start_loc, block_size: int
     ctx, q_start = ctx_t.tolist(), qsl.tolist()
     q_len = [q_start[i + 1] - q_start[i] for i in range(batch)]
     for i in range(batch):
+        if ctx[i] < 0:
+            raise ValueError(f"sequence {i}: context_lens must be >= 0, got {ctx[i]}")
         if q_len[i] < 0:
             raise ValueError(f"query_start_loc must not decrease (sequence {i} has {q_len[i]} query tokens)")
         if q_len[i] > ctx[i]:
@@ -144,29 +166,48 @@ def _validate_batch(block_tables, context_lens, query_start_loc, block_size: int
         needed = num_blocks_for(ctx[i], block_size)
         if needed > tables.shape[1]:
             raise ValueError(f"sequence {i}: {ctx[i]} tokens need {needed} blocks, table has {tables.shape[1]}")
-        if needed and int(tables[i, :needed].min()) < 0:
-            raise ValueError(f"sequence {i}: negative block id among its first {needed} table entries")
-    return _Batch(tables, ctx, q_start, q_len)
+    return _Batch(tables, ctx, q_start, q_len, _max_used_block(tables, ctx, block_size))
+
+
+def _max_used_block(tables: torch.Tensor, ctx: list[int], block_size: int) -> int:
+    """Largest block id among the entries the sequences use (-1 if none); none may be negative."""
+    needed = torch.tensor([num_blocks_for(c, block_size) for c in ctx], dtype=torch.int64)
+    in_use = torch.arange(tables.shape[1])[None, :] < needed[:, None]
+    negative = ((tables < 0) & in_use).any(dim=1).nonzero()
+    if negative.numel():
+        i = int(negative[0])
+        raise ValueError(f"sequence {i}: negative block id among its first {int(needed[i])} table entries")
+    return int(tables[in_use].max()) if bool(in_use.any()) else -1
 
 
 class _PlanBuilder:
     """Accumulates tiles and their index tensors (on the CPU) for one batch."""
 
     def __init__(self, batch: _Batch, num_kv_heads: int, head_dim: int, block_size: int,
-                 group_size: int, kv_itemsize: int, tile_bytes: int) -> None:
+                 group_size: int, tile_bytes: int, max_bag_rows: int) -> None:
         self.batch = batch
         self.heads, self.head_dim, self.block_size = num_kv_heads, head_dim, block_size
-        self.group, self.itemsize, self.tile_bytes = group_size, kv_itemsize, tile_bytes
+        self.group, self.tile_bytes, self.max_bag_rows = group_size, tile_bytes, max_bag_rows
         self.tiles: list[Tile] = []
         self.kv_parts: list[torch.Tensor] = []
         self.q_parts: list[torch.Tensor] = []
         self.bias_parts: list[torch.Tensor] = []
-        self.kv_len = self.q_len = self.bias_len = 0
-        self.max_kv_elems = self.max_score_elems = 0
+        self.bag_parts: list[torch.Tensor] = []
+        self.bag_start_parts: list[torch.Tensor] = []
+        self.kv_len = self.q_len = self.bias_len = self.bag_len = self.bag_starts_len = 0
+        # embedding_bag takes int32 indices (half the bytes) whenever the value rows fit.
+        value_rows = (batch.max_block_id + 1) * num_kv_heads * block_size
+        self.bag_dtype = torch.int32 if value_rows < 2**31 else torch.int64
+        self.max_kv_elems = self.max_v_elems = self.max_score_elems = 0
 
     def pair_bytes(self, num_tokens: int) -> int:
-        """Bytes of K one (sequence, head) pair gathers for ``num_tokens`` keys."""
-        return num_blocks_for(num_tokens, self.block_size) * self.block_size * self.head_dim * self.itemsize
+        """Float32 bytes of the K tile one (sequence, head) pair needs for ``num_tokens`` keys.
+
+        Counted at float32 whatever the pool's dtype, because bf16/fp16 tiles
+        are widened to float32 before the matmuls and that copy is the larger
+        one that has to stay in cache.
+        """
+        return num_blocks_for(num_tokens, self.block_size) * self.block_size * self.head_dim * _COMPUTE_BYTES
 
     def add_decode_tiles(self) -> None:
         """Pack the one-query-token sequences, longest first, into tiles."""
@@ -224,14 +265,39 @@ class _PlanBuilder:
         tokens = tokens[:, None] + torch.arange(m, dtype=torch.int64)[None, :]  # [n_seq, m]
         q_rows = tokens[:, None, :] * self.heads + heads[None, :, None]  # [n_seq, n_heads, m]
         bias_offset = self._add_bias(seqs, row_lo, m, num_blocks * b)
-        self.tiles.append(Tile(len(seqs), len(heads), m, num_blocks, self.kv_len, self.q_len, bias_offset))
+        bag_offset, bag_starts_offset = self._add_bags(kv_rows, m)
+        self.tiles.append(Tile(len(seqs), len(heads), m, num_blocks, self.kv_len, self.q_len, bias_offset,
+                               bag_offset, bag_starts_offset))
         self.kv_parts.append(kv_rows.reshape(-1))
         self.q_parts.append(q_rows.reshape(-1))
         self.kv_len += kv_rows.numel()
         self.q_len += q_rows.numel()
         pairs, keys = len(seqs) * len(heads), num_blocks * b
         self.max_kv_elems = max(self.max_kv_elems, pairs * keys * self.head_dim)
+        if bag_offset < 0:
+            self.max_v_elems = max(self.max_v_elems, pairs * keys * self.head_dim)
         self.max_score_elems = max(self.max_score_elems, pairs * m * self.group * keys)
+
+    def _add_bags(self, kv_rows: torch.Tensor, m: int) -> tuple[int, int]:
+        """Bag indices for ``probs @ V`` as one ``embedding_bag``; ``(-1, -1)`` for bmm tiles.
+
+        Worth it only for few query rows per pair: a bag re-reads its pair's
+        values once per query row, where a bmm reads the gathered tile once.
+        """
+        height = m * self.group
+        if height > self.max_bag_rows:
+            return -1, -1
+        pairs = kv_rows.shape[0] * kv_rows.shape[1]
+        tokens = token_rows(kv_rows.reshape(pairs, -1), self.block_size).reshape(pairs, 1, -1)
+        keys = tokens.shape[2]
+        rows = tokens.to(self.bag_dtype).expand(pairs, height, keys).reshape(-1)
+        starts = torch.arange(0, pairs * height * keys, keys, dtype=self.bag_dtype)
+        offsets = self.bag_len, self.bag_starts_len
+        self.bag_parts.append(rows)
+        self.bag_start_parts.append(starts)
+        self.bag_len += rows.numel()
+        self.bag_starts_len += starts.numel()
+        return offsets
 
     def _add_bias(self, seqs: list[int], row_lo: int, m: int, keys: int) -> int:
         """Append the tile's ``[n_seq, m, keys]`` bias; -1 when every key is visible."""
@@ -253,24 +319,27 @@ class _PlanBuilder:
 def build_plan(block_tables: torch.Tensor, context_lens: torch.Tensor,
                query_start_loc: torch.Tensor | None, *, num_q_heads: int, num_kv_heads: int,
                head_dim: int, block_size: int, kv_dtype: torch.dtype, scale: float | None,
-               device: torch.device, tile_bytes: int) -> AttentionPlan:
+               device: torch.device, tile_bytes: int, max_bag_rows: int) -> AttentionPlan:
     """Validate a batch and cut it into tiles; see the module docstring.
 
     ``block_tables``: int32/int64 ``[batch, max_blocks]`` (entries past a
     sequence's blocks are ignored, may be any value); ``context_lens``: int
     ``[batch]`` (cached + new tokens); ``query_start_loc``: int ``[batch + 1]``
     offsets of each sequence's query tokens, or ``None`` for decode (one each).
+    Tiles with at most ``max_bag_rows`` query rows (``m * g``) per pair get
+    ``embedding_bag`` indices for their ``probs @ V``.
     """
     for name, value in (("num_q_heads", num_q_heads), ("num_kv_heads", num_kv_heads),
                         ("head_dim", head_dim), ("block_size", block_size), ("tile_bytes", tile_bytes)):
         if not isinstance(value, int) or value <= 0:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if not kv_dtype.is_floating_point:
+        raise ValueError(f"kv_dtype must be a floating-point dtype (float32, bfloat16, float16), got {kv_dtype}")
     if num_q_heads % num_kv_heads:
         raise ValueError(f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
     batch = _validate_batch(block_tables, context_lens, query_start_loc, block_size)
-    itemsize = torch.empty((), dtype=kv_dtype).element_size()
     builder = _PlanBuilder(batch, num_kv_heads, head_dim, block_size, num_q_heads // num_kv_heads,
-                           itemsize, tile_bytes)
+                           tile_bytes, max_bag_rows)
     builder.add_decode_tiles()
     for seq, n in enumerate(batch.q_len):
         if n > 1:
@@ -288,14 +357,15 @@ def _finish(builder: _PlanBuilder, num_q_heads: int, kv_dtype: torch.dtype, scal
     q_rows = cat(builder.q_parts, torch.int64)
     inverse = torch.empty_like(q_rows)
     inverse[q_rows] = torch.arange(q_rows.numel(), device=device)
-    used = [batch.tables[i, : num_blocks_for(c, builder.block_size)] for i, c in enumerate(batch.ctx)]
-    max_block_id = max((int(u.max()) for u in used if u.numel()), default=-1)
     return AttentionPlan(
         num_q_heads=num_q_heads, num_kv_heads=builder.heads, head_dim=builder.head_dim,
         block_size=builder.block_size, kv_dtype=kv_dtype,
         scale=float(scale) if scale is not None else builder.head_dim ** -0.5,
-        total_q=batch.q_start[-1], max_block_id=max_block_id, tiles=builder.tiles,
+        total_q=batch.q_start[-1], max_block_id=batch.max_block_id, tiles=builder.tiles,
         kv_rows=cat(builder.kv_parts, torch.int64), q_rows=q_rows, inverse_q_rows=inverse,
         bias=cat(builder.bias_parts, torch.float32),
-        max_kv_elems=builder.max_kv_elems, max_score_elems=builder.max_score_elems,
+        bag_rows=cat(builder.bag_parts, builder.bag_dtype),
+        bag_starts=cat(builder.bag_start_parts, builder.bag_dtype),
+        max_kv_elems=builder.max_kv_elems, max_v_elems=builder.max_v_elems,
+        max_score_elems=builder.max_score_elems,
     )
