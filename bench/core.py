@@ -27,8 +27,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from blockd.core import Allocate, Append, Commit, Free, Pool, PoolConfig  # noqa: E402
-from blockd.core.types import DecodeAppend  # noqa: E402
+from blockd.core import Allocate, Append, Commit, Free, Pool, PoolConfig
+from blockd.core.types import DecodeAppend
 
 BLOCK = 16
 

@@ -75,7 +75,7 @@ class SequenceInfo:
 
 
 class _PoolEntry:
-    __slots__ = ("pool", "events", "deleted")
+    __slots__ = ("deleted", "events", "pool")
 
     def __init__(self, pool: Pool) -> None:
         self.pool = pool

@@ -11,6 +11,7 @@ SDK's. Every call has a deadline.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import grpc
 import torch
@@ -20,6 +21,9 @@ from blockd.v1 import worker_pb2_grpc
 from client import calls
 from client.errors import from_rpc_error
 from worker.tensors import from_proto, to_proto
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 
 class WorkerClient:
@@ -34,7 +38,7 @@ class WorkerClient:
     def close(self) -> None:
         self._channel.close()
 
-    def __enter__(self) -> WorkerClient:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> None:

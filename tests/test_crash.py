@@ -11,7 +11,6 @@ daemon and the reference agree again.
 """
 
 import json
-import os
 import random
 import threading
 

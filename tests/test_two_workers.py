@@ -55,31 +55,31 @@ def test_two_tensor_parallel_workers_match_dense_attention():
         return lambda procs: start_worker(procs[0].address, "m", "--kv-heads", heads, "--device", "cpu",
                                           "--worker-id", f"w{heads[0]}")
 
-    with running(blockd, lambda p: _create_pool(p[0].address), worker("0:2"), worker("2:4")) as procs:
-        with BlockdClient(procs[0].address, timeout_s=10) as sched, \
-                WorkerClient(procs[2].address, timeout_s=10) as w0, \
-                WorkerClient(procs[3].address, timeout_s=10) as w1:
-            cluster = Cluster(sched, [w0, w1])
-            listed = {s.info.worker_id: s for s in sched.list_workers("m")}
-            assert set(listed) == {"w0", "w2"}
-            assert all(s.is_up and s.info.pool_bytes == 6 * 4 * LAYERS * 2 * 2 * DIM * 4
-                       for s in listed.values())
-            r = sched.step("m", [Allocate("a", list(range(7))), Allocate("b", list(range(50, 55)))])
-            cluster.forward(r.version, ["a", "b"], [7, 5],
-                            list(r.results[0].slot_mapping) + list(r.results[1].slot_mapping))
-            r = sched.step("m", [Fork("a", "c")])
-            cluster.history["c"] = [t.clone() for t in cluster.history["a"]]
-            r = sched.step("m", [Append("a", [1]), Append("c", [2])])
-            assert r.copy_ops, "the shared half-full block must be copied on write"
-            cluster.forward(r.version, ["a", "c"], [1, 1],
-                            [r.results[0].slot_mapping[0], r.results[1].slot_mapping[0]])
-            b_blocks = set(sched.get_tables("m", ["b"])[1]["b"])
-            r = sched.step("m", [Free("b"), Allocate("d", list(range(90, 96)))])
-            assert b_blocks & set(sched.get_tables("m", ["d"])[1]["d"]), "freed blocks are reused"
-            cluster.forward(r.version, ["d"], [6], list(r.results[1].slot_mapping))
-            _bad_requests(w0, r.version)
-            stats = w0.stats()
-            assert stats.applied_version == r.version and stats.copy_ops_applied == 1
+    with (running(blockd, lambda p: _create_pool(p[0].address), worker("0:2"), worker("2:4")) as procs,
+          BlockdClient(procs[0].address, timeout_s=10) as sched,
+          WorkerClient(procs[2].address, timeout_s=10) as w0,
+          WorkerClient(procs[3].address, timeout_s=10) as w1):
+        cluster = Cluster(sched, [w0, w1])
+        listed = {s.info.worker_id: s for s in sched.list_workers("m")}
+        assert set(listed) == {"w0", "w2"}
+        assert all(s.is_up and s.info.pool_bytes == 6 * 4 * LAYERS * 2 * 2 * DIM * 4
+                   for s in listed.values())
+        r = sched.step("m", [Allocate("a", list(range(7))), Allocate("b", list(range(50, 55)))])
+        cluster.forward(r.version, ["a", "b"], [7, 5],
+                        list(r.results[0].slot_mapping) + list(r.results[1].slot_mapping))
+        r = sched.step("m", [Fork("a", "c")])
+        cluster.history["c"] = [t.clone() for t in cluster.history["a"]]
+        r = sched.step("m", [Append("a", [1]), Append("c", [2])])
+        assert r.copy_ops, "the shared half-full block must be copied on write"
+        cluster.forward(r.version, ["a", "c"], [1, 1],
+                        [r.results[0].slot_mapping[0], r.results[1].slot_mapping[0]])
+        b_blocks = set(sched.get_tables("m", ["b"])[1]["b"])
+        r = sched.step("m", [Free("b"), Allocate("d", list(range(90, 96)))])
+        assert b_blocks & set(sched.get_tables("m", ["d"])[1]["d"]), "freed blocks are reused"
+        cluster.forward(r.version, ["d"], [6], list(r.results[1].slot_mapping))
+        _bad_requests(w0, r.version)
+        stats = w0.stats()
+        assert stats.applied_version == r.version and stats.copy_ops_applied == 1
 
 
 def _create_pool(address):

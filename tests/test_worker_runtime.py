@@ -85,9 +85,10 @@ def test_versions_stale_future_and_bad_input():
         h.runtime.attention(r2.version + 5, 0, ["a"], [1], [4], q)
     with pytest.raises(NotFound):
         h.runtime.attention(r2.version, 0, ["zz"], [1], [4], q)
-    for bad in [dict(layer=5), dict(query=h.rand(1, 3, DIM)), dict(query=q.double()),
-                dict(context_lens=[99]), dict(query_lens=[0])]:
-        args = dict(version=r2.version, layer=0, seq_ids=["a"], query_lens=[1], context_lens=[4], query=q)
+    for bad in [{"layer": 5}, {"query": h.rand(1, 3, DIM)}, {"query": q.double()},
+                {"context_lens": [99]}, {"query_lens": [0]}]:
+        args = {"version": r2.version, "layer": 0, "seq_ids": ["a"], "query_lens": [1], "context_lens": [4],
+                "query": q}
         args.update(bad)
         with pytest.raises(BlockdError) as err:
             h.runtime.attention(**args)

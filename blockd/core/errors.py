@@ -27,7 +27,7 @@ class BlockdError(Exception):
         #: index of the failing operation inside a batch, if any
         self.op_index = op_index
 
-    def at_op(self, op_index: int, what: str) -> "BlockdError":
+    def at_op(self, op_index: int, what: str) -> BlockdError:
         """The same error, re-worded to name the failing operation of a batch."""
         err = type(self)(f"operation {op_index} ({what}): {self.message}", op_index=op_index)
         return err

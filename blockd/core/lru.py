@@ -27,7 +27,7 @@ _UNLINKED = -1
 class BlockLRU:
     """LRU queue of block ids in ``[0, num_blocks)``."""
 
-    __slots__ = ("_prev", "_next", "_head", "_len")
+    __slots__ = ("_head", "_len", "_next", "_prev")
 
     def __init__(self, num_blocks: int) -> None:
         self._head = num_blocks  # sentinel: _next[head] is the front, _prev[head] the back

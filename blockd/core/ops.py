@@ -20,13 +20,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from blockd.core.arith import num_blocks_for, slot_mapping
+from blockd.core.decode import apply_decode
 from blockd.core.errors import AlreadyExists, InvalidArgument, NoRoom
 from blockd.core.hashing import NO_EXTRA_DIGEST, NO_EXTRA_KEYS, ExtraKeys, check_token_ids, hash_block
-from blockd.core.decode import apply_decode
+from blockd.core.sequence import Sequence
 from blockd.core.types import Allocate, Append, Commit, DecodeAppend, Fork, Free, OpResult, TableUpdate
 from blockd.core.validate import check_extra_keys, check_int, check_name
-
-from blockd.core.sequence import Sequence
 
 if TYPE_CHECKING:
     from blockd.core.pool import Pool

@@ -27,7 +27,6 @@ from collections import OrderedDict, deque
 from itertools import islice
 
 from blockd.core import ops as _ops
-from blockd.core.arith import num_blocks_for
 from blockd.core.blocks import BlockSpace
 from blockd.core.errors import BlockdError, InvalidArgument, InvariantViolation, NotFound, WrongState
 from blockd.core.hashing import ExtraKeys, hash_block

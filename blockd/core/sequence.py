@@ -12,7 +12,7 @@ from blockd.core.hashing import ExtraKeys
 class Sequence:
     """A sequence's table and tokens (internal; callers see plain lists)."""
 
-    __slots__ = ("seq_id", "table", "token_ids", "num_committed", "hashes", "extra", "extra_digest")
+    __slots__ = ("extra", "extra_digest", "hashes", "num_committed", "seq_id", "table", "token_ids")
 
     def __init__(self, seq_id: str, extra: ExtraKeys, extra_digest: bytes) -> None:
         self.seq_id = seq_id

@@ -9,7 +9,6 @@ Imports only the standard library.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Union
 
 from blockd.core.hashing import NO_EXTRA_KEYS, ExtraKeys
 
@@ -105,7 +104,7 @@ class Free:
     seq_id: str
 
 
-Op = Union[Allocate, Append, DecodeAppend, Commit, Fork, Free]
+Op = Allocate | Append | DecodeAppend | Commit | Fork | Free
 
 
 @dataclass(frozen=True)
