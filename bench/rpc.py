@@ -26,10 +26,7 @@ import argparse
 import json
 import multiprocessing
 import os
-import re
-import signal
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -39,6 +36,7 @@ sys.path.insert(0, ROOT)
 
 from blockd.core import Allocate, Pool, PoolConfig
 from blockd.core.types import DecodeAppend
+from blockd.local_cluster import ChildProcess
 from client.sdk import BlockdClient
 
 NUM_SEQS = 256
@@ -48,27 +46,19 @@ NUM_BLOCKS = 1 << 17
 MAX_STEPS = NUM_BLOCKS * BLOCK_SIZE // NUM_SEQS - 2
 
 
-def start_daemon(*flags: str, timeout_s: float = 30.0) -> tuple[subprocess.Popen, str]:
+def start_daemon(*flags: str, timeout_s: float = 30.0) -> tuple[ChildProcess, str]:
     """``blockd serve`` on a free port; returns the process and its address."""
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.Popen([sys.executable, "-m", "blockd.cli", "serve", "--listen", "127.0.0.1:0",
-                             "--log-level", "WARNING", *flags],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        match = re.match(r"blockd listening on (\S+)", line)
-        if match:
-            return proc, match.group(1)
-        if not line and proc.poll() is not None:
-            break
-    proc.kill()
-    raise RuntimeError("blockd did not start")
+    proc = ChildProcess("blockd", ["-m", "blockd.cli", "serve", "--listen", "127.0.0.1:0",
+                                   "--log-level", "WARNING", *flags], "blockd listening on")
+    try:
+        return proc, proc.wait_ready(time.monotonic() + timeout_s)
+    except RuntimeError:
+        proc.kill()
+        raise
 
 
-def stop_daemon(proc: subprocess.Popen) -> None:
-    proc.send_signal(signal.SIGTERM)
-    proc.wait(30)
+def stop_daemon(proc: ChildProcess) -> None:
+    proc.stop(30)
 
 
 def percentile(sorted_values: list[float], q: float) -> float:

@@ -34,14 +34,21 @@ STOP_TIMEOUT_S = 10.0
 
 
 class ChildProcess:
-    """One child: started with ``python -m``, ready when it prints ``ready_prefix ADDRESS``."""
+    """One child: started with ``python -m``, ready when it prints ``ready_prefix ADDRESS``.
 
-    def __init__(self, name: str, args: list[str], ready_prefix: str) -> None:
+    The one way this project starts its own processes (demo, benchmarks,
+    tests): the checkout on ``PYTHONPATH``, stdout and stderr merged and kept
+    (the last ``keep_lines``), its own session so a terminal's Ctrl-C reaches
+    only the parent.
+    """
+
+    def __init__(self, name: str, args: list[str], ready_prefix: str, *, env: dict[str, str] | None = None,
+                 keep_lines: int = 2000) -> None:
         self.name = name
-        self.lines: collections.deque[str] = collections.deque(maxlen=200)
+        self.lines: collections.deque[str] = collections.deque(maxlen=keep_lines)
         self._ready: queue.Queue[str] = queue.Queue()
         env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               "PYTHONUNBUFFERED": "1"}
+               "PYTHONUNBUFFERED": "1", **(env or {})}
         self.popen = subprocess.Popen([sys.executable, *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True,
                                       start_new_session=True)
@@ -79,6 +86,19 @@ class ChildProcess:
         except subprocess.TimeoutExpired:
             self.popen.kill()
             return self.popen.wait()
+
+    def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> int:
+        """SIGTERM, wait up to ``timeout_s``, then SIGKILL; the exit code."""
+        self.terminate()
+        return self.reap(time.monotonic() + timeout_s)
+
+    def kill(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.kill()
+        self.popen.wait()
+
+    def output(self) -> str:
+        return "\n".join(self.lines)
 
 
 def free_port() -> int:

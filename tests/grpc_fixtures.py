@@ -16,22 +16,18 @@ Load with ``pytest_plugins = ["tests.grpc_fixtures"]`` in a test module.
 from __future__ import annotations
 
 import os
-import re
-import signal
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 
 import pytest
 
 from blockd.engine import Engine
 from blockd.service.server import BlockdServer
 from client.sdk import BlockdClient
+from tests.procs import Proc
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-READY = re.compile(r"^blockd listening on (\S+)$")
 
 
 @pytest.fixture
@@ -50,24 +46,6 @@ def client(blockd_server: BlockdServer) -> Iterator[BlockdClient]:
         yield c
 
 
-@dataclass
-class Daemon:
-    """A ``blockd serve`` subprocess and what it printed so far."""
-
-    proc: subprocess.Popen
-    address: str
-    stderr_lines: list[str] = field(default_factory=list)
-
-    def stop(self, timeout_s: float = 10.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(timeout_s)
-
-    @property
-    def stderr(self) -> str:
-        return "".join(self.stderr_lines)
-
-
 def python_env(**extra: str) -> dict[str, str]:
     """The environment for a subprocess that imports this checkout."""
     env = dict(os.environ)
@@ -76,46 +54,23 @@ def python_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def start_daemon(*flags: str, env: dict[str, str] | None = None, timeout_s: float = 30.0) -> Daemon:
-    proc = subprocess.Popen([sys.executable, "-m", "blockd.cli", "serve", *flags], cwd=ROOT,
-                            env=python_env(**(env or {})), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    lines: list[str] = []
-    # drain stderr continuously so a chatty daemon never blocks on a full pipe
-    threading.Thread(target=lambda: lines.extend(iter(proc.stderr.readline, "")), daemon=True).start()
-    found: list[str] = []
-
-    def read_ready() -> None:
-        for line in iter(proc.stdout.readline, ""):
-            match = READY.match(line.strip())
-            if match:
-                found.append(match.group(1))
-                return
-
-    reader = threading.Thread(target=read_ready, daemon=True)
-    reader.start()
-    reader.join(timeout_s)
-    if not found:
-        proc.kill()
-        proc.wait()
-        raise RuntimeError(f"blockd did not become ready; stderr:\n{''.join(lines)}")
-    return Daemon(proc, found[0], lines)
+def start_daemon(*flags: str, env: dict[str, str] | None = None) -> Proc:
+    """``blockd serve FLAGS`` as a child process, ready on return."""
+    return Proc(["-m", "blockd.cli", "serve", *flags], "blockd listening on", env)
 
 
 @pytest.fixture
 def daemon() -> Iterator:
-    started: list[Daemon] = []
+    started: list[Proc] = []
 
-    def factory(*flags: str, env: dict[str, str] | None = None) -> Daemon:
+    def factory(*flags: str, env: dict[str, str] | None = None) -> Proc:
         d = start_daemon(*flags, env=env)
         started.append(d)
         return d
 
     yield factory
     for d in started:
-        if d.proc.poll() is None:
-            d.proc.kill()
-            d.proc.wait()
+        d.kill()
 
 
 @pytest.fixture

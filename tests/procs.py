@@ -1,74 +1,40 @@
 """Real processes for integration tests: ``blockd serve`` and ``blockd-worker``.
 
-Each is started with ``python -m``, waits (bounded) for its ``listening on
-HOST:PORT`` line, and is killed at exit of the ``with`` block, so a failing
+Built on :class:`blockd.local_cluster.ChildProcess` (the project's one way to
+start its own processes): each waits, bounded, for its ``listening on
+HOST:PORT`` line and is killed when a ``running`` block exits, so a failing
 test never leaves a process behind. Loopback addresses only.
 """
 
 from __future__ import annotations
 
-import os
-import queue
-import signal
-import subprocess
-import sys
-import threading
 import time
 from contextlib import contextmanager
 
-from tests.conftest import ROOT
+from blockd.local_cluster import ChildProcess
 
 START_TIMEOUT_S = 60.0
 
 
-class Proc:
-    """A child process whose output is collected in the background."""
+class Proc(ChildProcess):
+    """A child that is ready (or killed, with its output in the error) on return."""
 
     def __init__(self, args: list[str], ready_prefix: str, env: dict | None = None) -> None:
-        self.args = args
-        self.lines: list[str] = []
-        self._ready: queue.Queue[str] = queue.Queue()
-        full_env = {**os.environ, "PYTHONPATH": ROOT, "PYTHONUNBUFFERED": "1", **(env or {})}
-        self.popen = subprocess.Popen([sys.executable, *args], cwd=ROOT, env=full_env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True)
-        self._reader = threading.Thread(target=self._read, args=(ready_prefix,), daemon=True)
-        self._reader.start()
-        self.address = self._wait_ready()
+        super().__init__(ready_prefix.split()[0], args, ready_prefix, env=env)
+        try:
+            self.wait_ready(time.monotonic() + START_TIMEOUT_S)
+        except RuntimeError:
+            self.kill()
+            raise
 
-    def _read(self, prefix: str) -> None:
-        for line in self.popen.stdout:
-            self.lines.append(line.rstrip())
-            if line.startswith(prefix):
-                self._ready.put(line.split()[-1])
+    @property
+    def proc(self):
+        return self.popen
 
-    def _wait_ready(self) -> str:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            try:
-                return self._ready.get(timeout=0.1)
-            except queue.Empty:
-                if self.popen.poll() is not None:
-                    break
-        self.kill()
-        raise RuntimeError(f"{self.args} did not start:\n" + "\n".join(self.lines[-40:]))
-
-    def output(self) -> str:
-        return "\n".join(self.lines)
-
-    def terminate(self, timeout_s: float = 15.0) -> int:
-        if self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGTERM)
-            try:
-                self.popen.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait()
-        return self.popen.returncode
-
-    def kill(self) -> None:
-        if self.popen.poll() is None:
-            self.popen.kill()
-        self.popen.wait()
+    @property
+    def stderr(self) -> str:
+        """Everything it printed (stdout and stderr are one stream)."""
+        return self.output()
 
 
 def start_blockd(*extra: str, env: dict | None = None) -> Proc:

@@ -268,7 +268,7 @@ def test_tensor_parallel_pair_matches_single_model(spec):
             for w in workers:
                 w.close()
         with ThreadPoolExecutor(2) as stopping:  # in parallel: each takes seconds to stop
-            codes = list(stopping.map(lambda p: p.terminate(), procs[1:]))
+            codes = list(stopping.map(lambda p: p.stop(), procs[1:]))
         assert codes == [0, 0], procs[1].output()[-2000:] + procs[2].output()[-2000:]
     finally:
         for proc in reversed(procs):

@@ -90,7 +90,7 @@ def http_get(url: str, timeout_s: float = 5.0) -> bytes:
 
 @dataclass
 class Stack:
-    daemon: object  # tests.grpc_fixtures.Daemon
+    daemon: Proc  # blockd serve
     client: BlockdClient
     metrics_port: int
     prom_url: str
