@@ -21,7 +21,7 @@ from grpc_reflection.v1alpha import reflection
 
 from blockd.core.errors import InvalidArgument, NotFound, WrongState
 from blockd.service.errors import unary
-from blockd.service.server import _handlers, split_address
+from blockd.service.server import method_handlers, split_address
 from blockd.v1 import worker_pb2 as pb
 from worker.runtime import WorkerRuntime
 from worker.tensors import from_proto, to_proto
@@ -97,7 +97,7 @@ class WorkerServer:
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers, thread_name_prefix="worker-rpc"),
                                    options=options)
         servicer = KVShardServicer(runtime, worker_id, str(runtime.device), runner)
-        self._server.add_registered_method_handlers(SERVICE.full_name, _handlers(servicer, SERVICE))
+        self._server.add_registered_method_handlers(SERVICE.full_name, method_handlers(servicer, SERVICE))
         self.health = health.HealthServicer(experimental_non_blocking=True)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         reflection.enable_server_reflection((SERVICE.full_name, health.SERVICE_NAME, reflection.SERVICE_NAME),

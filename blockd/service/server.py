@@ -44,7 +44,11 @@ DEFAULT_GRACE_S = 5.0
 DEFAULT_MAX_MESSAGE_BYTES = 64 << 20
 
 
-def _handlers(service: object, descriptor) -> dict[str, grpc.RpcMethodHandler]:
+def method_handlers(service: object, descriptor) -> dict[str, grpc.RpcMethodHandler]:
+    """Handlers for every method of ``descriptor``, served by ``service``'s
+    methods of the same name; requests that do not parse reach the servicer as
+    :class:`MalformedRequest` (INVALID_ARGUMENT), not gRPC's INTERNAL. Used by
+    blockd's services and the worker's."""
     handlers = {}
     for method in descriptor.methods:
         request_cls = message_factory.GetMessageClass(method.input_type)
@@ -95,7 +99,7 @@ class BlockdServer:
         }
         for name, servicer in services.items():
             descriptor = pb.DESCRIPTOR.services_by_name[name.rsplit(".", 1)[1]]
-            self._server.add_registered_method_handlers(name, _handlers(servicer, descriptor))
+            self._server.add_registered_method_handlers(name, method_handlers(servicer, descriptor))
         self.health = health.HealthServicer(experimental_non_blocking=True)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         reflection.enable_server_reflection(
