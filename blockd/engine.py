@@ -85,7 +85,7 @@ class _PoolEntry:
 
 class Engine:
     def __init__(self, data_dir: str | None = None, fsync: str = "always", fsync_interval_s: float = 0.05,
-                 snapshot_every: int = 10000, clock: Callable[[], float] = time.monotonic,
+                 snapshot_every: int = 10000, snapshot_log_ratio: float = 1.0, clock: Callable[[], float] = time.monotonic,
                  worker_timeout_s: float = 10.0, max_request_ids: int = 16384,
                  observe_wal_sync: Callable[[float], None] | None = None,
                  observe_step: Callable[[str, list, str, float], None] | None = None) -> None:
@@ -97,8 +97,13 @@ class Engine:
         #: "ok" or the lowercase status code name
         self.observe_step = observe_step
         self.workers = WorkerRegistry(clock, worker_timeout_s)
+        #: snapshot after at least this many log records, once the log since the
+        #: last snapshot is at least ``snapshot_log_ratio`` times its size: the
+        #: cost of snapshots stays proportional to what was logged
         self.snapshot_every = snapshot_every
+        self.snapshot_log_ratio = snapshot_log_ratio
         self._since_snapshot = 0
+        self._snapshotter: threading.Thread | None = None
         self._closed = False
         self._broken = ""
         self._wal: WriteAheadLog | None = None
@@ -154,22 +159,47 @@ class Engine:
             log.critical(self._broken)
             raise InvariantViolation(self._broken) from err
         self._since_snapshot += 1
-        if self._since_snapshot >= self.snapshot_every:
-            self.snapshot()
+        if (self._since_snapshot >= self.snapshot_every and not self._snapshot_running()
+                and self._wal.bytes_since_snapshot >= self._wal.last_snapshot_bytes * self.snapshot_log_ratio):
+            state, lsn = self._capture()
+            self._snapshotter = threading.Thread(target=self._persist, args=(state, lsn),
+                                                 name="blockd-snapshot", daemon=True)
+            self._snapshotter.start()
+
+    def _snapshot_running(self) -> bool:
+        return self._snapshotter is not None and self._snapshotter.is_alive()
+
+    def _capture(self) -> tuple[dict, int]:
+        """The whole state as plain data, and the log rotated at its LSN (call
+        under the engine lock; the expensive JSON and I/O happen later)."""
+        pools = []
+        for entry in self._pools.values():
+            data = dump_pool(entry.pool)
+            data["events"] = [[e.seq_no, e.kind, e.block_hash.hex(), e.parent_hash.hex(), e.block_id,
+                               list(e.token_ids)] for e in entry.events]
+            pools.append(data)
+        state = {"pools": pools, "requests": self._requests.dump()}
+        self._since_snapshot = 0
+        return state, self._wal.rotate()
+
+    def _persist(self, state: dict, lsn: int) -> None:
+        started = time.perf_counter()
+        try:
+            self._wal.persist_snapshot(state, lsn)
+        except OSError as err:  # the log still holds everything: keep serving
+            log.error("snapshot at lsn %d failed (%s); the write-ahead log still covers it", lsn, err)
+            return
+        log.info("snapshot at lsn %d written in %.2fs", lsn, time.perf_counter() - started)
 
     def snapshot(self) -> None:
-        """Write a snapshot now (no-op without a data directory)."""
+        """Write a snapshot now and wait for it (no-op without a data directory)."""
+        if self._wal is None:
+            return
+        if self._snapshotter is not None:
+            self._snapshotter.join()
         with self._lock:
-            if self._wal is None:
-                return
-            pools = []
-            for entry in self._pools.values():
-                data = dump_pool(entry.pool)
-                data["events"] = [[e.seq_no, e.kind, e.block_hash.hex(), e.parent_hash.hex(), e.block_id,
-                                   list(e.token_ids)] for e in entry.events]
-                pools.append(data)
-            self._wal.write_snapshot({"pools": pools, "requests": self._requests.dump()})
-            self._since_snapshot = 0
+            state, lsn = self._capture()
+        self._persist(state, lsn)
 
     def close(self) -> None:
         with self._lock:
@@ -179,6 +209,8 @@ class Engine:
             for entry in self._pools.values():
                 entry.deleted = True  # ends Watch/Events streams
             self._changed.notify_all()
+            if self._snapshotter is not None:
+                self._snapshotter.join()
             if self._wal is not None:
                 self._wal.close()
 

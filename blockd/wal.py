@@ -14,8 +14,10 @@ crash loses nothing acknowledged, a machine crash may). On recovery a torn or
 corrupt tail -- a record cut short by a crash -- is truncated away: it was
 never acknowledged.
 
-Snapshots are written to a temporary file, fsynced, and renamed; only then
-are older segments and snapshots deleted. Imports only the standard library.
+Snapshots: the log is rotated at the LSN the captured state covers; the state
+is then written to a temporary file (possibly from another thread while new
+records go to the new segment), fsynced, and renamed; only then are older
+segments and snapshots deleted. Imports only the standard library.
 """
 
 from __future__ import annotations
@@ -64,6 +66,10 @@ class WriteAheadLog:
         self.observe_sync = observe_sync
         os.makedirs(data_dir, exist_ok=True)
         self.lsn = 0
+        #: log bytes written since the last rotation, and the size of the last
+        #: snapshot: the engine snapshots once the log outgrows the snapshot
+        self.bytes_since_snapshot = 0
+        self.last_snapshot_bytes = 0
         self._fd: int | None = None
         self._dirty = False
         self._io_lock = threading.Lock()
@@ -77,12 +83,17 @@ class WriteAheadLog:
         Exhaust the iterator before :meth:`open_for_append`.
         """
         names = sorted(os.listdir(self.data_dir))
+        for name in names:
+            if name.endswith(".tmp"):  # a snapshot cut short by a crash; the log still has it all
+                os.unlink(os.path.join(self.data_dir, name))
         snaps = [n for n in names if n.startswith("snapshot-") and n.endswith(".json")]
         snapshot = None
         if snaps:
-            with open(os.path.join(self.data_dir, snaps[-1]), encoding="utf-8") as f:
+            path = os.path.join(self.data_dir, snaps[-1])
+            with open(path, encoding="utf-8") as f:
                 snapshot = json.load(f)
             self.lsn = snapshot["lsn"]
+            self.last_snapshot_bytes = os.path.getsize(path)
         segments = [n for n in names if n.startswith("wal-") and n.endswith(".log")]
         return snapshot, self._replay(segments)
 
@@ -132,6 +143,7 @@ class WriteAheadLog:
         frame = _HEADER.pack(len(body), zlib.crc32(body)) + body
         with self._io_lock:
             os.write(self._fd, frame)
+            self.bytes_since_snapshot += len(frame)
             if self.fsync == "always":
                 self._sync_locked()
             else:
@@ -154,23 +166,36 @@ class WriteAheadLog:
             if self._fd is not None and self._dirty:
                 self._sync_locked()
 
-    def write_snapshot(self, state: dict) -> None:
-        """Persist ``state`` as of the current LSN, rotate the log, drop old files."""
-        state["lsn"] = self.lsn
-        final = os.path.join(self.data_dir, _name("snapshot", self.lsn, "json"))
+    def rotate(self) -> int:
+        """Start a new segment; returns the LSN a snapshot taken now covers.
+
+        The caller captures the state at this LSN (under its own lock) and
+        then may :meth:`persist_snapshot` it at leisure, in another thread:
+        until that snapshot is durable, the old snapshot and every segment
+        since it stay on disk, so recovery never depends on it.
+        """
+        with self._io_lock:
+            os.fsync(self._fd)
+            os.close(self._fd)
+            self._open_segment(self.lsn + 1)
+            self.bytes_since_snapshot = 0
+            return self.lsn
+
+    def persist_snapshot(self, state: dict, lsn: int) -> None:
+        """Write ``state`` (as of ``lsn``) durably, then drop what it replaces."""
+        state["lsn"] = lsn
+        final = os.path.join(self.data_dir, _name("snapshot", lsn, "json"))
         tmp = final + ".tmp"
         with open(tmp, "w", encoding="utf-8") as f:
             json.dump(state, f, separators=(",", ":"))
             f.flush()
             os.fsync(f.fileno())
+            self.last_snapshot_bytes = f.tell()
         os.replace(tmp, final)
-        with self._io_lock:
-            os.fsync(self._fd)
-            os.close(self._fd)
-            self._open_segment(self.lsn + 1)
+        _fsync_dir(self.data_dir)
         for name in os.listdir(self.data_dir):
-            old = (name.startswith("snapshot-") and name.endswith(".json") and _lsn_of(name) < self.lsn) or (
-                name.startswith("wal-") and _lsn_of(name) <= self.lsn)
+            old = (name.startswith("snapshot-") and name.endswith(".json") and _lsn_of(name) < lsn) or (
+                name.startswith("wal-") and _lsn_of(name) <= lsn)
             if old:
                 os.unlink(os.path.join(self.data_dir, name))
         _fsync_dir(self.data_dir)

@@ -18,7 +18,7 @@ import sys
 from array import array
 from collections import deque
 
-from blockd.core.hashing import ExtraKeys
+from blockd.core.hashing import HASH_BYTES, ExtraKeys
 from blockd.core.pool import Pool
 from blockd.core.sequence import Sequence
 from blockd.core.types import PoolConfig, TableUpdate, VersionDelta
@@ -27,7 +27,7 @@ _LITTLE = sys.byteorder == "little"
 
 
 def pack(values, typecode: str = "I") -> str:
-    arr = array(typecode, values)
+    arr = values if isinstance(values, array) and values.typecode == typecode else array(typecode, values)
     if not _LITTLE:
         arr.byteswap()
     return base64.b64encode(arr.tobytes()).decode()
@@ -64,14 +64,49 @@ def _delta_from_json(data: list) -> VersionDelta:
     return VersionDelta(data[0], updates, tuple(tuple(c) for c in data[2]))
 
 
+def _dump_seqs(pool: Pool) -> dict:
+    """Every sequence, columnar: one packed array per field for all of them, so
+    100k sequences cost a few list extends each rather than a dict apiece.
+    Ordered by id, so equal pools dump equal (dict order carries no meaning)."""
+    ids, tokens, tables, hashes = [], array("I"), array("I"), []
+    num_tokens, num_blocks, committed, extra_index = array("I"), array("I"), array("I"), array("I")
+    extras: dict[ExtraKeys, int] = {}
+    for seq_id in sorted(pool.seqs):
+        seq = pool.seqs[seq_id]
+        ids.append(seq_id)
+        tokens.extend(seq.token_ids)
+        tables.extend(seq.table)
+        num_tokens.append(len(seq.token_ids))
+        num_blocks.append(len(seq.table))
+        committed.append(seq.num_committed)
+        hashes.extend(seq.hashes)
+        extra_index.append(extras.setdefault(seq.extra, len(extras)))
+    return {"ids": ids, "tokens": pack(tokens), "tables": pack(tables), "num_tokens": pack(num_tokens),
+            "num_blocks": pack(num_blocks), "committed": pack(committed), "extra_index": pack(extra_index),
+            "extras": [extra_to_json(e) for e in extras], "hashes": base64.b64encode(b"".join(hashes)).decode()}
+
+
+def _load_seqs(pool: Pool, data: dict) -> None:
+    extras = [extra_from_json(e) for e in data["extras"]]
+    digests = [(e, e.digest()) for e in extras]
+    tokens, tables = unpack(data["tokens"]), unpack(data["tables"])
+    hashes = base64.b64decode(data["hashes"])
+    tok = blk = hsh = 0
+    b = pool.block_size
+    for seq_id, n, m, committed, extra in zip(data["ids"], unpack(data["num_tokens"]), unpack(data["num_blocks"]),
+                                              unpack(data["committed"]), unpack(data["extra_index"])):
+        seq = Sequence(seq_id, *digests[extra])
+        seq.token_ids, seq.table, seq.num_committed = tokens[tok : tok + n], tables[blk : blk + m], committed
+        k = committed // b
+        seq.hashes = [hashes[i : i + HASH_BYTES] for i in range(hsh, hsh + k * HASH_BYTES, HASH_BYTES)]
+        tok, blk, hsh = tok + n, blk + m, hsh + k * HASH_BYTES
+        pool.seqs[seq_id] = seq
+
+
 def dump_pool(pool: Pool) -> dict:
     blocks = pool.blocks
     hashed = {str(b): h.hex() for b, h in enumerate(blocks.hash) if h is not None}
-    seqs = [
-        [s.seq_id, pack(s.table), pack(s.token_ids), s.num_committed,
-         "".join(h.hex() for h in s.hashes), extra_to_json(s.extra)]
-        for s in pool.seqs.values()
-    ]
+    seqs = _dump_seqs(pool)
     return {
         "config": config_to_json(pool.config),
         "ref": pack(blocks.ref), "fill": pack(blocks.fill), "hash": hashed,
@@ -99,16 +134,7 @@ def load_pool(data: dict) -> Pool:
         blocks.lru.push_back(block)
     blocks.num_used, blocks.filled_slots = data["num_used"], data["filled_slots"]
     blocks.num_evictions = data["num_evictions"]
-    digests: dict[tuple, tuple[ExtraKeys, bytes]] = {}
-    for seq_id, table, tokens, committed, hashes, extra in data["seqs"]:
-        key = tuple(extra[:5]) + tuple(extra[5])
-        if key not in digests:
-            keys = extra_from_json(extra)
-            digests[key] = (keys, keys.digest())
-        seq = Sequence(seq_id, *digests[key])
-        seq.table, seq.token_ids, seq.num_committed = unpack(table), unpack(tokens), committed
-        seq.hashes = [bytes.fromhex(hashes[i : i + 32]) for i in range(0, len(hashes), 32)]
-        pool.seqs[seq_id] = seq
+    _load_seqs(pool, data["seqs"])
     (pool.version, pool.num_tokens, pool.prefix_queried_tokens, pool.prefix_hit_tokens,
      pool.num_copies, pool.last_event_seq_no) = data["counters"]
     pool.deltas.extend(_delta_from_json(d) for d in data["deltas"])
