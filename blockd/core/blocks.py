@@ -56,6 +56,13 @@ class BlockSpace:
     def commit(self) -> None:
         self._undo = None
 
+    def journal(self) -> list[tuple]:
+        """The open transaction's undo list, for hot loops that append to it
+        directly (entries as for :meth:`log`)."""
+        if self._undo is None:
+            raise InvariantViolation("no transaction is open")
+        return self._undo
+
     def log(self, entry: tuple) -> None:
         """Record an undo entry owned by a caller (see :meth:`rollback`)."""
         if self._undo is not None:

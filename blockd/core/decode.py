@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from blockd.core.errors import InvalidArgument, NoRoom, NotFound
-from blockd.core.hashing import MAX_TOKEN_ID
+from blockd.core.hashing import check_token_ids
 from blockd.core.types import DecodeAppend, OpResult, TableUpdate
 
 if TYPE_CHECKING:
@@ -32,6 +32,7 @@ def _check(op: DecodeAppend) -> None:
             "give exactly one token per sequence")
     if len(op.seq_ids) > MAX_DECODE_BATCH:
         raise InvalidArgument(f"decode_append holds at most {MAX_DECODE_BATCH} sequences")
+    check_token_ids(op.token_ids)
 
 
 def apply_decode(pool: Pool, op: DecodeAppend) -> OpResult:
@@ -39,7 +40,7 @@ def apply_decode(pool: Pool, op: DecodeAppend) -> OpResult:
     b = pool.block_size
     blocks = pool.blocks
     seqs, ref, fill = pool.seqs, blocks.ref, blocks.fill
-    log = blocks.log
+    log = blocks.journal().append
     slots: list[int] = []
     added: list[int] = []
     copies: list[tuple[int, int]] = []
@@ -49,8 +50,6 @@ def apply_decode(pool: Pool, op: DecodeAppend) -> OpResult:
             pool.get_seq(seq_id)  # raises NotFound, or WrongState for a freed id
             raise NotFound(f"sequence #{i} {seq_id!r} is not in pool {pool.config.name!r}")
         token = op.token_ids[i]
-        if type(token) is not int or not 0 <= token <= MAX_TOKEN_ID:
-            raise InvalidArgument(f"token #{i} {token!r} is not an integer in [0, {MAX_TOKEN_ID}]")
         tokens, table = seq.token_ids, seq.table
         num_tokens = len(tokens)
         log(("seq", seq, len(table), table[-1] if table else -1, num_tokens,
