@@ -291,7 +291,10 @@ class Engine:
     def _drain_events(self, entry: _PoolEntry) -> None:
         entry.events.extend(entry.pool.take_events())
 
-    def step(self, pool: str, ops: list[Op], request_id: str = "") -> StepResult:
+    def step(self, pool: str, ops: list[Op], request_id: str = "", *, dry_run: bool = False) -> StepResult:
+        if dry_run:  # answers what the batch would do; nothing is remembered or logged
+            with self._lock:
+                return self._entry(pool).pool.step(ops, dry_run=True)
         def run() -> StepResult:
             entry = self._entry(pool)
             result = entry.pool.step(ops)

@@ -102,8 +102,8 @@ class AsyncBlockdClient:
 
     # --- steps ---------------------------------------------------------------------
     async def step(self, pool: str, ops: Sequence[Op], *, request_id: str | None = None,
-                   timeout_s: float | None = None) -> StepResult:
-        return await self._call(calls.STEP, pool, ops, request_id, timeout_s=timeout_s)
+                   timeout_s: float | None = None, dry_run: bool = False) -> StepResult:
+        return await self._call(calls.STEP, pool, ops, request_id, dry_run, timeout_s=timeout_s)
 
     async def allocate(self, pool: str, seq_id: str, prompt_token_ids: Sequence[int],
                        extra_keys: ExtraKeys | None = None, *, request_id: str | None = None) -> OpResult:

@@ -83,8 +83,11 @@ def _rid(request_id: str | None) -> str:
     return request_id if request_id else new_request_id()
 
 
-def _step_request(pool: str, ops: Sequence[Op], request_id: str | None = None) -> pb.StepRequest:
-    return convert.step_request_to_proto(pool, ops, _rid(request_id))
+def _step_request(pool: str, ops: Sequence[Op], request_id: str | None = None,
+                  dry_run: bool = False) -> pb.StepRequest:
+    request = convert.step_request_to_proto(pool, ops, _rid(request_id))
+    request.dry_run = dry_run
+    return request
 
 
 def _only_result(reply: pb.StepResponse) -> OpResult:

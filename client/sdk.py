@@ -109,10 +109,11 @@ class BlockdClient:
 
     # --- steps ---------------------------------------------------------------------
     def step(self, pool: str, ops: Sequence[Op], *, request_id: str | None = None,
-             timeout_s: float | None = None) -> StepResult:
+             timeout_s: float | None = None, dry_run: bool = False) -> StepResult:
         """Apply ``ops`` atomically; on error nothing changed and the exception's
-        ``op_index`` names the failing operation."""
-        return self._call(calls.STEP, pool, ops, request_id, timeout_s=timeout_s)
+        ``op_index`` names the failing operation. With ``dry_run`` nothing changes
+        either way: the answer says what the batch would do now."""
+        return self._call(calls.STEP, pool, ops, request_id, dry_run, timeout_s=timeout_s)
 
     def allocate(self, pool: str, seq_id: str, prompt_token_ids: Sequence[int],
                  extra_keys: ExtraKeys | None = None, *, request_id: str | None = None) -> OpResult:

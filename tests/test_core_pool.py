@@ -292,3 +292,19 @@ def test_using_a_freed_sequence_is_wrong_state_until_reallocated():
     pool.step([Allocate("a", [4])])
     pool.step([Append("a", [5])])
     assert pool.seqs["a"].token_ids == [4, 5]
+
+
+def test_dry_run_answers_like_the_real_step_and_changes_nothing():
+    pool = make_pool(num_blocks=6)
+    pool.step([Allocate("a", list(range(6))), Commit("a", 6), Fork("a", "b")])
+    pool.take_events()
+    before = state(pool)
+    ops = [Append("a", [1]), Allocate("c", list(range(4))), Free("b")]
+    dry = pool.step(ops, dry_run=True)
+    assert state(pool) == before and pool.take_events() == []
+    with pytest.raises(NoRoom) as err:
+        pool.step([*ops, Allocate("d", list(range(40)))], dry_run=True)
+    assert err.value.op_index == 3 and state(pool) == before
+    real = pool.step(ops)
+    assert dry.results == real.results and dry.copy_ops == real.copy_ops
+    assert dry.version == real.version - 1

@@ -263,11 +263,11 @@ def test_unavailable_is_retried_with_the_same_request_id(client, blockd_server, 
     client.create_pool(SMALL)
     real_step, seen = blockd_server.engine.step, []
 
-    def flaky_step(pool, ops, request_id=""):
+    def flaky_step(pool, ops, request_id="", **kwargs):
         seen.append(request_id)
         if len(seen) == 1:
             raise Flaky("leader moving")
-        return real_step(pool, ops, request_id)
+        return real_step(pool, ops, request_id, **kwargs)
 
     monkeypatch.setattr(blockd_server.engine, "step", flaky_step)
     assert client.allocate("small", "a", [1]).num_tokens == 1
@@ -358,3 +358,16 @@ def test_gen_proto_check_names_stale_files(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(gen, "ROOT", tmp_path)
     monkeypatch.setattr(gen, "PROTO_ROOT", tmp_path / "proto")
     assert gen.check() == 1
+
+
+def test_dry_run_over_grpc_changes_nothing(client) -> None:
+    from client.errors import ResourceExhaustedError
+
+    client.create_pool(PoolConfig("dry", num_blocks=4, block_size=4))
+    before = client.get_pool("dry")
+    answer = client.step("dry", [Allocate("x", list(range(8)))], dry_run=True)
+    assert answer.results[0].new_block_ids == (0, 1) and answer.version == before.version
+    with pytest.raises(ResourceExhaustedError):
+        client.step("dry", [Allocate("x", list(range(40)))], dry_run=True)
+    assert client.get_pool("dry") == before
+    assert client.step("dry", [Allocate("x", list(range(8)))]).results == answer.results

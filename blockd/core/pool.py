@@ -80,9 +80,13 @@ class Pool:
         self._stored: list[tuple[int, bytes, bytes, tuple[int, ...]]] = []
 
     # --- batches --------------------------------------------------------
-    def step(self, ops: list[Op] | tuple[Op, ...]) -> StepResult:
+    def step(self, ops: list[Op] | tuple[Op, ...], *, dry_run: bool = False) -> StepResult:
         """Apply a batch atomically; on error nothing changes and the raised
-        :class:`~blockd.core.errors.BlockdError` names the failing operation."""
+        :class:`~blockd.core.errors.BlockdError` names the failing operation.
+
+        ``dry_run`` runs the batch and rolls it back whatever happens: the
+        answer (results, or the error) is what the batch would do now, and the
+        pool, its version and its events stay as they were."""
         if not isinstance(ops, (list, tuple)):
             raise InvalidArgument("a step takes a list of operations")
         if len(ops) > MAX_OPS_PER_STEP:
@@ -103,6 +107,10 @@ class Pool:
         except Exception as err:  # a bug: still leave the pool as it was
             self._rollback(saved)
             raise InvariantViolation(f"operation {index} failed unexpectedly: {err!r}") from err
+        if dry_run:
+            copy_ops = tuple(self._copy_ops)
+            self._rollback(saved)
+            return StepResult(self.version, tuple(results), copy_ops)
         self.blocks.commit()
         return self._finish(tuple(results))
 

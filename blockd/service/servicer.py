@@ -74,7 +74,8 @@ class BlockServicer(pb_grpc.BlockServiceServicer):
     @unary
     def Step(self, request: pb.StepRequest, context) -> pb.StepResponse:
         pool = require_id(request.pool, "pool")
-        result = self._engine.step(pool, convert.ops_from_proto(request.ops), request.request_id)
+        result = self._engine.step(pool, convert.ops_from_proto(request.ops), request.request_id,
+                                   dry_run=request.dry_run)
         return convert.step_result_to_proto(result)
 
     @unary

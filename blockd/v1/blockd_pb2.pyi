@@ -709,8 +709,14 @@ class StepRequest(_message.Message):
     POOL_FIELD_NUMBER: _builtins.int
     OPS_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
+    DRY_RUN_FIELD_NUMBER: _builtins.int
     pool: _builtins.str
     request_id: _builtins.str
+    dry_run: _builtins.bool
+    """Check the batch and answer what it would do (the same results or the
+    same error) without changing anything: no new version, nothing logged,
+    request_id not remembered. The can_* query of DESIGN.md.
+    """
     @_builtins.property
     def ops(self) -> _containers.RepeatedCompositeFieldContainer[Global___Op]: ...
     def __init__(
@@ -719,10 +725,11 @@ class StepRequest(_message.Message):
         pool: _builtins.str = ...,
         ops: _abc.Iterable[Global___Op] | None = ...,
         request_id: _builtins.str = ...,
+        dry_run: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["ops", b"ops", "pool", b"pool", "request_id", b"request_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dry_run", b"dry_run", "ops", b"ops", "pool", b"pool", "request_id", b"request_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
