@@ -295,15 +295,13 @@ class Engine:
         if dry_run:  # answers what the batch would do; nothing is remembered or logged
             with self._lock:
                 return self._entry(pool).pool.step(ops, dry_run=True)
+
         def run() -> StepResult:
             entry = self._entry(pool)
             result = entry.pool.step(ops)
             self._drain_events(entry)
             return result
 
-        if self.observe_step is None:
-            return self._idempotent(request_id, "step", pool, run,
-                                    lambda: {"pool": pool, "ops": [op_to_json(o) for o in ops]})
         start, outcome = time.perf_counter(), "ok"
         try:
             return self._idempotent(request_id, "step", pool, run,
@@ -315,7 +313,8 @@ class Engine:
             outcome = "internal"
             raise
         finally:
-            if type(pool) is str and pool in self._pools:  # unknown pool names stay out of the labels
+            # unknown pool names stay out of the metric labels
+            if self.observe_step is not None and type(pool) is str and pool in self._pools:
                 self.observe_step(pool, ops if isinstance(ops, (list, tuple)) else [], outcome,
                                   time.perf_counter() - start)
 

@@ -33,6 +33,11 @@ START_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 10.0
 
 
+def child_env(**extra: str) -> dict[str, str]:
+    """The environment of a child that imports this checkout."""
+    return {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), **extra}
+
+
 class ChildProcess:
     """One child: started with ``python -m``, ready when it prints ``ready_prefix ADDRESS``.
 
@@ -47,8 +52,7 @@ class ChildProcess:
         self.name = name
         self.lines: collections.deque[str] = collections.deque(maxlen=keep_lines)
         self._ready: queue.Queue[str] = queue.Queue()
-        env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               "PYTHONUNBUFFERED": "1", **(env or {})}
+        env = child_env(PYTHONUNBUFFERED="1", **(env or {}))
         self.popen = subprocess.Popen([sys.executable, *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True,
                                       start_new_session=True)

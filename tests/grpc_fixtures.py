@@ -23,6 +23,7 @@ from collections.abc import Iterator
 import pytest
 
 from blockd.engine import Engine
+from blockd.local_cluster import child_env
 from blockd.service.server import BlockdServer
 from client.sdk import BlockdClient
 from tests.procs import Proc
@@ -44,14 +45,6 @@ def blockd_server() -> Iterator[BlockdServer]:
 def client(blockd_server: BlockdServer) -> Iterator[BlockdClient]:
     with BlockdClient(blockd_server.address, timeout_s=5.0) as c:
         yield c
-
-
-def python_env(**extra: str) -> dict[str, str]:
-    """The environment for a subprocess that imports this checkout."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    env.update(extra)
-    return env
 
 
 def start_daemon(*flags: str, env: dict[str, str] | None = None) -> Proc:
@@ -76,7 +69,7 @@ def daemon() -> Iterator:
 @pytest.fixture
 def run_module():
     def run(module: str, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=python_env(**(env or {})),
+        return subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=child_env(**(env or {})),
                               capture_output=True, text=True, timeout=60, check=False)
 
     return run
