@@ -45,6 +45,7 @@ from blockd.core import (
     VersionDelta,
     WrongState,
 )
+from blockd.core.errors import shown
 from blockd.core.state import config_to_json, dump_pool, load_pool, op_from_json, op_to_json
 from blockd.core.validate import check_name
 from blockd.idempotency import IdempotencyTable
@@ -233,7 +234,7 @@ class Engine:
                 if found is not None:
                     if found[0] != fingerprint:
                         raise InvalidArgument(
-                            f"request_id {rid!r} was already used for {found[0]}; use a fresh id per request")
+                            f"request_id {shown(rid)} was already used for {found[0]}; use a fresh id per request")
                     return found[1]
             result = run()
             body = record()
@@ -249,12 +250,13 @@ class Engine:
     def _entry(self, name: str) -> _PoolEntry:
         entry = self._pools.get(name) if type(name) is str else None
         if entry is None:
-            raise NotFound(f"no pool named {name!r}; list pools to see which exist")
+            check_name(name, "pool")  # a name no pool can have is the caller's mistake
+            raise NotFound(f"no pool named {shown(name)}; list pools to see which exist")
         return entry
 
     def _create_pool(self, config: PoolConfig) -> PoolStats:
         if config.name in self._pools:
-            raise AlreadyExists(f"pool {config.name!r} already exists")
+            raise AlreadyExists(f"pool {shown(config.name)} already exists")
         entry = _PoolEntry(Pool(config))
         self._pools[config.name] = entry
         return entry.pool.stats()
@@ -381,12 +383,12 @@ class Engine:
     def events(self, pool: str, from_seq_no: int, should_stop: Callable[[], bool]) -> Iterator[KVEvent]:
         """KV events with ``seq_no > from_seq_no``, in order, waiting for new ones."""
         if type(from_seq_no) is not int or from_seq_no < 0:
-            raise InvalidArgument(f"from_seq_no must be a non-negative int, got {from_seq_no!r}")
+            raise InvalidArgument(f"from_seq_no must be a non-negative int, got {shown(from_seq_no)}")
         with self._lock:
             entry = self._entry(pool)
             last = entry.pool.last_event_seq_no
             if from_seq_no > last:
-                raise WrongState(f"event {from_seq_no} is ahead of pool {pool!r} (last is {last})")
+                raise WrongState(f"event {from_seq_no} is ahead of pool {shown(pool)} (last is {last})")
             oldest = entry.events[0].seq_no if entry.events else last + 1
             if from_seq_no + 1 < oldest:
                 raise WrongState(f"events after {from_seq_no} are no longer retained (oldest is {oldest}); "
