@@ -49,7 +49,7 @@ from blockd.core import (
 )
 from blockd.core.errors import shown
 from blockd.core.state import config_to_json, dump_pool, load_pool, op_from_json, op_to_json
-from blockd.core.validate import check_name
+from blockd.core.validate import check_config, check_name
 from blockd.idempotency import MISSING, IdempotencyLimits, IdempotencyTable, IdempotencyUsage, fingerprint
 from blockd.wal import WriteAheadLog
 from blockd.workers import WorkerInfo, WorkerRegistry, WorkerStatus
@@ -270,6 +270,7 @@ class Engine:
         return entry
 
     def _create_pool(self, config: PoolConfig) -> PoolStats:
+        check_config(config)  # a malformed config is INVALID_ARGUMENT whether or not the name is taken
         if config.name in self._pools:
             raise AlreadyExists(f"pool {shown(config.name)} already exists")
         entry = _PoolEntry(Pool(config))
