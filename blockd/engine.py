@@ -156,7 +156,8 @@ class Engine:
         if rid:
             pool = subject.name if kind == "create_pool" else record["pool"]
             # the record's own time, never the clock now: replay rebuilds the same table
-            self._requests.put(rid, self._fingerprint(kind, pool, subject), record.get("t", 0.0), result)
+            self._requests.put(rid, self._fingerprint(kind, pool, subject), record.get("t", 0.0), result,
+                               self._block_size(pool))
 
     def _log(self, record: dict) -> None:
         if self._wal is None:
@@ -251,10 +252,14 @@ class Engine:
             body["kind"] = kind
             if rid:
                 body["rid"], body["t"] = rid, now
-                self._requests.put(rid, fp, now, result)
+                self._requests.put(rid, fp, now, result, self._block_size(pool))
             self._log(body)
             self._changed.notify_all()
             return result
+
+    def _block_size(self, name: str) -> int:
+        entry = self._pools.get(name) if type(name) is str else None
+        return entry.pool.block_size if entry is not None else 0
 
     def idempotency_usage(self) -> IdempotencyUsage:
         """Request ids kept, how many still hold their answer, and their bytes."""

@@ -139,9 +139,10 @@ class IdempotencyTable:
                 "bytes; read the current state (GetTables, GetPool) instead of retrying")
         return decode_result(answer)
 
-    def put(self, request_id: str, fp: str, t: float, result: object) -> None:
-        """Remember ``result`` for ``request_id``, applied at record time ``t``."""
-        self._put(request_id, fp, t, encode_result(result))
+    def put(self, request_id: str, fp: str, t: float, result: object, block_size: int = 0) -> None:
+        """Remember ``result`` for ``request_id``, applied at record time ``t``
+        (``block_size``: the pool's, so slot mappings are kept as blocks)."""
+        self._put(request_id, fp, t, encode_result(result, block_size))
 
     def _put(self, request_id: str, fp: str, t: float, answer: bytes | None) -> None:
         self._forget(request_id)

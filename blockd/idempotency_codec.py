@@ -8,11 +8,12 @@
   (one ``DecodeAppend`` of N sequences) costs one C-level join, one array
   copy and one hash, never a per-item Python loop.
 * :func:`encode_result` / :func:`decode_result`: a step's answer as bytes:
-  little-endian packed arrays, and a slot mapping of consecutive slots (what
-  an allocation gets from a fresh or orderly free list) as one (start,
-  length) run. A 2,048-token prefill's answer shrinks from ~87 KB of Python
-  objects to ~100 bytes (~8 KB when its blocks are scattered); a
-  256-sequence decode step's from ~19 KB to ~1-2 KB.
+  little-endian packed arrays; an allocation's or append's slot mapping as
+  the blocks it runs through (one u32 per block instead of one per token,
+  checked exactly), and a list that counts up or down by one as (first,
+  length). A 2,048-token prefill's answer shrinks from ~87 KB of Python
+  objects to ~100 bytes (~600 when its blocks are scattered); a 256-sequence
+  decode step's from ~19 KB to ~1-2 KB.
 
 Imports only the standard library and the core.
 """
@@ -24,6 +25,7 @@ import struct
 import sys
 from array import array
 from hashlib import blake2b
+from itertools import chain
 
 from blockd.core.types import (
     Allocate,
@@ -114,26 +116,60 @@ def fingerprint(kind: str, pool: str, subject: object = None) -> str:
 
 
 # --- answers ----------------------------------------------------------------------------
-_STEP = struct.Struct("<QII")  # version, results, top-level copy ops
+_STEP = struct.Struct("<QIII")  # version, results, top-level copy ops, the pool's block size (0: unknown)
 # id bytes, tokens, cached, slot_start, new-block form and bytes, copies, slot form and bytes
 _RESULT = struct.Struct("<IQQQBIIBI")
-_U32, _U64, _RUN = 0, 1, 2
+_BLOCKS_HEAD = struct.Struct("<QB")  # slots, form of the block list
+_U32, _U64, _UP, _DOWN, _BLOCKS = range(5)
 
 
-def _pack_ints(slots) -> tuple[int, bytes]:
-    """Consecutive ints (the slots or blocks of an allocation from a fresh or
-    orderly free list) as one (start, length) run, else a packed array. Only
-    the one-run case is looked for: telling several runs apart is a per-item
-    Python loop, and a mapping is checked only when its ends fit one run."""
-    n = len(slots)
+def _pack_ints(values) -> tuple[int, bytes]:
+    """Ints as a packed array, or as (first, length) when they count up or
+    down by one (an allocation's blocks from a fresh pool, or from a free list
+    that a freed sequence refilled tail first). Only that one-run case is
+    looked for: telling several runs apart is a per-item Python loop."""
+    n = len(values)
     try:
-        values = array("I", slots)
-        form = _U32
+        packed, form = array("I", values), _U32
     except OverflowError:  # pools of more than 2**32 slots
-        values, form = array("Q", slots), _U64
-    if n > 2 and slots[-1] - slots[0] == n - 1 and values == array(values.typecode, range(slots[0], slots[0] + n)):
-        return _RUN, _le(array("Q", (slots[0], n)))
-    return form, _le(values)
+        packed, form = array("Q", values), _U64
+    if n > 2 and abs(values[-1] - values[0]) == n - 1:
+        step = 1 if values[-1] > values[0] else -1
+        if packed == array(packed.typecode, range(values[0], values[0] + step * n, step)):
+            return (_UP if step > 0 else _DOWN), _le(array("Q", (values[0], n)))
+    return form, _le(packed)
+
+
+def _blocks_of(slots, start: int, b: int) -> list[int] | None:
+    """The blocks behind ``slots`` when they are exactly the slots of token
+    positions ``start, start + 1, ...`` through a block table (DESIGN.md:
+    position p lives in slot ``table[p // b] * b + p % b``), else None. The
+    check rebuilds the slots from the blocks at C speed and compares."""
+    n = len(slots)
+    if b < 2 or n < b or ((start + 1) % b and slots[1] != slots[0] + 1):
+        return None  # too short to pay, or (a decode step's slots) not even one block's worth in a row
+    head = -start % b  # index of the first slot that opens a block
+    blocks = [s // b for s in slots[head::b]]
+    if head:
+        blocks.insert(0, slots[0] // b)
+    lo = [block * b for block in blocks]
+    hi = [x + b for x in lo]
+    lo[0] += start % b
+    hi[-1] -= -(start + n) % b
+    if tuple(chain.from_iterable(map(range, lo, hi))) != tuple(slots):
+        return None
+    return blocks
+
+
+def _pack_slots(slots, start: int, b: int) -> tuple[int, bytes]:
+    """A slot mapping as its blocks (one u32 per block of b slots) when it is
+    one, else as :func:`_pack_ints` keeps any ints (a decode step's slots,
+    one per sequence, are a packed array)."""
+    blocks = _blocks_of(slots, start, b)
+    if blocks is not None:
+        form, packed = _pack_ints(blocks)
+        return _BLOCKS, _BLOCKS_HEAD.pack(len(slots), form) + packed
+    return _pack_ints(slots)
 
 
 def _array(typecode: str, data: bytes) -> array:
@@ -143,14 +179,17 @@ def _array(typecode: str, data: bytes) -> array:
     return values
 
 
-def _unpack_ints(form: int, data: bytes) -> tuple[int, ...]:
+def _unpack_ints(form: int, data: bytes, start: int = 0, b: int = 0) -> tuple[int, ...]:
     if form == _U32:
         return tuple(_array("I", data))
-    values = _array("Q", data)
     if form == _U64:
-        return tuple(values)
-    start, length = values
-    return tuple(range(start, start + length))
+        return tuple(_array("Q", data))
+    if form == _BLOCKS:
+        n, blocks_form = _BLOCKS_HEAD.unpack_from(data)
+        blocks = _unpack_ints(blocks_form, data[_BLOCKS_HEAD.size :])
+        return tuple(blocks[(p // b) - start // b] * b + p % b for p in range(start, start + n))
+    first, length = _array("Q", data)
+    return tuple(range(first, first + length) if form == _UP else range(first, first - length, -1))
 
 
 def _pairs(pairs) -> bytes:
@@ -162,12 +201,13 @@ def _unpairs(data: bytes) -> tuple[tuple[int, int], ...]:
     return tuple(zip(flat[0::2], flat[1::2]))
 
 
-def _encode_step(result: StepResult) -> bytes:
-    parts = [b"R", _STEP.pack(result.version, len(result.results), len(result.copy_ops)), _pairs(result.copy_ops)]
+def _encode_step(result: StepResult, b: int) -> bytes:
+    parts = [b"R", _STEP.pack(result.version, len(result.results), len(result.copy_ops), b),
+             _pairs(result.copy_ops)]
     for r in result.results:
         seq_id = _text(r.seq_id)
         block_form, blocks = _pack_ints(r.new_block_ids)
-        slot_form, slots = _pack_ints(r.slot_mapping)
+        slot_form, slots = _pack_slots(r.slot_mapping, r.slot_start, b)
         parts += (_RESULT.pack(len(seq_id), r.num_tokens, r.num_cached_tokens, r.slot_start, block_form,
                                len(blocks), len(r.copy_ops), slot_form, len(slots)),
                   seq_id, blocks, _pairs(r.copy_ops), slots)
@@ -175,7 +215,7 @@ def _encode_step(result: StepResult) -> bytes:
 
 
 def _decode_step(data: bytes) -> StepResult:
-    version, num_results, num_copies = _STEP.unpack_from(data, 1)
+    version, num_results, num_copies, b = _STEP.unpack_from(data, 1)
     pos = 1 + _STEP.size
     copies = _unpairs(data[pos : pos + 8 * num_copies])
     pos += 8 * num_copies
@@ -190,18 +230,19 @@ def _decode_step(data: bytes) -> StepResult:
         pos += block_len
         op_copies = _unpairs(data[pos : pos + 8 * num_op_copies])
         pos += 8 * num_op_copies
-        slots = _unpack_ints(slot_form, data[pos : pos + slot_len])
+        slots = _unpack_ints(slot_form, data[pos : pos + slot_len], start, b)
         pos += slot_len
         results.append(OpResult(seq_id, tokens, cached, new, op_copies, start, slots))
     return StepResult(version, tuple(results), copies)
 
 
-def encode_result(result: object) -> bytes:
-    """An engine answer (a StepResult, PoolStats, or None) as bytes."""
+def encode_result(result: object, block_size: int = 0) -> bytes:
+    """An engine answer (a StepResult, PoolStats, or None) as bytes;
+    ``block_size`` (the pool's) lets slot mappings be kept as their blocks."""
     if result is None:
         return b"N"
     if isinstance(result, StepResult):
-        return _encode_step(result)
+        return _encode_step(result, block_size)
     if isinstance(result, PoolStats):
         return b"S" + json.dumps([getattr(result, f) for f in PoolStats.__dataclass_fields__]).encode()
     raise TypeError(f"cannot keep an answer of type {type(result).__name__}")

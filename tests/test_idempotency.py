@@ -111,9 +111,26 @@ answers = st.one_of(st.none(), st.builds(StepResult, u64, st.lists(op_results, m
                     st.builds(PoolStats, *([st.text(max_size=4)] + [st.integers(0, 2**40)] * 15)))
 
 
-@given(answer=answers)
-def test_answers_survive_their_compact_form(answer):
-    assert decode_result(encode_result(answer)) == answer
+@st.composite
+def table_slots(draw) -> tuple[int, int, tuple[int, ...]]:
+    """(block size, slot_start, slots) of positions through a block table,
+    sometimes with one slot off: the block form must notice."""
+    b = draw(st.sampled_from([2, 4, 16]))
+    table = draw(st.lists(st.integers(0, 2**20), min_size=1, max_size=6))
+    start = draw(st.integers(0, len(table) * b - 1))
+    end = draw(st.integers(start, len(table) * b))
+    slots = [table[p // b] * b + p % b for p in range(start, end)]
+    if slots and draw(st.booleans()):
+        slots[draw(st.integers(0, len(slots) - 1))] += draw(st.sampled_from([1, b, 2**33]))
+    return b, start, tuple(slots)
+
+
+@given(answer=answers, block_size=st.sampled_from([0, 1, 4, 16]), table=table_slots())
+def test_answers_survive_their_compact_form(answer, block_size, table):
+    assert decode_result(encode_result(answer, block_size)) == answer
+    b, start, slots = table
+    step = StepResult(7, (OpResult("s", 9, 0, (), (), start, slots),))
+    assert decode_result(encode_result(step, b)) == step
 
 
 def test_answers_are_compact():
@@ -121,8 +138,17 @@ def test_answers_are_compact():
     engine.step("p", [Allocate(f"s{i}", [i] * 4) for i in range(256)])
     prefill = engine.step("p", [Allocate("long", list(range(2048)))], "prefill")
     decode = engine.step("p", [DecodeAppend([f"s{i}" for i in range(256)], [7] * 256)], "decode")
-    assert len(encode_result(prefill)) < 120  # one run of slots, one run of blocks
-    assert len(encode_result(decode)) < 256 * 4 + 120  # 256 slots as u32, the 256 new blocks as one run
+    assert len(encode_result(prefill, 4)) < 120  # slots through one run of blocks
+    assert len(encode_result(decode, 4)) < 256 * 4 + 120  # 256 slots as u32, the 256 new blocks as one run
+    # freed tail first, a sequence's blocks come back in reverse: the slots are
+    # still kept as their blocks, the blocks as one run down
+    engine.create_pool(PoolConfig("full", num_blocks=512, block_size=4))
+    engine.step("full", [Allocate("long", list(range(2048)))])  # every fresh block is used
+    engine.step("full", [Free("long")])
+    again = engine.step("full", [Allocate("again", list(range(5000, 7048)))], "again")
+    assert list(again.results[0].new_block_ids) == sorted(again.results[0].new_block_ids, reverse=True)
+    assert len(encode_result(again, 4)) < 120
+    assert decode_result(encode_result(again, 4)) == again
 
 
 # --- bounds -----------------------------------------------------------------------------------
