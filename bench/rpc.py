@@ -244,8 +244,9 @@ def _prefill_steps(num_steps: int, prompt_len: int, with_ids: bool, results) -> 
     sequence and allocate a new one of ``prompt_len`` distinct tokens."""
     from blockd.core import Free
     from blockd.engine import Engine
+    from blockd.idempotency import IdempotencyLimits
 
-    engine = Engine()
+    engine = Engine()  # the default limits, as blockd serve has them
     engine.create_pool(PoolConfig("big", num_blocks=4 * prompt_len // BLOCK_SIZE + 64, block_size=BLOCK_SIZE))
     prompts = [[(n * 7919 + j) % 32000 for j in range(prompt_len)] for n in range(64)]
     before = _rss_bytes()
@@ -255,7 +256,7 @@ def _prefill_steps(num_steps: int, prompt_len: int, with_ids: bool, results) -> 
         engine.step("big", ops, f"prefill-{n}" if with_ids else "")
     usage = engine.idempotency_usage()
     results.put((_rss_bytes() - before, usage.num_ids, usage.num_answers, usage.num_bytes,
-                 engine._requests.limits.max_bytes))
+                 IdempotencyLimits().max_bytes))
 
 
 def _in_fresh_process(*args) -> tuple:

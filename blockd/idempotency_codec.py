@@ -120,7 +120,8 @@ _STEP = struct.Struct("<QIII")  # version, results, top-level copy ops, the pool
 # id bytes, tokens, cached, slot_start, new-block form and bytes, copies, slot form and bytes
 _RESULT = struct.Struct("<IQQQBIIBI")
 _BLOCKS_HEAD = struct.Struct("<QB")  # slots, form of the block list
-_U32, _U64, _UP, _DOWN, _BLOCKS = range(5)
+_SKIP = struct.Struct("<B")  # leading slot blocks that are not new
+_U32, _U64, _UP, _DOWN, _BLOCKS, _FROM_SLOTS = range(6)
 
 
 def _pack_ints(values) -> tuple[int, bytes]:
@@ -161,15 +162,22 @@ def _blocks_of(slots, start: int, b: int) -> list[int] | None:
     return blocks
 
 
-def _pack_slots(slots, start: int, b: int) -> tuple[int, bytes]:
-    """A slot mapping as its blocks (one u32 per block of b slots) when it is
-    one, else as :func:`_pack_ints` keeps any ints (a decode step's slots,
-    one per sequence, are a packed array)."""
+def _pack_slots(slots, start: int, b: int, new_blocks) -> tuple[int, bytes, int, bytes]:
+    """A result's slot mapping and new blocks as (slot form, bytes, block form,
+    bytes): the slots as the blocks they run through when they are (one u32
+    per block of b slots), and the new blocks, when they are those blocks
+    (an allocation) or all but the first (an append to a partly filled
+    block), as just that; otherwise each as :func:`_pack_ints` keeps any ints
+    (a decode step's slots, one per sequence, are a packed array)."""
     blocks = _blocks_of(slots, start, b)
-    if blocks is not None:
-        form, packed = _pack_ints(blocks)
-        return _BLOCKS, _BLOCKS_HEAD.pack(len(slots), form) + packed
-    return _pack_ints(slots)
+    if blocks is None:
+        return (*_pack_ints(slots), *_pack_ints(new_blocks))
+    form, packed = _pack_ints(blocks)
+    slots_part = _BLOCKS_HEAD.pack(len(slots), form) + packed
+    for skip in (0, 1):
+        if tuple(blocks[skip:]) == tuple(new_blocks):
+            return _BLOCKS, slots_part, _FROM_SLOTS, _SKIP.pack(skip)
+    return (_BLOCKS, slots_part, *_pack_ints(new_blocks))
 
 
 def _array(typecode: str, data: bytes) -> array:
@@ -206,8 +214,7 @@ def _encode_step(result: StepResult, b: int) -> bytes:
              _pairs(result.copy_ops)]
     for r in result.results:
         seq_id = _text(r.seq_id)
-        block_form, blocks = _pack_ints(r.new_block_ids)
-        slot_form, slots = _pack_slots(r.slot_mapping, r.slot_start, b)
+        slot_form, slots, block_form, blocks = _pack_slots(r.slot_mapping, r.slot_start, b, r.new_block_ids)
         parts += (_RESULT.pack(len(seq_id), r.num_tokens, r.num_cached_tokens, r.slot_start, block_form,
                                len(blocks), len(r.copy_ops), slot_form, len(slots)),
                   seq_id, blocks, _pairs(r.copy_ops), slots)
@@ -226,12 +233,19 @@ def _decode_step(data: bytes) -> StepResult:
         pos += _RESULT.size
         seq_id = data[pos : pos + id_len].decode("utf-8", "surrogatepass")
         pos += id_len
-        new = _unpack_ints(block_form, data[pos : pos + block_len])
+        new_part = data[pos : pos + block_len]
         pos += block_len
         op_copies = _unpairs(data[pos : pos + 8 * num_op_copies])
         pos += 8 * num_op_copies
-        slots = _unpack_ints(slot_form, data[pos : pos + slot_len], start, b)
+        slot_part = data[pos : pos + slot_len]
         pos += slot_len
+        slots = _unpack_ints(slot_form, slot_part, start, b)
+        if block_form == _FROM_SLOTS:
+            (skip,) = _SKIP.unpack(new_part)
+            _, blocks_form = _BLOCKS_HEAD.unpack_from(slot_part)
+            new = _unpack_ints(blocks_form, slot_part[_BLOCKS_HEAD.size :])[skip:]
+        else:
+            new = _unpack_ints(block_form, new_part)
         results.append(OpResult(seq_id, tokens, cached, new, op_copies, start, slots))
     return StepResult(version, tuple(results), copies)
 

@@ -112,24 +112,27 @@ answers = st.one_of(st.none(), st.builds(StepResult, u64, st.lists(op_results, m
 
 
 @st.composite
-def table_slots(draw) -> tuple[int, int, tuple[int, ...]]:
-    """(block size, slot_start, slots) of positions through a block table,
-    sometimes with one slot off: the block form must notice."""
+def table_result(draw) -> tuple[int, OpResult]:
+    """(block size, result) whose slots run through a block table, sometimes
+    with one slot off (the block form must notice), and whose new blocks are
+    those of the slots, all but the first, or others."""
     b = draw(st.sampled_from([2, 4, 16]))
     table = draw(st.lists(st.integers(0, 2**20), min_size=1, max_size=6))
     start = draw(st.integers(0, len(table) * b - 1))
     end = draw(st.integers(start, len(table) * b))
     slots = [table[p // b] * b + p % b for p in range(start, end)]
+    covering = tuple(table[start // b : -(-end // b)])
+    new = draw(st.sampled_from([(), covering, covering[1:], covering[:1], tuple(reversed(covering))]))
     if slots and draw(st.booleans()):
         slots[draw(st.integers(0, len(slots) - 1))] += draw(st.sampled_from([1, b, 2**33]))
-    return b, start, tuple(slots)
+    return b, OpResult("s", 9, 0, new, (), start, tuple(slots))
 
 
-@given(answer=answers, block_size=st.sampled_from([0, 1, 4, 16]), table=table_slots())
+@given(answer=answers, block_size=st.sampled_from([0, 1, 4, 16]), table=table_result())
 def test_answers_survive_their_compact_form(answer, block_size, table):
     assert decode_result(encode_result(answer, block_size)) == answer
-    b, start, slots = table
-    step = StepResult(7, (OpResult("s", 9, 0, (), (), start, slots),))
+    b, result = table
+    step = StepResult(7, (result,))
     assert decode_result(encode_result(step, b)) == step
 
 
