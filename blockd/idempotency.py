@@ -23,10 +23,12 @@ Append appends twice).
 
 What is kept per id: the fingerprint (:func:`fingerprint`: kind, pool and a
 BLAKE2b-128 of the request's content) and the answer as compact bytes
-(:func:`encode_result`: packed little-endian arrays, consecutive slots as
-(start, length) runs), with the time the request was applied.
+(:mod:`blockd.idempotency_codec`: a slot mapping as the blocks it runs
+through, other ints as packed arrays or runs), with the time the request
+was applied.
 
-Determinism: the table is a function of the records put into it, in order.
+Determinism: the table is a function of the records put into it, in order,
+under the same limits (limits lowered across a restart trim the table).
 Each record carries the wall-clock time it was applied at (:meth:`stamp`,
 never going backwards; the engine writes it into the log record), and age
 eviction compares record times only, never the clock during replay: replaying
@@ -90,6 +92,11 @@ class _Entry:
         self.fingerprint, self.t, self.size = fingerprint, t, size
 
 
+def _chars_bytes(text: str) -> int:
+    """Bytes a str's characters take (CPython: 1 each when ASCII, at most 4)."""
+    return len(text) if text.isascii() else 4 * len(text)
+
+
 def _describe(fp: str) -> str:
     kind, rest = fp.split(":", 1)
     return f"a {kind} on pool {shown(rest.rsplit(':', 1)[0])}"
@@ -149,7 +156,7 @@ class IdempotencyTable:
         self.now = max(self.now, t)
         while self._entries and self._expired(next(iter(self._entries.values())).t, self.now):
             self._forget(next(iter(self._entries)))
-        entry = _Entry(fp, t, ENTRY_OVERHEAD + len(request_id) + len(fp))
+        entry = _Entry(fp, t, ENTRY_OVERHEAD + _chars_bytes(request_id) + _chars_bytes(fp))
         self._entries[request_id] = entry
         self._bytes += entry.size
         if answer is not None:
