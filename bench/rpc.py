@@ -17,6 +17,17 @@ does not serialise them. Fields:
   (median; ``inprocess_mean_us`` includes the block-boundary steps);
 * ``cpus``: cores of this machine, shared by daemon and schedulers.
 
+``idempotency``: two rows, in process (no gRPC).
+
+* ``idempotency_memory``: 20k steps of 2,048 new tokens each (free the last
+  sequence, allocate the next), every step with a request id, in a fresh
+  process: the idempotency table's bytes (target: at or under the byte cap)
+  and the process's RSS growth (target: under 100 MB), against the same
+  steps without request ids (``baseline_rss_growth_mb``).
+* ``idempotency_cost``: what a request id costs a step (content fingerprint,
+  lookup, compact answer): median engine step with and without one, for a
+  256-sequence decode step and a 2,048-token prefill.
+
 Run: ``python bench/rpc.py [--part step_rpc] [--seconds 3]``.
 """
 
@@ -223,8 +234,88 @@ def recovery(args: argparse.Namespace) -> Iterator[dict]:
            "steps_per_s_never": round(never, 1), "ratio_always_vs_never": round(always / never, 3)}
 
 
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _prefill_steps(num_steps: int, prompt_len: int, with_ids: bool, results) -> None:
+    """In a fresh process: ``num_steps`` steps that each free the previous
+    sequence and allocate a new one of ``prompt_len`` distinct tokens."""
+    from blockd.core import Free
+    from blockd.engine import Engine
+    from blockd.idempotency import IdempotencyLimits
+
+    engine = Engine()  # the default limits, as blockd serve has them
+    engine.create_pool(PoolConfig("big", num_blocks=4 * prompt_len // BLOCK_SIZE + 64, block_size=BLOCK_SIZE))
+    prompts = [[(n * 7919 + j) % 32000 for j in range(prompt_len)] for n in range(64)]
+    before = _rss_bytes()
+    for n in range(num_steps):
+        ops = [Free(f"s{n - 1}")] if n else []
+        ops.append(Allocate(f"s{n}", prompts[n % 64]))
+        engine.step("big", ops, f"prefill-{n}" if with_ids else "")
+    usage = engine.idempotency_usage()
+    results.put((_rss_bytes() - before, usage.num_ids, usage.num_answers, usage.num_bytes,
+                 IdempotencyLimits().max_bytes))
+
+
+def _in_fresh_process(*args) -> tuple:
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    proc = ctx.Process(target=_prefill_steps, args=(*args, results))
+    proc.start()
+    out = results.get(timeout=1800)
+    proc.join(30)
+    return out
+
+
+def _median_step_us(engine, make_ops, rid_prefix: str, first: int, reps: int) -> float:
+    times = []
+    for n in range(first, first + reps):
+        ops = make_ops(n)
+        start = time.perf_counter()
+        engine.step("cost", ops, f"{rid_prefix}{n}" if rid_prefix else "")
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e6
+
+
+def _cost_rows(reps: int, prompt_len: int) -> Iterator[dict]:
+    from blockd.core import Free
+    from blockd.engine import Engine
+
+    engine = Engine()
+    engine.create_pool(PoolConfig("cost", num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE))
+    ids = _seq_ids("cost")
+    engine.step("cost", [Allocate(s, list(range(BLOCK_SIZE))) for s in ids])
+    decode, prompt = [DecodeAppend(ids, [7] * NUM_SEQS)], list(range(prompt_len))
+
+    def prefill(n: int) -> list:
+        return [Free(f"p{n - 1}"), Allocate(f"p{n}", prompt)] if n else [Allocate("p0", prompt)]
+
+    for name, make_ops, n in (("decode_256", lambda n: decode, reps), ("prefill_2048", prefill, reps // 4)):
+        half = n // 2  # alternate halves so drift on a shared machine hits both alike
+        runs = [_median_step_us(engine, make_ops, f"{name}-" if i % 2 else "", i * half, half) for i in range(4)]
+        without, with_id = min(runs[0::2]), min(runs[1::2])
+        yield {"name": "idempotency_cost", "step": name, "steps": 4 * half,
+               "us_without_request_id": round(without, 1), "us_with_request_id": round(with_id, 1),
+               "ratio_with_vs_without": round(with_id / without, 3)}
+
+
+def idempotency(args: argparse.Namespace) -> Iterator[dict]:
+    num_steps, prompt_len = (2_000 if args.quick else 20_000), 2048
+    base_growth, *_ = _in_fresh_process(num_steps, prompt_len, False)
+    growth, num_ids, num_answers, num_bytes, cap = _in_fresh_process(num_steps, prompt_len, True)
+    yield {"name": "idempotency_memory", "steps": num_steps, "prompt_len": prompt_len,
+           "table_bytes": num_bytes, "byte_cap": cap, "ids": num_ids, "answers_kept": num_answers,
+           "rss_growth_mb": round(growth / 2**20, 1), "baseline_rss_growth_mb": round(base_growth / 2**20, 1),
+           "target": "table_bytes <= byte_cap and rss_growth_mb < 100",
+           "meets_target": num_bytes <= cap and growth < 100 * 2**20}
+    yield from _cost_rows(200 if args.quick else 1000, prompt_len)
+
+
 #: part name -> generator of result lines; add new parts here
-PARTS: dict[str, Callable[[argparse.Namespace], Iterator[dict]]] = {"step_rpc": step_rpc, "recovery": recovery}
+PARTS: dict[str, Callable[[argparse.Namespace], Iterator[dict]]] = {"step_rpc": step_rpc, "recovery": recovery,
+                                                                   "idempotency": idempotency}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -232,7 +323,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--part", action="append", choices=sorted(PARTS),
                         help="which part to run (repeatable; default: all)")
     parser.add_argument("--seconds", type=float, default=3.0, help="timed seconds per configuration")
-    parser.add_argument("--quick", action="store_true", help="smaller recovery data set (10k sequences)")
+    parser.add_argument("--quick", action="store_true",
+                        help="smaller data sets (recovery: 10k sequences; idempotency: 2k steps)")
     args = parser.parse_args(argv)
     for name in args.part or list(PARTS):
         for line in PARTS[name](args):

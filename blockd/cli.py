@@ -11,6 +11,13 @@ flag                env                    default
 ``--metrics-port``  ``BLOCKD_METRICS_PORT``  ``0``: no metrics endpoint
 ==================  =====================  ==================================
 
+The idempotency table (:mod:`blockd.idempotency`) is bounded by
+``--max-request-ids`` (``BLOCKD_MAX_REQUEST_IDS``, 16384),
+``--max-request-bytes`` (``BLOCKD_MAX_REQUEST_BYTES``, 64 MiB) and
+``--request-ttl-s`` (``BLOCKD_REQUEST_TTL_S``, 3600): a retry is recognised
+while its id is among the newest ids and younger than the TTL, and gets its
+first answer while that answer also fits the byte cap.
+
 With a metrics port, :mod:`blockd.metrics` (optional) times RPCs through a
 server interceptor and WAL fsyncs through the engine, and serves ``/metrics``.
 
@@ -32,6 +39,7 @@ import sys
 import threading
 
 from blockd.core.errors import BlockdError
+from blockd.idempotency import IdempotencyLimits
 
 log = logging.getLogger("blockd")
 
@@ -44,6 +52,14 @@ def _env_int(name: str, default: int) -> int:
         return int(raw) if raw else default
     except ValueError:
         raise SystemExit(f"{name} must be an integer, got {raw!r}") from None
+
+
+def _env_float(name: str, default: float) -> float:
+    raw = os.environ.get(name, "")
+    try:
+        return float(raw) if raw else default
+    except ValueError:
+        raise SystemExit(f"{name} must be a number, got {raw!r}") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -61,6 +77,16 @@ def build_parser() -> argparse.ArgumentParser:
                        help="batching interval for --fsync interval")
     serve.add_argument("--snapshot-every", type=int, default=10000,
                        help="log records between snapshots")
+    serve.add_argument("--max-request-ids", type=int,
+                       default=_env_int("BLOCKD_MAX_REQUEST_IDS", IdempotencyLimits.max_entries),
+                       help="most request ids remembered for retries [env BLOCKD_MAX_REQUEST_IDS]")
+    serve.add_argument("--max-request-bytes", type=int,
+                       default=_env_int("BLOCKD_MAX_REQUEST_BYTES", IdempotencyLimits.max_bytes),
+                       help="memory cap of the remembered answers; past it the oldest answers are dropped "
+                            "and their retries refused [env BLOCKD_MAX_REQUEST_BYTES]")
+    serve.add_argument("--request-ttl-s", type=float,
+                       default=_env_float("BLOCKD_REQUEST_TTL_S", IdempotencyLimits.ttl_s),
+                       help="seconds a request id is remembered for retries [env BLOCKD_REQUEST_TTL_S]")
     serve.add_argument("--metrics-port", type=int, default=_env_int("BLOCKD_METRICS_PORT", 0),
                        help="Prometheus metrics port; 0 = off [env BLOCKD_METRICS_PORT]")
     serve.add_argument("--max-workers", type=int, default=128,
@@ -99,10 +125,14 @@ def serve(args: argparse.Namespace) -> int:
     if args.fsync not in FSYNC_POLICIES:
         raise SystemExit(f"--fsync must be one of {', '.join(FSYNC_POLICIES)}, got {args.fsync!r}")
     log.info("data dir: %s; fsync: %s", args.data_dir or "none (in memory)", args.fsync)
+    try:
+        limits = IdempotencyLimits(args.max_request_ids, args.max_request_bytes, args.request_ttl_s)
+    except ValueError as err:
+        raise SystemExit(str(err)) from None
     metrics = _load_metrics(args.metrics_port)
     try:
         engine = Engine(data_dir=args.data_dir, fsync=args.fsync, fsync_interval_s=args.fsync_interval_s,
-                        snapshot_every=args.snapshot_every,
+                        snapshot_every=args.snapshot_every, idempotency=limits,
                         observe_wal_sync=metrics.observe_wal_sync if metrics is not None else None,
                         observe_step=metrics.observe_step if metrics is not None else None)
     except (BlockdError, OSError, ValueError) as err:

@@ -3,8 +3,10 @@
 :class:`Engine` is what the gRPC servicer wraps; it imports no gRPC. It owns
 
 * the pools by name (each a :class:`blockd.core.Pool`),
-* the idempotency table: a mutating request's id maps to its first result,
-  so a retried request returns that result and changes nothing,
+* the idempotency table (:mod:`blockd.idempotency`): a mutating request's id
+  maps to its fingerprint and first result, so a retried request returns
+  that result and changes nothing; bounded by count, bytes and age, with the
+  age measured by the wall-clock time written into each log record,
 * the write-ahead log (:mod:`blockd.wal`): a batch is applied in memory, then
   logged (and fsynced per policy), then acknowledged; a batch that fails is
   never logged, so it leaves no trace,
@@ -45,9 +47,10 @@ from blockd.core import (
     VersionDelta,
     WrongState,
 )
+from blockd.core.errors import shown
 from blockd.core.state import config_to_json, dump_pool, load_pool, op_from_json, op_to_json
-from blockd.core.validate import check_name
-from blockd.idempotency import IdempotencyTable
+from blockd.core.validate import check_config, check_name
+from blockd.idempotency import MISSING, IdempotencyLimits, IdempotencyTable, IdempotencyUsage, fingerprint
 from blockd.wal import WriteAheadLog
 from blockd.workers import WorkerInfo, WorkerRegistry, WorkerStatus
 
@@ -86,13 +89,16 @@ class _PoolEntry:
 class Engine:
     def __init__(self, data_dir: str | None = None, fsync: str = "always", fsync_interval_s: float = 0.05,
                  snapshot_every: int = 10000, snapshot_log_ratio: float = 1.0, clock: Callable[[], float] = time.monotonic,
-                 worker_timeout_s: float = 10.0, max_request_ids: int = 16384,
+                 worker_timeout_s: float = 10.0, idempotency: IdempotencyLimits | None = None,
+                 wall_clock: Callable[[], float] = time.time,
                  observe_wal_sync: Callable[[float], None] | None = None,
                  observe_step: Callable[[str, list, str, float], None] | None = None) -> None:
         self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)
         self._pools: dict[str, _PoolEntry] = {}
-        self._requests = IdempotencyTable(max_request_ids)
+        #: request ids are stamped with ``wall_clock`` (seconds since the epoch:
+        #: the times are logged and must mean something after a restart)
+        self._requests = IdempotencyTable(idempotency, wall_clock)
         #: called as (pool, ops, outcome, seconds) after every step; outcome is
         #: "ok" or the lowercase status code name
         self.observe_step = observe_step
@@ -133,19 +139,25 @@ class Engine:
 
     def _apply_record(self, record: dict) -> None:
         kind, rid = record["kind"], record.get("rid", "")
+        subject = None  # what the request's fingerprint covers besides kind and pool
         if kind == "create_pool":
-            result = self._create_pool(PoolConfig(**record["config"]))
+            subject = PoolConfig(**record["config"])
+            result = self._create_pool(subject)
         elif kind == "delete_pool":
             result = self._delete_pool(record["pool"])
         elif kind == "step":
-            result = self._pools[record["pool"]].pool.step([op_from_json(o) for o in record["ops"]])
+            subject = [op_from_json(o) for o in record["ops"]]
+            result = self._pools[record["pool"]].pool.step(subject)
             self._drain_events(self._pools[record["pool"]])
         elif kind == "reset_prefix_cache":
             result = self._reset(record["pool"])
         else:
             raise ValueError(f"unknown log record kind {kind!r}")
         if rid:
-            self._requests.put(rid, self._fingerprint(kind, record.get("pool", "")), result)
+            pool = subject.name if kind == "create_pool" else record["pool"]
+            # the record's own time, never the clock now: replay rebuilds the same table
+            self._requests.put(rid, self._fingerprint(kind, pool, subject), record.get("t", 0.0), result,
+                               self._block_size(pool))
 
     def _log(self, record: dict) -> None:
         if self._wal is None:
@@ -216,10 +228,13 @@ class Engine:
 
     # --- idempotency ----------------------------------------------------------
     @staticmethod
-    def _fingerprint(kind: str, pool: str) -> str:
-        return f"{kind}:{pool}"
+    def _fingerprint(kind: str, pool: str, subject: object = None) -> str:
+        """Kind, pool and a hash of the content (``subject``: a step's ops or a
+        pool's config), computed alike for a live request and a replayed record."""
+        return fingerprint(kind, pool, subject)
 
-    def _idempotent(self, rid: str, kind: str, pool: str, run: Callable[[], object], record: Callable[[], dict]):
+    def _idempotent(self, rid: str, kind: str, pool: str, run: Callable[[], object], record: Callable[[], dict],
+                    subject: object = None):
         if rid:
             check_name(rid, "request_id")
         with self._lock:
@@ -227,34 +242,42 @@ class Engine:
                 raise WrongState("blockd is shutting down; retry against the new instance")
             if self._broken:
                 raise WrongState(self._broken)
-            fingerprint = self._fingerprint(kind, pool)
             if rid:
-                found = self._requests.get(rid)
-                if found is not None:
-                    if found[0] != fingerprint:
-                        raise InvalidArgument(
-                            f"request_id {rid!r} was already used for {found[0]}; use a fresh id per request")
-                    return found[1]
+                fp, now = self._fingerprint(kind, pool, subject), self._requests.stamp()
+                found = self._requests.lookup(rid, fp, now)
+                if found is not MISSING:
+                    return found
             result = run()
             body = record()
             body["kind"] = kind
             if rid:
-                body["rid"] = rid
-                self._requests.put(rid, fingerprint, result)
+                body["rid"], body["t"] = rid, now
+                self._requests.put(rid, fp, now, result, self._block_size(pool))
             self._log(body)
             self._changed.notify_all()
             return result
+
+    def _block_size(self, name: str) -> int:
+        entry = self._pools.get(name) if type(name) is str else None
+        return entry.pool.block_size if entry is not None else 0
+
+    def idempotency_usage(self) -> IdempotencyUsage:
+        """Request ids kept, how many still hold their answer, and their bytes."""
+        with self._lock:
+            return self._requests.usage()
 
     # --- pools ------------------------------------------------------------------
     def _entry(self, name: str) -> _PoolEntry:
         entry = self._pools.get(name) if type(name) is str else None
         if entry is None:
-            raise NotFound(f"no pool named {name!r}; list pools to see which exist")
+            check_name(name, "pool")  # a name no pool can have is the caller's mistake
+            raise NotFound(f"no pool named {shown(name)}; list pools to see which exist")
         return entry
 
     def _create_pool(self, config: PoolConfig) -> PoolStats:
+        check_config(config)  # a malformed config is INVALID_ARGUMENT whether or not the name is taken
         if config.name in self._pools:
-            raise AlreadyExists(f"pool {config.name!r} already exists")
+            raise AlreadyExists(f"pool {shown(config.name)} already exists")
         entry = _PoolEntry(Pool(config))
         self._pools[config.name] = entry
         return entry.pool.stats()
@@ -263,7 +286,7 @@ class Engine:
         if not isinstance(config, PoolConfig):
             raise InvalidArgument("create_pool takes a PoolConfig")
         return self._idempotent(request_id, "create_pool", config.name, lambda: self._create_pool(config),
-                                lambda: {"config": config_to_json(config)})
+                                lambda: {"config": config_to_json(config)}, config)
 
     def _delete_pool(self, name: str) -> None:
         entry = self._entry(name)
@@ -305,7 +328,7 @@ class Engine:
         start, outcome = time.perf_counter(), "ok"
         try:
             return self._idempotent(request_id, "step", pool, run,
-                                    lambda: {"pool": pool, "ops": [op_to_json(o) for o in ops]})
+                                    lambda: {"pool": pool, "ops": [op_to_json(o) for o in ops]}, ops)
         except BlockdError as err:
             outcome = err.code.lower()
             raise
@@ -381,12 +404,12 @@ class Engine:
     def events(self, pool: str, from_seq_no: int, should_stop: Callable[[], bool]) -> Iterator[KVEvent]:
         """KV events with ``seq_no > from_seq_no``, in order, waiting for new ones."""
         if type(from_seq_no) is not int or from_seq_no < 0:
-            raise InvalidArgument(f"from_seq_no must be a non-negative int, got {from_seq_no!r}")
+            raise InvalidArgument(f"from_seq_no must be a non-negative int, got {shown(from_seq_no)}")
         with self._lock:
             entry = self._entry(pool)
             last = entry.pool.last_event_seq_no
             if from_seq_no > last:
-                raise WrongState(f"event {from_seq_no} is ahead of pool {pool!r} (last is {last})")
+                raise WrongState(f"event {from_seq_no} is ahead of pool {shown(pool)} (last is {last})")
             oldest = entry.events[0].seq_no if entry.events else last + 1
             if from_seq_no + 1 < oldest:
                 raise WrongState(f"events after {from_seq_no} are no longer retained (oldest is {oldest}); "

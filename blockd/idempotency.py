@@ -1,66 +1,204 @@
-"""The idempotency table: a mutating request's id -> its first result.
+"""The idempotency table: a mutating request's id -> what a retry of it gets.
 
-Bounded (oldest ids are forgotten first, in insertion order, which replay
-reproduces) and persisted in snapshots, so a retry after a daemon restart
-still gets the first answer. Each entry also keeps a fingerprint of what the
-request was (kind and pool), so an id reused for a different request is
-refused instead of silently answered with someone else's result.
+A retried request id returns the first answer and changes nothing; an id
+reused for a different request (another kind, pool, or content) is refused
+with INVALID_ARGUMENT. The table is bounded three ways
+(:class:`IdempotencyLimits`; ``blockd serve --max-request-ids``,
+``--max-request-bytes``, ``--request-ttl-s``):
+
+* count: at most ``max_entries`` ids; the oldest is forgotten first;
+* age: an id is forgotten once it is more than ``ttl_s`` seconds older than
+  the newest record (and, on lookup, than the clock);
+* bytes: the estimated memory of all entries stays at or under
+  ``max_bytes``. Past it the oldest entries lose their *answer* first but
+  keep their id and fingerprint, so a retry of such an id is refused with
+  FAILED_PRECONDITION ("applied; answer no longer kept") rather than applied
+  twice; only if ids alone pass the cap are the oldest ids forgotten.
+
+So a retry is recognised while its id is among the newest ``max_entries``
+and younger than ``ttl_s``, and gets its first answer while that answer also
+fits the byte cap. A retry of a forgotten id cannot be told from a new
+request: it is applied again (an Allocate then fails ALREADY_EXISTS, an
+Append appends twice).
+
+What is kept per id: the fingerprint (:func:`fingerprint`: kind, pool and a
+BLAKE2b-128 of the request's content) and the answer as compact bytes
+(:mod:`blockd.idempotency_codec`: a slot mapping as the blocks it runs
+through, other ints as packed arrays or runs), with the time the request
+was applied.
+
+Determinism: the table is a function of the records put into it, in order,
+under the same limits (limits lowered across a restart trim the table).
+Each record carries the wall-clock time it was applied at (:meth:`stamp`,
+never going backwards; the engine writes it into the log record), and age
+eviction compares record times only, never the clock during replay: replaying
+a log, or loading a snapshot and replaying the rest, rebuilds the same ids,
+order, answers and evictions. The live clock only stamps new records and, on
+lookup, makes an expired entry count as absent (changing nothing). Imports
+only the standard library and the core.
 """
 
 from __future__ import annotations
 
+import base64
+import logging
+import time
 from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
 
-from blockd.core.types import OpResult, PoolStats, StepResult
+from blockd.core.errors import InvalidArgument, WrongState, shown
+from blockd.idempotency_codec import decode_result, encode_result, fingerprint
 
+log = logging.getLogger("blockd.idempotency")
 
-def encode_result(result: object) -> object:
-    if result is None:
-        return None
-    if isinstance(result, StepResult):
-        return {"step": [result.version, [_op_result(r) for r in result.results],
-                         [list(c) for c in result.copy_ops]]}
-    if isinstance(result, PoolStats):
-        return {"stats": [getattr(result, f) for f in PoolStats.__dataclass_fields__]}
-    raise TypeError(f"cannot persist a result of type {type(result).__name__}")
-
-
-def _op_result(r: OpResult) -> list:
-    return [r.seq_id, r.num_tokens, r.num_cached_tokens, list(r.new_block_ids),
-            [list(c) for c in r.copy_ops], r.slot_start, list(r.slot_mapping)]
+#: what :meth:`IdempotencyTable.lookup` returns for an id it does not hold
+MISSING = object()
+#: estimated bytes an id costs besides its own characters (ordered-dict node,
+#: entry object, fingerprint and key strings' headers) and an answer besides
+#: its bytes; measured with tracemalloc (tests/test_idempotency.py checks it)
+ENTRY_OVERHEAD = 272
+ANSWER_OVERHEAD = 112
 
 
-def decode_result(data: object) -> object:
-    if data is None:
-        return None
-    if "step" in data:
-        version, results, copies = data["step"]
-        return StepResult(version, tuple(
-            OpResult(s, n, c, tuple(new), tuple(tuple(x) for x in cop), start, tuple(slots))
-            for s, n, c, new, cop, start, slots in results), tuple(tuple(c) for c in copies))
-    return PoolStats(*data["stats"])
+@dataclass(frozen=True)
+class IdempotencyLimits:
+    """The three bounds (see the module docstring)."""
+
+    max_entries: int = 16384
+    max_bytes: int = 64 << 20
+    ttl_s: float = 3600.0
+
+    def __post_init__(self) -> None:
+        if type(self.max_entries) is not int or self.max_entries < 1:
+            raise ValueError(f"the most request ids kept must be a positive int, got {shown(self.max_entries)}")
+        if type(self.max_bytes) is not int or self.max_bytes < 1:
+            raise ValueError(f"the idempotency byte cap must be a positive int, got {shown(self.max_bytes)}")
+        if not isinstance(self.ttl_s, (int, float)) or not self.ttl_s > 0:
+            raise ValueError(f"the request id lifetime must be a positive number of seconds, got {shown(self.ttl_s)}")
+
+
+@dataclass(frozen=True)
+class IdempotencyUsage:
+    num_ids: int
+    num_answers: int
+    num_bytes: int
+
+
+class _Entry:
+    __slots__ = ("fingerprint", "size", "t")
+
+    def __init__(self, fingerprint: str, t: float, size: int) -> None:
+        self.fingerprint, self.t, self.size = fingerprint, t, size
+
+
+def _chars_bytes(text: str) -> int:
+    """Bytes a str's characters take (CPython: 1 each when ASCII, at most 4)."""
+    return len(text) if text.isascii() else 4 * len(text)
+
+
+def _describe(fp: str) -> str:
+    kind, rest = fp.split(":", 1)
+    return f"a {kind} on pool {shown(rest.rsplit(':', 1)[0])}"
 
 
 class IdempotencyTable:
-    def __init__(self, max_entries: int) -> None:
-        self.max_entries = max_entries
-        self._entries: OrderedDict[str, tuple[str, object]] = OrderedDict()
+    def __init__(self, limits: IdempotencyLimits | None = None, clock: Callable[[], float] = time.time) -> None:
+        self.limits = limits or IdempotencyLimits()
+        self._clock = clock
+        self._entries: OrderedDict[str, _Entry] = OrderedDict()
+        #: answers of the entries that still have one, in the same order
+        self._answers: OrderedDict[str, bytes] = OrderedDict()
+        self._bytes = 0
+        #: the newest record time put so far
+        self.now = 0.0
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def get(self, request_id: str) -> tuple[str, object] | None:
-        return self._entries.get(request_id)
+    def usage(self) -> IdempotencyUsage:
+        return IdempotencyUsage(len(self._entries), len(self._answers), self._bytes)
 
-    def put(self, request_id: str, fingerprint: str, result: object) -> None:
-        self._entries[request_id] = (fingerprint, result)
-        while len(self._entries) > self.max_entries:
-            self._entries.popitem(last=False)
+    def stamp(self) -> float:
+        """The time to record for a request applied now (never before the newest)."""
+        return max(self._clock(), self.now)
 
-    def dump(self) -> list:
-        return [[rid, fp, encode_result(res)] for rid, (fp, res) in self._entries.items()]
+    def _expired(self, t: float, now: float) -> bool:
+        return now - t > self.limits.ttl_s
 
-    def load(self, data: list) -> None:
+    def lookup(self, request_id: str, fp: str, now: float) -> object:
+        """The first answer of ``request_id``, or :data:`MISSING`; refuses an id
+        used for a different request, or one whose answer was dropped."""
+        entry = self._entries.get(request_id)
+        if entry is None or self._expired(entry.t, now):
+            return MISSING
+        if entry.fingerprint != fp:
+            first = _describe(entry.fingerprint)
+            if entry.fingerprint.rsplit(":", 1)[0] == fp.rsplit(":", 1)[0]:
+                first += " with different content"
+            raise InvalidArgument(f"request_id {shown(request_id)} was already used for {first}; "
+                                  "use a fresh id per request")
+        answer = self._answers.get(request_id)
+        if answer is None:
+            raise WrongState(
+                f"request_id {shown(request_id)} was applied ({_describe(fp)}), but its answer is no longer kept: "
+                f"answers are dropped oldest first once the idempotency table passes {self.limits.max_bytes} "
+                "bytes; read the current state (GetTables, GetPool) instead of retrying")
+        return decode_result(answer)
+
+    def put(self, request_id: str, fp: str, t: float, result: object, block_size: int = 0) -> None:
+        """Remember ``result`` for ``request_id``, applied at record time ``t``
+        (``block_size``: the pool's, so slot mappings are kept as blocks)."""
+        self._put(request_id, fp, t, encode_result(result, block_size))
+
+    def _put(self, request_id: str, fp: str, t: float, answer: bytes | None) -> None:
+        self._forget(request_id)
+        self.now = max(self.now, t)
+        while self._entries and self._expired(next(iter(self._entries.values())).t, self.now):
+            self._forget(next(iter(self._entries)))
+        entry = _Entry(fp, t, ENTRY_OVERHEAD + _chars_bytes(request_id) + _chars_bytes(fp))
+        self._entries[request_id] = entry
+        self._bytes += entry.size
+        if answer is not None:
+            self._answers[request_id] = answer
+            self._bytes += ANSWER_OVERHEAD + len(answer)
+        while len(self._entries) > self.limits.max_entries:
+            self._forget(next(iter(self._entries)))
+        while self._bytes > self.limits.max_bytes and self._answers:
+            self._drop_answer(next(iter(self._answers)))
+        while self._bytes > self.limits.max_bytes:
+            self._forget(next(iter(self._entries)))
+
+    def _drop_answer(self, request_id: str) -> None:
+        answer = self._answers.pop(request_id, None)
+        if answer is not None:
+            self._bytes -= ANSWER_OVERHEAD + len(answer)
+
+    def _forget(self, request_id: str) -> None:
+        entry = self._entries.pop(request_id, None)
+        if entry is not None:
+            self._drop_answer(request_id)
+            self._bytes -= entry.size
+
+    # --- snapshots --------------------------------------------------------------
+    def dump(self) -> dict:
+        answers = self._answers
+        return {"now": self.now, "entries": [
+            [rid, e.fingerprint, e.t, base64.b64encode(answers[rid]).decode() if rid in answers else None]
+            for rid, e in self._entries.items()]}
+
+    def load(self, data: dict | list) -> None:
         self._entries.clear()
-        for rid, fp, res in data:
-            self._entries[rid] = (fp, decode_result(res))
+        self._answers.clear()
+        self._bytes, self.now = 0, 0.0
+        if isinstance(data, list):  # written before answers were kept compactly
+            if data:
+                log.warning("the snapshot holds %d request ids in an older format; they are forgotten, "
+                            "so a retry of one of those requests is applied anew", len(data))
+            return
+        for rid, fp, t, answer in data["entries"]:
+            self._put(rid, fp, t, None if answer is None else base64.b64decode(answer))
+        self.now = data["now"]
+
+
+__all__ = ["MISSING", "IdempotencyLimits", "IdempotencyTable", "IdempotencyUsage", "fingerprint"]

@@ -14,9 +14,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from blockd.core.errors import InvalidArgument, NotFound
+from blockd.core.errors import InvalidArgument, NotFound, shown
 from blockd.core.types import PoolConfig
-from blockd.core.validate import check_int, check_name
+from blockd.core.validate import MAX_ID_LEN, check_int, check_name
+
+#: longest device name a worker may report
+MAX_DEVICE_LEN = 64
 
 
 @dataclass(frozen=True)
@@ -48,8 +51,9 @@ class WorkerRegistry:
 
     def register(self, info: WorkerInfo, config: PoolConfig) -> WorkerStatus:
         check_name(info.worker_id, "worker_id")
-        if len(info.address) > 256 or len(info.device) > 64:
-            raise InvalidArgument("worker address or device name is too long")
+        if len(info.address) > MAX_ID_LEN or len(info.device) > MAX_DEVICE_LEN:
+            raise InvalidArgument(f"worker address (at most {MAX_ID_LEN} characters) or device name "
+                                  f"(at most {MAX_DEVICE_LEN}) is too long")
         check_int(info.layer_start, "layer_start", 0, config.num_layers - 1)
         check_int(info.layer_end, "layer_end", info.layer_start + 1, config.num_layers)
         check_int(info.kv_head_start, "kv_head_start", 0, config.num_kv_heads - 1)
@@ -62,7 +66,8 @@ class WorkerRegistry:
     def heartbeat(self, worker_id: str, applied_version: int) -> WorkerStatus:
         record = self._workers.get(worker_id)
         if record is None:
-            raise NotFound(f"worker {worker_id!r} is not registered; register it again")
+            check_name(worker_id, "worker_id")
+            raise NotFound(f"worker {shown(worker_id)} is not registered; register it again")
         check_int(applied_version, "applied_version", 0, 1 << 62)
         record[1] = self._clock()
         record[2] = applied_version
@@ -81,4 +86,4 @@ class WorkerRegistry:
             del self._workers[worker_id]
 
 
-__all__ = ["WorkerInfo", "WorkerRegistry", "WorkerStatus"]
+__all__ = ["MAX_DEVICE_LEN", "WorkerInfo", "WorkerRegistry", "WorkerStatus"]

@@ -21,7 +21,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 
-from blockd.core.errors import InvalidArgument, NotFound, WrongState
+from blockd.core.errors import InvalidArgument, NotFound, WrongState, shown
 from blockd.core.types import VersionDelta
 
 CopyFn = Callable[[Sequence[tuple[int, int]]], None]
@@ -95,7 +95,7 @@ class TableReplica:
         hang.
         """
         if type(version) is not int or version < 0:
-            raise InvalidArgument(f"version must be a non-negative integer, got {version!r}")
+            raise InvalidArgument(f"version must be a non-negative integer, got {shown(version)}")
         deadline = time.monotonic() + timeout_s
         checked = False
         with self._cond:
@@ -148,6 +148,6 @@ class TableReplica:
             for seq_id in seq_ids:
                 table = self.tables.get(seq_id)
                 if table is None:
-                    raise NotFound(f"sequence {seq_id!r} has no table at version {self.applied_version}")
+                    raise NotFound(f"sequence {shown(seq_id)} has no table at version {self.applied_version}")
                 out.append(list(table))
             return out

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from blockd.core.errors import InvalidArgument
+from blockd.core.errors import InvalidArgument, shown
 from blockd.core.types import PoolConfig
 from worker.kernels import PagedAttention, copy_blocks, select_device, write_kv
 from worker.layout import KVGeometry, allocate_kv_pool
@@ -113,7 +113,7 @@ class WorkerRuntime:
     # --- checks -----------------------------------------------------------
     def _local_layer(self, layer: int) -> int:
         if type(layer) is not int or not self.shard.layer_start <= layer < self.shard.layer_end:
-            raise InvalidArgument(f"layer {layer!r} is not held by this worker (it holds "
+            raise InvalidArgument(f"layer {shown(layer)} is not held by this worker (it holds "
                                   f"[{self.shard.layer_start}, {self.shard.layer_end}))")
         return layer - self.shard.layer_start
 
@@ -211,7 +211,7 @@ class WorkerRuntime:
         b = self.config.block_size
         for seq_id, table, n in zip(seq_ids, tables, ctx.tolist()):
             if n > len(table) * b:
-                raise InvalidArgument(f"sequence {seq_id!r} has {len(table)} blocks at version {version}, "
+                raise InvalidArgument(f"sequence {shown(seq_id)} has {len(table)} blocks at version {version}, "
                                       f"too few for context length {n}")
         width = max(len(t) for t in tables) or 1
         padded = torch.zeros((len(tables), width), dtype=torch.int64)

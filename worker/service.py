@@ -1,7 +1,8 @@
 """The worker's gRPC server: ``blockd.v1.KVShardService`` over a
 :class:`~worker.runtime.WorkerRuntime` (and, when the worker runs a model, a
 :class:`~worker.model.ModelRunner` for ``ModelStep``), plus the stock health
-and reflection services.
+and reflection services (:mod:`blockd.service.stock`: malformed requests are
+INVALID_ARGUMENT there too, without a logged traceback).
 
 The servicer is a thin adapter: decode tensors (:mod:`worker.tensors`), call
 the runtime, encode the result. Failures leave through blockd's one error
@@ -16,12 +17,13 @@ import logging
 from concurrent import futures
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health_pb2
 
-from blockd.core.errors import InvalidArgument, NotFound, WrongState
-from blockd.service.errors import unary
-from blockd.service.server import method_handlers, split_address
+from blockd.core.errors import InvalidArgument, NotFound, WrongState, shown
+from blockd.service.convert import require_id, require_ids
+from blockd.service.errors import method_handlers, unary
+from blockd.service.server import split_address
+from blockd.service.stock import add_stock_services
 from blockd.v1 import worker_pb2 as pb
 from worker.runtime import WorkerRuntime
 from worker.tensors import from_proto, to_proto
@@ -38,9 +40,13 @@ class KVShardServicer:
         self.worker_id = worker_id
         self.device = device
 
-    def _check_pool(self, pool: str) -> None:
+    def _check_pool(self, pool: str, seq_ids=()) -> None:
+        """The ids of a request, checked before anything echoes them: the pool
+        must be this worker's, each id at most MAX_ID_LEN long."""
+        require_id(pool, "pool")
+        require_ids(seq_ids, "seq_ids")
         if pool != self.runtime.config.name:
-            raise NotFound(f"this worker holds pool {self.runtime.config.name!r}, not {pool!r}")
+            raise NotFound(f"this worker holds pool {shown(self.runtime.config.name)}, not {shown(pool)}")
 
     @unary
     def GetWorkerStats(self, request, context):
@@ -59,7 +65,7 @@ class KVShardServicer:
 
     @unary
     def Attention(self, request, context):
-        self._check_pool(request.pool)
+        self._check_pool(request.pool, request.seq_ids)
         has_kv = request.HasField("key") or request.HasField("value")
         if has_kv and not (request.HasField("key") and request.HasField("value")):
             raise InvalidArgument("key and value go together")
@@ -74,7 +80,7 @@ class KVShardServicer:
 
     @unary
     def ModelStep(self, request, context):
-        self._check_pool(request.pool)
+        self._check_pool(request.pool, request.seq_ids)
         if self.runner is None:
             raise WrongState("this worker runs no model (start blockd-worker with --model)")
         logits = self.runner.step(request.version, list(request.seq_ids), list(request.query_lens),
@@ -98,10 +104,7 @@ class WorkerServer:
                                    options=options)
         servicer = KVShardServicer(runtime, worker_id, str(runtime.device), runner)
         self._server.add_registered_method_handlers(SERVICE.full_name, method_handlers(servicer, SERVICE))
-        self.health = health.HealthServicer(experimental_non_blocking=True)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
-        reflection.enable_server_reflection((SERVICE.full_name, health.SERVICE_NAME, reflection.SERVICE_NAME),
-                                            self._server)
+        self.health = add_stock_services(self._server, (SERVICE.full_name,))
         self.port = self._server.add_insecure_port(listen)
         if self.port == 0:
             raise OSError(f"cannot listen on {listen!r}")

@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from blockd.core.errors import InvalidArgument
+from blockd.core.errors import InvalidArgument, shown
 from blockd.v1 import worker_pb2 as pb
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -31,7 +31,7 @@ def to_proto(tensor: torch.Tensor) -> pb.Tensor:
 def from_proto(msg: pb.Tensor, name: str) -> torch.Tensor:
     dtype = DTYPES.get(msg.dtype)
     if dtype is None:
-        raise InvalidArgument(f"{name}.dtype must be one of {sorted(DTYPES)}, got {msg.dtype!r}")
+        raise InvalidArgument(f"{name}.dtype must be one of {sorted(DTYPES)}, got {shown(msg.dtype)}")
     shape = list(msg.shape)
     if any(d < 0 for d in shape) or len(shape) > 8 or math.prod(shape) > MAX_ELEMENTS:
         raise InvalidArgument(f"{name}.shape {shape} is not a valid tensor shape")

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from blockd.core.errors import InvalidArgument, NoRoom, NotFound
+from blockd.core.errors import InvalidArgument, NoRoom, NotFound, shown
 from blockd.core.hashing import check_token_ids
 from blockd.core.types import DecodeAppend, OpResult, TableUpdate
 
@@ -48,7 +48,7 @@ def apply_decode(pool: Pool, op: DecodeAppend) -> OpResult:
         seq = seqs.get(seq_id) if type(seq_id) is str else None
         if seq is None:
             pool.get_seq(seq_id)  # raises NotFound, or WrongState for a freed id
-            raise NotFound(f"sequence #{i} {seq_id!r} is not in pool {pool.config.name!r}")
+            raise NotFound(f"sequence #{i} {shown(seq_id)} is not in pool {shown(pool.config.name)}")
         token = op.token_ids[i]
         tokens, table = seq.token_ids, seq.table
         num_tokens = len(tokens)
@@ -64,7 +64,7 @@ def apply_decode(pool: Pool, op: DecodeAppend) -> OpResult:
             last = table[-1]
             if ref[last] > 1:  # shared and partly filled: copy on write
                 if not blocks.num_available:
-                    raise NoRoom(pool.no_room_message(f"copy-on-write for {seq_id!r} needs a block",
+                    raise NoRoom(pool.no_room_message(f"copy-on-write for {shown(seq_id)} needs a block",
                                                       watermark=False))
                 dst = blocks.take(offset)
                 blocks.release(last)
@@ -77,7 +77,7 @@ def apply_decode(pool: Pool, op: DecodeAppend) -> OpResult:
             blocks.filled_slots += 1
         else:
             if not blocks.num_available:
-                raise NoRoom(pool.no_room_message(f"sequence {seq_id!r} needs a new block",
+                raise NoRoom(pool.no_room_message(f"sequence {shown(seq_id)} needs a new block",
                                                   watermark=False))
             last = blocks.take(1)
             table.append(last)

@@ -10,10 +10,34 @@ Three kinds of failure are kept apart (after vLLM's v1 core):
 Each maps to exactly one gRPC status code in the service layer
 (``code`` names it, so the core needs no gRPC import). Every error raised by an
 operation leaves the allocator state exactly as it was before the call.
-Imports only the standard library.
+Error messages echo what the caller sent through :func:`shown`, so a
+10,000-character id never becomes a 10,000-character message (a gRPC status
+travels in metadata, which has a hard size limit). Imports only the standard
+library.
 """
 
 from __future__ import annotations
+
+import reprlib
+
+#: how many characters of a caller's value a message shows
+SHOWN_CHARS = 64
+_REPR = reprlib.Repr()  # keyword arguments only from Python 3.12
+_REPR.maxstring = _REPR.maxother = SHOWN_CHARS
+_REPR.maxlist = _REPR.maxtuple = 8
+
+
+def shown(value: object) -> str:
+    """``repr(value)`` for a message, cut to about :data:`SHOWN_CHARS`
+    characters: a long string keeps its head and says how long it was
+    (``'xxxx…' (10000 characters)``), other values go through :mod:`reprlib`."""
+    if isinstance(value, str):
+        text = repr(value[:SHOWN_CHARS])
+        if len(text) > 2 * SHOWN_CHARS:  # escapes (control characters, surrogates) widen it
+            text = text[: 2 * SHOWN_CHARS] + "\u2026"
+        return text if len(value) <= SHOWN_CHARS else f"{text}\u2026 ({len(value)} characters)"
+    text = _REPR.repr(value)
+    return text if len(text) <= 2 * SHOWN_CHARS else text[: 2 * SHOWN_CHARS] + "\u2026"
 
 
 class BlockdError(Exception):

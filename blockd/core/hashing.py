@@ -22,7 +22,7 @@ from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from blockd.core.errors import InvalidArgument
+from blockd.core.errors import InvalidArgument, shown
 
 HASH_BYTES = 16
 MAX_TOKEN_ID = 2**32 - 1
@@ -98,4 +98,4 @@ def check_token_ids(token_ids: Sequence[int]) -> None:
         pass
     for t in token_ids:
         if type(t) is not int or not 0 <= t <= MAX_TOKEN_ID:
-            raise InvalidArgument(f"token id {t!r} is not an integer in [0, {MAX_TOKEN_ID}]")
+            raise InvalidArgument(f"token id {shown(t)} is not an integer in [0, {MAX_TOKEN_ID}]")

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from blockd.core.arith import num_blocks_for, slot_mapping
 from blockd.core.decode import apply_decode
-from blockd.core.errors import AlreadyExists, InvalidArgument, NoRoom
+from blockd.core.errors import AlreadyExists, InvalidArgument, NoRoom, shown
 from blockd.core.hashing import NO_EXTRA_DIGEST, NO_EXTRA_KEYS, ExtraKeys, check_token_ids, hash_block
 from blockd.core.sequence import Sequence
 from blockd.core.types import Allocate, Append, Commit, DecodeAppend, Fork, Free, OpResult, TableUpdate
@@ -38,9 +38,9 @@ def describe(op: object) -> str:
     if isinstance(op, DecodeAppend):
         return "decode_append"
     if isinstance(op, Fork):
-        return f"fork {op.parent_seq_id!r} -> {op.child_seq_id!r}"
+        return f"fork {shown(op.parent_seq_id)} -> {shown(op.child_seq_id)}"
     seq_id = getattr(op, "seq_id", None)
-    return f"{type(op).__name__.lower()} {seq_id!r}" if seq_id is not None else type(op).__name__
+    return f"{type(op).__name__.lower()} {shown(seq_id)}" if seq_id is not None else type(op).__name__
 
 
 def apply(pool: Pool, op: object) -> OpResult:
@@ -106,7 +106,7 @@ def append_need(pool: Pool, seq: Sequence, num_new: int) -> int:
 def _apply_allocate(pool: Pool, op: Allocate) -> OpResult:
     seq_id = check_name(op.seq_id, "seq_id")
     if seq_id in pool.seqs:
-        raise AlreadyExists(f"sequence {seq_id!r} already exists in pool {pool.config.name!r}")
+        raise AlreadyExists(f"sequence {shown(seq_id)} already exists in pool {shown(pool.config.name)}")
     tokens = op.prompt_token_ids
     _check_tokens(tokens, "prompt_token_ids")
     need = allocation_need(pool, tokens, op.extra_keys)
@@ -172,7 +172,7 @@ def _apply_append(pool: Pool, op: Append) -> OpResult:
 def _apply_commit(pool: Pool, op: Commit) -> OpResult:
     seq = pool.get_seq(op.seq_id)
     num_tokens = len(seq.token_ids)
-    check_int(op.num_tokens, f"num_tokens (sequence {seq.seq_id!r} holds {num_tokens})", 0, num_tokens)
+    check_int(op.num_tokens, f"num_tokens (sequence {shown(seq.seq_id)} holds {num_tokens})", 0, num_tokens)
     if op.num_tokens > seq.num_committed:
         pool.journal_seq(seq)
         pool.commit_tokens(seq, op.num_tokens)
@@ -183,7 +183,7 @@ def _apply_fork(pool: Pool, op: Fork) -> OpResult:
     parent = pool.get_seq(op.parent_seq_id)
     child_id = check_name(op.child_seq_id, "child_seq_id")
     if child_id in pool.seqs:
-        raise AlreadyExists(f"sequence {child_id!r} already exists in pool {pool.config.name!r}")
+        raise AlreadyExists(f"sequence {shown(child_id)} already exists in pool {shown(pool.config.name)}")
     child = Sequence(child_id, parent.extra, parent.extra_digest)
     child.table = list(parent.table)
     child.token_ids = list(parent.token_ids)

@@ -28,7 +28,7 @@ from itertools import islice
 
 from blockd.core import ops as _ops
 from blockd.core.blocks import BlockSpace
-from blockd.core.errors import BlockdError, InvalidArgument, InvariantViolation, NotFound, WrongState
+from blockd.core.errors import BlockdError, InvalidArgument, InvariantViolation, NotFound, WrongState, shown
 from blockd.core.hashing import ExtraKeys, hash_block
 from blockd.core.sequence import Sequence
 from blockd.core.types import (
@@ -44,7 +44,7 @@ from blockd.core.types import (
     TableUpdate,
     VersionDelta,
 )
-from blockd.core.validate import check_config
+from blockd.core.validate import check_config, check_name
 
 MAX_OPS_PER_STEP = 65536
 #: freed sequence ids remembered, so a late append is told 'freed', not 'unknown'
@@ -192,11 +192,12 @@ class Pool:
     def get_seq(self, seq_id: str) -> Sequence:
         seq = self.seqs.get(seq_id) if type(seq_id) is str else None
         if seq is None:
-            freed_at = self.freed.get(seq_id) if type(seq_id) is str else None
+            check_name(seq_id, "seq_id")  # an id no sequence can have is the caller's mistake
+            freed_at = self.freed.get(seq_id)
             if freed_at is not None:
-                raise WrongState(f"sequence {seq_id!r} was freed at version {freed_at} of pool "
-                                 f"{self.config.name!r}; allocate it again to reuse the id")
-            raise NotFound(f"pool {self.config.name!r} has no sequence {seq_id!r}")
+                raise WrongState(f"sequence {shown(seq_id)} was freed at version {freed_at} of pool "
+                                 f"{shown(self.config.name)}; allocate it again to reuse the id")
+            raise NotFound(f"pool {shown(self.config.name)} has no sequence {shown(seq_id)}")
         return seq
 
     def bury(self, seq_id: str) -> None:
@@ -212,7 +213,7 @@ class Pool:
 
     def no_room_message(self, what: str, *, watermark: bool) -> str:
         blocks, cfg = self.blocks, self.config
-        msg = (f"pool {cfg.name!r} has {blocks.num_free} free and {len(blocks.lru)} evictable "
+        msg = (f"pool {shown(cfg.name)} has {blocks.num_free} free and {len(blocks.lru)} evictable "
                f"of {cfg.num_blocks} blocks; {what}")
         if watermark and cfg.watermark_blocks:
             msg += f" while keeping {cfg.watermark_blocks} blocks in reserve for running sequences"
@@ -233,7 +234,7 @@ class Pool:
     def can_append(self, seq_id: str, num_new_tokens: int) -> bool:
         """Whether appending ``num_new_tokens`` tokens to ``seq_id`` would fit."""
         if type(num_new_tokens) is not int or num_new_tokens < 0:
-            raise InvalidArgument(f"num_new_tokens must be a non-negative int, got {num_new_tokens!r}")
+            raise InvalidArgument(f"num_new_tokens must be a non-negative int, got {shown(num_new_tokens)}")
         return _ops.append_need(self, self.get_seq(seq_id), num_new_tokens) <= self.blocks.num_available
 
     def lookup_prefix(self, token_ids, extra_keys: ExtraKeys | None = None) -> int:
@@ -251,10 +252,10 @@ class Pool:
         """Deltas ``version + 1 .. current``; :class:`SnapshotRequired` when the
         first of them is no longer retained."""
         if type(version) is not int or version < 0:
-            raise InvalidArgument(f"version must be a non-negative int, got {version!r}")
+            raise InvalidArgument(f"version must be a non-negative int, got {shown(version)}")
         if version > self.version:
             raise WrongState(
-                f"version {version} is ahead of pool {self.config.name!r} (at {self.version})")
+                f"version {version} is ahead of pool {shown(self.config.name)} (at {self.version})")
         if version == self.version:
             return []
         oldest = self.deltas[0].version if self.deltas else self.version + 1

@@ -7,18 +7,21 @@ Imports only the standard library.
 
 from __future__ import annotations
 
-from blockd.core.errors import InvalidArgument
+from blockd.core.errors import InvalidArgument, shown
 from blockd.core.hashing import ExtraKeys
 from blockd.core.types import DTYPE_BYTES, MAX_BLOCK_SIZE, MAX_NUM_BLOCKS, PoolConfig
 
+#: longest pool name, sequence id, worker id or request id (in characters)
 MAX_ID_LEN = 256
+#: longest extra-key string (model id, adapter name, cache salt, mm hash)
+MAX_EXTRA_KEY_LEN = 1024
 MAX_GEOMETRY = 1 << 20
 
 
 def check_name(value: object, what: str) -> str:
     """A pool name or sequence id: a non-empty printable string of <= 256 chars."""
     if type(value) is not str or not value:
-        raise InvalidArgument(f"{what} must be a non-empty string, got {value!r}")
+        raise InvalidArgument(f"{what} must be a non-empty string, got {shown(value)}")
     if len(value) > MAX_ID_LEN or not value.isprintable():
         raise InvalidArgument(f"{what} must be printable and at most {MAX_ID_LEN} characters")
     return value
@@ -26,7 +29,7 @@ def check_name(value: object, what: str) -> str:
 
 def check_int(value: object, what: str, lo: int, hi: int) -> int:
     if type(value) is not int or not lo <= value <= hi:
-        raise InvalidArgument(f"{what} must be an integer in [{lo}, {hi}], got {value!r}")
+        raise InvalidArgument(f"{what} must be an integer in [{lo}, {hi}], got {shown(value)}")
     return value
 
 
@@ -35,8 +38,8 @@ def check_extra_keys(extra: object) -> ExtraKeys:
         raise InvalidArgument(f"extra_keys must be ExtraKeys, got {type(extra).__name__}")
     check_int(extra.adapter_id, "extra_keys.adapter_id", -(2**63), 2**63 - 1)
     for text in (extra.model_id, extra.model_revision, extra.adapter_name, extra.cache_salt, *extra.mm_hashes):
-        if type(text) is not str or len(text) > 1024:
-            raise InvalidArgument("extra_keys fields must be strings of at most 1024 characters")
+        if type(text) is not str or len(text) > MAX_EXTRA_KEY_LEN:
+            raise InvalidArgument(f"extra_keys fields must be strings of at most {MAX_EXTRA_KEY_LEN} characters")
     return extra
 
 
@@ -51,4 +54,4 @@ def check_config(cfg: PoolConfig) -> None:
     check_int(cfg.watermark_blocks, "watermark_blocks", 0, cfg.num_blocks)
     check_int(cfg.max_retained_versions, "max_retained_versions", 1, 1 << 20)
     if cfg.dtype not in DTYPE_BYTES:
-        raise InvalidArgument(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {cfg.dtype!r}")
+        raise InvalidArgument(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {shown(cfg.dtype)}")

@@ -4,7 +4,9 @@ The servicer reads requests with the ``*_from_proto`` functions and writes
 responses with the ``*_to_proto`` ones; the client SDK does the reverse with
 the same functions, so each mapping exists once. Reading a request validates
 what the wire types cannot express (a missing oneof or sub-message, an empty
-id) and raises :class:`~blockd.service.errors.BadField` naming the field; the
+id, an id longer than :data:`~blockd.core.validate.MAX_ID_LEN`) and raises
+:class:`~blockd.service.errors.BadField` naming the field, before anything
+echoes the value; the
 range checks of sizes and counts stay in the core (one place for each rule),
 which raises InvalidArgument naming the failing operation.
 
@@ -38,10 +40,11 @@ from blockd.core.types import (
     TableUpdate,
     VersionDelta,
 )
+from blockd.core.validate import MAX_EXTRA_KEY_LEN, MAX_ID_LEN
 from blockd.engine import SequenceInfo, Snapshot
 from blockd.service.errors import BadField
 from blockd.v1 import blockd_pb2 as pb
-from blockd.workers import WorkerInfo, WorkerStatus
+from blockd.workers import MAX_DEVICE_LEN, WorkerInfo, WorkerStatus
 
 _OP_KINDS = "allocate, append, decode_append, commit, fork, free"
 _STATS_FIELDS = tuple(PoolStats.__dataclass_fields__)
@@ -59,10 +62,35 @@ _OPTIONAL_CONFIG: tuple[_OptionalField, ...] = (
 
 
 def require_id(value: str, field: str, op_index: int | None = None) -> str:
-    """An id the wire cannot leave out: refuse the empty string up front."""
+    """An id the wire cannot leave out: refuse the empty string and one longer
+    than any name blockd accepts, up front."""
     if not value:
         raise BadField(field, "must be a non-empty name", op_index=op_index)
+    return optional_id(value, field, op_index)
+
+
+def optional_id(value: str, field: str, op_index: int | None = None) -> str:
+    """An id that may be empty (a request id, a filter), at most MAX_ID_LEN long."""
+    if len(value) > MAX_ID_LEN:
+        raise BadField(field, f"is {len(value)} characters long; names and ids are at most {MAX_ID_LEN}",
+                       op_index=op_index)
     return value
+
+
+def require_ids(values, field: str) -> list[str]:
+    """A list of ids (``GetTables.seq_ids``, ``LookupPrefix.pools``, ...), each
+    checked like :func:`require_id`. The decode hot path does not come here:
+    the core refuses an unknown over-long sequence id when it misses."""
+    ids = list(values)
+    for i, value in enumerate(ids):
+        require_id(value, f"{field}[{i}]")
+    return ids
+
+
+def _bounded_text(values, field: str, limit: int) -> None:
+    for name, value in values:
+        if len(value) > limit:
+            raise BadField(f"{field}.{name}", f"is {len(value)} characters long; at most {limit}")
 
 
 # --- pools --------------------------------------------------------------------
@@ -99,7 +127,10 @@ def stats_from_proto(msg: pb.PoolStats) -> PoolStats:
 
 
 # --- operations -----------------------------------------------------------------
-def extra_keys_from_proto(msg: pb.ExtraKeys) -> ExtraKeys:
+def extra_keys_from_proto(msg: pb.ExtraKeys, field: str = "extra_keys") -> ExtraKeys:
+    _bounded_text([("model_id", msg.model_id), ("model_revision", msg.model_revision),
+                   ("adapter_name", msg.adapter_name), ("cache_salt", msg.cache_salt),
+                   *((f"mm_hashes[{i}]", h) for i, h in enumerate(msg.mm_hashes))], field, MAX_EXTRA_KEY_LEN)
     return ExtraKeys(model_id=msg.model_id, model_revision=msg.model_revision,
                      adapter_name=msg.adapter_name, adapter_id=msg.adapter_id,
                      cache_salt=msg.cache_salt, mm_hashes=tuple(msg.mm_hashes))
@@ -122,7 +153,8 @@ def op_from_proto(msg: pb.Op, index: int) -> Op:
         return DecodeAppend(seq_ids, list(msg.decode_append.token_ids))
     if kind == "allocate":
         alloc = msg.allocate
-        extra = extra_keys_from_proto(alloc.extra_keys) if alloc.HasField("extra_keys") else NO_EXTRA_KEYS
+        extra = (extra_keys_from_proto(alloc.extra_keys, f"{where}.extra_keys") if alloc.HasField("extra_keys")
+                 else NO_EXTRA_KEYS)
         return Allocate(require_id(alloc.seq_id, f"{where}.seq_id", index), list(alloc.prompt_token_ids), extra)
     if kind == "append":
         return Append(require_id(msg.append.seq_id, f"{where}.seq_id", index), list(msg.append.token_ids))
@@ -261,6 +293,8 @@ def event_from_proto(msg: pb.KVEvent) -> KVEvent:
 def worker_info_from_proto(msg: pb.WorkerInfo, field: str = "info") -> WorkerInfo:
     require_id(msg.worker_id, f"{field}.worker_id")
     require_id(msg.pool, f"{field}.pool")
+    _bounded_text([("address", msg.address)], field, MAX_ID_LEN)
+    _bounded_text([("device", msg.device)], field, MAX_DEVICE_LEN)
     return WorkerInfo(**{name: getattr(msg, name) for name in _WORKER_FIELDS})
 
 

@@ -12,9 +12,18 @@ Every servicer method is wrapped by :func:`unary` or :func:`server_stream`:
 * anything else is a bug: it leaves as INTERNAL with an incident id, and the
   traceback is logged under the same id. Nothing ever leaves as UNKNOWN.
 
+A status travels in trailing metadata, which gRPC caps (8 KiB by default; a
+bigger one reaches the client as RESOURCE_EXHAUSTED "received metadata size
+exceeds hard limit", hiding the real error). So the message and the field
+description are cut here to :data:`MAX_MESSAGE_BYTES` and
+:data:`MAX_DESCRIPTION_BYTES` of UTF-8 (the message travels twice, once
+percent-encoded, once inside the base64 details): whatever an error says,
+its metadata stays under about 4.5 KiB.
+
 A request whose bytes do not parse is turned into INVALID_ARGUMENT here too:
 :func:`lenient_parser` returns a :class:`MalformedRequest` instead of raising
-(gRPC itself would answer INTERNAL), and the wrappers refuse it.
+(gRPC itself would answer INTERNAL and log a traceback), and the wrappers
+refuse it; :func:`method_handlers` builds every service's handlers that way.
 Imports grpc, grpcio-status and the google.rpc protos; never the engine.
 """
 
@@ -27,7 +36,7 @@ import uuid
 from collections.abc import Callable, Iterator
 
 import grpc
-from google.protobuf import any_pb2
+from google.protobuf import any_pb2, message_factory
 from google.protobuf.message import DecodeError, Message
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
@@ -37,6 +46,17 @@ from blockd.core.errors import BlockdError, InvalidArgument, InvariantViolation
 log = logging.getLogger("blockd.service")
 
 DOMAIN = "blockd"
+MAX_MESSAGE_BYTES = 768
+MAX_DESCRIPTION_BYTES = 384
+_MAX_FIELD_BYTES = 128
+
+
+def bounded(text: str, limit: int) -> str:
+    """``text`` as valid UTF-8 of at most ``limit`` bytes, cut with an ellipsis."""
+    data = text.encode("utf-8", "backslashreplace")  # lone surrogates cannot travel
+    if len(data) > limit:
+        data = data[: limit - 3] + "\u2026".encode()
+    return data.decode("utf-8", "ignore")
 
 
 class BadField(InvalidArgument):
@@ -92,10 +112,11 @@ def blockd_status(err: BlockdError, rpc: str) -> grpc.Status:
         field = getattr(err, "field", None)
         if field is None and err.op_index is not None:
             field = f"ops[{err.op_index}]"
-        description = getattr(err, "description", err.message)
-        violation = error_details_pb2.BadRequest.FieldViolation(field=field or "", description=description)
+        description = bounded(getattr(err, "description", err.message), MAX_DESCRIPTION_BYTES)
+        violation = error_details_pb2.BadRequest.FieldViolation(field=bounded(field or "", _MAX_FIELD_BYTES),
+                                                                description=description)
         details.append(error_details_pb2.BadRequest(field_violations=[violation]))
-    return _status(code, err.message, details)
+    return _status(code, bounded(err.message, MAX_MESSAGE_BYTES), details)
 
 
 def internal_status(rpc: str, err: BaseException) -> grpc.Status:
@@ -162,3 +183,25 @@ def server_stream(method: Callable[..., Iterator]) -> Callable[..., Iterator]:
         context.abort_with_status(status)
 
     return handler
+
+
+_HANDLER_KINDS = {(False, False): grpc.unary_unary_rpc_method_handler,
+                  (False, True): grpc.unary_stream_rpc_method_handler,
+                  (True, False): grpc.stream_unary_rpc_method_handler,
+                  (True, True): grpc.stream_stream_rpc_method_handler}
+
+
+def method_handlers(service: object, descriptor) -> dict[str, grpc.RpcMethodHandler]:
+    """Handlers for every method of the service ``descriptor``, served by
+    ``service``'s methods of the same name; requests that do not parse reach
+    them as :class:`MalformedRequest` (INVALID_ARGUMENT), not as gRPC's
+    INTERNAL. Used for blockd's services, the worker's, health and reflection."""
+    handlers = {}
+    for method in descriptor.methods:
+        request_cls = message_factory.GetMessageClass(method.input_type)
+        response_cls = message_factory.GetMessageClass(method.output_type)
+        make = _HANDLER_KINDS[method.client_streaming, method.server_streaming]
+        handlers[method.name] = make(getattr(service, method.name),
+                                     request_deserializer=lenient_parser(request_cls),
+                                     response_serializer=response_cls.SerializeToString)
+    return handlers

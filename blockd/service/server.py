@@ -2,13 +2,15 @@
 
 :class:`BlockdServer` registers the three blockd services, the stock health
 service (grpcio-health-checking: SERVING for "" and for each service while
-up, NOT_SERVING once shutdown begins) and server reflection.
+up, NOT_SERVING once shutdown begins; ``List`` answers too) and server
+reflection, both through :mod:`blockd.service.stock`.
 
-Handlers are built from the generated service descriptors rather than the
-generated ``add_*_to_server`` helpers for one reason: the request
-deserializer must not raise, or gRPC answers INTERNAL for a request whose
+Handlers are built from the service descriptors
+(:func:`blockd.service.errors.method_handlers`) rather than the generated
+``add_*_to_server`` helpers for one reason: the request deserializer must not
+raise, or gRPC answers INTERNAL (and logs a traceback) for a request whose
 bytes do not parse; :func:`blockd.service.errors.lenient_parser` makes that
-INVALID_ARGUMENT instead.
+INVALID_ARGUMENT instead. The same goes for health and reflection.
 
 Shutdown (:meth:`BlockdServer.stop`): health turns NOT_SERVING, streams are
 told to end, the server stops accepting calls and gives in-flight ones a
@@ -24,13 +26,12 @@ from collections.abc import Sequence
 from concurrent import futures
 
 import grpc
-from google.protobuf import message_factory
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health_pb2
 
 from blockd.engine import Engine
-from blockd.service.errors import lenient_parser
+from blockd.service.errors import method_handlers
 from blockd.service.servicer import BlockServicer, PoolServicer, WorkerServicer
+from blockd.service.stock import add_stock_services
 from blockd.v1 import blockd_pb2 as pb
 
 log = logging.getLogger("blockd.server")
@@ -43,22 +44,7 @@ DEFAULT_GRACE_S = 5.0
 #: large enough for a full table dump of a big pool or a very long prompt
 DEFAULT_MAX_MESSAGE_BYTES = 64 << 20
 
-
-def method_handlers(service: object, descriptor) -> dict[str, grpc.RpcMethodHandler]:
-    """Handlers for every method of ``descriptor``, served by ``service``'s
-    methods of the same name; requests that do not parse reach the servicer as
-    :class:`MalformedRequest` (INVALID_ARGUMENT), not gRPC's INTERNAL. Used by
-    blockd's services and the worker's."""
-    handlers = {}
-    for method in descriptor.methods:
-        request_cls = message_factory.GetMessageClass(method.input_type)
-        response_cls = message_factory.GetMessageClass(method.output_type)
-        make = (grpc.unary_stream_rpc_method_handler if method.server_streaming
-                else grpc.unary_unary_rpc_method_handler)
-        handlers[method.name] = make(getattr(service, method.name),
-                                     request_deserializer=lenient_parser(request_cls),
-                                     response_serializer=response_cls.SerializeToString)
-    return handlers
+__all__ = ["BlockdServer", "method_handlers", "split_address"]
 
 
 def split_address(address: str) -> tuple[str, int]:
@@ -100,10 +86,7 @@ class BlockdServer:
         for name, servicer in services.items():
             descriptor = pb.DESCRIPTOR.services_by_name[name.rsplit(".", 1)[1]]
             self._server.add_registered_method_handlers(name, method_handlers(servicer, descriptor))
-        self.health = health.HealthServicer(experimental_non_blocking=True)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
-        reflection.enable_server_reflection(
-            (*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), self._server)
+        self.health = add_stock_services(self._server, SERVICE_NAMES)
         self.port = self._server.add_insecure_port(listen)
         if self.port == 0:
             raise OSError(f"cannot listen on {listen!r} (address in use or not local?)")

@@ -19,7 +19,7 @@ import grpc
 
 from blockd.engine import Engine
 from blockd.service import convert
-from blockd.service.convert import require_id
+from blockd.service.convert import optional_id, require_id, require_ids
 from blockd.service.errors import BadField, server_stream, unary
 from blockd.v1 import blockd_pb2 as pb
 from blockd.v1 import blockd_pb2_grpc as pb_grpc
@@ -38,7 +38,7 @@ class PoolServicer(pb_grpc.PoolServiceServicer):
         if not request.HasField("config"):
             raise BadField("config", "is required: name, num_blocks and block_size at least")
         config = convert.pool_config_from_proto(request.config)
-        stats = self._engine.create_pool(config, request.request_id)
+        stats = self._engine.create_pool(config, optional_id(request.request_id, "request_id"))
         return pb.CreatePoolResponse(stats=convert.stats_to_proto(stats))
 
     @unary
@@ -57,12 +57,13 @@ class PoolServicer(pb_grpc.PoolServiceServicer):
 
     @unary
     def DeletePool(self, request: pb.DeletePoolRequest, context) -> pb.DeletePoolResponse:
-        self._engine.delete_pool(require_id(request.pool, "pool"), request.request_id)
+        self._engine.delete_pool(require_id(request.pool, "pool"), optional_id(request.request_id, "request_id"))
         return pb.DeletePoolResponse()
 
     @unary
     def ResetPrefixCache(self, request: pb.ResetPrefixCacheRequest, context) -> pb.ResetPrefixCacheResponse:
-        self._engine.reset_prefix_cache(require_id(request.pool, "pool"), request.request_id)
+        self._engine.reset_prefix_cache(require_id(request.pool, "pool"),
+                                        optional_id(request.request_id, "request_id"))
         return pb.ResetPrefixCacheResponse()
 
 
@@ -74,13 +75,14 @@ class BlockServicer(pb_grpc.BlockServiceServicer):
     @unary
     def Step(self, request: pb.StepRequest, context) -> pb.StepResponse:
         pool = require_id(request.pool, "pool")
-        result = self._engine.step(pool, convert.ops_from_proto(request.ops), request.request_id,
-                                   dry_run=request.dry_run)
+        request_id = optional_id(request.request_id, "request_id")
+        result = self._engine.step(pool, convert.ops_from_proto(request.ops), request_id, dry_run=request.dry_run)
         return convert.step_result_to_proto(result)
 
     @unary
     def GetTables(self, request: pb.GetTablesRequest, context) -> pb.GetTablesResponse:
-        version, tables = self._engine.get_tables(require_id(request.pool, "pool"), list(request.seq_ids))
+        pool = require_id(request.pool, "pool")
+        version, tables = self._engine.get_tables(pool, require_ids(request.seq_ids, "seq_ids"))
         return pb.GetTablesResponse(version=version, tables=convert.tables_to_proto(tables))
 
     @unary
@@ -104,8 +106,9 @@ class BlockServicer(pb_grpc.BlockServiceServicer):
 
     @unary
     def LookupPrefix(self, request: pb.LookupPrefixRequest, context) -> pb.LookupPrefixResponse:
+        pools = require_ids(request.pools, "pools")
         extra = convert.extra_keys_from_proto(request.extra_keys)
-        cached = self._engine.lookup_prefix(list(request.token_ids), extra, list(request.pools))
+        cached = self._engine.lookup_prefix(list(request.token_ids), extra, pools)
         return pb.LookupPrefixResponse(num_cached_tokens=cached)
 
 
@@ -117,15 +120,17 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
     def RegisterWorker(self, request: pb.RegisterWorkerRequest, context) -> pb.RegisterWorkerResponse:
         if not request.HasField("info"):
             raise BadField("info", "is required: worker_id, pool and the shard's layer and head ranges")
+        optional_id(request.request_id, "request_id")  # accepted, not needed: registration is an upsert
         status = self._engine.register_worker(convert.worker_info_from_proto(request.info))
         return pb.RegisterWorkerResponse(status=convert.worker_status_to_proto(status))
 
     @unary
     def Heartbeat(self, request: pb.HeartbeatRequest, context) -> pb.HeartbeatResponse:
+        optional_id(request.request_id, "request_id")  # accepted, not needed: a heartbeat repeats harmlessly
         status = self._engine.heartbeat(require_id(request.worker_id, "worker_id"), request.applied_version)
         return pb.HeartbeatResponse(status=convert.worker_status_to_proto(status))
 
     @unary
     def ListWorkers(self, request: pb.ListWorkersRequest, context) -> pb.ListWorkersResponse:
-        workers = self._engine.list_workers(request.pool or None)
+        workers = self._engine.list_workers(optional_id(request.pool, "pool") or None)
         return pb.ListWorkersResponse(workers=[convert.worker_status_to_proto(w) for w in workers])

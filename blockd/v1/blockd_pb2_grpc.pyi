@@ -6,7 +6,20 @@ Watch stream workers follow, KV events for routers, and worker membership.
 
 Conventions:
 * Every mutating request carries `request_id`; a retried request id returns
-  the first result and changes nothing (see DESIGN.md, Idempotency).
+  the first result and changes nothing (see DESIGN.md, Idempotency). The
+  same id with a different request (another kind, pool, or content, e.g.
+  other ops) is INVALID_ARGUMENT. The window is bounded (blockd serve
+  --max-request-ids, --max-request-bytes, --request-ttl-s; defaults 16384
+  ids, 64 MiB, 3600 s): a retry is recognised while its id is among the
+  newest max-request-ids ids and applied less than request-ttl-s ago (by
+  the daemon's clock), and gets its first answer while that answer also
+  fits the byte cap; past the byte cap the oldest answers are dropped
+  first and a retry of such an id is FAILED_PRECONDITION ("applied, answer
+  no longer kept"). A retry of a forgotten id cannot be told from a new
+  request and is applied again. The window survives restarts.
+* Ids (pool names, sequence ids, worker ids, request ids) are at most 256
+  characters; a longer one is INVALID_ARGUMENT on every method, and error
+  messages show at most the first 64 characters of what was sent.
 * Errors leave as gRPC status codes with google.rpc details (ErrorInfo with
   reason = the error class and metadata op_index; BadRequest naming the
   field), never as a success flag in a response.

@@ -31,7 +31,7 @@ import torch
 from transformers import PreTrainedModel
 
 from blockd.core import arith
-from blockd.core.errors import BlockdError, InvalidArgument
+from blockd.core.errors import BlockdError, InvalidArgument, shown
 from worker.model.build import check_pool, model_geometry
 from worker.model.paged import PagedBatch
 from worker.runtime import WorkerRuntime
@@ -109,7 +109,7 @@ class ModelRunner:
     def check(self, version, seq_ids, query_lens, context_lens, token_ids, slot_mapping) -> StepInput:
         """Validate a request on its own (no pool state): the same on every rank."""
         if type(version) is not int or version < 0:
-            raise InvalidArgument(f"version must be a non-negative integer, got {version!r}")
+            raise InvalidArgument(f"version must be a non-negative integer, got {shown(version)}")
         seq_ids = list(seq_ids)
         if not seq_ids or not all(isinstance(s, str) and s for s in seq_ids):
             raise InvalidArgument("seq_ids must be a non-empty list of sequence ids")
@@ -121,10 +121,10 @@ class ModelRunner:
                                   f"got {len(seq_ids)}, {len(q_lens)}, {len(ctx)}")
         for seq_id, q, n in zip(seq_ids, q_lens, ctx):
             if not 1 <= q <= n:
-                raise InvalidArgument(f"sequence {seq_id!r}: need 1 <= query_len <= context_len, "
+                raise InvalidArgument(f"sequence {shown(seq_id)}: need 1 <= query_len <= context_len, "
                                       f"got {q}, {n}")
             if self.max_positions is not None and n > self.max_positions:
-                raise InvalidArgument(f"sequence {seq_id!r}: context length {n} is past the model's "
+                raise InvalidArgument(f"sequence {shown(seq_id)}: context length {n} is past the model's "
                                       f"{self.max_positions} positions")
         total = sum(q_lens)
         tokens, slots = _ints(token_ids, "token_ids"), _ints(slot_mapping, "slot_mapping")
@@ -157,10 +157,10 @@ class ModelRunner:
             try:
                 want = arith.slot_mapping(table, n - q, n, b)
             except (IndexError, ValueError):
-                raise InvalidArgument(f"sequence {seq_id!r} has {len(table)} blocks at version "
+                raise InvalidArgument(f"sequence {shown(seq_id)} has {len(table)} blocks at version "
                                       f"{batch.version}, too few for context length {n}") from None
             if given[row : row + q] != want:
-                raise InvalidArgument(f"slot_mapping of sequence {seq_id!r} is not its slots at version "
+                raise InvalidArgument(f"slot_mapping of sequence {shown(seq_id)} is not its slots at version "
                                       f"{batch.version} (expected {want[:8]}...)")
             row += q
 
