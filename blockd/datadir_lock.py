@@ -41,6 +41,7 @@ class DataDirLock:
     """Held from construction until :meth:`release` (or the process ends)."""
 
     def __init__(self, data_dir: str) -> None:
+        self._fd: int | None = None
         os.makedirs(data_dir, exist_ok=True)
         self.path = os.path.join(data_dir, LOCK_NAME)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
@@ -53,7 +54,7 @@ class DataDirLock:
             raise DataDirLocked(
                 f"data dir {data_dir!r} is in use by another blockd ({self._holder()}); stop that daemon "
                 "first, or give this one another --data-dir") from None
-        self._fd: int | None = fd
+        self._fd = fd
         started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
         holder = f"pid={os.getpid()} host={socket.gethostname()} started={started}\n"
         os.ftruncate(fd, 0)
