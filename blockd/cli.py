@@ -71,6 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="Prometheus metrics port; 0 = off")
     serve.add_argument("--max-workers", type=int, default=128,
                        help="most RPC threads; each open Watch/Events stream holds one while open")
+    serve.add_argument("--worker-timeout-s", type=float, default=10.0,
+                       help="a worker whose last heartbeat is older is reported down")
     serve.add_argument("--grace-s", type=float, default=5.0,
                        help="seconds in-flight calls get to finish on shutdown")
     serve.add_argument("--log-level", type=config_env.log_level, default="INFO",
@@ -121,7 +123,7 @@ def serve(args: argparse.Namespace) -> int:
     metrics = _load_metrics(args.metrics_port)
     try:
         engine = Engine(data_dir=args.data_dir, fsync=args.fsync, fsync_interval_s=args.fsync_interval_s,
-                        snapshot_every=args.snapshot_every,
+                        snapshot_every=args.snapshot_every, worker_timeout_s=args.worker_timeout_s,
                         observe_wal_sync=metrics.observe_wal_sync if metrics is not None else None,
                         observe_step=metrics.observe_step if metrics is not None else None)
     except (BlockdError, OSError, ValueError) as err:
