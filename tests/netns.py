@@ -7,16 +7,18 @@ connected to the namespace the test runs in (no veth end, no route there),
 so traffic stays between the lab's namespaces; the addresses are from
 TEST-NET-2 (RFC 5737, documentation only), which no real network routes.
 
-Names are unique per lab (``bd<pid><random>-<host>``): parallel runs and
-stale labs never collide. :meth:`NetnsLab.close` deletes every namespace
-it made (the veths and the bridge go with them) and is idempotent; the
-test fixture calls it whatever happens. :func:`unavailable_reason` tells
+Names are unique per lab (``bdlab<pid>x<random>-<host>``): parallel runs
+never collide. :meth:`NetnsLab.close` deletes every namespace it made (the
+veths and the bridge go with them) and is idempotent; the test fixture calls
+it whatever happens. Only a test process killed outright (SIGKILL) leaves
+its lab behind: :func:`sweep_stale` deletes labs whose process is gone. :func:`unavailable_reason` tells
 why namespaces cannot be made here (not root, no ``ip``, no permission).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import shutil
 import subprocess
@@ -24,6 +26,7 @@ import time
 
 SUBNET = "198.51.100"  # TEST-NET-2, /24
 IP_TIMEOUT_S = 20
+LAB_PREFIX = "bdlab"
 
 
 def _ip(*args: str) -> None:
@@ -56,7 +59,7 @@ class NetnsLab:
     """Hosts ``names`` (in order: addresses .1, .2, ...), each its own namespace."""
 
     def __init__(self, names: list[str]) -> None:
-        self.tag = f"bd{os.getpid() % 100000}{secrets.token_hex(2)}"
+        self.tag = f"{LAB_PREFIX}{os.getpid()}x{secrets.token_hex(2)}"
         self.hub = f"{self.tag}-hub"
         self.namespaces: list[str] = []
         self.addresses = {name: f"{SUBNET}.{i + 1}" for i, name in enumerate(names)}
@@ -110,6 +113,24 @@ class NetnsLab:
 
     def existing(self) -> list[str]:
         """This lab's namespaces the kernel still lists (for the teardown check)."""
-        listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=IP_TIMEOUT_S,
-                                check=False).stdout.split()
-        return [name for name in listed if name.startswith(f"{self.tag}-")]
+        return [name for name in _listed() if name.startswith(f"{self.tag}-")]
+
+
+def _listed() -> list[str]:
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=IP_TIMEOUT_S,
+                            check=False).stdout
+    return [line.split()[0] for line in listed.splitlines() if line.strip()]
+
+
+def sweep_stale() -> list[str]:
+    """Delete the namespaces of labs whose test process no longer runs; their names."""
+    swept = []
+    for name in _listed():
+        match = re.fullmatch(rf"{LAB_PREFIX}(\d+)x[0-9a-f]+-\w+", name)
+        if match and not os.path.exists(f"/proc/{match.group(1)}"):
+            try:
+                _ip("netns", "del", name)
+                swept.append(name)
+            except (RuntimeError, subprocess.TimeoutExpired):
+                pass
+    return swept

@@ -27,7 +27,7 @@ import pytest
 
 from blockd.local_cluster import ROOT, ChildProcess, child_env, model_config
 from client.reference import ContiguousReference
-from tests.netns import NetnsLab, unavailable_reason
+from tests.netns import NetnsLab, sweep_stale, unavailable_reason
 from tests.netns_scheduler import workload
 from worker.model import pool_config_for
 
@@ -44,6 +44,7 @@ def lab():
         if os.environ.get("BLOCKD_REQUIRE_NETNS") == "1":
             pytest.fail(f"BLOCKD_REQUIRE_NETNS=1 but {reason}")
         pytest.skip(reason)
+    sweep_stale()  # labs of test runs that were killed outright
     lab = NetnsLab(["blockd", "w0", "w1", "sched"])
     lab.children: list[ChildProcess] = []
     try:
