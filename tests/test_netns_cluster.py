@@ -120,12 +120,10 @@ def wait_down(lab: NetnsLab, target: str, worker_id: str) -> dict[str, bool]:
         time.sleep(0.5)
 
 
-def test_cluster_across_network_namespaces(lab, tmp_path, record_property) -> None:
+def test_cluster_across_network_namespaces(lab, tmp_path) -> None:
     began = time.monotonic()
     target = start_cluster(lab, tmp_path)
     setup_s = time.monotonic() - began
-    record_property("netns_lab_setup_s", round(lab.setup_s, 2))
-    record_property("netns_cluster_setup_s", round(setup_s, 2))
     ip = lab.addresses
     assert target == f"{ip['blockd']}:{BLOCKD_PORT}"
 
