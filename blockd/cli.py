@@ -1,15 +1,22 @@
 """The ``blockd`` console script: ``blockd serve`` runs the daemon.
 
-Settings come from flags, falling back to environment variables:
+Every flag falls back to an environment variable named after it,
+``BLOCKD_<FLAG>`` (``--fsync-interval-s`` -> ``BLOCKD_FSYNC_INTERVAL_S``; one
+rule for all, :mod:`blockd.config_env`; ``blockd serve --help`` lists them);
+a variable that does not parse is a one-line error, exit status 2. Main ones:
 
-==================  =====================  ==================================
-flag                env                    default
-==================  =====================  ==================================
-``--listen``        ``BLOCKD_LISTEN``      ``127.0.0.1:50051`` (port 0: any)
-``--data-dir``      ``BLOCKD_DATA_DIR``    none: state in memory only
-``--fsync``         ``BLOCKD_FSYNC``       ``always`` (``interval``, ``never``)
-``--metrics-port``  ``BLOCKD_METRICS_PORT``  ``0``: no metrics endpoint
-==================  =====================  ==================================
+=======================  ============================  ====================================
+flag                     env                           default
+=======================  ============================  ====================================
+``--listen``             ``BLOCKD_LISTEN``             ``127.0.0.1:50051`` (port 0: any)
+``--advertise-address``  ``BLOCKD_ADVERTISE_ADDRESS``  the listen address
+``--data-dir``           ``BLOCKD_DATA_DIR``           none: state in memory only
+``--fsync``              ``BLOCKD_FSYNC``              ``always`` (``interval``, ``never``)
+``--metrics-port``       ``BLOCKD_METRICS_PORT``       ``0``: no metrics endpoint
+=======================  ============================  ====================================
+
+A data dir is locked (:mod:`blockd.datadir_lock`) for the daemon's life: a
+second daemon on the same directory exits with status 1 and names the holder.
 
 The idempotency table (:mod:`blockd.idempotency`) is bounded by
 ``--max-request-ids`` (``BLOCKD_MAX_REQUEST_IDS``, 16384),
@@ -22,7 +29,9 @@ With a metrics port, :mod:`blockd.metrics` (optional) times RPCs through a
 server interceptor and WAL fsyncs through the engine, and serves ``/metrics``.
 
 When the server is up it prints ``blockd listening on HOST:PORT`` (the real
-port when 0 was asked for) on stdout; tests and scripts wait for that line.
+port when 0 was asked for) on stdout, then ``blockd advertising HOST:PORT``
+(the address others should dial: ``--advertise-address``, its port defaulting
+to the bound one); tests and scripts wait for these lines.
 SIGTERM and SIGINT shut down gracefully: stop accepting calls, give in-flight
 ones a grace period, flush and close the log.
 """
@@ -33,11 +42,11 @@ import argparse
 import importlib
 import importlib.util
 import logging
-import os
 import signal
 import sys
 import threading
 
+from blockd import addresses, config_env
 from blockd.core.errors import BlockdError
 from blockd.idempotency import IdempotencyLimits
 
@@ -46,54 +55,43 @@ log = logging.getLogger("blockd")
 FSYNC_POLICIES = ("always", "interval", "never")
 
 
-def _env_int(name: str, default: int) -> int:
-    raw = os.environ.get(name, "")
-    try:
-        return int(raw) if raw else default
-    except ValueError:
-        raise SystemExit(f"{name} must be an integer, got {raw!r}") from None
-
-
-def _env_float(name: str, default: float) -> float:
-    raw = os.environ.get(name, "")
-    try:
-        return float(raw) if raw else default
-    except ValueError:
-        raise SystemExit(f"{name} must be a number, got {raw!r}") from None
-
-
 def build_parser() -> argparse.ArgumentParser:
+    """Every flag also reads an environment variable, ``BLOCKD_<FLAG>``
+    (:mod:`blockd.config_env`; ``--help`` names each)."""
     parser = argparse.ArgumentParser(prog="blockd", description="blockd: a cluster's paged KV cache manager")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run the daemon")
-    serve.add_argument("--listen", default=os.environ.get("BLOCKD_LISTEN", "127.0.0.1:50051"),
-                       help="HOST:PORT to serve gRPC on; port 0 picks a free one [env BLOCKD_LISTEN]")
-    serve.add_argument("--data-dir", default=os.environ.get("BLOCKD_DATA_DIR") or None,
-                       help="directory for the write-ahead log and snapshots; "
-                            "without it state is in memory only [env BLOCKD_DATA_DIR]")
-    serve.add_argument("--fsync", default=os.environ.get("BLOCKD_FSYNC", "always"),
-                       help="when the log is fsynced: always | interval | never [env BLOCKD_FSYNC]")
+    serve.add_argument("--listen", default="127.0.0.1:50051",
+                       help="HOST:PORT to serve gRPC on; port 0 picks a free one")
+    serve.add_argument("--advertise-address", default=None,
+                       help="HOST[:PORT] others dial to reach this daemon (e.g. the pod IP); "
+                            "the port defaults to the bound one. Default: the listen address")
+    serve.add_argument("--data-dir", default=None,
+                       help="directory for the write-ahead log and snapshots, locked while serving; "
+                            "without it state is in memory only")
+    serve.add_argument("--fsync", default="always", choices=FSYNC_POLICIES,
+                       help="when the log is fsynced")
     serve.add_argument("--fsync-interval-s", type=float, default=0.05,
                        help="batching interval for --fsync interval")
     serve.add_argument("--snapshot-every", type=int, default=10000,
                        help="log records between snapshots")
-    serve.add_argument("--max-request-ids", type=int,
-                       default=_env_int("BLOCKD_MAX_REQUEST_IDS", IdempotencyLimits.max_entries),
-                       help="most request ids remembered for retries [env BLOCKD_MAX_REQUEST_IDS]")
-    serve.add_argument("--max-request-bytes", type=int,
-                       default=_env_int("BLOCKD_MAX_REQUEST_BYTES", IdempotencyLimits.max_bytes),
+    serve.add_argument("--max-request-ids", type=int, default=IdempotencyLimits.max_entries,
+                       help="most request ids remembered for retries")
+    serve.add_argument("--max-request-bytes", type=int, default=IdempotencyLimits.max_bytes,
                        help="memory cap of the remembered answers; past it the oldest answers are dropped "
-                            "and their retries refused [env BLOCKD_MAX_REQUEST_BYTES]")
-    serve.add_argument("--request-ttl-s", type=float,
-                       default=_env_float("BLOCKD_REQUEST_TTL_S", IdempotencyLimits.ttl_s),
-                       help="seconds a request id is remembered for retries [env BLOCKD_REQUEST_TTL_S]")
-    serve.add_argument("--metrics-port", type=int, default=_env_int("BLOCKD_METRICS_PORT", 0),
-                       help="Prometheus metrics port; 0 = off [env BLOCKD_METRICS_PORT]")
+                            "and their retries refused")
+    serve.add_argument("--request-ttl-s", type=float, default=IdempotencyLimits.ttl_s,
+                       help="seconds a request id is remembered for retries")
+    serve.add_argument("--metrics-port", type=config_env.port, default=0,
+                       help="Prometheus metrics port; 0 = off")
     serve.add_argument("--max-workers", type=int, default=128,
                        help="most RPC threads; each open Watch/Events stream holds one while open")
+    serve.add_argument("--worker-timeout-s", type=float, default=10.0,
+                       help="a worker whose last heartbeat is older is reported down")
     serve.add_argument("--grace-s", type=float, default=5.0,
                        help="seconds in-flight calls get to finish on shutdown")
-    serve.add_argument("--log-level", default=os.environ.get("BLOCKD_LOG_LEVEL", "INFO"))
+    serve.add_argument("--log-level", type=config_env.log_level, default="INFO",
+                       help="DEBUG, INFO, WARNING or ERROR")
     return parser
 
 
@@ -117,13 +115,25 @@ def _start_metrics(engine, port: int, metrics):
     return http
 
 
+def _advertise_address(advertise: str | None, bound: str) -> str:
+    """What others should dial; ``ValueError`` for an ``--advertise-address``
+    nobody could. Without one, a wildcard bind is only warned about: clients
+    on this host can still reach it."""
+    address = addresses.advertised(advertise, bound)
+    reason = addresses.unroutable_reason(address)
+    if reason is not None and advertise:
+        raise ValueError(f"--advertise-address {advertise!r} cannot be used: {reason}")
+    if reason is not None:
+        log.warning("listening on %s, which other hosts cannot dial (%s); set --advertise-address "
+                    "(env BLOCKD_ADVERTISE_ADDRESS) to the address they should use", bound, reason)
+    return address
+
+
 def serve(args: argparse.Namespace) -> int:
     # imported here so `blockd --help` stays fast and grpc-free
     from blockd.engine import Engine
     from blockd.service.server import BlockdServer
 
-    if args.fsync not in FSYNC_POLICIES:
-        raise SystemExit(f"--fsync must be one of {', '.join(FSYNC_POLICIES)}, got {args.fsync!r}")
     log.info("data dir: %s; fsync: %s", args.data_dir or "none (in memory)", args.fsync)
     try:
         limits = IdempotencyLimits(args.max_request_ids, args.max_request_bytes, args.request_ttl_s)
@@ -133,6 +143,7 @@ def serve(args: argparse.Namespace) -> int:
     try:
         engine = Engine(data_dir=args.data_dir, fsync=args.fsync, fsync_interval_s=args.fsync_interval_s,
                         snapshot_every=args.snapshot_every, idempotency=limits,
+                        worker_timeout_s=args.worker_timeout_s,
                         observe_wal_sync=metrics.observe_wal_sync if metrics is not None else None,
                         observe_step=metrics.observe_step if metrics is not None else None)
     except (BlockdError, OSError, ValueError) as err:
@@ -144,6 +155,7 @@ def serve(args: argparse.Namespace) -> int:
     try:
         server = BlockdServer(engine, args.listen, max_workers=args.max_workers, grace_s=args.grace_s,
                               interceptors=[metrics.interceptor()] if metrics is not None else [])
+        advertise = _advertise_address(args.advertise_address, server.address)
         http = _start_metrics(engine, args.metrics_port, metrics)
     except (OSError, ValueError, RuntimeError) as err:
         log.error("cannot serve on %s (metrics port %d): %s", args.listen, args.metrics_port, err)
@@ -160,6 +172,7 @@ def serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, on_signal)
     server.start()
     print(f"blockd listening on {server.address}", flush=True)
+    print(f"blockd advertising {advertise}", flush=True)
     # wait in short slices so the signal handler runs promptly
     while not stop.wait(0.5):
         pass
@@ -170,7 +183,7 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = config_env.parse_args(build_parser(), argv, "BLOCKD_")
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "serve":

@@ -50,6 +50,7 @@ from blockd.core import (
 from blockd.core.errors import shown
 from blockd.core.state import config_to_json, dump_pool, load_pool, op_from_json, op_to_json
 from blockd.core.validate import check_config, check_name
+from blockd.datadir_lock import DataDirLock
 from blockd.idempotency import MISSING, IdempotencyLimits, IdempotencyTable, IdempotencyUsage, fingerprint
 from blockd.wal import WriteAheadLog
 from blockd.workers import WorkerInfo, WorkerRegistry, WorkerStatus
@@ -113,10 +114,18 @@ class Engine:
         self._closed = False
         self._broken = ""
         self._wal: WriteAheadLog | None = None
-        if data_dir is not None:
-            self._wal = WriteAheadLog(data_dir, fsync, fsync_interval_s, observe_wal_sync)
-            self._recover()
-            self._wal.open_for_append()
+        # one daemon per data dir, locked before anything in it is read (and
+        # unlocked if opening fails, so the same process may try again)
+        self._datadir_lock = DataDirLock(data_dir) if data_dir is not None else None
+        try:
+            if data_dir is not None:
+                self._wal = WriteAheadLog(data_dir, fsync, fsync_interval_s, observe_wal_sync)
+                self._recover()
+                self._wal.open_for_append()
+        except BaseException:
+            if self._datadir_lock is not None:
+                self._datadir_lock.release()
+            raise
 
     # --- durability -------------------------------------------------------
     def _recover(self) -> None:
@@ -223,8 +232,12 @@ class Engine:
             self._changed.notify_all()
             if self._snapshotter is not None:
                 self._snapshotter.join()
-            if self._wal is not None:
-                self._wal.close()
+            try:
+                if self._wal is not None:
+                    self._wal.close()
+            finally:
+                if self._datadir_lock is not None:
+                    self._datadir_lock.release()
 
     # --- idempotency ----------------------------------------------------------
     @staticmethod

@@ -22,6 +22,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -44,16 +45,17 @@ class ChildProcess:
     The one way this project starts its own processes (demo, benchmarks,
     tests): the checkout on ``PYTHONPATH``, stdout and stderr merged and kept
     (the last ``keep_lines``), its own session so a terminal's Ctrl-C reaches
-    only the parent.
+    only the parent. ``prefix`` runs it through a command that then execs it
+    (e.g. ``ip netns exec NAME``: the pid stays the child's).
     """
 
     def __init__(self, name: str, args: list[str], ready_prefix: str, *, env: dict[str, str] | None = None,
-                 keep_lines: int = 2000) -> None:
+                 keep_lines: int = 2000, prefix: Sequence[str] = ()) -> None:
         self.name = name
         self.lines: collections.deque[str] = collections.deque(maxlen=keep_lines)
         self._ready: queue.Queue[str] = queue.Queue()
         env = child_env(PYTHONUNBUFFERED="1", **(env or {}))
-        self.popen = subprocess.Popen([sys.executable, *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+        self.popen = subprocess.Popen([*prefix, sys.executable, *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True,
                                       start_new_session=True)
         self.address = ""

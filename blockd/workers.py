@@ -7,6 +7,11 @@ version their table replica has applied. A worker whose last heartbeat is
 older than ``timeout_s`` is reported down. Kept in memory only: after a
 daemon restart, a worker's heartbeat gets NOT_FOUND and it registers again.
 The clock is injected so tests need not sleep.
+
+A worker's address is what schedulers dial, so registration refuses one no
+other host can reach (``0.0.0.0``, ``::``, port 0: see
+:mod:`blockd.addresses`); an empty address registers a worker that serves
+nothing (a follower only).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from blockd.addresses import unroutable_reason
 from blockd.core.errors import InvalidArgument, NotFound, shown
 from blockd.core.types import PoolConfig
 from blockd.core.validate import MAX_ID_LEN, check_int, check_name
@@ -54,6 +60,11 @@ class WorkerRegistry:
         if len(info.address) > MAX_ID_LEN or len(info.device) > MAX_DEVICE_LEN:
             raise InvalidArgument(f"worker address (at most {MAX_ID_LEN} characters) or device name "
                                   f"(at most {MAX_DEVICE_LEN}) is too long")
+        reason = unroutable_reason(info.address) if info.address else None
+        if reason is not None:
+            raise InvalidArgument(f"worker {shown(info.worker_id)} registered address {shown(info.address)}, "
+                                  f"which others cannot dial: {reason}; start the worker with --advertise-address "
+                                  "HOST[:PORT] (env BLOCKD_WORKER_ADVERTISE_ADDRESS), e.g. its pod IP")
         check_int(info.layer_start, "layer_start", 0, config.num_layers - 1)
         check_int(info.layer_end, "layer_end", info.layer_start + 1, config.num_layers)
         check_int(info.kv_head_start, "kv_head_start", 0, config.num_kv_heads - 1)

@@ -1,112 +1,50 @@
 """``blockctl``: the operator's CLI over the SDK.
 
-    blockctl [--target HOST:PORT] [--json] pools create NAME --num-blocks N --block-size B
-    blockctl pools list
-    blockctl pools show NAME
+    blockctl [--target HOST:PORT] [--json] [--timeout-s S] COMMAND ...
+    blockctl pools create NAME --num-blocks N --block-size B
+    blockctl pools list | show NAME | delete NAME | apply FILE
+    blockctl prefix-cache reset POOL
+    blockctl workers list [--pool POOL]
+    blockctl health [--service NAME]
     blockctl seq show POOL SEQ
     blockctl events tail POOL [--from N] [--limit N] [--follow]
     blockctl top [--interval S] [--once]
 
 Human-readable tables by default; ``--json`` prints JSON (events as one object
-per line, so a tail can be piped). The target defaults to ``$BLOCKD_TARGET``
-or ``127.0.0.1:50051``. Exit status: 0 ok, 1 the call failed (the status and
-blockd's message go to stderr), 2 bad usage.
+per line, so a tail can be piped). The three global flags may also follow
+the command (``blockctl pools list --json``). Every flag has an environment
+variable, ``BLOCKCTL_<FLAG>`` (:mod:`blockd.config_env`), except ``--target``,
+which reads ``BLOCKD_TARGET`` like ``blockd-worker``; the target defaults to
+``127.0.0.1:50051``. The exit status tells the failure class (0 ok, 2 usage,
+3 not found, 4 conflict, 5 wrong state, 6 no room, 7 not allowed, 69
+unavailable, 1 other: :mod:`client.cli_common`); the status and blockd's
+message go to stderr as one line.
 
 Each command group registers itself in :data:`COMMANDS` through one
-``add_*(subparsers)`` function; ``blockctl top`` is :mod:`client.top`'s.
+``add_*(subparsers)`` function (pools in :mod:`client.cli_pools`, workers and
+health in :mod:`client.cli_cluster`, ``top`` in :mod:`client.top`).
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
-import os
 import sys
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable
 
-from blockd.core.types import PoolConfig
+from blockd import config_env
 from client.calls import DEFAULT_TARGET
+from client.cli_cluster import add_health, add_workers
+from client.cli_common import EPILOG, EXIT_CODES, CommandFailed, Exit, emit, jsonable, render_table
+from client.cli_pools import add_pools, add_prefix_cache
 from client.errors import BlockdClientError
 from client.sdk import BlockdClient
 from client.top import add_top
 
 #: events `events tail` shows when no --from is given, like tail(1)
 TAIL_DEFAULT = 10
-_POOL_COLUMNS = ("name", "num_blocks", "block_size", "num_free_blocks", "num_used_blocks",
-                 "num_evictable_blocks", "num_seqs", "num_tokens", "version")
-
-
-def _jsonable(value):
-    if dataclasses.is_dataclass(value):
-        return {f.name: _jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
-    if isinstance(value, bytes):
-        return value.hex()
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _jsonable(v) for k, v in value.items()}
-    return value
-
-
-def render_table(headers: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
-    """Left-aligned text columns, two spaces apart; numbers right-aligned."""
-    cells = [[str(cell) for cell in row] for row in rows]
-    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
-    numeric = [bool(cells) and all(r[i].lstrip("-").isdigit() for r in cells) for i in range(len(headers))]
-
-    def line(cells: Sequence[str]) -> str:
-        return "  ".join(c.rjust(w) if num else c.ljust(w)
-                         for c, w, num in zip(cells, widths, numeric)).rstrip()
-
-    return "\n".join([line([h.upper() for h in headers]), *(line(r) for r in cells)])
-
-
-def _emit(args: argparse.Namespace, data: object, human: Callable[[], str]) -> None:
-    print(json.dumps(_jsonable(data), indent=2) if args.json else human())
-
-
-# --- pools ---------------------------------------------------------------------
-def _pools_create(client: BlockdClient, args: argparse.Namespace) -> None:
-    config = PoolConfig(name=args.name, num_blocks=args.num_blocks, block_size=args.block_size,
-                        num_layers=args.num_layers, num_kv_heads=args.num_kv_heads, head_dim=args.head_dim,
-                        dtype=args.dtype, watermark_blocks=args.watermark_blocks)
-    stats = client.create_pool(config)
-    _emit(args, stats, lambda: f"created pool {stats.name}: {stats.num_blocks} blocks of {stats.block_size}")
-
-
-def _pools_list(client: BlockdClient, args: argparse.Namespace) -> None:
-    pools = client.list_pools()
-    _emit(args, pools, lambda: render_table(_POOL_COLUMNS, [[getattr(s, c) for c in _POOL_COLUMNS]
-                                                            for s in pools]))
-
-
-def _pools_show(client: BlockdClient, args: argparse.Namespace) -> None:
-    config, stats = client.pool_config(args.name), client.get_pool(args.name)
-    rows = [(f.name, getattr(config, f.name)) for f in dataclasses.fields(config)]
-    rows += [(f.name, getattr(stats, f.name)) for f in dataclasses.fields(stats) if f.name != "name"]
-    rows += [("utilisation_ratio", f"{stats.utilisation_ratio:.3f}"),
-             ("prefix_hit_ratio", f"{stats.prefix_hit_ratio:.3f}")]
-    _emit(args, {"config": config, "stats": stats}, lambda: render_table(("field", "value"), rows))
-
-
-def add_pools(sub: argparse._SubParsersAction) -> None:
-    pools = sub.add_parser("pools", help="create, list and inspect pools").add_subparsers(dest="action",
-                                                                                          required=True)
-    create = pools.add_parser("create", help="create a pool")
-    create.add_argument("name")
-    create.add_argument("--num-blocks", type=int, required=True)
-    create.add_argument("--block-size", type=int, required=True)
-    create.add_argument("--num-layers", type=int, default=1)
-    create.add_argument("--num-kv-heads", type=int, default=1)
-    create.add_argument("--head-dim", type=int, default=1)
-    create.add_argument("--dtype", default="float16")
-    create.add_argument("--watermark-blocks", type=int, default=0)
-    create.set_defaults(run=_pools_create)
-    pools.add_parser("list", help="every pool's counters").set_defaults(run=_pools_list)
-    show = pools.add_parser("show", help="one pool's config and counters")
-    show.add_argument("name")
-    show.set_defaults(run=_pools_show)
+ENV_PREFIX = "BLOCKCTL_"
+ENV_OVERRIDES = {"--target": "BLOCKD_TARGET"}
 
 
 # --- sequences -----------------------------------------------------------------------
@@ -119,7 +57,7 @@ def _seq_show(client: BlockdClient, args: argparse.Namespace) -> None:
                                                  ("num_blocks", len(info.block_table))])
         return f"{head}\nblock_table: {' '.join(map(str, info.block_table)) or '(empty)'}"
 
-    _emit(args, info, human)
+    emit(args, info, human)
 
 
 def add_seq(sub: argparse._SubParsersAction) -> None:
@@ -154,7 +92,7 @@ def _events_tail(client: BlockdClient, args: argparse.Namespace) -> None:
     try:
         for event in stream:
             if args.json:
-                print(json.dumps(_jsonable(event)), flush=True)
+                print(json.dumps(jsonable(event)), flush=True)
             else:
                 print(_EVENT_LINE.format(*_event_row(event)), flush=True)
             count += 1
@@ -175,35 +113,71 @@ def add_events(sub: argparse._SubParsersAction) -> None:
     tail.set_defaults(run=_events_tail)
 
 
-#: command groups, each registering its subcommands (``top`` lives in client.top)
-COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [add_pools, add_seq, add_events, add_top]
+#: command groups, each registering its subcommands
+COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
+    add_pools, add_prefix_cache, add_workers, add_health, add_seq, add_events, add_top]
+
+
+def _add_global_flags(parser: argparse.ArgumentParser, after_command: bool) -> None:
+    """``--target``, ``--json``, ``--timeout-s``: before the command, and again
+    after it (with no default there, so a flag given before is not undone)."""
+    kwargs = {"default": argparse.SUPPRESS} if after_command else {}
+    parser.add_argument("--target", help="blockd (or, for health, a worker) address HOST:PORT",
+                        **(kwargs or {"default": DEFAULT_TARGET}))
+    parser.add_argument("--json", action="store_true", help="print JSON instead of tables",
+                        **kwargs)
+    parser.add_argument("--timeout-s", type=float, help="deadline of each call, seconds",
+                        **(kwargs or {"default": 10.0}))
+
+
+def _leaves(parser: argparse.ArgumentParser):
+    """The parsers of runnable commands (those without subcommands)."""
+    subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    if not subs:
+        yield parser
+    for action in subs:
+        for child in dict.fromkeys(action.choices.values()):
+            yield from _leaves(child)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="blockctl", description="inspect and manage a blockd daemon")
-    parser.add_argument("--target", default=os.environ.get("BLOCKD_TARGET", DEFAULT_TARGET),
-                        help="blockd address HOST:PORT [env BLOCKD_TARGET]")
-    parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
-    parser.add_argument("--timeout-s", type=float, default=10.0, help="deadline of each call")
+    parser = argparse.ArgumentParser(prog="blockctl", description="inspect and manage a blockd daemon",
+                                     epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_global_flags(parser, after_command=False)
     sub = parser.add_subparsers(dest="command", required=True)
     for add in COMMANDS:
         add(sub)
+    for leaf in _leaves(parser):
+        if leaf is not parser:
+            _add_global_flags(leaf, after_command=True)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = config_env.parse_args(build_parser(), argv, ENV_PREFIX, ENV_OVERRIDES)
+    if not args.timeout_s > 0:
+        print(f"blockctl: --timeout-s must be a positive number of seconds, got {args.timeout_s}",
+              file=sys.stderr)
+        return Exit.USAGE
     try:
         with BlockdClient(args.target, timeout_s=args.timeout_s) as client:
             args.run(client, args)
     except BlockdClientError as err:
+        code = EXIT_CODES.get(err.code, Exit.FAILED)
+        hint = f" (is blockd serving at {args.target}?)" if code == Exit.UNAVAILABLE else ""
+        print(f"blockctl: {err}{hint}", file=sys.stderr)
+        return code
+    except CommandFailed as err:
         print(f"blockctl: {err}", file=sys.stderr)
-        return 1
+        return err.exit_code
     except KeyboardInterrupt:
-        return 130
+        return Exit.INTERRUPTED
     except BrokenPipeError:  # e.g. piped into head(1)
-        return 0
-    return 0
+        return Exit.OK
+    return Exit.OK
+
+
+__all__ = ["COMMANDS", "build_parser", "jsonable", "main", "render_table"]
 
 
 if __name__ == "__main__":

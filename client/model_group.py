@@ -12,7 +12,9 @@ batch order. :class:`WorkerGroup` sends it to every worker of the replica: one
 worker holding the whole model, or a tensor-parallel group whose ranks each
 hold a share of the KV heads and must all run the same step at once (their
 collectives wait for each other). Rank 0's tokens are the answer; every other
-rank must agree, else the group raises :class:`TensorParallelMismatch`.
+rank must agree, else the group raises :class:`TensorParallelMismatch`. When
+ranks fail, the error raised names the rank and its address, an unreachable
+rank's first (a dead worker also breaks its peers' collectives).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
+from client.errors import BlockdClientError, UnavailableError
 from client.worker import WorkerClient
 
 if TYPE_CHECKING:
@@ -100,12 +103,29 @@ class WorkerGroup:
                                       batch.token_ids, batch.slot_mapping)
         return tokens
 
+    def _group_error(self, failed: list[tuple[int, BaseException]]) -> BaseException:
+        """The error to raise when ranks failed: an unreachable rank's first (the
+        others' failures -- a collective whose peer died -- follow from it),
+        naming the rank and its address, with the other ranks' status codes."""
+        rank, err = next(((r, e) for r, e in failed if isinstance(e, UnavailableError)), failed[0])
+        if not isinstance(err, BlockdClientError):
+            return err
+        others = "; ".join(f"rank {r} ({self.workers[r].target}): "
+                           + (e.code.name if isinstance(e, BlockdClientError) else type(e).__name__)
+                           for r, e in failed if r != rank)
+        message = f"rank {rank} ({self.workers[rank].target}) of the worker group of pool {self.pool!r}: " \
+                  f"{err.message}" + (f" [also failed: {others}]" if others else "")
+        return type(err)(message, code=err.code, details=err.details)
+
     def run(self, version: int, batch: ModelBatch) -> list[int]:
         if self._threads is None:
             return self._step(self.workers[0], version, batch)
         futures = [self._threads.submit(self._step, worker, version, batch) for worker in self.workers]
         # wait for every rank before raising any rank's error: no call is left running
         wait(futures)
+        failed = [(rank, future.exception()) for rank, future in enumerate(futures) if future.exception()]
+        if failed:
+            raise self._group_error(failed)
         answers = [future.result() for future in futures]
         for rank, tokens in enumerate(answers[1:], start=1):
             if tokens != answers[0]:

@@ -78,12 +78,12 @@ def test_events_tail(target, capsys) -> None:
     assert code == 0 and out == ""
 
 
-def test_errors_exit_1_with_the_status(target, capsys) -> None:
+def test_errors_exit_with_their_class_and_the_status(target, capsys) -> None:
     code, out, err = run(capsys, "--target", target, "pools", "show", "nope")
-    assert code == 1 and out == "" and err.startswith("blockctl: NOT_FOUND: no pool named 'nope'")
+    assert code == 3 and out == "" and err.startswith("blockctl: NOT_FOUND: no pool named 'nope'")
     code, _, err = run(capsys, "--target", target, "pools", "create", "x", "--num-blocks", "4",
                        "--block-size", "0")
-    assert code == 1 and "INVALID_ARGUMENT" in err and "block_size" in err
+    assert code == 2 and "INVALID_ARGUMENT" in err and "block_size" in err
 
 
 def test_serve_process_blockctl_and_sigterm(daemon, run_module, tmp_path) -> None:
@@ -109,7 +109,7 @@ def test_serve_process_blockctl_and_sigterm(daemon, run_module, tmp_path) -> Non
 
 def test_serve_refuses_a_bad_fsync_policy(run_module) -> None:
     proc = run_module("blockd.cli", "serve", "--listen", "127.0.0.1:0", env={"BLOCKD_FSYNC": "sometimes"})
-    assert proc.returncode != 0 and "--fsync must be one of always, interval, never" in proc.stderr
+    assert proc.returncode == 2 and proc.stderr == "blockd: BLOCKD_FSYNC must be one of always, interval, never, got 'sometimes'\n"
 
 
 def test_serve_passes_the_metrics_port_through(daemon) -> None:

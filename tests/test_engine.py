@@ -179,5 +179,6 @@ def test_a_failing_log_stops_writes_until_restart(tmp_path):
     with pytest.raises(WrongState, match="restart blockd"):
         engine.step("p", [Allocate("y", [1])])
     engine._wal._fd = None
+    engine.close()  # as the daemon's exit would: it releases the data dir's lock
     again = Engine(str(tmp_path))
     assert again.get_tables("p", []) == (0, {})  # the unlogged batch never happened

@@ -16,6 +16,7 @@ import signal
 import socket
 import threading
 
+from blockd import addresses, config_env
 from blockd.workers import WorkerInfo
 from client.sdk import BlockdClient
 from worker.follower import Follower
@@ -34,33 +35,71 @@ def _range(text: str | None, total: int, what: str) -> tuple[int, int]:
     return int(lo), int(hi)
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    env = os.environ.get
+#: flags that keep a name shared with other programs; every other flag reads
+#: ``BLOCKD_WORKER_<FLAG>`` (blockd.config_env)
+ENV_OVERRIDES = {"--blockd": "BLOCKD_TARGET", "--pool": "BLOCKD_POOL", "--worker-id": "BLOCKD_WORKER_ID",
+                 "--log-level": "BLOCKD_LOG_LEVEL"}
+
+
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="blockd-worker", description=__doc__.split("\n\n")[0])
-    p.add_argument("--blockd", default=env("BLOCKD_TARGET", "127.0.0.1:50051"), help="blockd address")
-    p.add_argument("--pool", default=env("BLOCKD_POOL"), required=env("BLOCKD_POOL") is None)
-    p.add_argument("--worker-id", default=env("BLOCKD_WORKER_ID", f"{socket.gethostname()}-{os.getpid()}"))
-    p.add_argument("--layers", default=env("BLOCKD_WORKER_LAYERS"), help="START:END (default: all)")
-    p.add_argument("--kv-heads", default=env("BLOCKD_WORKER_KV_HEADS"), help="START:END (default: all)")
-    p.add_argument("--listen", default=env("BLOCKD_WORKER_LISTEN", "127.0.0.1:0"))
-    p.add_argument("--device", default=env("BLOCKD_WORKER_DEVICE", "auto"), help="auto, cpu or cuda[:N]")
-    p.add_argument("--metrics-port", type=int, default=int(env("BLOCKD_WORKER_METRICS_PORT", "0")))
-    p.add_argument("--heartbeat-s", type=float, default=1.0)
-    p.add_argument("--log-level", default=env("BLOCKD_LOG_LEVEL", "INFO"))
-    p.add_argument("--model", default=env("BLOCKD_WORKER_MODEL"),
-                   help="run a model: tiny-llama, tiny-qwen2, tiny-gpt2 or a local model directory")
+    p.add_argument("--blockd", default="127.0.0.1:50051", help="blockd address")
+    p.add_argument("--pool", required=True, help="the pool whose shard this worker holds")
+    p.add_argument("--worker-id", default=f"{socket.gethostname()}-{os.getpid()}",
+                   help="unique per worker (default: HOST-PID)")
+    p.add_argument("--layers", help="START:END (default: all)")
+    p.add_argument("--kv-heads", help="START:END (default: all)")
+    p.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT to serve on; port 0 picks a free one")
+    p.add_argument("--advertise-address",
+                   help="HOST[:PORT] schedulers dial to reach this worker, registered with blockd "
+                        "(e.g. the pod IP); the port defaults to the bound one. Default: the listen "
+                        "address, which must then not be 0.0.0.0 or ::")
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
+    p.add_argument("--metrics-port", type=config_env.port, default=0, help="Prometheus metrics port; 0 = off")
+    p.add_argument("--heartbeat-s", type=float, default=1.0, help="seconds between heartbeats")
+    p.add_argument("--log-level", type=config_env.log_level, default="INFO")
+    p.add_argument("--model", help="run a model: tiny-llama, tiny-qwen2, tiny-gpt2 or a local model directory")
     p.add_argument("--model-seed", type=int, default=0, help="weights seed of the tiny models")
     p.add_argument("--tp-rank", type=int, default=0, help="this worker's tensor-parallel rank")
     p.add_argument("--tp-world-size", type=int, default=1, help="workers in the tensor-parallel group")
-    p.add_argument("--tp-init", default=env("BLOCKD_WORKER_TP_INIT"),
-                   help="tcp://HOST:PORT where the tensor-parallel group meets (rank 0 listens)")
+    p.add_argument("--tp-init", help="tcp://HOST:PORT where the tensor-parallel group meets (rank 0 listens)")
     p.add_argument("--tp-timeout-s", type=float, default=60.0, help="bound on joining and on each collective")
-    args = p.parse_args(argv)
+    return p
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = build_parser()
+    args = config_env.parse_args(p, argv, "BLOCKD_WORKER_", ENV_OVERRIDES)
     if args.tp_world_size > 1 and not (args.model and args.tp_init):
         p.error("--tp-world-size > 1 needs --model and --tp-init")
     if not 0 <= args.tp_rank < args.tp_world_size:
         p.error(f"--tp-rank must be in [0, {args.tp_world_size})")
+    if not args.heartbeat_s > 0:
+        p.error(f"--heartbeat-s must be a positive number of seconds, got {args.heartbeat_s}")
+    # refused before the model loads: the port may still be unknown (:0), the host is not
+    try:
+        host, _ = addresses.split(args.advertise_address or args.listen)
+    except ValueError as err:
+        p.error(str(err))
+    if host in addresses.WILDCARD_HOSTS:
+        p.error(f"{'--advertise-address' if args.advertise_address else '--listen'} host {host!r} is not "
+                "an address blockd can hand to schedulers; set --advertise-address HOST[:PORT] "
+                "(env BLOCKD_WORKER_ADVERTISE_ADDRESS), e.g. the pod IP")
     return args
+
+
+def advertised_address(args: argparse.Namespace, bound: str) -> str:
+    """The address registered with blockd; exits with one line if nobody could dial it."""
+    try:
+        address = addresses.advertised(args.advertise_address, bound)
+    except ValueError as err:
+        raise SystemExit(f"blockd-worker: --advertise-address: {err}") from None
+    reason = addresses.unroutable_reason(address)
+    if reason is not None:
+        raise SystemExit(f"blockd-worker: cannot register {address!r} with blockd: {reason}; set "
+                         "--advertise-address HOST[:PORT] (env BLOCKD_WORKER_ADVERTISE_ADDRESS), "
+                         "e.g. the pod IP")
+    return address
 
 
 def _metrics(pool: str, port: int):
@@ -128,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"cannot run model {args.model!r} on this shard: {err}") from None
         log.info("running model %s (TP rank %d of %d)", args.model, args.tp_rank, args.tp_world_size)
     server = WorkerServer(runtime, args.worker_id, args.listen, runner=runner)
-    info = WorkerInfo(args.worker_id, config.name, server.address, *layers, *heads,
+    info = WorkerInfo(args.worker_id, config.name, advertised_address(args, server.address), *layers, *heads,
                       pool_bytes=runtime.pool_bytes, device=str(runtime.device))
     follower = Follower(client, runtime, info, args.heartbeat_s, metrics)
     runtime.latest_committed = follower.latest_committed

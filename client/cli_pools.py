@@ -1,0 +1,120 @@
+"""``blockctl pools ...`` and ``blockctl prefix-cache ...``: pool lifecycle commands.
+
+    blockctl pools create NAME --num-blocks N --block-size B [geometry flags]
+    blockctl pools list
+    blockctl pools show NAME
+    blockctl pools delete NAME
+    blockctl pools apply FILE        # idempotent: see client.pool_apply
+    blockctl prefix-cache reset POOL
+
+Each ``add_*`` registers one command group with the parser (an entry of
+``client.cli.COMMANDS``); the SDK owns the calls and their errors, and
+:mod:`client.cli_common` the output and the exit status.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from blockd.core.types import PoolConfig
+from client import pool_apply
+from client.cli_common import CommandFailed, Exit, emit, render_table
+from client.sdk import BlockdClient
+
+_POOL_COLUMNS = ("name", "num_blocks", "block_size", "num_free_blocks", "num_used_blocks",
+                 "num_evictable_blocks", "num_seqs", "num_tokens", "version")
+
+
+def _pools_create(client: BlockdClient, args: argparse.Namespace) -> None:
+    config = PoolConfig(name=args.name, num_blocks=args.num_blocks, block_size=args.block_size,
+                        num_layers=args.num_layers, num_kv_heads=args.num_kv_heads, head_dim=args.head_dim,
+                        dtype=args.dtype, watermark_blocks=args.watermark_blocks)
+    stats = client.create_pool(config)
+    emit(args, stats, lambda: f"created pool {stats.name}: {stats.num_blocks} blocks of {stats.block_size}")
+
+
+def _pools_list(client: BlockdClient, args: argparse.Namespace) -> None:
+    pools = client.list_pools()
+    emit(args, pools, lambda: render_table(_POOL_COLUMNS, [[getattr(s, c) for c in _POOL_COLUMNS]
+                                                           for s in pools]))
+
+
+def _pools_show(client: BlockdClient, args: argparse.Namespace) -> None:
+    config, stats = client.pool_config(args.name), client.get_pool(args.name)
+    rows = [(f.name, getattr(config, f.name)) for f in dataclasses.fields(config)]
+    rows += [(f.name, getattr(stats, f.name)) for f in dataclasses.fields(stats) if f.name != "name"]
+    rows += [("utilisation_ratio", f"{stats.utilisation_ratio:.3f}"),
+             ("prefix_hit_ratio", f"{stats.prefix_hit_ratio:.3f}")]
+    emit(args, {"config": config, "stats": stats}, lambda: render_table(("field", "value"), rows))
+
+
+def _pools_delete(client: BlockdClient, args: argparse.Namespace) -> None:
+    client.delete_pool(args.name)
+    emit(args, {"deleted": args.name}, lambda: f"deleted pool {args.name}")
+
+
+def _describe(outcome: pool_apply.Outcome) -> str:
+    if outcome.action != "differs":
+        return f"{outcome.action} pool {outcome.name}"
+    diffs = "; ".join(f"{field} is {have!r}, the file says {want!r}" for field, have, want in outcome.differences)
+    return f"pool {outcome.name} differs from the file: {diffs} (left as it is)"
+
+
+def _pools_apply(client: BlockdClient, args: argparse.Namespace) -> None:
+    try:
+        wanted = pool_apply.load(args.file)
+    except pool_apply.PoolFileError as err:
+        raise CommandFailed(str(err), Exit.USAGE) from None
+    outcomes = pool_apply.apply(client, wanted)
+    emit(args, outcomes, lambda: "\n".join(_describe(o) for o in outcomes) or "no pools in the file")
+    differing = [o.name for o in outcomes if o.action == "differs"]
+    if differing:
+        raise CommandFailed(f"pool(s) {', '.join(differing)} exist with another config; delete and apply "
+                            "again to recreate them (this drops their sequences), or change the file",
+                            Exit.CONFLICT)
+
+
+def add_pools(sub: argparse._SubParsersAction) -> None:
+    pools = sub.add_parser("pools", help="create, list, inspect, delete and apply pools").add_subparsers(
+        dest="action", required=True)
+    create = pools.add_parser("create", help="create a pool")
+    create.add_argument("name")
+    create.add_argument("--num-blocks", type=int, required=True, help="blocks in the pool")
+    create.add_argument("--block-size", type=int, required=True, help="token slots per block")
+    create.add_argument("--num-layers", type=int, default=1, help="model layers (for bytes per block)")
+    create.add_argument("--num-kv-heads", type=int, default=1, help="KV heads per layer")
+    create.add_argument("--head-dim", type=int, default=1, help="dimension of one head")
+    create.add_argument("--dtype", default="float16", help="KV element type")
+    create.add_argument("--watermark-blocks", type=int, default=0,
+                        help="blocks kept back from new sequences so running ones can append")
+    create.set_defaults(run=_pools_create)
+    pools.add_parser("list", help="every pool's counters").set_defaults(run=_pools_list)
+    show = pools.add_parser("show", help="one pool's config and counters")
+    show.add_argument("name")
+    show.set_defaults(run=_pools_show)
+    delete = pools.add_parser("delete", help="delete a pool with all its sequences and cached blocks")
+    delete.add_argument("name")
+    delete.set_defaults(run=_pools_delete)
+    apply = pools.add_parser(
+        "apply", help="create the pools a JSON file lists that are missing; check the others match",
+        description=pool_apply.__doc__.split("\n\n")[1])
+    apply.add_argument("file", help='JSON: {"pools": [{"name": ..., "num_blocks": ..., "block_size": ...}]}; '
+                                    "- reads standard input")
+    apply.set_defaults(run=_pools_apply)
+
+
+def _prefix_cache_reset(client: BlockdClient, args: argparse.Namespace) -> None:
+    client.reset_prefix_cache(args.pool)
+    emit(args, {"reset": args.pool}, lambda: f"reset the prefix cache of pool {args.pool}")
+
+
+def add_prefix_cache(sub: argparse._SubParsersAction) -> None:
+    group = sub.add_parser("prefix-cache", help="the prefix cache of a pool").add_subparsers(
+        dest="action", required=True)
+    reset = group.add_parser("reset", help="drop every cached prefix block of a pool (live sequences keep theirs)")
+    reset.add_argument("pool")
+    reset.set_defaults(run=_prefix_cache_reset)
+
+
+__all__ = ["add_pools", "add_prefix_cache"]
