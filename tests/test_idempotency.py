@@ -247,76 +247,16 @@ def test_limits_are_checked():
             IdempotencyLimits(**bad)
 
 
-def test_serve_flags_and_env(monkeypatch):
-    from blockd import cli
+def test_serve_flags_and_env(monkeypatch, capsys):
+    from blockd import cli, config_env
 
     with pytest.raises(SystemExit, match="positive int"):
         cli.main(["serve", "--max-request-ids", "0"])
     monkeypatch.setenv("BLOCKD_MAX_REQUEST_BYTES", "lots")
-    with pytest.raises(SystemExit, match="BLOCKD_MAX_REQUEST_BYTES must be an integer"):
-        cli.build_parser()
+    with pytest.raises(SystemExit):
+        config_env.parse_args(cli.build_parser(), ["serve"], "BLOCKD_")
+    assert "BLOCKD_MAX_REQUEST_BYTES must be an integer, got 'lots'" in capsys.readouterr().err
     monkeypatch.setenv("BLOCKD_MAX_REQUEST_BYTES", "4096")
     monkeypatch.setenv("BLOCKD_REQUEST_TTL_S", "2.5")
-    args = cli.build_parser().parse_args(["serve"])
+    args = config_env.parse_args(cli.build_parser(), ["serve"], "BLOCKD_")
     assert (args.max_request_ids, args.max_request_bytes, args.request_ttl_s) == (16384, 4096, 2.5)
-
-
-# --- recovery ---------------------------------------------------------------------------------
-def drive(engine: Engine, clock: Clock) -> dict:
-    """Every way the table forgets, in phases; returns what each phase left."""
-    seen = {}
-    for n in range(60):  # count: 60 small steps at one time, cap 40
-        engine.step("p", [Allocate(f"a{n}", [n])], f"a-r{n}")
-    seen["count"] = engine.idempotency_usage()
-    clock.t += 150  # age: the next record is 150 s after all of those (ttl 100)
-    engine.create_pool(PoolConfig("q", num_blocks=16, block_size=2), request_id="create-q")
-    seen["age"] = engine.idempotency_usage()
-    clock.t -= 1000  # a clock set back: record times stay monotone
-    decode_steps(engine, 30, width=256)  # bytes: ~1 KB answers, cap 24 KiB
-    engine.step("p", [Free("a59")])  # no request id: not in the table
-    engine.reset_prefix_cache("p", request_id="reset")
-    engine.delete_pool("q", request_id="delete-q")
-    seen["bytes"] = engine.idempotency_usage()
-    return seen
-
-
-@pytest.mark.parametrize("snapshot_every", [7, 1_000_000])
-def test_recovery_rebuilds_exactly_the_same_table(tmp_path, snapshot_every):
-    limits = IdempotencyLimits(max_entries=40, max_bytes=24 * 1024, ttl_s=100)
-    clock = Clock()
-    engine = small_engine(limits, clock, data_dir=str(tmp_path), fsync="never", snapshot_every=snapshot_every,
-                          snapshot_log_ratio=0)
-    seen = drive(engine, clock)
-    assert seen["count"].num_ids == seen["count"].num_answers == 40
-    assert seen["age"].num_ids == 1
-    assert seen["bytes"].num_answers < seen["bytes"].num_ids < 40
-    table = engine._requests.dump()
-    engine.close()
-
-    clock.t += 86_400  # restarted a day later: replay must not use the clock
-    again = Engine(str(tmp_path), fsync="never", snapshot_every=snapshot_every, idempotency=limits,
-                   wall_clock=clock)
-    assert again._requests.dump() == table
-    assert again.idempotency_usage() == seen["bytes"]
-    again.close()
-
-
-def test_retries_across_a_restart_get_the_first_answer(tmp_path):
-    clock = Clock()
-    engine = small_engine(None, clock, data_dir=str(tmp_path))
-    created = engine.create_pool(PoolConfig("q", num_blocks=8, block_size=2), request_id="create-q")
-    stepped = engine.step("q", [Allocate("a", [1, 2, 3])], "s1")
-    engine.close()
-    again = Engine(str(tmp_path), wall_clock=clock)
-    assert again.create_pool(PoolConfig("q", num_blocks=8, block_size=2), request_id="create-q") == created
-    assert again.step("q", [Allocate("a", [1, 2, 3])], "s1") == stepped
-    with pytest.raises(InvalidArgument, match="different content"):
-        again.create_pool(PoolConfig("q", num_blocks=9, block_size=2), request_id="create-q")
-    again.close()
-
-
-def test_a_table_in_the_old_snapshot_format_is_forgotten_with_a_warning(caplog):
-    table = IdempotencyTable()
-    with caplog.at_level(logging.WARNING, logger="blockd.idempotency"):
-        table.load([["r1", "step:p", None]])
-    assert len(table) == 0 and "older format" in caplog.text
