@@ -19,7 +19,7 @@ def encode_result(result: object) -> object:
         return None
     if isinstance(result, StepResult):
         return {"step": [result.version, [_op_result(r) for r in result.results],
-                         [list(c) for c in result.copy_ops]]}
+                         [list(c) for c in result.copy_ops], result.incarnation]}
     if isinstance(result, PoolStats):
         return {"stats": [getattr(result, f) for f in PoolStats.__dataclass_fields__]}
     raise TypeError(f"cannot persist a result of type {type(result).__name__}")
@@ -34,10 +34,10 @@ def decode_result(data: object) -> object:
     if data is None:
         return None
     if "step" in data:
-        version, results, copies = data["step"]
+        version, results, copies, *incarnation = data["step"]  # no incarnation: written before there were any
         return StepResult(version, tuple(
             OpResult(s, n, c, tuple(new), tuple(tuple(x) for x in cop), start, tuple(slots))
-            for s, n, c, new, cop, start, slots in results), tuple(tuple(c) for c in copies))
+            for s, n, c, new, cop, start, slots in results), tuple(tuple(c) for c in copies), *incarnation)
     return PoolStats(*data["stats"])
 
 
