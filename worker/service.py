@@ -7,7 +7,10 @@ The servicer is a thin adapter: decode tensors (:mod:`worker.tensors`), call
 the runtime, encode the result. Failures leave through blockd's one error
 mapping (:mod:`blockd.service.errors`): bad shapes or dtypes are
 INVALID_ARGUMENT, unknown sequences NOT_FOUND, stale or never-arriving
-versions FAILED_PRECONDITION; nothing leaks as UNKNOWN.
+versions FAILED_PRECONDITION; nothing leaks as UNKNOWN. Every data-plane call
+must name the worker incarnation it planned against (another one means this
+process restarted and lost the KV: WORKER_INCARNATION_MISMATCH) and the pool
+incarnation of its version.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from blockd.core.errors import InvalidArgument, NotFound, WrongState
-from blockd.service.errors import unary
+from blockd.identity import WorkerIncarnationMismatch, short
+from blockd.service.errors import BadField, unary
 from blockd.service.server import method_handlers, split_address
 from blockd.v1 import worker_pb2 as pb
 from worker.runtime import WorkerRuntime
@@ -38,9 +42,25 @@ class KVShardServicer:
         self.worker_id = worker_id
         self.device = device
 
-    def _check_pool(self, pool: str) -> None:
-        if pool != self.runtime.config.name:
-            raise NotFound(f"this worker holds pool {self.runtime.config.name!r}, not {pool!r}")
+    def _check_call(self, request) -> str:
+        """The pool, and the incarnations the caller planned against; returns the
+        pool incarnation it names."""
+        if request.pool != self.runtime.config.name:
+            raise NotFound(f"this worker holds pool {self.runtime.config.name!r}, not {request.pool[:256]!r}")
+        if not request.pool_incarnation:
+            raise BadField("pool_incarnation", "is required: the pool incarnation of the Step response (or "
+                           "GetPool) whose version you name")
+        if not request.worker_incarnation:
+            raise BadField("worker_incarnation", "is required: this worker's incarnation from GetWorkerStats "
+                           "or ListWorkers, so a restarted worker cannot answer for KV it lost")
+        mine = self.runtime.incarnation
+        if request.worker_incarnation != mine:
+            raise WorkerIncarnationMismatch(
+                f"worker {self.worker_id!r} is incarnation {short(mine)}, not {short(request.worker_incarnation)}: "
+                "it restarted since you planned and lost the KV written before; blockd reports the affected "
+                "sequences (KV_LOST): recompute them, then name the new incarnation (GetWorkerStats)",
+                metadata={"worker_incarnation": mine, "planned_incarnation": request.worker_incarnation[:64]})
+        return request.pool_incarnation
 
     @unary
     def GetWorkerStats(self, request, context):
@@ -52,14 +72,15 @@ class KVShardServicer:
 
     @unary
     def WriteKV(self, request, context):
-        self._check_pool(request.pool)
+        incarnation = self._check_call(request)
         self.runtime.write_kv(request.version, request.layer, from_proto(request.key, "key"),
-                              from_proto(request.value, "value"), list(request.slot_mapping))
+                              from_proto(request.value, "value"), list(request.slot_mapping),
+                              pool_incarnation=incarnation)
         return pb.WriteKVResponse(version=request.version)
 
     @unary
     def Attention(self, request, context):
-        self._check_pool(request.pool)
+        incarnation = self._check_call(request)
         has_kv = request.HasField("key") or request.HasField("value")
         if has_kv and not (request.HasField("key") and request.HasField("value")):
             raise InvalidArgument("key and value go together")
@@ -69,17 +90,17 @@ class KVShardServicer:
             key=from_proto(request.key, "key") if has_kv else None,
             value=from_proto(request.value, "value") if has_kv else None,
             slot_mapping=list(request.slot_mapping) if has_kv else None,
-            scale=request.scale or None)
+            scale=request.scale or None, pool_incarnation=incarnation)
         return pb.AttentionResponse(output=to_proto(out), version=request.version)
 
     @unary
     def ModelStep(self, request, context):
-        self._check_pool(request.pool)
+        incarnation = self._check_call(request)
         if self.runner is None:
             raise WrongState("this worker runs no model (start blockd-worker with --model)")
         logits = self.runner.step(request.version, list(request.seq_ids), list(request.query_lens),
                                   list(request.context_lens), list(request.token_ids),
-                                  list(request.slot_mapping))
+                                  list(request.slot_mapping), pool_incarnation=incarnation)
         response = pb.ModelStepResponse(version=request.version,
                                         next_token_ids=logits.argmax(dim=-1).tolist())
         if request.return_logits:
