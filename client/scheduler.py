@@ -25,6 +25,22 @@ behind :class:`client.model_group.ModelExecutor`. One scheduler step::
 
 Sampling is greedy, so forked samples (which copy sample 0's tokens) and
 recomputed sequences continue exactly as an uninterrupted run would.
+
+Faults (see DESIGN.md, incarnations). Every step names the pool incarnation
+of the previous one, and every model step the incarnation its version belongs
+to, so nothing planned on one pool runs on another:
+
+* KV lost (a worker restarted): blockd refuses a batch naming a sequence whose
+  KV is gone (``KV_LOST``, with the sequence ids), a worker refuses attention
+  over slots it has not written (``KV_NOT_WRITTEN``) or a call planned
+  against its previous life (``WORKER_INCARNATION_MISMATCH``), or cannot be
+  reached. The requests concerned are preempted with recompute (freed without
+  committing: their KV must not enter the prefix cache), the workers are
+  waited for, and serving carries on; ``counters.num_kv_loss_preemptions``
+  counts them.
+* The pool deleted or re-created under the scheduler (``POOL_INCARNATION_MISMATCH``
+  or NOT_FOUND for the pool): its sequences are gone, so every request held
+  fails with an error saying so; later requests run on the new pool.
 """
 
 from __future__ import annotations
@@ -34,8 +50,10 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import grpc
+
 from blockd.core.types import Allocate, Commit, DecodeAppend, Fork, Free, Op, StepResult
-from client.errors import ResourceExhaustedError
+from client.errors import BlockdClientError, FailedPreconditionError, NotFoundError, ResourceExhaustedError
 from client.model_group import ModelBatch, ModelExecutor
 from client.sdk import BlockdClient
 from client.serving import (
@@ -55,6 +73,8 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 256
     #: sequences running at once at most (forked samples count)
     max_num_seqs: int = 64
+    #: how long to wait for unreachable or restarted workers before giving up
+    worker_restart_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
         if type(self.max_num_seqs) is not int or self.max_num_seqs < 1:
@@ -79,6 +99,12 @@ class SchedulerCounters:
     num_output_tokens: int = 0
     peak_running_requests: int = 0
     peak_running_seqs: int = 0
+    #: requests preempted with recompute because a worker lost (or may have lost) their KV
+    num_kv_loss_preemptions: int = 0
+    #: model steps that failed on a worker fault (and were recomputed)
+    num_worker_faults: int = 0
+    #: requests failed because the pool was deleted or re-created under them
+    num_failed: int = 0
 
 
 @dataclass
@@ -95,6 +121,15 @@ class _Plan:
     #: admitted requests with each live sequence's Allocate op index and token budget
     admitted: list[tuple[RequestState, list[tuple[int, int]]]] = field(default_factory=list)
     admit_at: dict[int, int] = field(default_factory=dict)  # Allocate op index -> admitted position
+
+
+#: model-step refusals a worker fault explains: recompute and carry on
+_WORKER_FAULTS = frozenset({"KV_NOT_WRITTEN", "WORKER_INCARNATION_MISMATCH", "POOL_INCARNATION_UNAVAILABLE"})
+_UNREACHABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+
+
+class _PoolGone(Exception):
+    """The pool was deleted or re-created: every request held has been failed."""
 
 
 class Scheduler:
@@ -122,6 +157,8 @@ class Scheduler:
         self._known_ids: set[str] = set()
         self._release: list[Op] = []  # Commit/Free ops the next batch must carry
         self._admission_blocked = False
+        #: the pool incarnation of the last step ("" before the first)
+        self.pool_incarnation = ""
 
     # --- public ------------------------------------------------------------------
     def add_request(self, request: GenerationRequest) -> None:
@@ -162,16 +199,25 @@ class Scheduler:
 
     def step(self) -> bool:
         """One scheduler step (see the module docstring); False if there was nothing to send."""
-        sent = self._send()
-        if sent is None:
-            return False
-        plan, result = sent
-        entries, batch = self._apply_result(plan, result)
-        if batch.num_seqs:
-            tokens = self.executor.run(result.version, batch)
-            if len(tokens) != batch.num_seqs:
-                raise RuntimeError(f"the model returned {len(tokens)} tokens for {batch.num_seqs} sequences")
-            self._apply_tokens(entries, tokens)
+        try:
+            sent = self._send()
+            if sent is None:
+                return False
+            plan, result = sent
+            self.pool_incarnation = result.incarnation
+            entries, batch = self._apply_result(plan, result)
+            if batch.num_seqs:
+                try:
+                    tokens = self.executor.run(result.version, batch, pool_incarnation=result.incarnation)
+                except BlockdClientError as err:
+                    self._on_model_fault(err, entries)
+                else:
+                    if len(tokens) != batch.num_seqs:
+                        raise RuntimeError(f"the model returned {len(tokens)} tokens for {batch.num_seqs} "
+                                           "sequences")
+                    self._apply_tokens(entries, tokens)
+        except _PoolGone:
+            pass
         self.counters.num_steps += 1
         return True
 
@@ -184,12 +230,24 @@ class Scheduler:
             if not plan.ops:
                 return None
             try:
-                result = self.client.step(self.pool, plan.ops)
+                result = self.client.step(self.pool, plan.ops, incarnation=self.pool_incarnation)
             except ResourceExhaustedError as err:
                 self.counters.num_refused_batches += 1
                 admit_limit, refused = self._on_refused(plan, err)
                 refused_admission |= refused
                 continue
+            except FailedPreconditionError as err:
+                if err.reason == "KV_LOST":
+                    self.counters.num_refused_batches += 1
+                    self._on_kv_lost(err)
+                    continue
+                if err.reason == "POOL_INCARNATION_MISMATCH":
+                    self._pool_gone(err)
+                raise
+            except NotFoundError as err:
+                if err.op_index is None:  # the pool itself, not one of its sequences
+                    self._pool_gone(err)
+                raise
             # Only a Free makes room for a refused admission (appends only take blocks).
             if refused_admission:
                 self._admission_blocked = True
@@ -216,24 +274,77 @@ class Scheduler:
         self._preempt(self.running[-1])
         return 0, False
 
-    def _preempt(self, state: RequestState) -> None:
+    def _preempt(self, state: RequestState, *, kv_lost: bool = False) -> None:
         """Recompute preemption: free the request's sequences (committing what
-        they computed, so the prefix cache may keep it) and requeue it first."""
+        they computed, so the prefix cache may keep it, unless their KV was
+        lost) and requeue it first."""
         self.running.remove(state)
         for seq in state.live:
-            self._release_seq(seq)
+            self._release_seq(seq, commit=not kv_lost)
             seq.evict()
         state.num_preemptions += 1
         self.counters.num_preemptions += 1
+        self.counters.num_kv_loss_preemptions += kv_lost
         self.admission.on_release(state)
         self.waiting.appendleft(state)
 
-    def _release_seq(self, seq: SeqState) -> None:
+    def _release_seq(self, seq: SeqState, *, commit: bool = True) -> None:
         if seq.num_in_pool == 0:
             return
-        if seq.num_computed > seq.num_committed:
+        if commit and seq.num_computed > seq.num_committed:
             self._release.append(Commit(seq.seq_id, seq.num_computed))
         self._release.append(Free(seq.seq_id))
+
+    # --- faults ---------------------------------------------------------------------
+    def _preempt_lost(self, states: list[RequestState]) -> None:
+        for state in reversed(states):  # newest first, so the oldest ends first in the queue
+            self._preempt(state, kv_lost=True)
+
+    def _on_kv_lost(self, err: FailedPreconditionError) -> None:
+        """blockd refused the batch: sequences it names lost their KV. Recompute
+        their requests; a finished one is only freed (its Commit is refused)."""
+        lost = set(err.seq_ids)
+        owners = [state for state in self.running if any(seq.seq_id in lost for seq in state.samples)]
+        kept = [op for op in self._release if not (type(op) is Commit and op.seq_id in lost)]
+        if not owners and len(kept) == len(self._release):
+            raise err  # names nothing this scheduler holds: acting on it would loop
+        self._release = kept
+        self._preempt_lost(owners)
+
+    def _on_model_fault(self, err: BlockdClientError, entries: list) -> None:
+        """The model step failed. A worker fault (restarted, unreachable, KV
+        not written) means none of the batch was computed and the KV the
+        workers hold is unknown: recompute the batch's requests and wait for
+        the workers. Anything else is not the scheduler's to mend: raise it."""
+        if err.reason == "POOL_INCARNATION_MISMATCH":
+            self._pool_gone(err)
+        if err.reason not in _WORKER_FAULTS and err.code not in _UNREACHABLE:
+            raise err
+        self.counters.num_worker_faults += 1
+        states = list({id(state): state for state, _, _ in entries}.values())
+        self._preempt_lost([state for state in states if state in self.running])
+        if err.reason == "KV_NOT_WRITTEN":
+            # blockd may still cache blocks the worker no longer holds (a prefix hit
+            # taken before it learnt of the loss): recomputing would hit them again
+            self.client.reset_prefix_cache(self.pool)
+        reconnect = getattr(self.executor, "reconnect", None)
+        if reconnect is not None:
+            reconnect(self.config.worker_restart_timeout_s)
+
+    def _pool_gone(self, err: BlockdClientError) -> None:
+        """The pool was deleted or re-created: fail every request held, then raise _PoolGone."""
+        now, error = self.clock(), (f"pool {self.pool!r} was deleted or re-created while this request ran, "
+                                    f"so its sequences are gone: {err.message}")
+        for state in [*self.running, *self.waiting]:
+            self.admission.on_release(state)
+            self._finished.append(finish(state, now, error=error))
+            self.counters.num_failed += 1
+        self.running.clear()
+        self.waiting.clear()
+        self._release.clear()
+        self._admission_blocked = False
+        self.pool_incarnation = ""
+        raise _PoolGone(error)
 
     # --- planning -------------------------------------------------------------------
     def _plan(self, admit_limit: int | None) -> _Plan:
