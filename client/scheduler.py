@@ -26,21 +26,8 @@ behind :class:`client.model_group.ModelExecutor`. One scheduler step::
 Sampling is greedy, so forked samples (which copy sample 0's tokens) and
 recomputed sequences continue exactly as an uninterrupted run would.
 
-Faults (see DESIGN.md, incarnations). Every step names the pool incarnation
-of the previous one, and every model step the incarnation its version belongs
-to, so nothing planned on one pool runs on another:
-
-* KV lost (a worker restarted): blockd refuses a batch naming a sequence whose
-  KV is gone (``KV_LOST``, with the sequence ids), a worker refuses attention
-  over slots it has not written (``KV_NOT_WRITTEN``) or a call planned
-  against its previous life (``WORKER_INCARNATION_MISMATCH``), or cannot be
-  reached. The requests concerned are preempted with recompute (freed without
-  committing: their KV must not enter the prefix cache), the workers are
-  waited for, and serving carries on; ``counters.num_kv_loss_preemptions``
-  counts them.
-* The pool deleted or re-created under the scheduler (``POOL_INCARNATION_MISMATCH``
-  or NOT_FOUND for the pool): its sequences are gone, so every request held
-  fails with an error saying so; later requests run on the new pool.
+Faults (a worker restarted, the pool re-created) are dealt with as
+:mod:`client.faults` says.
 """
 
 from __future__ import annotations
@@ -50,10 +37,9 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import grpc
-
 from blockd.core.types import Allocate, Commit, DecodeAppend, Fork, Free, Op, StepResult
 from client.errors import BlockdClientError, FailedPreconditionError, NotFoundError, ResourceExhaustedError
+from client.faults import FaultRecovery, PoolGone
 from client.model_group import ModelBatch, ModelExecutor
 from client.sdk import BlockdClient
 from client.serving import (
@@ -123,16 +109,7 @@ class _Plan:
     admit_at: dict[int, int] = field(default_factory=dict)  # Allocate op index -> admitted position
 
 
-#: model-step refusals a worker fault explains: recompute and carry on
-_WORKER_FAULTS = frozenset({"KV_NOT_WRITTEN", "WORKER_INCARNATION_MISMATCH", "POOL_INCARNATION_UNAVAILABLE"})
-_UNREACHABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
-
-
-class _PoolGone(Exception):
-    """The pool was deleted or re-created: every request held has been failed."""
-
-
-class Scheduler:
+class Scheduler(FaultRecovery):
     """Serves :class:`GenerationRequest` s on ``pool`` through ``client`` and ``executor``.
 
     ``admission`` decides who may start besides the pool's room:
@@ -216,7 +193,7 @@ class Scheduler:
                         raise RuntimeError(f"the model returned {len(tokens)} tokens for {batch.num_seqs} "
                                            "sequences")
                     self._apply_tokens(entries, tokens)
-        except _PoolGone:
+        except PoolGone:
             pass
         self.counters.num_steps += 1
         return True
@@ -294,57 +271,6 @@ class Scheduler:
         if commit and seq.num_computed > seq.num_committed:
             self._release.append(Commit(seq.seq_id, seq.num_computed))
         self._release.append(Free(seq.seq_id))
-
-    # --- faults ---------------------------------------------------------------------
-    def _preempt_lost(self, states: list[RequestState]) -> None:
-        for state in reversed(states):  # newest first, so the oldest ends first in the queue
-            self._preempt(state, kv_lost=True)
-
-    def _on_kv_lost(self, err: FailedPreconditionError) -> None:
-        """blockd refused the batch: sequences it names lost their KV. Recompute
-        their requests; a finished one is only freed (its Commit is refused)."""
-        lost = set(err.seq_ids)
-        owners = [state for state in self.running if any(seq.seq_id in lost for seq in state.samples)]
-        kept = [op for op in self._release if not (type(op) is Commit and op.seq_id in lost)]
-        if not owners and len(kept) == len(self._release):
-            raise err  # names nothing this scheduler holds: acting on it would loop
-        self._release = kept
-        self._preempt_lost(owners)
-
-    def _on_model_fault(self, err: BlockdClientError, entries: list) -> None:
-        """The model step failed. A worker fault (restarted, unreachable, KV
-        not written) means none of the batch was computed and the KV the
-        workers hold is unknown: recompute the batch's requests and wait for
-        the workers. Anything else is not the scheduler's to mend: raise it."""
-        if err.reason == "POOL_INCARNATION_MISMATCH":
-            self._pool_gone(err)
-        if err.reason not in _WORKER_FAULTS and err.code not in _UNREACHABLE:
-            raise err
-        self.counters.num_worker_faults += 1
-        states = list({id(state): state for state, _, _ in entries}.values())
-        self._preempt_lost([state for state in states if state in self.running])
-        if err.reason == "KV_NOT_WRITTEN":
-            # blockd may still cache blocks the worker no longer holds (a prefix hit
-            # taken before it learnt of the loss): recomputing would hit them again
-            self.client.reset_prefix_cache(self.pool)
-        reconnect = getattr(self.executor, "reconnect", None)
-        if reconnect is not None:
-            reconnect(self.config.worker_restart_timeout_s)
-
-    def _pool_gone(self, err: BlockdClientError) -> None:
-        """The pool was deleted or re-created: fail every request held, then raise _PoolGone."""
-        now, error = self.clock(), (f"pool {self.pool!r} was deleted or re-created while this request ran, "
-                                    f"so its sequences are gone: {err.message}")
-        for state in [*self.running, *self.waiting]:
-            self.admission.on_release(state)
-            self._finished.append(finish(state, now, error=error))
-            self.counters.num_failed += 1
-        self.running.clear()
-        self.waiting.clear()
-        self._release.clear()
-        self._admission_blocked = False
-        self.pool_incarnation = ""
-        raise _PoolGone(error)
 
     # --- planning -------------------------------------------------------------------
     def _plan(self, admit_limit: int | None) -> _Plan:
