@@ -12,6 +12,11 @@ Prints one JSON object per line:
   / contiguous ms; ``gbps`` = K+V bytes the paged kernel reads per second;
   ``plan_ms`` is the once-per-batch planning the per-layer ``ms`` excludes;
   ``max_abs_err`` compares the two outputs.
+* ``{"name": "written_check", ...}``: what the worker adds per layer so it never
+  attends over KV it has not written in its incarnation (:mod:`worker.written`):
+  recording a decode batch's new slots (``mark_ms``) and checking every slot
+  the batch reads (``check_ms``), against the paged decode kernel on the same
+  batch in this run (``ratio_vs_paged_decode``); ``plan_ms`` is once per batch.
 
 Times are the minimum over repetitions (the least disturbed run). Run:
 ``python bench/attention.py [--quick] [--reps N] [--threads N]``.
@@ -32,6 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from worker.kernels import PagedAttention
 from worker.layout import KVGeometry, allocate_kv_pool, as_rows, gather_rows
+from worker.written import ContextBlocks, WrittenSlots
 
 BATCH, Q_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 32, 128, 16
 
@@ -131,6 +137,26 @@ def decode_case(kv_heads: int, context: int, dtype: torch.dtype, reps: int,
     }
 
 
+def written_check_case(context: int, paged_ms: float, reps: int) -> dict:
+    """The written-slot record of a decode batch like :func:`decode_case`'s."""
+    blocks_per_seq = context // BLOCK_SIZE
+    tables = torch.randperm(BATCH * blocks_per_seq, generator=torch.Generator().manual_seed(0))
+    tables = tables.view(BATCH, blocks_per_seq)
+    written = WrittenSlots(1, BATCH * blocks_per_seq, BLOCK_SIZE)
+    written.mark(0, torch.arange(BATCH * blocks_per_seq * BLOCK_SIZE))
+    lengths = torch.full((BATCH,), context, dtype=torch.int64)
+    plan_start = time.perf_counter()
+    batch = ContextBlocks.of(tables, lengths, BLOCK_SIZE)
+    plan_ms = (time.perf_counter() - plan_start) * 1e3
+    new_slots = tables[:, -1] * BLOCK_SIZE + BLOCK_SIZE - 1  # each sequence's newest token
+    seq_ids = [f"s{i}" for i in range(BATCH)]
+    mark = best_seconds(lambda: written.mark(0, new_slots), reps)
+    check = best_seconds(lambda: written.check(0, batch, seq_ids, lengths), reps)
+    return {"name": "written_check", "batch": BATCH, "context": context, "block_size": BLOCK_SIZE,
+            "mark_ms": round(mark * 1e3, 4), "check_ms": round(check * 1e3, 4), "plan_ms": round(plan_ms, 3),
+            "paged_decode_ms": paged_ms, "ratio_vs_paged_decode": round((mark + check) * 1e3 / paged_ms, 6)}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="context 1024 only, fewer repetitions")
@@ -153,11 +179,15 @@ def main(argv: list[str] | None = None) -> None:
         for line in bandwidth(reps):
             print(json.dumps(line), flush=True)
     contexts = args.context or ((1024,) if args.quick else (1024, 4096))
+    paged_ms: dict[int, float] = {}
     for kv_heads in args.kv_heads:
         for context in contexts:
             for dtype in args.dtype:
                 line = decode_case(kv_heads, context, getattr(torch, dtype), reps, args.tile_bytes)
+                paged_ms.setdefault(context, line["ms"])
                 print(json.dumps(line), flush=True)
+    for context, ms in paged_ms.items():  # against the first decode case of each context
+        print(json.dumps(written_check_case(context, ms, reps)), flush=True)
 
 
 if __name__ == "__main__":

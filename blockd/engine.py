@@ -11,7 +11,10 @@
   logged (and fsynced per policy), then acknowledged; a batch that fails is
   never logged, so it leaves no trace,
 * the retained KV events and the condition that wakes Watch/Events streams,
-* the worker registry (:mod:`blockd.workers`; in memory: workers re-register).
+* the worker registry (:mod:`blockd.workers`; in memory: workers re-register),
+* each pool's identity (:mod:`blockd.identity`): its incarnation, the worker
+  incarnations holding its KV and the sequences whose KV a worker restart lost
+  (durable: the create and ``worker_joined`` records and the snapshots hold it).
 
 Recovery loads the newest snapshot and replays the later records through the
 same code paths, so pools, tables, ref counts, the prefix index and its LRU
@@ -52,6 +55,7 @@ from blockd.core.state import config_to_json, dump_pool, load_pool, op_from_json
 from blockd.core.validate import check_config, check_name
 from blockd.datadir_lock import DataDirLock
 from blockd.idempotency import MISSING, IdempotencyLimits, IdempotencyTable, IdempotencyUsage, fingerprint
+from blockd.identity import PoolIdentity, legacy_incarnation, new_incarnation
 from blockd.wal import WriteAheadLog
 from blockd.workers import WorkerInfo, WorkerRegistry, WorkerStatus
 
@@ -64,10 +68,12 @@ _WAIT_S = 0.25
 
 @dataclass(frozen=True)
 class Snapshot:
-    """All tables of a pool at ``version`` (for a follower that fell behind)."""
+    """All tables of a pool at ``version`` of ``incarnation`` (for a follower
+    that fell behind, or whose replica belongs to another incarnation)."""
 
     version: int
     tables: dict[str, list[int]]
+    incarnation: str = ""
 
 
 @dataclass(frozen=True)
@@ -76,15 +82,20 @@ class SequenceInfo:
     num_tokens: int
     num_committed: int
     block_table: list[int]
+    kv_lost: bool = False
 
 
 class _PoolEntry:
-    __slots__ = ("deleted", "events", "pool")
+    __slots__ = ("deleted", "events", "identity", "pool")
 
-    def __init__(self, pool: Pool) -> None:
+    def __init__(self, pool: Pool, identity: PoolIdentity) -> None:
         self.pool = pool
+        self.identity = identity
         self.events: deque[KVEvent] = deque(maxlen=MAX_RETAINED_EVENTS)
         self.deleted = False
+
+    def snapshot(self) -> Snapshot:
+        return Snapshot(self.pool.version, self.pool.tables(), self.identity.incarnation)
 
 
 class Engine:
@@ -133,7 +144,9 @@ class Engine:
         snapshot, records = self._wal.recover()
         if snapshot is not None:
             for data in snapshot["pools"]:
-                entry = _PoolEntry(load_pool(data))
+                name = data["config"]["name"]
+                entry = _PoolEntry(load_pool(data), PoolIdentity.load(data["identity"]) if "identity" in data
+                                   else PoolIdentity(legacy_incarnation(name, snapshot["lsn"])))
                 entry.events.extend(KVEvent(*e[:2], bytes.fromhex(e[2]), bytes.fromhex(e[3]), e[4],
                                             tuple(e[5])) for e in data.get("events", []))
                 self._pools[entry.pool.config.name] = entry
@@ -151,15 +164,17 @@ class Engine:
         subject = None  # what the request's fingerprint covers besides kind and pool
         if kind == "create_pool":
             subject = PoolConfig(**record["config"])
-            result = self._create_pool(subject)
+            result = self._create_pool(subject, record.get("incarnation")
+                                       or legacy_incarnation(subject.name, record.get("lsn", 0)))
         elif kind == "delete_pool":
             result = self._delete_pool(record["pool"])
         elif kind == "step":
             subject = [op_from_json(o) for o in record["ops"]]
-            result = self._pools[record["pool"]].pool.step(subject)
-            self._drain_events(self._pools[record["pool"]])
+            result = self._run_step(self._pools[record["pool"]], subject)
         elif kind == "reset_prefix_cache":
             result = self._reset(record["pool"])
+        elif kind == "worker_joined":
+            result = self._worker_joined(record["pool"], record["worker_id"], record["incarnation"])
         else:
             raise ValueError(f"unknown log record kind {kind!r}")
         if rid:
@@ -196,6 +211,7 @@ class Engine:
         pools = []
         for entry in self._pools.values():
             data = dump_pool(entry.pool)
+            data["identity"] = entry.identity.dump()
             data["events"] = [[e.seq_no, e.kind, e.block_hash.hex(), e.parent_hash.hex(), e.block_id,
                                list(e.token_ids)] for e in entry.events]
             pools.append(data)
@@ -287,19 +303,21 @@ class Engine:
             raise NotFound(f"no pool named {shown(name)}; list pools to see which exist")
         return entry
 
-    def _create_pool(self, config: PoolConfig) -> PoolStats:
+    def _create_pool(self, config: PoolConfig, incarnation: str) -> PoolStats:
         check_config(config)  # a malformed config is INVALID_ARGUMENT whether or not the name is taken
         if config.name in self._pools:
             raise AlreadyExists(f"pool {shown(config.name)} already exists")
-        entry = _PoolEntry(Pool(config))
+        entry = _PoolEntry(Pool(config), PoolIdentity(incarnation))
         self._pools[config.name] = entry
-        return entry.pool.stats()
+        return entry.identity.stats(entry.pool.stats())
 
     def create_pool(self, config: PoolConfig, request_id: str = "") -> PoolStats:
         if not isinstance(config, PoolConfig):
             raise InvalidArgument("create_pool takes a PoolConfig")
-        return self._idempotent(request_id, "create_pool", config.name, lambda: self._create_pool(config),
-                                lambda: {"config": config_to_json(config)}, config)
+        incarnation = new_incarnation()
+        return self._idempotent(request_id, "create_pool", config.name,
+                                lambda: self._create_pool(config, incarnation),
+                                lambda: {"config": config_to_json(config), "incarnation": incarnation}, config)
 
     def _delete_pool(self, name: str) -> None:
         entry = self._entry(name)
@@ -313,7 +331,8 @@ class Engine:
 
     def get_pool(self, name: str) -> PoolStats:
         with self._lock:
-            return self._entry(name).pool.stats()
+            entry = self._entry(name)
+            return entry.identity.stats(entry.pool.stats())
 
     def pool_config(self, name: str) -> PoolConfig:
         with self._lock:
@@ -321,22 +340,35 @@ class Engine:
 
     def list_pools(self) -> list[PoolStats]:
         with self._lock:
-            return [entry.pool.stats() for entry in self._pools.values()]
+            return [entry.identity.stats(entry.pool.stats()) for entry in self._pools.values()]
 
     # --- steps -----------------------------------------------------------------
     def _drain_events(self, entry: _PoolEntry) -> None:
         entry.events.extend(entry.pool.take_events())
 
-    def step(self, pool: str, ops: list[Op], request_id: str = "", *, dry_run: bool = False) -> StepResult:
+    def _run_step(self, entry: _PoolEntry, ops: list[Op]) -> StepResult:
+        result = entry.pool.step(ops)
+        entry.identity.after_step(ops)
+        self._drain_events(entry)
+        return entry.identity.result(result)
+
+    def _checked_entry(self, pool: str, ops: list[Op], planned: str) -> _PoolEntry:
+        entry = self._entry(pool)
+        entry.identity.check_planned(pool, planned)
+        entry.identity.check_step(pool, ops)
+        return entry
+
+    def step(self, pool: str, ops: list[Op], request_id: str = "", *, dry_run: bool = False,
+             incarnation: str = "") -> StepResult:
+        """``incarnation``: the pool incarnation the caller planned against
+        (refused when it is not the current one); empty: not checked."""
         if dry_run:  # answers what the batch would do; nothing is remembered or logged
             with self._lock:
-                return self._entry(pool).pool.step(ops, dry_run=True)
+                entry = self._checked_entry(pool, ops, incarnation)
+                return entry.identity.result(entry.pool.step(ops, dry_run=True))
 
         def run() -> StepResult:
-            entry = self._entry(pool)
-            result = entry.pool.step(ops)
-            self._drain_events(entry)
-            return result
+            return self._run_step(self._checked_entry(pool, ops, incarnation), ops)
 
         start, outcome = time.perf_counter(), "ok"
         try:
@@ -373,8 +405,10 @@ class Engine:
 
     def sequence_info(self, pool: str, seq_id: str) -> SequenceInfo:
         with self._lock:
-            seq = self._entry(pool).pool.get_seq(seq_id)
-            return SequenceInfo(seq.seq_id, len(seq.token_ids), seq.num_committed, list(seq.table))
+            entry = self._entry(pool)
+            seq = entry.pool.get_seq(seq_id)
+            return SequenceInfo(seq.seq_id, len(seq.token_ids), seq.num_committed, list(seq.table),
+                                seq.seq_id in entry.identity.lost)
 
     def lookup_prefix(self, token_ids: list[int], extra_keys: ExtraKeys, pools: list[str]) -> dict[str, int]:
         with self._lock:
@@ -389,17 +423,21 @@ class Engine:
                 check_invariants(entry.pool)
 
     # --- followers ------------------------------------------------------------
-    def watch(self, pool: str, from_version: int,
-              should_stop: Callable[[], bool]) -> Iterator[Snapshot | VersionDelta]:
+    def watch(self, pool: str, from_version: int, should_stop: Callable[[], bool],
+              incarnation: str = "") -> Iterator[Snapshot | VersionDelta]:
         """Deltas after ``from_version`` in order (a snapshot first when they are
-        no longer retained), then new ones as they commit."""
+        no longer retained, or when ``incarnation``, the follower's, is set and
+        is not the pool's), then new ones as they commit."""
         with self._lock:
             entry = self._entry(pool)
             version = from_version
-            try:
-                pending: list = entry.pool.deltas_since(version)
-            except SnapshotRequired:
-                pending = [Snapshot(entry.pool.version, entry.pool.tables())]
+            if incarnation and incarnation != entry.identity.incarnation:
+                pending: list = [entry.snapshot()]
+            else:
+                try:
+                    pending = entry.pool.deltas_since(version)
+                except SnapshotRequired:
+                    pending = [entry.snapshot()]
         while True:
             for item in pending:
                 yield item
@@ -412,7 +450,7 @@ class Engine:
                 try:
                     pending = entry.pool.deltas_since(version)
                 except SnapshotRequired:
-                    pending = [Snapshot(entry.pool.version, entry.pool.tables())]
+                    pending = [entry.snapshot()]
 
     def events(self, pool: str, from_seq_no: int, should_stop: Callable[[], bool]) -> Iterator[KVEvent]:
         """KV events with ``seq_no > from_seq_no``, in order, waiting for new ones."""
@@ -444,10 +482,33 @@ class Engine:
                 seen = event.seq_no
 
     # --- workers ----------------------------------------------------------------
-    def register_worker(self, info: WorkerInfo) -> WorkerStatus:
+    def pool_incarnation(self, name: str) -> str:
         with self._lock:
-            config = self._entry(info.pool).pool.config
-            return self.workers.register(info, config)
+            return self._entry(name).identity.incarnation
+
+    def _worker_joined(self, pool: str, worker_id: str, incarnation: str) -> int:
+        entry = self._entry(pool)
+        num_lost = entry.identity.join(entry.pool, worker_id, incarnation)
+        self._drain_events(entry)
+        return num_lost
+
+    def register_worker(self, info: WorkerInfo) -> WorkerStatus:
+        """A worker incarnation the pool has not seen is a logged mutation: the
+        KV of every sequence of the pool is lost (:mod:`blockd.identity`)."""
+        with self._lock:
+            entry = self._entry(info.pool)
+            self.workers.check(info, entry.pool.config)
+            if not entry.identity.knows(info.incarnation):
+                num_lost = self._idempotent(
+                    "", "worker_joined", info.pool,
+                    lambda: self._worker_joined(info.pool, info.worker_id, info.incarnation),
+                    lambda: {"pool": info.pool, "worker_id": info.worker_id, "incarnation": info.incarnation})
+                if num_lost:
+                    log.warning("pool %r: worker %r registered as a new incarnation (%s); the KV of %d "
+                                "sequences is lost and the prefix cache is cleared: steps naming them fail "
+                                "with KV_LOST until they are freed", info.pool, info.worker_id,
+                                info.incarnation, num_lost)
+            return self.workers.register(info, entry.pool.config)
 
     def heartbeat(self, worker_id: str, applied_version: int) -> WorkerStatus:
         with self._lock:

@@ -218,6 +218,9 @@ def _encode_step(result: StepResult, b: int) -> bytes:
         parts += (_RESULT.pack(len(seq_id), r.num_tokens, r.num_cached_tokens, r.slot_start, block_form,
                                len(blocks), len(r.copy_ops), slot_form, len(slots)),
                   seq_id, blocks, _pairs(r.copy_ops), slots)
+    # the pool incarnation the version belongs to, last: answers kept before
+    # there were incarnations simply end after the results
+    parts.append(_text(result.incarnation))
     return b"".join(parts)
 
 
@@ -247,7 +250,8 @@ def _decode_step(data: bytes) -> StepResult:
         else:
             new = _unpack_ints(block_form, new_part)
         results.append(OpResult(seq_id, tokens, cached, new, op_copies, start, slots))
-    return StepResult(version, tuple(results), copies)
+    incarnation = data[pos:].decode("utf-8", "surrogatepass")
+    return StepResult(version, tuple(results), copies, incarnation)
 
 
 def encode_result(result: object, block_size: int = 0) -> bytes:

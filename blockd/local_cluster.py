@@ -9,6 +9,8 @@ collected in the background for error messages; :meth:`LocalCluster.stop`
 (also on ``with`` exit, whatever happened) sends SIGTERM to blockd, then to
 the workers, waits, SIGKILLs stragglers and reaps every child. Only a parent
 killed by SIGKILL cannot do this: its children then live on.
+:meth:`LocalCluster.restart_worker` kills a worker with SIGKILL and starts it
+again at the same address (fault tests: a new worker incarnation, its KV gone).
 """
 
 from __future__ import annotations
@@ -137,6 +139,7 @@ class LocalCluster:
         self.spec = spec
         self.blockd: ChildProcess | None = None
         self.workers: list[ChildProcess] = []
+        self._worker_args: list[list[str]] = []
         self.pool_config = None
 
     @property
@@ -188,11 +191,26 @@ class LocalCluster:
                     "--worker-id", f"{spec.pool}-rank{rank}", "--heartbeat-s", "0.5"]
             if spec.tp_size > 1:
                 args += ["--tp-rank", str(rank), "--tp-world-size", str(spec.tp_size), "--tp-init", tp_init]
+            self._worker_args.append(args)
             self.workers.append(ChildProcess(f"worker rank {rank}", args, "blockd-worker listening on"))
         # the ranks meet in their rendezvous before any prints its ready line
         deadline = time.monotonic() + START_TIMEOUT_S
         for worker in self.workers:
             worker.wait_ready(deadline)
+
+    def restart_worker(self, rank: int = 0) -> ChildProcess:
+        """Kill worker ``rank`` with SIGKILL and start it again at the same
+        address; returns it once it serves. One worker per model only: a
+        tensor-parallel group cannot take a new member into its collectives."""
+        if self.spec.tp_size > 1:
+            raise ValueError("restarting one rank of a tensor-parallel group is not supported")
+        old = self.workers[rank]
+        old.kill()
+        new = ChildProcess(f"worker rank {rank}", [*self._worker_args[rank], "--listen", old.address],
+                           "blockd-worker listening on")
+        self.workers[rank] = new
+        new.wait_ready(time.monotonic() + START_TIMEOUT_S)
+        return new
 
     def stop(self) -> None:
         """blockd first, then the workers; every child reaped.

@@ -6,6 +6,8 @@ tensor-parallel group shares one set of block ids) and heartbeat with the
 version their table replica has applied. A worker whose last heartbeat is
 older than ``timeout_s`` is reported down. Kept in memory only: after a
 daemon restart, a worker's heartbeat gets NOT_FOUND and it registers again.
+(Which worker *incarnations* hold a pool's KV is durable pool state, kept by
+:mod:`blockd.identity`; this registry only says who is reachable now.)
 The clock is injected so tests need not sleep.
 
 A worker's address is what schedulers dial, so registration refuses one no
@@ -39,6 +41,8 @@ class WorkerInfo:
     kv_head_end: int = 0
     pool_bytes: int = 0
     device: str = "cpu"
+    #: a random id the worker process made when it started (required to register)
+    incarnation: str = ""
 
 
 @dataclass(frozen=True)
@@ -55,8 +59,13 @@ class WorkerRegistry:
         self.timeout_s = timeout_s
         self._workers: dict[str, list] = {}  # id -> [info, last_heartbeat, applied_version]
 
-    def register(self, info: WorkerInfo, config: PoolConfig) -> WorkerStatus:
+    def check(self, info: WorkerInfo, config: PoolConfig) -> None:
+        """Refuse a registration that does not fit the pool (changes nothing)."""
         check_name(info.worker_id, "worker_id")
+        if type(info.incarnation) is not str or not info.incarnation:
+            raise InvalidArgument("incarnation is required: a random id the worker process makes when it "
+                                  "starts, so blockd can tell a restarted worker (whose KV is gone)")
+        check_name(info.incarnation, "incarnation")
         if len(info.address) > MAX_ID_LEN or len(info.device) > MAX_DEVICE_LEN:
             raise InvalidArgument(f"worker address (at most {MAX_ID_LEN} characters) or device name "
                                   f"(at most {MAX_DEVICE_LEN}) is too long")
@@ -70,6 +79,9 @@ class WorkerRegistry:
         check_int(info.kv_head_start, "kv_head_start", 0, config.num_kv_heads - 1)
         check_int(info.kv_head_end, "kv_head_end", info.kv_head_start + 1, config.num_kv_heads)
         check_int(info.pool_bytes, "pool_bytes", 0, 1 << 60)
+
+    def register(self, info: WorkerInfo, config: PoolConfig) -> WorkerStatus:
+        self.check(info, config)
         # re-registering (a restarted worker) replaces the old record
         self._workers[info.worker_id] = [info, self._clock(), 0]
         return self._status(info.worker_id)

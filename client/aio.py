@@ -102,8 +102,8 @@ class AsyncBlockdClient:
 
     # --- steps ---------------------------------------------------------------------
     async def step(self, pool: str, ops: Sequence[Op], *, request_id: str | None = None,
-                   timeout_s: float | None = None, dry_run: bool = False) -> StepResult:
-        return await self._call(calls.STEP, pool, ops, request_id, dry_run, timeout_s=timeout_s)
+                   timeout_s: float | None = None, dry_run: bool = False, incarnation: str = "") -> StepResult:
+        return await self._call(calls.STEP, pool, ops, request_id, dry_run, incarnation, timeout_s=timeout_s)
 
     async def allocate(self, pool: str, seq_id: str, prompt_token_ids: Sequence[int],
                        extra_keys: ExtraKeys | None = None, *, request_id: str | None = None) -> OpResult:
@@ -136,12 +136,12 @@ class AsyncBlockdClient:
     async def get_sequence(self, pool: str, seq_id: str) -> SequenceInfo:
         return await self._call(calls.GET_SEQUENCE, pool, seq_id)
 
-    def watch(self, pool: str, from_version: int = 0, *,
+    def watch(self, pool: str, from_version: int = 0, *, incarnation: str = "",
               timeout_s: float | None = None) -> AsyncGenerator[Snapshot | VersionDelta, None]:
         """Like :meth:`client.sdk.BlockdClient.watch`. An async generator is only
         finalised when closed: leave it early inside ``contextlib.aclosing(...)``
         (or ``await it.aclose()``) so the call is cancelled at once."""
-        return self._stream(calls.WATCH, pool, from_version, timeout_s=timeout_s)
+        return self._stream(calls.WATCH, pool, from_version, incarnation, timeout_s=timeout_s)
 
     def events(self, pool: str, from_seq_no: int = 0, *,
                timeout_s: float | None = None) -> AsyncGenerator[KVEvent, None]:

@@ -84,8 +84,8 @@ def _rid(request_id: str | None) -> str:
 
 
 def _step_request(pool: str, ops: Sequence[Op], request_id: str | None = None,
-                  dry_run: bool = False) -> pb.StepRequest:
-    request = convert.step_request_to_proto(pool, ops, _rid(request_id))
+                  dry_run: bool = False, incarnation: str = "") -> pb.StepRequest:
+    request = convert.step_request_to_proto(pool, ops, _rid(request_id), incarnation)
     request.dry_run = dry_run
     return request
 
@@ -124,8 +124,8 @@ GET_TABLES = Call(
     lambda reply: (reply.version, convert.tables_from_proto(reply.tables)))
 GET_SEQUENCE = Call("GetSequence", lambda pool, seq_id: pb.GetSequenceRequest(pool=pool, seq_id=seq_id),
                     convert.sequence_from_proto)
-WATCH = Call("Watch", lambda pool, from_version=0: pb.WatchRequest(pool=pool, from_version=from_version),
-             convert.watch_item_from_proto)
+WATCH = Call("Watch", lambda pool, from_version=0, incarnation="": pb.WatchRequest(
+    pool=pool, from_version=from_version, pool_incarnation=incarnation), convert.watch_item_from_proto)
 EVENTS = Call("Events", lambda pool, from_seq_no=0: pb.EventsRequest(pool=pool, from_seq_no=from_seq_no),
               lambda reply: convert.event_from_proto(reply.event))
 LOOKUP_PREFIX = Call(

@@ -54,7 +54,8 @@ def _seq_show(client: BlockdClient, args: argparse.Namespace) -> None:
     def human() -> str:
         head = render_table(("field", "value"), [("seq_id", info.seq_id), ("num_tokens", info.num_tokens),
                                                  ("num_committed", info.num_committed),
-                                                 ("num_blocks", len(info.block_table))])
+                                                 ("num_blocks", len(info.block_table)),
+                                                 ("kv_lost", info.kv_lost)])
         return f"{head}\nblock_table: {' '.join(map(str, info.block_table)) or '(empty)'}"
 
     emit(args, info, human)

@@ -7,10 +7,15 @@
 * ``details``  - the detail messages (``ErrorInfo``, ``BadRequest``, ...);
 * ``reason``   - ``ErrorInfo.reason`` (``NO_ROOM``, ``NOT_FOUND``, ...);
 * ``op_index`` - which operation of a step failed, if one did;
-* ``field_violations`` - ``(field, description)`` pairs from ``BadRequest``.
+* ``field_violations`` - ``(field, description)`` pairs from ``BadRequest``;
+* ``metadata`` - the whole ``ErrorInfo.metadata``, and ``seq_ids``, the
+  sequences it names (reasons ``KV_LOST`` and ``KV_NOT_WRITTEN``: recompute
+  them).
 """
 
 from __future__ import annotations
+
+import json
 
 import grpc
 from google.protobuf.message import Message
@@ -51,6 +56,21 @@ class BlockdClientError(Exception):
         if info is None or "op_index" not in info.metadata:
             return None
         return int(info.metadata["op_index"])
+
+    @property
+    def metadata(self) -> dict[str, str]:
+        info = self._info()
+        return dict(info.metadata) if info is not None else {}
+
+    @property
+    def seq_ids(self) -> list[str]:
+        """The sequences the error names (possibly a prefix of them: the count
+        is ``metadata["num_seq_ids"]``); empty when it names none."""
+        try:
+            ids = json.loads(self.metadata.get("seq_ids", "[]"))
+        except ValueError:
+            return []
+        return [s for s in ids if isinstance(s, str)] if isinstance(ids, list) else []
 
     @property
     def field_violations(self) -> list[tuple[str, str]]:

@@ -15,10 +15,16 @@ collectives wait for each other). Rank 0's tokens are the answer; every other
 rank must agree, else the group raises :class:`TensorParallelMismatch`. When
 ranks fail, the error raised names the rank and its address, an unreachable
 rank's first (a dead worker also breaks its peers' collectives).
+
+Each worker client names the worker incarnation it learned first; after a
+worker restarted (a refusal with reason ``WORKER_INCARNATION_MISMATCH``, or a
+worker that cannot be reached) :meth:`WorkerGroup.reconnect` waits until every
+worker answers again and learns the new incarnations.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -65,8 +71,10 @@ class ModelBatch:
 class ModelExecutor(Protocol):
     """What the scheduler needs from a model replica."""
 
-    def run(self, version: int, batch: ModelBatch) -> list[int]:
-        """Greedy next token of each sequence of ``batch``, at pool ``version``."""
+    def run(self, version: int, batch: ModelBatch, *, pool_incarnation: str = "") -> list[int]:
+        """Greedy next token of each sequence of ``batch``, at pool ``version``
+        of ``pool_incarnation``. May also have ``reconnect(timeout_s)``, which
+        the scheduler calls after a worker fault (see :class:`WorkerGroup`)."""
         ...
 
 
@@ -98,9 +106,26 @@ class WorkerGroup:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _step(self, worker: WorkerClient, version: int, batch: ModelBatch) -> list[int]:
+    def reconnect(self, timeout_s: float = 120.0) -> bool:
+        """Wait until every worker answers, and learn its incarnation; True if
+        one changed (a worker restarted). Raises the last error after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        changed = False
+        for worker in self.workers:
+            before = worker.incarnation
+            while True:
+                try:
+                    changed |= worker.refresh() != before
+                    break
+                except BlockdClientError:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.2)
+        return changed
+
+    def _step(self, worker: WorkerClient, version: int, batch: ModelBatch, incarnation: str) -> list[int]:
         tokens, _ = worker.model_step(self.pool, version, batch.seq_ids, batch.query_lens, batch.context_lens,
-                                      batch.token_ids, batch.slot_mapping)
+                                      batch.token_ids, batch.slot_mapping, pool_incarnation=incarnation)
         return tokens
 
     def _group_error(self, failed: list[tuple[int, BaseException]]) -> BaseException:
@@ -117,10 +142,11 @@ class WorkerGroup:
                   f"{err.message}" + (f" [also failed: {others}]" if others else "")
         return type(err)(message, code=err.code, details=err.details)
 
-    def run(self, version: int, batch: ModelBatch) -> list[int]:
+    def run(self, version: int, batch: ModelBatch, *, pool_incarnation: str = "") -> list[int]:
         if self._threads is None:
-            return self._step(self.workers[0], version, batch)
-        futures = [self._threads.submit(self._step, worker, version, batch) for worker in self.workers]
+            return self._step(self.workers[0], version, batch, pool_incarnation)
+        futures = [self._threads.submit(self._step, worker, version, batch, pool_incarnation)
+                   for worker in self.workers]
         # wait for every rank before raising any rank's error: no call is left running
         wait(futures)
         failed = [(rank, future.exception()) for rank, future in enumerate(futures) if future.exception()]

@@ -25,6 +25,9 @@ behind :class:`client.model_group.ModelExecutor`. One scheduler step::
 
 Sampling is greedy, so forked samples (which copy sample 0's tokens) and
 recomputed sequences continue exactly as an uninterrupted run would.
+
+Faults (a worker restarted, the pool re-created) are dealt with as
+:mod:`client.faults` says.
 """
 
 from __future__ import annotations
@@ -35,7 +38,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from blockd.core.types import Allocate, Commit, DecodeAppend, Fork, Free, Op, StepResult
-from client.errors import ResourceExhaustedError
+from client.errors import BlockdClientError, FailedPreconditionError, NotFoundError, ResourceExhaustedError
+from client.faults import FaultRecovery, PoolGone
 from client.model_group import ModelBatch, ModelExecutor
 from client.sdk import BlockdClient
 from client.serving import (
@@ -55,6 +59,8 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 256
     #: sequences running at once at most (forked samples count)
     max_num_seqs: int = 64
+    #: how long to wait for unreachable or restarted workers before giving up
+    worker_restart_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
         if type(self.max_num_seqs) is not int or self.max_num_seqs < 1:
@@ -79,6 +85,12 @@ class SchedulerCounters:
     num_output_tokens: int = 0
     peak_running_requests: int = 0
     peak_running_seqs: int = 0
+    #: requests preempted with recompute because a worker lost (or may have lost) their KV
+    num_kv_loss_preemptions: int = 0
+    #: model steps that failed on a worker fault (and were recomputed)
+    num_worker_faults: int = 0
+    #: requests failed because the pool was deleted or re-created under them
+    num_failed: int = 0
 
 
 @dataclass
@@ -97,7 +109,7 @@ class _Plan:
     admit_at: dict[int, int] = field(default_factory=dict)  # Allocate op index -> admitted position
 
 
-class Scheduler:
+class Scheduler(FaultRecovery):
     """Serves :class:`GenerationRequest` s on ``pool`` through ``client`` and ``executor``.
 
     ``admission`` decides who may start besides the pool's room:
@@ -122,6 +134,8 @@ class Scheduler:
         self._known_ids: set[str] = set()
         self._release: list[Op] = []  # Commit/Free ops the next batch must carry
         self._admission_blocked = False
+        #: the pool incarnation of the last step ("" before the first)
+        self.pool_incarnation = ""
 
     # --- public ------------------------------------------------------------------
     def add_request(self, request: GenerationRequest) -> None:
@@ -162,16 +176,25 @@ class Scheduler:
 
     def step(self) -> bool:
         """One scheduler step (see the module docstring); False if there was nothing to send."""
-        sent = self._send()
-        if sent is None:
-            return False
-        plan, result = sent
-        entries, batch = self._apply_result(plan, result)
-        if batch.num_seqs:
-            tokens = self.executor.run(result.version, batch)
-            if len(tokens) != batch.num_seqs:
-                raise RuntimeError(f"the model returned {len(tokens)} tokens for {batch.num_seqs} sequences")
-            self._apply_tokens(entries, tokens)
+        try:
+            sent = self._send()
+            if sent is None:
+                return False
+            plan, result = sent
+            self.pool_incarnation = result.incarnation
+            entries, batch = self._apply_result(plan, result)
+            if batch.num_seqs:
+                try:
+                    tokens = self.executor.run(result.version, batch, pool_incarnation=result.incarnation)
+                except BlockdClientError as err:
+                    self._on_model_fault(err, entries)
+                else:
+                    if len(tokens) != batch.num_seqs:
+                        raise RuntimeError(f"the model returned {len(tokens)} tokens for {batch.num_seqs} "
+                                           "sequences")
+                    self._apply_tokens(entries, tokens)
+        except PoolGone:
+            pass
         self.counters.num_steps += 1
         return True
 
@@ -184,12 +207,24 @@ class Scheduler:
             if not plan.ops:
                 return None
             try:
-                result = self.client.step(self.pool, plan.ops)
+                result = self.client.step(self.pool, plan.ops, incarnation=self.pool_incarnation)
             except ResourceExhaustedError as err:
                 self.counters.num_refused_batches += 1
                 admit_limit, refused = self._on_refused(plan, err)
                 refused_admission |= refused
                 continue
+            except FailedPreconditionError as err:
+                if err.reason == "KV_LOST":
+                    self.counters.num_refused_batches += 1
+                    self._on_kv_lost(err)
+                    continue
+                if err.reason == "POOL_INCARNATION_MISMATCH":
+                    self._pool_gone(err)
+                raise
+            except NotFoundError as err:
+                if err.op_index is None:  # the pool itself, not one of its sequences
+                    self._pool_gone(err)
+                raise
             # Only a Free makes room for a refused admission (appends only take blocks).
             if refused_admission:
                 self._admission_blocked = True
@@ -216,22 +251,24 @@ class Scheduler:
         self._preempt(self.running[-1])
         return 0, False
 
-    def _preempt(self, state: RequestState) -> None:
+    def _preempt(self, state: RequestState, *, kv_lost: bool = False) -> None:
         """Recompute preemption: free the request's sequences (committing what
-        they computed, so the prefix cache may keep it) and requeue it first."""
+        they computed, so the prefix cache may keep it, unless their KV was
+        lost) and requeue it first."""
         self.running.remove(state)
         for seq in state.live:
-            self._release_seq(seq)
+            self._release_seq(seq, commit=not kv_lost)
             seq.evict()
         state.num_preemptions += 1
         self.counters.num_preemptions += 1
+        self.counters.num_kv_loss_preemptions += kv_lost
         self.admission.on_release(state)
         self.waiting.appendleft(state)
 
-    def _release_seq(self, seq: SeqState) -> None:
+    def _release_seq(self, seq: SeqState, *, commit: bool = True) -> None:
         if seq.num_in_pool == 0:
             return
-        if seq.num_computed > seq.num_committed:
+        if commit and seq.num_computed > seq.num_committed:
             self._release.append(Commit(seq.seq_id, seq.num_computed))
         self._release.append(Free(seq.seq_id))
 

@@ -109,11 +109,17 @@ class BlockdClient:
 
     # --- steps ---------------------------------------------------------------------
     def step(self, pool: str, ops: Sequence[Op], *, request_id: str | None = None,
-             timeout_s: float | None = None, dry_run: bool = False) -> StepResult:
+             timeout_s: float | None = None, dry_run: bool = False, incarnation: str = "") -> StepResult:
         """Apply ``ops`` atomically; on error nothing changed and the exception's
         ``op_index`` names the failing operation. With ``dry_run`` nothing changes
-        either way: the answer says what the batch would do now."""
-        return self._call(calls.STEP, pool, ops, request_id, dry_run, timeout_s=timeout_s)
+        either way: the answer says what the batch would do now.
+
+        ``incarnation``: the pool incarnation planned against (a result's
+        ``incarnation``); a re-created pool then refuses the step
+        (FailedPreconditionError, reason ``POOL_INCARNATION_MISMATCH``). A step
+        naming a sequence whose KV a worker restart lost fails with reason
+        ``KV_LOST``; the error's ``seq_ids`` lists them."""
+        return self._call(calls.STEP, pool, ops, request_id, dry_run, incarnation, timeout_s=timeout_s)
 
     def allocate(self, pool: str, seq_id: str, prompt_token_ids: Sequence[int],
                  extra_keys: ExtraKeys | None = None, *, request_id: str | None = None) -> OpResult:
@@ -146,11 +152,13 @@ class BlockdClient:
     def get_sequence(self, pool: str, seq_id: str) -> SequenceInfo:
         return self._call(calls.GET_SEQUENCE, pool, seq_id)
 
-    def watch(self, pool: str, from_version: int = 0, *,
+    def watch(self, pool: str, from_version: int = 0, *, incarnation: str = "",
               timeout_s: float | None = None) -> Generator[Snapshot | VersionDelta, None, None]:
-        """Deltas after ``from_version`` (a snapshot first when they are gone),
-        then new ones as they commit; ends when the pool is deleted."""
-        return self._stream(calls.WATCH, pool, from_version, timeout_s=timeout_s)
+        """Deltas after ``from_version`` (a snapshot first when they are gone, or
+        when ``incarnation``, the replica's pool incarnation, is set and is no
+        longer the pool's: the snapshot names the new one), then new ones as
+        they commit; ends when the pool is deleted."""
+        return self._stream(calls.WATCH, pool, from_version, incarnation, timeout_s=timeout_s)
 
     def events(self, pool: str, from_seq_no: int = 0, *,
                timeout_s: float | None = None) -> Generator[KVEvent, None, None]:

@@ -6,6 +6,13 @@ worker that runs a model (``model_step``).
 Tensors go out as raw bytes (:mod:`worker.tensors`, torch only, no worker
 state); errors come back as :mod:`client.errors` exceptions, like the blockd
 SDK's. Every call has a deadline.
+
+Every data-plane call names the pool incarnation of its version (the caller
+passes the one blockd's step returned) and the worker's incarnation: the
+client learns it on first use (:meth:`WorkerClient.refresh`) and keeps it, so
+a worker that restarts behind the same address refuses the next call
+(``WORKER_INCARNATION_MISMATCH``) instead of answering for KV it lost. Call
+:meth:`WorkerClient.refresh` once the loss is dealt with.
 """
 
 from __future__ import annotations
@@ -34,6 +41,8 @@ class WorkerClient:
                    ("grpc.max_send_message_length", 256 << 20)]
         self._channel = grpc.insecure_channel(target, options=options)
         self._stub = worker_pb2_grpc.KVShardServiceStub(self._channel)
+        #: the worker incarnation calls are planned against (learned on first use)
+        self.incarnation: str | None = None
 
     def close(self) -> None:
         self._channel.close()
@@ -53,20 +62,31 @@ class WorkerClient:
     def stats(self) -> pb.GetWorkerStatsResponse:
         return self._call(self._stub.GetWorkerStats, pb.GetWorkerStatsRequest())
 
+    def refresh(self) -> str:
+        """Learn the worker's current incarnation; later calls name it."""
+        self.incarnation = self.stats().worker_incarnation
+        return self.incarnation
+
+    def _worker_incarnation(self) -> str:
+        return self.incarnation if self.incarnation is not None else self.refresh()
+
     def write_kv(self, pool: str, version: int, layer: int, key: torch.Tensor, value: torch.Tensor,
-                 slot_mapping: Sequence[int]) -> None:
+                 slot_mapping: Sequence[int], *, pool_incarnation: str) -> None:
         self._call(self._stub.WriteKV, pb.WriteKVRequest(
             pool=pool, version=version, layer=layer, key=to_proto(key), value=to_proto(value),
-            slot_mapping=list(slot_mapping)))
+            slot_mapping=list(slot_mapping), pool_incarnation=pool_incarnation,
+            worker_incarnation=self._worker_incarnation()))
 
     def attention(self, pool: str, version: int, layer: int, seq_ids: Sequence[str],
                   query_lens: Sequence[int], context_lens: Sequence[int], query: torch.Tensor, *,
-                  key: torch.Tensor | None = None, value: torch.Tensor | None = None,
+                  pool_incarnation: str, key: torch.Tensor | None = None, value: torch.Tensor | None = None,
                   slot_mapping: Sequence[int] = (), scale: float = 0.0) -> torch.Tensor:
         """``[sum(query_lens), q_heads, head_dim]`` (see ``AttentionRequest``)."""
         request = pb.AttentionRequest(pool=pool, version=version, layer=layer, seq_ids=list(seq_ids),
                                       query_lens=list(query_lens), context_lens=list(context_lens),
-                                      query=to_proto(query), slot_mapping=list(slot_mapping), scale=scale)
+                                      query=to_proto(query), slot_mapping=list(slot_mapping), scale=scale,
+                                      pool_incarnation=pool_incarnation,
+                                      worker_incarnation=self._worker_incarnation())
         if key is not None:
             request.key.CopyFrom(to_proto(key))
         if value is not None:
@@ -75,7 +95,7 @@ class WorkerClient:
 
     def model_step(self, pool: str, version: int, seq_ids: Sequence[str], query_lens: Sequence[int],
                    context_lens: Sequence[int], token_ids: Sequence[int], slot_mapping: Sequence[int],
-                   return_logits: bool = False) -> tuple[list[int], torch.Tensor | None]:
+                   return_logits: bool = False, *, pool_incarnation: str) -> tuple[list[int], torch.Tensor | None]:
         """One forward step of the worker's model (see ``ModelStepRequest``).
 
         ``token_ids`` and ``slot_mapping`` hold ``sum(query_lens)`` entries, the
@@ -86,7 +106,8 @@ class WorkerClient:
         request = pb.ModelStepRequest(
             pool=pool, version=version, seq_ids=list(seq_ids), query_lens=list(query_lens),
             context_lens=list(context_lens), token_ids=list(token_ids), slot_mapping=list(slot_mapping),
-            return_logits=return_logits)
+            return_logits=return_logits, pool_incarnation=pool_incarnation,
+            worker_incarnation=self._worker_incarnation())
         response = self._call(self._stub.ModelStep, request)
         logits = from_proto(response.logits, "logits") if response.HasField("logits") else None
         return list(response.next_token_ids), logits

@@ -57,7 +57,7 @@ def test_seq_show(target, capsys) -> None:
     assert dict(line.split(None, 1) for line in out.splitlines()[1:4])["num_tokens"] == "10"
     code, out, _ = run(capsys, "--target", target, "--json", "seq", "show", "p", "req-1")
     assert json.loads(out) == {"seq_id": "req-1", "num_tokens": 10, "num_committed": 0,
-                               "block_table": [0, 1, 2]}
+                               "block_table": [0, 1, 2], "kv_lost": False}
 
 
 def test_events_tail(target, capsys) -> None:

@@ -158,10 +158,10 @@ def test_worker_registry_marks_silent_workers_down():
     now = [100.0]
     engine = Engine(clock=lambda: now[0], worker_timeout_s=5)
     engine.create_pool(PoolConfig("p", num_blocks=8, block_size=4, num_layers=4, num_kv_heads=8))
-    info = WorkerInfo("w0", "p", "127.0.0.1:1", 0, 4, 0, 4, pool_bytes=1024)
+    info = WorkerInfo("w0", "p", "127.0.0.1:1", 0, 4, 0, 4, pool_bytes=1024, incarnation="i0")
     assert engine.register_worker(info).is_up
     with pytest.raises(InvalidArgument):
-        engine.register_worker(WorkerInfo("w1", "p", "", 0, 5, 0, 4))
+        engine.register_worker(WorkerInfo("w1", "p", "", 0, 5, 0, 4, incarnation="i1"))
     now[0] += 6
     assert not engine.list_workers("p")[0].is_up
     status = engine.heartbeat("w0", 3)

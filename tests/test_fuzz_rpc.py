@@ -6,7 +6,9 @@ never send - and checks that:
 * the daemon keeps serving (health SERVING, ListPools answers);
 * ``check_invariants`` holds on every pool of the daemon's engine;
 * the state equals what the accepted requests alone produce: they are
-  replayed, in order, on a fresh Engine and tables and stats compared.
+  replayed, in order, on a fresh Engine and tables and stats compared (a
+  worker registration counts: a new worker incarnation marks the pool's KV
+  lost; pool incarnations are random, so they are left out of the comparison).
 
 One daemon serves the whole module; each example works on its own pool names
 and request ids so examples do not see each other.
@@ -14,6 +16,7 @@ and request ids so examples do not see each other.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import grpc
@@ -46,6 +49,9 @@ seq_id = st.one_of(st.sampled_from(["s0", "s1", "s2"]), st.sampled_from(["s0", "
                    st.sampled_from(["", "x" * 300, "tab\tid", "\u00e9t\u00e9"]))
 pool_sym = st.sampled_from([0, 0, 0, 0, 0, 1, 2, 3])
 rid_sym = st.one_of(st.none(), st.integers(0, 2))
+# a worker incarnation; a pool incarnation a step names ("" is unchecked, "old" never matches)
+worker_incarnation = st.sampled_from(["", "i0", "i1", "i2"])
+planned = st.sampled_from(["", "", "", "old"])
 
 extra_keys = st.builds(pb.ExtraKeys, model_id=st.sampled_from(["", "m"]), adapter_id=st.sampled_from([0, -1]),
                        mm_hashes=st.lists(st.sampled_from(["h", "y" * 2000]), max_size=1))
@@ -70,14 +76,14 @@ config = st.fixed_dictionaries(
 
 BODIES = {
     "CreatePool": st.tuples(pool_sym, st.one_of(st.none(), config), rid_sym),
-    "Step": st.tuples(pool_sym, st.lists(op, max_size=3), rid_sym),
+    "Step": st.tuples(pool_sym, st.lists(op, max_size=3), rid_sym, planned),
     "DeletePool": st.tuples(pool_sym, rid_sym),
     "ResetPrefixCache": st.tuples(pool_sym, rid_sym),
     "GetPool": st.tuples(pool_sym),
     "GetTables": st.tuples(pool_sym, st.lists(seq_id, max_size=3)),
     "GetSequence": st.tuples(pool_sym, seq_id),
     "LookupPrefix": st.tuples(st.lists(pool_sym, max_size=2), tokens, st.one_of(st.none(), extra_keys)),
-    "RegisterWorker": st.tuples(pool_sym, seq_id, u32, u32, u32, u32, u64),
+    "RegisterWorker": st.tuples(pool_sym, seq_id, u32, u32, u32, u32, u64, worker_incarnation),
     "Heartbeat": st.tuples(seq_id, u64),
     "ListWorkers": st.tuples(pool_sym),
     "Raw": st.tuples(st.sampled_from(["Step", "CreatePool", "GetTables", "LookupPrefix"]), st.binary(max_size=40)),
@@ -111,7 +117,8 @@ class Run:
             conf = None if cfg is None else pb.PoolConfig(name=self.pools[pool], **cfg)
             return pb.CreatePoolRequest(config=conf, request_id=self.rid(rid))
         if kind == "Step":
-            return pb.StepRequest(pool=self.pools[body[0]], ops=body[1], request_id=self.rid(body[2]))
+            return pb.StepRequest(pool=self.pools[body[0]], ops=body[1], request_id=self.rid(body[2]),
+                                  pool_incarnation=body[3])
         if kind in ("DeletePool", "ResetPrefixCache"):
             cls = pb.DeletePoolRequest if kind == "DeletePool" else pb.ResetPrefixCacheRequest
             return cls(pool=self.pools[body[0]], request_id=self.rid(body[1]))
@@ -125,10 +132,10 @@ class Run:
             return pb.LookupPrefixRequest(pools=[self.pools[p] for p in body[0]], token_ids=body[1],
                                           extra_keys=body[2])
         if kind == "RegisterWorker":
-            pool, worker, *ranges, size = body
+            pool, worker, *ranges, size, incarnation = body
             info = pb.WorkerInfo(worker_id=worker, pool=self.pools[pool], layer_start=ranges[0],
                                  layer_end=ranges[1], kv_head_start=ranges[2], kv_head_end=ranges[3],
-                                 pool_bytes=size)
+                                 pool_bytes=size, incarnation=incarnation)
             return pb.RegisterWorkerRequest(info=info)
         if kind == "Heartbeat":
             return pb.HeartbeatRequest(worker_id=body[0], applied_version=body[1])
@@ -149,7 +156,7 @@ class Run:
         except grpc.RpcError as err:
             assert err.code() in ALLOWED, f"{kind} {body!r} -> {err.code()}: {err.details()}"
             return
-        if kind in ("CreatePool", "Step", "DeletePool", "ResetPrefixCache"):
+        if kind in ("CreatePool", "Step", "DeletePool", "ResetPrefixCache", "RegisterWorker"):
             self.accepted.append((kind, self.message(kind, body)))
 
 
@@ -163,6 +170,8 @@ def replay(accepted: list[tuple[str, object]]) -> Engine:
             engine.step(msg.pool, convert.ops_from_proto(msg.ops), msg.request_id)
         elif kind == "DeletePool":
             engine.delete_pool(msg.pool, msg.request_id)
+        elif kind == "RegisterWorker":
+            engine.register_worker(convert.worker_info_from_proto(msg.info))
         else:
             engine.reset_prefix_cache(msg.pool, msg.request_id)
     return engine
@@ -172,7 +181,8 @@ def observe(engine: Engine, names: list[str]) -> dict:
     state = {}
     for name in names:
         try:
-            state[name] = (engine.get_pool(name), engine.get_tables(name, []))
+            state[name] = (dataclasses.replace(engine.get_pool(name), incarnation=""),
+                           engine.get_tables(name, []))
         except Exception as err:  # noqa: BLE001 - absence is part of the observed state
             state[name] = type(err).__name__
     return state
@@ -215,16 +225,18 @@ def test_daemon_still_serving_after_fuzzing(fuzz_daemon) -> None:
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(stream=st.sampled_from(["Watch", "Events"]), pool=pool_sym, start=u64, steps=st.integers(0, 3))
-def test_random_stream_requests(fuzz_daemon, stream, pool, start, steps) -> None:
+@given(stream=st.sampled_from(["Watch", "Events"]), pool=pool_sym, start=u64, steps=st.integers(0, 3),
+       incarnation=planned)
+def test_random_stream_requests(fuzz_daemon, stream, pool, start, steps, incarnation) -> None:
     server, channel = fuzz_daemon
     run = Run(channel)
     if pool == 0:
         run.send("CreatePool", (0, {"num_blocks": 8, "block_size": 2, "watermark_blocks": 0}, None))
         for i in range(steps):
             op = pb.Op(allocate=pb.AllocateOp(seq_id=f"s{i}", prompt_token_ids=[1, 2, 3]))
-            run.send("Step", (0, [op, pb.Op(commit=pb.CommitOp(seq_id=f"s{i}", num_tokens=3))], None))
-    request = (pb.WatchRequest(pool=run.pools[pool], from_version=start) if stream == "Watch"
+            run.send("Step", (0, [op, pb.Op(commit=pb.CommitOp(seq_id=f"s{i}", num_tokens=3))], None, ""))
+    request = (pb.WatchRequest(pool=run.pools[pool], from_version=start, pool_incarnation=incarnation)
+               if stream == "Watch"
                else pb.EventsRequest(pool=run.pools[pool], from_seq_no=start))
     call = channel.unary_stream(f"/blockd.v1.BlockService/{stream}", response_deserializer=lambda b: b)
     try:

@@ -4,7 +4,6 @@ compact answers, and a table that replay rebuilds exactly."""
 from __future__ import annotations
 
 import gc
-import logging
 import tracemalloc
 
 import pytest

@@ -63,10 +63,10 @@ def engine_with_workload(clock: FakeClock | None = None) -> Engine:
     engine.create_pool(PoolConfig("alpha", num_blocks=16, block_size=4, num_layers=2, num_kv_heads=2,
                                   head_dim=8))
     engine.create_pool(PoolConfig("beta", num_blocks=8, block_size=16))
+    for worker_id in ("w0", "w1"):  # before any KV exists: a later worker would find it lost
+        engine.register_worker(WorkerInfo(worker_id, "alpha", layer_end=2, kv_head_end=2, incarnation=worker_id))
     run_workload(engine, "alpha")
     engine.step("beta", [Allocate("b1", [1, 2, 3])])
-    for worker_id in ("w0", "w1"):
-        engine.register_worker(WorkerInfo(worker_id, "alpha", layer_end=2, kv_head_end=2))
     clock.now += 20.0
     engine.heartbeat("w0", 3)  # w1 misses its heartbeats: down
     return engine

@@ -23,6 +23,7 @@ import torch
 
 from blockd.core import Allocate, Commit, DecodeAppend, Fork, Pool
 from blockd.core.errors import InvalidArgument, NotFound, WrongState
+from blockd.identity import KVNotWritten
 from client.errors import FailedPreconditionError, InvalidArgumentError
 from client.sdk import BlockdClient
 from client.worker import WorkerClient
@@ -187,6 +188,26 @@ def test_runner_refuses_bad_steps_before_running():
         ModelRunner(build_model("tiny-gpt2"), local.runtime)
 
 
+def test_a_restarted_worker_refuses_steps_over_kv_it_lost():
+    """A new runtime (the worker after a restart) rebuilt from the same pool holds
+    the tables but none of the KV: a step whose cached context it never wrote is
+    refused before the model runs, naming the sequence; a fresh prompt runs."""
+    model = build_model("tiny-llama", seed=0)
+    local = Local("", model)
+    r = local.step([Allocate("a", [1, 2, 3, 4, 5])])
+    local.runner.step(r.version, ["a"], [5], [5], [1, 2, 3, 4, 5], list(r.results[0].slot_mapping))
+    restarted = WorkerRuntime(local.config, device="cpu", version_timeout_s=0.2,
+                              latest_committed=lambda: local.pool.version)
+    runner = ModelRunner(model, restarted)
+    assert restarted.incarnation != local.runtime.incarnation
+    r = local.step([DecodeAppend(["a"], [6]), Allocate("b", [7, 8])])
+    for delta in local.pool.deltas_since(0):
+        restarted.replica.push(delta)
+    with pytest.raises(KVNotWritten, match=r"sequence .a. reads .*positions 0..4 of its 5"):
+        runner.step(r.version, ["a"], [1], [6], [6], list(r.results[0].slot_mapping))
+    runner.step(r.version, ["b"], [2], [2], [7, 8], list(r.results[1].slot_mapping))
+
+
 def test_model_step_without_a_model_is_failed_precondition():
     local = Local("tiny-llama")
     server = WorkerServer(local.runtime, "w")
@@ -194,7 +215,7 @@ def test_model_step_without_a_model_is_failed_precondition():
     try:
         with WorkerClient(server.address, timeout_s=10) as worker, \
                 pytest.raises(FailedPreconditionError, match="runs no model"):
-            worker.model_step("m", 0, ["a"], [1], [1], [1], [0])
+            worker.model_step("m", 0, ["a"], [1], [1], [1], [0], pool_incarnation="any")
     finally:
         server.stop(0)
 
@@ -213,12 +234,16 @@ class TPCluster:
     def __init__(self, blockd: BlockdClient, workers: list[WorkerClient]) -> None:
         self.blockd, self.workers = blockd, workers
         self.calls = ThreadPoolExecutor(len(workers))
+        self.incarnation = ""
 
     def step(self, ops):
-        return self.blockd.step("m", ops)
+        result = self.blockd.step("m", ops)
+        self.incarnation = result.incarnation
+        return result
 
     def model_step(self, *args):
-        futures = [self.calls.submit(w.model_step, "m", *args, return_logits=True) for w in self.workers]
+        futures = [self.calls.submit(w.model_step, "m", *args, return_logits=True, pool_incarnation=self.incarnation)
+                   for w in self.workers]
         results = [f.result() for f in futures]
         (tokens0, logits0), (tokens1, logits1) = results
         assert tokens0 == tokens1 == logits0.argmax(-1).tolist()
@@ -226,7 +251,8 @@ class TPCluster:
         return logits0
 
     def refusals(self, *args) -> list[Exception]:
-        futures = [self.calls.submit(w.model_step, "m", *args) for w in self.workers]
+        futures = [self.calls.submit(w.model_step, "m", *args, pool_incarnation=self.incarnation)
+                   for w in self.workers]
         return [f.exception() for f in futures]
 
 

@@ -40,6 +40,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from blockd.core.arith import slot_mapping
 from blockd.core.types import Allocate, Append, Commit, DecodeAppend, Fork, Free, PoolConfig, PoolStats
 from client.sdk import BlockdClient
 from client.worker import WorkerClient
@@ -55,6 +56,7 @@ pytestmark = pytest.mark.skipif(
 
 POOL = "itest"
 NUM_BLOCKS = 64
+BLOCK_SIZE = 4
 HEAD_DIM = 8
 WORKLOAD_S = 4.0
 RATE_WINDOW = "30s"
@@ -183,11 +185,13 @@ def run_workload(stack: Stack, seconds: float) -> None:
         while len(live) > 8:
             client.step(POOL, [Free(live.pop(0))])
         decoded = client.step(POOL, [DecodeAppend([seq], [6000 + i])])
-        slot = decoded.results[0].slot_mapping[0]
+        # every token's K/V is written: a worker attends only over KV it has written
+        table = client.get_tables(POOL, [seq])[1][seq]
+        slots = slot_mapping(table, 0, 13, BLOCK_SIZE)
         for _, worker, _ in stack.workers.values():
-            kv = torch.randn(2, 1, 1, HEAD_DIM)
-            worker.attention(POOL, decoded.version, i % 2, [seq], [1], [13], torch.randn(1, 1, HEAD_DIM),
-                             key=kv[0], value=kv[1], slot_mapping=[slot])
+            kv = torch.randn(2, 13, 1, HEAD_DIM)
+            worker.attention(POOL, decoded.version, i % 2, [seq], [13], [13], torch.randn(13, 1, HEAD_DIM),
+                             key=kv[0], value=kv[1], slot_mapping=slots, pool_incarnation=decoded.incarnation)
         i += 1
         time.sleep(0.02)
 
@@ -218,7 +222,7 @@ def stack(tmp_path_factory) -> Stack:
     proc = None
     try:
         wait_for("blockd's metrics endpoint", lambda: http_get(f"http://127.0.0.1:{metrics_port}/metrics"), 15)
-        client.create_pool(PoolConfig(POOL, num_blocks=NUM_BLOCKS, block_size=4, num_layers=2,
+        client.create_pool(PoolConfig(POOL, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, num_layers=2,
                                       num_kv_heads=2, head_dim=HEAD_DIM, dtype="float32"))
         for n in range(2):  # a tensor-parallel pair: one KV head each
             port = free_port()

@@ -7,16 +7,23 @@ table), runs the step's copy-on-write copies, and answers with a hash of the
 sequence's whole context *as read back through its block table*. So a wrong
 slot, a missed copy, a prefix hit on blocks that were never written or a
 recompute that lost a token all change the generated tokens, and the tests
-compare them with the same hash over the plain token list.
+compare them with the same hash over the plain token list. Like a worker, it
+refuses (``KV_NOT_WRITTEN``) to compute over a slot it holds nothing for, so a
+"restart" (its slots cleared, a new worker incarnation registered) must be
+recovered by recomputing.
 """
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
+from google.rpc import error_details_pb2
 
 from blockd.core import PoolConfig
+from blockd.workers import WorkerInfo
+from client.errors import FailedPreconditionError
 from client.model_group import ModelBatch
 from client.scheduler import Scheduler, SchedulerConfig
 from client.serving import GenerationRequest, ReservationAdmission, percentile
@@ -57,7 +64,7 @@ class SlotModel:
                     self.slots[dst * BLOCK + offset] = self.slots[src * BLOCK + offset]
         return result
 
-    def run(self, version: int, batch: ModelBatch) -> list[int]:
+    def run(self, version: int, batch: ModelBatch, *, pool_incarnation: str = "") -> list[int]:
         self.num_steps += 1
         _, tables = self.client.get_tables(self.pool, batch.seq_ids)
         out, row = [], 0
@@ -68,9 +75,16 @@ class SlotModel:
                 assert batch.slot_mapping[row] == slot, f"{seq_id} token {pos}: wrong slot"
                 self.slots[slot] = batch.token_ids[row]
                 row += 1
-            context = [self.slots[table[pos // BLOCK] * BLOCK + pos % BLOCK] for pos in range(n)]
+            context = [self.slots.get(table[pos // BLOCK] * BLOCK + pos % BLOCK) for pos in range(n)]
+            if None in context:
+                raise _not_written(seq_id)
             out.append(next_token(context))
         return out
+
+
+def _not_written(seq_id: str) -> FailedPreconditionError:
+    info = error_details_pb2.ErrorInfo(reason="KV_NOT_WRITTEN", metadata={"seq_ids": json.dumps([seq_id])})
+    return FailedPreconditionError(f"{seq_id}: KV not written", details=(info,))
 
 
 class _StepThrough:
@@ -145,7 +159,7 @@ def test_chunked_prefill_respects_the_token_budget(client):
     sched, model = make(client, 100, SchedulerConfig(max_num_batched_tokens=8, max_num_seqs=4))
     sizes = []
     original = model.run
-    model.run = lambda version, batch: sizes.append(batch.num_tokens) or original(version, batch)
+    model.run = lambda version, batch, **kw: sizes.append(batch.num_tokens) or original(version, batch, **kw)
     req = GenerationRequest("long", tuple(range(1, 30)), 3)
     sched.add_request(req)
     check_outputs(sched.run(), [req])
@@ -226,10 +240,58 @@ def test_tensor_parallel_ranks_must_agree(monkeypatch):
     batch.add("b", 1, [5], [20])
     with WorkerGroup("p", ["127.0.0.1:1", "127.0.0.1:2"]) as group:  # channels connect lazily
         answers = {group.workers[0].target: [7, 8], group.workers[1].target: [7, 8]}
-        monkeypatch.setattr(group, "_step", lambda worker, version, b: answers[worker.target])
+        monkeypatch.setattr(group, "_step", lambda worker, version, b, incarnation: answers[worker.target])
         assert group.run(3, batch) == [7, 8]
         answers[group.workers[1].target] = [7, 9]
         with pytest.raises(TensorParallelMismatch, match="rank 1 .* sequence 'b'"):
             group.run(3, batch)
     with pytest.raises(ValueError, match="one slot each"):
         batch.add("c", 4, [1, 2], [3])
+
+
+@pytest.mark.parametrize("registers", [True, False])
+def test_a_worker_restart_is_recovered_by_recomputing(client, registers):
+    """The model's memory is wiped mid-run. With a new worker incarnation
+    registered, blockd reports the lost sequences (KV_LOST); without, only the
+    model's refusal (KV_NOT_WRITTEN) tells. Either way the scheduler recomputes
+    and the tokens still equal the reference."""
+    requests = workload(4, 12)
+    sched, model = make(client, 60, SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=12))
+    client.register_worker(WorkerInfo("w", "p", "", 0, 1, 0, 1, incarnation="life-0"))
+    for req in requests:
+        sched.add_request(req)
+    restarts_at = [3, 9]
+
+    def restart(s):
+        if restarts_at and s.counters.num_steps == restarts_at[0]:
+            restarts_at.pop(0)
+            model.slots.clear()
+            if registers:
+                client.register_worker(WorkerInfo("w", "p", "", 0, 1, 0, 1,
+                                                  incarnation=f"life-{s.counters.num_steps}"))
+
+    check_outputs(sched.run(on_step=restart), requests)
+    assert restarts_at == [], "both restarts happened while requests ran"
+    c = sched.counters
+    assert c.num_kv_loss_preemptions > 0 and c.num_finished == len(requests)
+    assert (c.num_worker_faults > 0) != registers  # blockd told first, or the model refused
+    assert client.get_pool("p").num_seqs == 0 and client.get_pool("p").num_kv_lost_seqs == 0
+
+
+def test_a_pool_recreated_underneath_fails_its_requests_clearly(client):
+    requests = workload(5, 6)
+    sched, model = make(client, 60, SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=12))
+    for req in requests:
+        sched.add_request(req)
+    for _ in range(3):
+        sched.step()
+    client.delete_pool("p")
+    client.create_pool(PoolConfig("p", 60, BLOCK))
+    model.slots.clear()
+    outputs = sched.run()
+    assert {out.request_id for out in outputs} == {req.request_id for req in requests}
+    assert all("deleted or re-created" in out.error for out in outputs)
+    assert sched.counters.num_failed == len(requests) and sched.is_idle
+    later = GenerationRequest("later", (4, 5, 6), 3)
+    sched.add_request(later)
+    check_outputs(sched.run(), [later])  # the new pool serves new requests

@@ -113,7 +113,7 @@ def test_watch_deltas_and_snapshot(client: BlockdClient) -> None:
 
 def test_worker_rpcs(client: BlockdClient) -> None:
     client.create_pool(SMALL)
-    info = WorkerInfo("w0", "small", "10.0.0.1:7000", 0, 2, 0, 1, 1 << 20, "cuda:0")
+    info = WorkerInfo("w0", "small", "10.0.0.1:7000", 0, 2, 0, 1, 1 << 20, "cuda:0", "i0")
     status = client.register_worker(info)
     assert status.info == info and status.is_up
     assert client.heartbeat("w0", 3).applied_version == 3
@@ -146,7 +146,7 @@ def test_async_client(blockd_server) -> None:
             assert items == [1, 2, 3]
             async with contextlib.aclosing(c.events("small", 0)) as events:
                 assert (await anext(events)).kind == "BlockStored"
-            await c.register_worker(WorkerInfo("w", "small", layer_end=2, kv_head_end=2))
+            await c.register_worker(WorkerInfo("w", "small", layer_end=2, kv_head_end=2, incarnation="i"))
             assert (await c.heartbeat("w", 1)).applied_version == 1
             assert len(await c.list_workers("small")) == 1
             await c.reset_prefix_cache("small")

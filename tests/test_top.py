@@ -25,9 +25,10 @@ def _engine() -> Engine:
     engine = Engine()
     engine.create_pool(PoolConfig("llama", num_blocks=40, block_size=4))
     engine.create_pool(PoolConfig("empty", num_blocks=8, block_size=16))
+    # first: a worker joining later would hold none of the KV (and the prefix cache would be cleared)
+    engine.register_worker(WorkerInfo("w0", "llama", layer_end=1, kv_head_end=1, incarnation="i0"))
     engine.step("llama", [Allocate("a", list(range(10))), Commit("a", 10)])
     engine.step("llama", [Free("a"), Allocate("b", list(range(9)))])  # 8 tokens hit
-    engine.register_worker(WorkerInfo("w0", "llama", layer_end=1, kv_head_end=1))
     return engine
 
 

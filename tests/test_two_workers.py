@@ -3,6 +3,7 @@ processes over real gRPC on loopback: allocations, a fork with copy-on-write,
 frees and block reuse; attention outputs equal dense attention computed from
 the full K/V history the test keeps."""
 
+import functools
 import time
 
 import pytest
@@ -24,7 +25,7 @@ class Cluster:
         self.history: dict[str, list[torch.Tensor]] = {}
         self.gen = torch.Generator().manual_seed(1)
 
-    def forward(self, version, seq_ids, new_counts, slots):
+    def forward(self, step, seq_ids, new_counts, slots):
         """One 'model step': per layer, send each worker its heads' K/V and query."""
         total = sum(new_counts)
         ctx = [(len(self.history[s][0]) if s in self.history else 0) + n for s, n in zip(seq_ids, new_counts)]
@@ -35,9 +36,9 @@ class Cluster:
             for w, worker in enumerate(self.workers):
                 h = slice(w * 2, w * 2 + 2)
                 q = query[:, w * 2 * Q_PER_KV : (w * 2 + 2) * Q_PER_KV].contiguous()
-                outs.append(worker.attention("m", version, layer, seq_ids, new_counts, ctx, q,
+                outs.append(worker.attention("m", step.version, layer, seq_ids, new_counts, ctx, q,
                                              key=kv[:, h, 0].contiguous(), value=kv[:, h, 1].contiguous(),
-                                             slot_mapping=slots))
+                                             slot_mapping=slots, pool_incarnation=step.incarnation))
             out, row = torch.cat(outs, dim=1), 0
             for s, n in zip(seq_ids, new_counts):
                 hist = self.history.setdefault(s, [torch.empty(0, HEADS, 2, DIM)] * LAYERS)
@@ -65,19 +66,19 @@ def test_two_tensor_parallel_workers_match_dense_attention():
         assert all(s.is_up and s.info.pool_bytes == 6 * 4 * LAYERS * 2 * 2 * DIM * 4
                    for s in listed.values())
         r = sched.step("m", [Allocate("a", list(range(7))), Allocate("b", list(range(50, 55)))])
-        cluster.forward(r.version, ["a", "b"], [7, 5],
+        cluster.forward(r, ["a", "b"], [7, 5],
                         list(r.results[0].slot_mapping) + list(r.results[1].slot_mapping))
         r = sched.step("m", [Fork("a", "c")])
         cluster.history["c"] = [t.clone() for t in cluster.history["a"]]
         r = sched.step("m", [Append("a", [1]), Append("c", [2])])
         assert r.copy_ops, "the shared half-full block must be copied on write"
-        cluster.forward(r.version, ["a", "c"], [1, 1],
+        cluster.forward(r, ["a", "c"], [1, 1],
                         [r.results[0].slot_mapping[0], r.results[1].slot_mapping[0]])
         b_blocks = set(sched.get_tables("m", ["b"])[1]["b"])
         r = sched.step("m", [Free("b"), Allocate("d", list(range(90, 96)))])
         assert b_blocks & set(sched.get_tables("m", ["d"])[1]["d"]), "freed blocks are reused"
-        cluster.forward(r.version, ["d"], [6], list(r.results[1].slot_mapping))
-        _bad_requests(w0, r.version)
+        cluster.forward(r, ["d"], [6], list(r.results[1].slot_mapping))
+        _bad_requests(w0, r.version, r.incarnation)
         stats = w0.stats()
         assert stats.applied_version == r.version and stats.copy_ops_applied == 1
 
@@ -95,20 +96,21 @@ def _create_pool(address):
     return _Done()
 
 
-def _bad_requests(worker: WorkerClient, version: int):
+def _bad_requests(worker: WorkerClient, version: int, incarnation: str):
     q = torch.randn(1, 2 * Q_PER_KV, DIM)
+    attention = functools.partial(worker.attention, pool_incarnation=incarnation)
     with pytest.raises(FailedPreconditionError, match="stale"):
-        worker.attention("m", version - 1, 0, ["a"], [1], [8], q)
+        attention("m", version - 1, 0, ["a"], [1], [8], q)
     start = time.monotonic()
     with pytest.raises(FailedPreconditionError, match="never committed"):
-        worker.attention("m", version + 100, 0, ["a"], [1], [8], q)
+        attention("m", version + 100, 0, ["a"], [1], [8], q)
     assert time.monotonic() - start < 3, "a version that can never arrive must fail fast"
     with pytest.raises(NotFoundError):
-        worker.attention("m", version, 0, ["ghost"], [1], [8], q)
+        attention("m", version, 0, ["ghost"], [1], [8], q)
     with pytest.raises(InvalidArgumentError):
-        worker.attention("m", version, 0, ["a"], [1], [8], q[:, :3])
+        attention("m", version, 0, ["a"], [1], [8], q[:, :3])
     with pytest.raises(InvalidArgumentError):
-        worker.attention("m", version, 0, ["a"], [1], [8], q.to(torch.bfloat16))
+        attention("m", version, 0, ["a"], [1], [8], q.to(torch.bfloat16))
     with pytest.raises(InvalidArgumentError):
-        worker.attention("m", version, 7, ["a"], [1], [8], q)
+        attention("m", version, 7, ["a"], [1], [8], q)
     assert worker.stats().pool == "m"  # and it keeps serving

@@ -6,6 +6,7 @@ import torch
 
 from blockd.core import Allocate, Append, BlockdError, Fork, Free, NotFound, Pool, PoolConfig
 from blockd.core.errors import InvalidArgument
+from blockd.identity import KVNotWritten, PoolIncarnationMismatch, PoolIncarnationUnavailable
 from tests.dense import dense_attention
 from worker.replica import StaleVersion, TableReplica, VersionUnavailable
 from worker.runtime import ShardSpec, WorkerRuntime
@@ -77,7 +78,9 @@ def test_versions_stale_future_and_bad_input():
     h.run(r1.version, ["a"], [3], list(r1.results[0].slot_mapping))
     r2 = h.step([Append("a", [4])])
     q = h.rand(1, Q_HEADS, DIM)
-    h.runtime.attention(r2.version, 0, ["a"], [1], [4], q)
+    kv = {"key": h.rand(1, HEADS, DIM), "value": h.rand(1, HEADS, DIM),
+          "slot_mapping": list(r2.results[0].slot_mapping)}
+    h.runtime.attention(r2.version, 0, ["a"], [1], [4], q, **kv)
     with pytest.raises(StaleVersion) as err:
         h.runtime.attention(r1.version, 0, ["a"], [1], [4], q)
     assert err.value.code == "FAILED_PRECONDITION"
@@ -123,3 +126,47 @@ def test_shard_checks():
         WorkerRuntime(PoolConfig("q", num_blocks=4, block_size=2, dtype="int8"))
     rt = WorkerRuntime(config, ShardSpec(1, 2, 2, 4))
     assert rt.pool_bytes == 4 * 2 * 1 * 2 * 2 * 8 * 2
+
+
+def test_attention_over_slots_not_written_in_this_incarnation_is_refused():
+    h = Harness()
+    r = h.step([Allocate("a", list(range(7)))])
+    slots = list(r.results[0].slot_mapping)
+    q = h.rand(1, Q_HEADS, DIM)
+    # the first 4 tokens, in layer 0 only
+    h.runtime.write_kv(r.version, 0, h.rand(4, HEADS, DIM), h.rand(4, HEADS, DIM), slots[:4])
+    h.runtime.attention(r.version, 0, ["a"], [1], [4], q)
+    with pytest.raises(KVNotWritten, match=r"sequence .a. reads .*positions 4..6 of its 7") as err:
+        h.runtime.attention(r.version, 0, ["a"], [1], [7], q)
+    assert err.value.code == "FAILED_PRECONDITION" and err.value.metadata["seq_ids"] == '["a"]'
+    with pytest.raises(KVNotWritten, match="positions 0..3 of"):  # written in layer 0 is not layer 1
+        h.runtime.attention(r.version, 1, ["a"], [1], [4], q)
+    # a write with a gap leaves the slots after it unwritten
+    h.runtime.write_kv(r.version, 0, h.rand(2, HEADS, DIM), h.rand(2, HEADS, DIM), [slots[4], slots[6]])
+    with pytest.raises(KVNotWritten, match="positions 5 of"):
+        h.runtime.attention(r.version, 0, ["a"], [1], [7], q)
+    h.runtime.write_kv(r.version, 0, h.rand(1, HEADS, DIM), h.rand(1, HEADS, DIM), [slots[5]])
+    h.runtime.attention(r.version, 0, ["a"], [1], [7], q)
+    # copy-on-write carries what was written: the fork's copy of the shared tail block holds a's 3 tokens
+    r = h.step([Fork("a", "c"), Append("c", [9])])
+    assert r.copy_ops
+    kv = {"key": h.rand(1, HEADS, DIM), "value": h.rand(1, HEADS, DIM), "slot_mapping": list(r.results[1].slot_mapping)}
+    h.runtime.attention(r.version, 0, ["c"], [1], [8], q, **kv)
+
+
+def test_a_new_pool_incarnation_forgets_every_written_slot():
+    h = Harness()
+    h.runtime.replica.adopt("old")
+    r = h.step([Allocate("a", [1, 2, 3])])
+    h.run(r.version, ["a"], [3], list(r.results[0].slot_mapping))
+    q = h.rand(1, Q_HEADS, DIM)
+    h.runtime.attention(r.version, 0, ["a"], [1], [3], q, pool_incarnation="old")
+    # the pool was re-created: its snapshot names block 0 again, for another sequence
+    h.runtime.replica.load_snapshot(1, {"x": [0]}, "new")
+    with pytest.raises(PoolIncarnationMismatch, match="replaced"):
+        h.runtime.attention(1, 0, ["a"], [1], [3], q, pool_incarnation="old")
+    with pytest.raises(KVNotWritten, match="sequence 'x'"):
+        h.runtime.attention(1, 0, ["x"], [1], [3], q, pool_incarnation="new")
+    with pytest.raises(PoolIncarnationUnavailable, match="retry shortly"):
+        h.runtime.attention(1, 0, ["x"], [1], [3], q, pool_incarnation="newer")
+    assert h.runtime.stats()["pool_incarnation"] == "new" and h.runtime.stats()["worker_incarnation"]

@@ -3,19 +3,26 @@ stream that feeds the table replica.
 
 Two daemon threads, both bounded and stoppable:
 
-* the follower reads ``Watch(pool, from_version=received)`` and pushes each
-  delta (or snapshot) into the replica; when the stream breaks (blockd
-  restarted, network blip) it reconnects from the last version received, so
-  there is no gap, and any duplicate is dropped by the replica;
+* the follower reads ``Watch(pool, from_version=received, incarnation)`` and
+  pushes each delta (or snapshot) into the replica; when the stream breaks
+  (blockd restarted, network blip) it reconnects from the last version
+  received, so there is no gap, and any duplicate is dropped by the replica.
+  The stream names the replica's pool incarnation: when the pool was deleted
+  and re-created (or blockd restarted without its data) blockd answers with a
+  snapshot of the new incarnation, and the replica drops everything and loads
+  it (the runtime then forgets every slot it wrote: that KV belongs to the
+  old pool). A new incarnation with another geometry leaves the worker
+  unusable (every call refused, saying so): restart it;
 * the heartbeat thread reports the applied version every ``interval_s``; a
   NOT_FOUND answer (blockd restarted and forgot its in-memory registry) makes
-  it register again.
+  it register again, with the same worker incarnation (its KV is intact).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from dataclasses import replace
 
 from blockd.core.errors import BlockdError
 from blockd.engine import Snapshot
@@ -47,6 +54,10 @@ class Follower:
         ]
 
     def start(self) -> None:
+        replica = self.runtime.replica
+        if not replica.incarnation and not replica.received_version:
+            # name the pool's incarnation from version 0, so the stream starts with deltas
+            replica.adopt(self.client.get_pool(self.info.pool).incarnation)
         self.client.register_worker(self.info)
         for thread in self._threads:
             thread.start()
@@ -61,10 +72,14 @@ class Follower:
         replica, backoff = self.runtime.replica, 0.05
         while not self._stop.is_set():
             try:
-                stream = self._watch_client.watch(self.info.pool, replica.received_version, timeout_s=None)
+                stream = self._watch_client.watch(self.info.pool, replica.received_version,
+                                                  incarnation=replica.incarnation, timeout_s=None)
                 self.connected.set()
                 for item in stream:
-                    if isinstance(item, Snapshot):
+                    if isinstance(item, Snapshot) and item.incarnation != replica.incarnation:
+                        if not self._resync(item):
+                            return
+                    elif isinstance(item, Snapshot):
                         log.warning("replica of %s fell behind; loading the snapshot of version %d",
                                     self.info.pool, item.version)
                         replica.load_snapshot(item.version, item.tables)
@@ -88,6 +103,23 @@ class Follower:
                          replica.received_version)
                 self._stop.wait(backoff)
                 backoff = min(backoff * 2, 2.0)
+
+    def _resync(self, snapshot: Snapshot) -> bool:
+        """Move the replica to a new pool incarnation; False (and the worker
+        unusable) when the new pool's geometry does not fit this worker."""
+        runtime, name = self.runtime, self.info.pool
+        log.warning("pool %s is a new incarnation (%s, was %s): dropping the replica and every KV slot written, "
+                    "loading the snapshot of version %d", name, snapshot.incarnation,
+                    runtime.replica.incarnation or "none", snapshot.version)
+        config, held = self.client.pool_config(name), runtime.config
+        if replace(config, watermark_blocks=0, max_retained_versions=1) != replace(
+                held, watermark_blocks=0, max_retained_versions=1):
+            runtime.unusable = (f"pool {name!r} was re-created with another geometry ({config}) than this worker "
+                                f"holds ({held}); restart the worker")
+            log.error("%s", runtime.unusable)
+            return False
+        runtime.replica.load_snapshot(snapshot.version, snapshot.tables, snapshot.incarnation)
+        return True
 
     def _report_lag(self) -> None:
         if self.metrics is not None:

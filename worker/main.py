@@ -168,13 +168,13 @@ def main(argv: list[str] | None = None) -> int:
         log.info("running model %s (TP rank %d of %d)", args.model, args.tp_rank, args.tp_world_size)
     server = WorkerServer(runtime, args.worker_id, args.listen, runner=runner)
     info = WorkerInfo(args.worker_id, config.name, advertised_address(args, server.address), *layers, *heads,
-                      pool_bytes=runtime.pool_bytes, device=str(runtime.device))
+                      pool_bytes=runtime.pool_bytes, device=str(runtime.device), incarnation=runtime.incarnation)
     follower = Follower(client, runtime, info, args.heartbeat_s, metrics)
     runtime.latest_committed = follower.latest_committed
     follower.start()
     server.start()
-    log.info("worker %s holds layers %s and KV heads %s of pool %s: %d bytes on %s", args.worker_id,
-             layers, heads, config.name, runtime.pool_bytes, runtime.device)
+    log.info("worker %s (incarnation %s) holds layers %s and KV heads %s of pool %s: %d bytes on %s",
+             args.worker_id, runtime.incarnation, layers, heads, config.name, runtime.pool_bytes, runtime.device)
     print(f"blockd-worker listening on {server.address}", flush=True)
     done = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

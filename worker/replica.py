@@ -9,6 +9,14 @@ on exactly V's tables. Applying lazily matters because KV memory cannot be
 rewound: once V+1's copy ops ran, V's blocks may hold other data, so work for
 an older version than the applied one is refused as stale.
 
+Versions are comparable only within one pool incarnation. The replica knows
+the incarnation its tables belong to; a snapshot of another incarnation (the
+pool was re-created, or blockd restarted without its data) replaces
+everything, and the old incarnation is remembered as replaced: work naming it
+is refused at once (:class:`~blockd.identity.PoolIncarnationMismatch`), work
+naming one not loaded yet waits for it, bounded
+(:class:`~blockd.identity.PoolIncarnationUnavailable`).
+
 :meth:`trim` applies the oldest pending deltas once more than ``max_pending``
 pile up, so an idle worker's memory stays bounded. Pure Python, thread-safe; the copy op
 executor is injected (the torch shard, or a list in tests).
@@ -18,13 +26,16 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 
 from blockd.core.errors import InvalidArgument, NotFound, WrongState, shown
 from blockd.core.types import VersionDelta
+from blockd.identity import PoolIncarnationMismatch, PoolIncarnationUnavailable, short
 
 CopyFn = Callable[[Sequence[tuple[int, int]]], None]
+#: replaced pool incarnations remembered (to refuse work naming them at once)
+MAX_REPLACED = 64
 
 
 class StaleVersion(WrongState):
@@ -45,14 +56,33 @@ class TableReplica:
         self.received_version = 0
         self.num_snapshots = 0
         self.num_copy_ops = 0
+        #: the pool incarnation the tables belong to ("" until one is known)
+        self.incarnation = ""
+        self.replaced: OrderedDict[str, str] = OrderedDict()  # old -> the one that replaced it
         self._pending: deque[VersionDelta] = deque()
         self._cond = threading.Condition()
 
     # --- feeding ---------------------------------------------------------
-    def load_snapshot(self, version: int, tables: dict[str, list[int]]) -> None:
-        """Replace everything with the tables of ``version`` (copy ops of the
-        skipped versions are lost: blockd retains them no longer)."""
+    def adopt(self, incarnation: str) -> None:
+        """Name the incarnation of a replica that holds nothing yet (version 0)."""
         with self._cond:
+            if self.incarnation or self.received_version:
+                raise WrongState("only an empty replica can adopt a pool incarnation")
+            self.incarnation = incarnation
+            self._cond.notify_all()
+
+    def load_snapshot(self, version: int, tables: dict[str, list[int]], incarnation: str | None = None) -> None:
+        """Replace everything with the tables of ``version`` (copy ops of the
+        skipped versions are lost: blockd retains them no longer). With another
+        ``incarnation`` than the replica's, the replica moves to it."""
+        with self._cond:
+            if incarnation is not None and incarnation != self.incarnation:
+                if self.incarnation:
+                    self.replaced[self.incarnation] = incarnation
+                    while len(self.replaced) > MAX_REPLACED:
+                        self.replaced.popitem(last=False)
+                self.replaced.pop(incarnation, None)
+                self.incarnation = incarnation
             self.tables = {seq_id: list(t) for seq_id, t in tables.items()}
             self.applied_version = self.received_version = version
             self._pending.clear()
@@ -85,14 +115,16 @@ class TableReplica:
         return self.received_version - self.applied_version
 
     def advance_to(self, version: int, timeout_s: float,
-                   latest_committed: Callable[[], int] | None = None) -> None:
-        """Make the replica sit exactly at ``version`` (see module docstring).
+                   latest_committed: Callable[[], int] | None = None, incarnation: str | None = None) -> str:
+        """Make the replica sit exactly at ``version`` of ``incarnation`` (None:
+        whichever it holds) and return that incarnation (see module docstring).
 
         Raises :class:`StaleVersion` when already past it, and
         :class:`VersionUnavailable` when it does not arrive within
         ``timeout_s`` -- at once if ``latest_committed()`` says the pool never
         reached it, so a request for a version that can never arrive does not
-        hang.
+        hang. A replaced incarnation is refused at once, one not loaded yet
+        after ``timeout_s``.
         """
         if type(version) is not int or version < 0:
             raise InvalidArgument(f"version must be a non-negative integer, got {shown(version)}")
@@ -100,13 +132,16 @@ class TableReplica:
         checked = False
         with self._cond:
             while True:
+                if incarnation is not None and incarnation != self.incarnation:
+                    self._check_incarnation(incarnation, deadline)
+                    continue
                 if version < self.applied_version:
                     raise StaleVersion(
                         f"version {version} is stale: this worker already applied {self.applied_version}; "
                         "step the pool again and use the new version")
                 if version <= self.received_version:
                     self._apply_until(version)
-                    return
+                    return self.incarnation
                 if latest_committed is not None and not checked:
                     checked = True
                     self._cond.release()
@@ -125,6 +160,23 @@ class TableReplica:
                         f"(replica at {self.applied_version}, received {self.received_version})")
                 self._cond.wait(remaining)
 
+    def _check_incarnation(self, incarnation: str, deadline: float) -> None:
+        """Refuse ``incarnation`` (not the replica's), or wait a while for it."""
+        if incarnation in self.replaced:
+            raise PoolIncarnationMismatch(
+                f"pool incarnation {short(incarnation)} was replaced by {short(self.replaced[incarnation])} "
+                "(the pool was deleted and re-created, or blockd restarted without its data): its versions "
+                "and sequences are gone; plan again against the current pool",
+                metadata={"pool_incarnation": self.incarnation, "planned_incarnation": incarnation[:64]})
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise PoolIncarnationUnavailable(
+                f"this worker's tables belong to pool incarnation {short(self.incarnation)}, not "
+                f"{short(incarnation)}; it loads a new incarnation when its Watch stream from blockd "
+                "brings one: retry shortly, and check that the worker follows the blockd you stepped on",
+                metadata={"pool_incarnation": self.incarnation, "planned_incarnation": incarnation[:64]})
+        self._cond.wait(remaining)
+
     def _apply_until(self, version: int) -> None:
         while self._pending and self._pending[0].version <= version:
             delta = self._pending.popleft()
@@ -141,9 +193,18 @@ class TableReplica:
                     self.tables[update.seq_id] = table
             self.applied_version = delta.version
 
-    def tables_of(self, seq_ids: Sequence[str]) -> list[list[int]]:
-        """Tables at the applied version (call right after :meth:`advance_to`)."""
+    def tables_of(self, seq_ids: Sequence[str], version: int | None = None,
+                  incarnation: str | None = None) -> list[list[int]]:
+        """Tables at the applied version (call right after :meth:`advance_to`;
+        ``version`` and ``incarnation``, when given, must still be the applied
+        ones: a snapshot may have replaced them meanwhile)."""
         with self._cond:
+            if incarnation is not None and incarnation != self.incarnation:
+                raise PoolIncarnationMismatch(f"pool incarnation {short(incarnation)} was replaced by "
+                                              f"{short(self.incarnation)} while the call ran; plan again")
+            if version is not None and version != self.applied_version:
+                raise StaleVersion(f"version {version} was replaced by {self.applied_version} while the call "
+                                   "ran; step the pool again and use the new version")
             out = []
             for seq_id in seq_ids:
                 table = self.tables.get(seq_id)

@@ -12,6 +12,13 @@ The shard holds layers ``[layer_start, layer_end)`` and KV heads
 ``[kv_head_start, kv_head_end)`` of the pool; a tensor-parallel group of
 workers shares one set of block ids and splits the heads. Layer arguments are
 the pool's global layer indices.
+
+Identity: the runtime is one worker incarnation (a random id made here; the
+process restarting makes a new one, and its KV starts empty). It records which
+slots it has written in its current incarnation (:mod:`worker.written`) and
+refuses attention whose context reaches any other slot; a call may name the
+pool incarnation it planned against, and the record is cleared the first time
+the replica serves a new pool incarnation.
 """
 
 from __future__ import annotations
@@ -23,11 +30,13 @@ from dataclasses import dataclass
 
 import torch
 
-from blockd.core.errors import InvalidArgument, shown
+from blockd.core.errors import InvalidArgument, WrongState, shown
 from blockd.core.types import PoolConfig
+from blockd.identity import new_incarnation
 from worker.kernels import PagedAttention, copy_blocks, select_device, write_kv
 from worker.layout import KVGeometry, allocate_kv_pool
 from worker.replica import TableReplica
+from worker.written import ContextBlocks, WrittenSlots
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -69,6 +78,14 @@ def _int_tensor(values: Sequence[int] | torch.Tensor, name: str) -> torch.Tensor
         raise InvalidArgument(f"{name} must be a list of integers: {err}") from None
 
 
+def _padded(tables: list[list[int]]) -> torch.Tensor:
+    """Block tables as one int64 ``[rows, longest]`` tensor, zero-padded."""
+    padded = torch.zeros((len(tables), max(map(len, tables), default=0) or 1), dtype=torch.int64)
+    for i, table in enumerate(tables):
+        padded[i, : len(table)] = torch.tensor(table, dtype=torch.int64)
+    return padded
+
+
 class WorkerRuntime:
     def __init__(self, config: PoolConfig, shard: ShardSpec | None = None, *, device: str | None = None,
                  version_timeout_s: float = 5.0, latest_committed: Callable[[], int] | None = None,
@@ -86,6 +103,14 @@ class WorkerRuntime:
             head_dim=config.head_dim)
         self.kv = allocate_kv_pool(self.geometry, self.dtype, self.device)
         self.replica = TableReplica(self._copy_blocks)
+        #: this process's worker incarnation: KV written by an earlier one is gone
+        self.incarnation = new_incarnation()
+        self.written = WrittenSlots(self.geometry.num_layers, config.num_blocks, config.block_size)
+        #: the pool incarnation the written-slot record (so the KV) belongs to
+        self._kv_incarnation = ""
+        #: why this worker can serve nothing any more (its pool changed geometry)
+        self.unusable = ""
+        self._context: ContextBlocks | None = None
         self.version_timeout_s = version_timeout_s
         self.latest_committed = latest_committed
         self.metrics = metrics or _NoMetrics()
@@ -106,7 +131,9 @@ class WorkerRuntime:
 
     def _copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         start = time.perf_counter()
-        copy_blocks(self.kv, torch.tensor(pairs, dtype=torch.int64, device=self.device).view(-1, 2))
+        pairs = torch.tensor(pairs, dtype=torch.int64).view(-1, 2)
+        copy_blocks(self.kv, pairs.to(self.device))
+        self.written.copy(pairs)
         self.metrics.observe_kernel("copy_blocks", time.perf_counter() - start)
         self.metrics.add_copy_ops(len(pairs))
 
@@ -136,18 +163,38 @@ class WorkerRuntime:
         return slots
 
     # --- the data plane --------------------------------------------------------
-    def _advance(self, version: int) -> None:
-        self.replica.advance_to(version, self.version_timeout_s, self.latest_committed)
+    def _advance(self, version: int, pool_incarnation: str | None) -> str:
+        if self.unusable:
+            raise WrongState(self.unusable)
+        incarnation = self.replica.advance_to(version, self.version_timeout_s, self.latest_committed,
+                                              pool_incarnation)
+        if incarnation != self._kv_incarnation:
+            # the memory holds another pool's data under these block ids
+            self.written.clear()
+            self._kv_incarnation = incarnation
+            self._plan_key = None
+        return incarnation
 
-    def advance(self, version: int) -> None:
-        """Bring the replica to exactly ``version`` (its copy ops included) under
-        the execution lock, without running a kernel: a model step does this
-        before its forward so it fails early, before any layer ran."""
+    def advance(self, version: int, pool_incarnation: str | None = None) -> str:
+        """Bring the replica to exactly ``version`` (its copy ops included) of
+        ``pool_incarnation`` (None: the one it holds) under the execution lock,
+        without running a kernel, and return the incarnation: a model step does
+        this before its forward so it fails early, before any layer ran."""
         with self._lock:
-            self._advance(version)
+            return self._advance(version, pool_incarnation)
+
+    def check_written(self, seq_ids: Sequence[str], tables: list[list[int]], lengths: Sequence[int]) -> None:
+        """Refuse (:class:`~blockd.identity.KVNotWritten`) unless the first
+        ``lengths[i]`` tokens of each sequence are written in every layer of
+        this shard in this incarnation (a model step checks its cached context
+        once, before the forward)."""
+        context = ContextBlocks.of(_padded(tables), torch.tensor(list(lengths), dtype=torch.int64),
+                                   self.config.block_size)
+        with self._lock:
+            self.written.check(slice(None), context, seq_ids, lengths)
 
     def write_kv(self, version: int, layer: int, key: torch.Tensor, value: torch.Tensor,
-                 slot_mapping: Sequence[int] | torch.Tensor) -> None:
+                 slot_mapping: Sequence[int] | torch.Tensor, *, pool_incarnation: str | None = None) -> None:
         """Store ``key``/``value`` ``[num_tokens, local_kv_heads, head_dim]`` in their slots."""
         local = self._local_layer(layer)
         n = key.shape[0] if isinstance(key, torch.Tensor) and key.dim() else -1
@@ -155,20 +202,23 @@ class WorkerRuntime:
         key, value = self._check_tensor(key, "key", shape), self._check_tensor(value, "value", shape)
         slots = self._check_slots(slot_mapping, n)
         with self._lock:
-            self._advance(version)
+            self._advance(version, pool_incarnation)
             start = time.perf_counter()
             write_kv(self.kv[local], key, value, slots.to(self.device))
+            self.written.mark(local, slots)
             self.metrics.observe_kernel("write_kv", time.perf_counter() - start)
 
     def attention(self, version: int, layer: int, seq_ids: Sequence[str], query_lens: Sequence[int],
                   context_lens: Sequence[int], query: torch.Tensor, *, key: torch.Tensor | None = None,
                   value: torch.Tensor | None = None, slot_mapping: Sequence[int] | None = None,
-                  scale: float | None = None) -> torch.Tensor:
+                  scale: float | None = None, pool_incarnation: str | None = None) -> torch.Tensor:
         """Paged attention of ``query`` ``[sum(query_lens), local_q_heads, head_dim]``
         for sequences ``seq_ids`` at ``version``; each sequence's query tokens are
         the last ``query_lens[i]`` of its ``context_lens[i]`` tokens. With ``key``,
         ``value`` and ``slot_mapping`` the new tokens' K/V are written first.
-        Returns ``[sum(query_lens), local_q_heads, head_dim]`` in the pool dtype."""
+        Returns ``[sum(query_lens), local_q_heads, head_dim]`` in the pool dtype;
+        refuses (KVNotWritten) when a context slot is not written in this
+        incarnation."""
         local = self._local_layer(layer)
         q_lens = _int_tensor(query_lens, "query_lens")
         ctx = _int_tensor(context_lens, "context_lens")
@@ -184,17 +234,19 @@ class WorkerRuntime:
                                   f"worker's {self.geometry.num_kv_heads} KV heads")
         query = self._check_tensor(query, "query", (total, heads, self.geometry.head_dim))
         with self._lock:
-            self._advance(version)
+            incarnation = self._advance(version, pool_incarnation)
             if key is not None or value is not None or slot_mapping is not None:
                 if key is None or value is None or slot_mapping is None:
                     raise InvalidArgument("key, value and slot_mapping go together")
                 shape = (total, self.geometry.num_kv_heads, self.geometry.head_dim)
                 key, value = self._check_tensor(key, "key", shape), self._check_tensor(value, "value", shape)
-                slots = self._check_slots(slot_mapping, total).to(self.device)
+                slots = self._check_slots(slot_mapping, total)  # kept where the caller has it (the CPU)
                 start = time.perf_counter()
-                write_kv(self.kv[local], key, value, slots)
+                write_kv(self.kv[local], key, value, slots.to(self.device))
+                self.written.mark(local, slots)
                 self.metrics.observe_kernel("write_kv", time.perf_counter() - start)
-            self._plan(version, seq_ids, q_lens, ctx, heads, scale)
+            self._plan(version, incarnation, seq_ids, q_lens, ctx, heads, scale)
+            self.written.check(local, self._context, seq_ids, ctx)
             start = time.perf_counter()
             out = self._attention.run(query, self.kv[local])
             self.metrics.observe_kernel("attention", time.perf_counter() - start)
@@ -202,21 +254,19 @@ class WorkerRuntime:
         self.metrics.add_tokens(total)
         return out
 
-    def _plan(self, version, seq_ids, q_lens, ctx, heads, scale) -> None:
+    def _plan(self, version, incarnation, seq_ids, q_lens, ctx, heads, scale) -> None:
         """Plan once per batch: every layer of a forward pass reuses it."""
-        key = (version, tuple(seq_ids), tuple(q_lens.tolist()), tuple(ctx.tolist()), heads, scale)
+        key = (version, incarnation, tuple(seq_ids), tuple(q_lens.tolist()), tuple(ctx.tolist()), heads, scale)
         if key == self._plan_key:
             return
-        tables = self.replica.tables_of(seq_ids)
+        tables = self.replica.tables_of(seq_ids, version, incarnation)
         b = self.config.block_size
         for seq_id, table, n in zip(seq_ids, tables, ctx.tolist()):
             if n > len(table) * b:
                 raise InvalidArgument(f"sequence {shown(seq_id)} has {len(table)} blocks at version {version}, "
                                       f"too few for context length {n}")
-        width = max(len(t) for t in tables) or 1
-        padded = torch.zeros((len(tables), width), dtype=torch.int64)
-        for i, table in enumerate(tables):
-            padded[i, : len(table)] = torch.tensor(table, dtype=torch.int64)
+        padded = _padded(tables)
+        self._context = ContextBlocks.of(padded, ctx, b)
         starts = torch.zeros(len(tables) + 1, dtype=torch.int64)
         torch.cumsum(q_lens, 0, out=starts[1:])
         decode = bool((q_lens == 1).all())
@@ -234,4 +284,6 @@ class WorkerRuntime:
             "copy_ops_applied": self.replica.num_copy_ops,
             "snapshots_loaded": self.replica.num_snapshots,
             "pool_bytes": self.pool_bytes,
+            "worker_incarnation": self.incarnation,
+            "pool_incarnation": self.replica.incarnation,
         }

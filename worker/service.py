@@ -8,7 +8,10 @@ The servicer is a thin adapter: decode tensors (:mod:`worker.tensors`), call
 the runtime, encode the result. Failures leave through blockd's one error
 mapping (:mod:`blockd.service.errors`): bad shapes or dtypes are
 INVALID_ARGUMENT, unknown sequences NOT_FOUND, stale or never-arriving
-versions FAILED_PRECONDITION; nothing leaks as UNKNOWN.
+versions FAILED_PRECONDITION; nothing leaks as UNKNOWN. Every data-plane call
+must name the worker incarnation it planned against (another one means this
+process restarted and lost the KV: WORKER_INCARNATION_MISMATCH) and the pool
+incarnation of its version.
 """
 
 from __future__ import annotations
@@ -20,8 +23,9 @@ import grpc
 from grpc_health.v1 import health_pb2
 
 from blockd.core.errors import InvalidArgument, NotFound, WrongState, shown
+from blockd.identity import WorkerIncarnationMismatch, short
 from blockd.service.convert import require_id, require_ids
-from blockd.service.errors import method_handlers, unary
+from blockd.service.errors import BadField, method_handlers, unary
 from blockd.service.server import split_address
 from blockd.service.stock import add_stock_services
 from blockd.v1 import worker_pb2 as pb
@@ -48,6 +52,28 @@ class KVShardServicer:
         if pool != self.runtime.config.name:
             raise NotFound(f"this worker holds pool {shown(self.runtime.config.name)}, not {shown(pool)}")
 
+    def _check_call(self, request) -> str:
+        """The pool, the ids, and the incarnations the caller planned against;
+        returns the pool incarnation it names."""
+        self._check_pool(request.pool, getattr(request, "seq_ids", ()))
+        if not request.pool_incarnation:
+            raise BadField("pool_incarnation", "is required: the pool incarnation of the Step response (or "
+                           "GetPool) whose version you name")
+        if not request.worker_incarnation:
+            raise BadField("worker_incarnation", "is required: this worker's incarnation from GetWorkerStats "
+                           "or ListWorkers, so a restarted worker cannot answer for KV it lost")
+        require_id(request.pool_incarnation, "pool_incarnation")
+        require_id(request.worker_incarnation, "worker_incarnation")
+        mine = self.runtime.incarnation
+        if request.worker_incarnation != mine:
+            raise WorkerIncarnationMismatch(
+                f"worker {shown(self.worker_id)} is incarnation {short(mine)}, not "
+                f"{short(request.worker_incarnation)}: it restarted since you planned and lost the KV written "
+                "before; blockd reports the affected sequences (KV_LOST): recompute them, then name the new "
+                "incarnation (GetWorkerStats)",
+                metadata={"worker_incarnation": mine, "planned_incarnation": request.worker_incarnation[:64]})
+        return request.pool_incarnation
+
     @unary
     def GetWorkerStats(self, request, context):
         shard, stats = self.runtime.shard, self.runtime.stats()
@@ -58,14 +84,15 @@ class KVShardServicer:
 
     @unary
     def WriteKV(self, request, context):
-        self._check_pool(request.pool)
+        incarnation = self._check_call(request)
         self.runtime.write_kv(request.version, request.layer, from_proto(request.key, "key"),
-                              from_proto(request.value, "value"), list(request.slot_mapping))
+                              from_proto(request.value, "value"), list(request.slot_mapping),
+                              pool_incarnation=incarnation)
         return pb.WriteKVResponse(version=request.version)
 
     @unary
     def Attention(self, request, context):
-        self._check_pool(request.pool, request.seq_ids)
+        incarnation = self._check_call(request)
         has_kv = request.HasField("key") or request.HasField("value")
         if has_kv and not (request.HasField("key") and request.HasField("value")):
             raise InvalidArgument("key and value go together")
@@ -75,17 +102,17 @@ class KVShardServicer:
             key=from_proto(request.key, "key") if has_kv else None,
             value=from_proto(request.value, "value") if has_kv else None,
             slot_mapping=list(request.slot_mapping) if has_kv else None,
-            scale=request.scale or None)
+            scale=request.scale or None, pool_incarnation=incarnation)
         return pb.AttentionResponse(output=to_proto(out), version=request.version)
 
     @unary
     def ModelStep(self, request, context):
-        self._check_pool(request.pool, request.seq_ids)
+        incarnation = self._check_call(request)
         if self.runner is None:
             raise WrongState("this worker runs no model (start blockd-worker with --model)")
         logits = self.runner.step(request.version, list(request.seq_ids), list(request.query_lens),
                                   list(request.context_lens), list(request.token_ids),
-                                  list(request.slot_mapping))
+                                  list(request.slot_mapping), pool_incarnation=incarnation)
         response = pb.ModelStepResponse(version=request.version,
                                         next_token_ids=logits.argmax(dim=-1).tolist())
         if request.return_logits:

@@ -158,6 +158,9 @@ class StepResult:
     version: int
     results: tuple[OpResult, ...]
     copy_ops: tuple[tuple[int, int], ...] = ()
+    #: the pool incarnation ``version`` belongs to; set by the daemon (the core
+    #: does not know incarnations and leaves it empty)
+    incarnation: str = ""
 
 
 BLOCK_STORED = "BlockStored"
@@ -198,6 +201,10 @@ class PoolStats:
     num_copies: int
     version: int
     last_event_seq_no: int
+    #: set by the daemon (the core leaves them empty): the pool's incarnation and
+    #: how many sequences lost their KV in a worker restart (:mod:`blockd.identity`)
+    incarnation: str = ""
+    num_kv_lost_seqs: int = 0
 
     @property
     def utilisation_ratio(self) -> float:

@@ -208,8 +208,8 @@ def op_to_proto(op: Op) -> pb.Op:
     return out
 
 
-def step_request_to_proto(pool: str, ops, request_id: str) -> pb.StepRequest:
-    request = pb.StepRequest(pool=pool, request_id=request_id)
+def step_request_to_proto(pool: str, ops, request_id: str, incarnation: str = "") -> pb.StepRequest:
+    request = pb.StepRequest(pool=pool, request_id=request_id, pool_incarnation=incarnation)
     for op in ops:
         op_into_proto(op, request.ops.add())
     return request
@@ -225,7 +225,8 @@ def _copies_from_proto(msgs) -> tuple[tuple[int, int], ...]:
 
 
 def step_result_to_proto(result: StepResult) -> pb.StepResponse:
-    response = pb.StepResponse(version=result.version, copy_ops=_copies_to_proto(result.copy_ops))
+    response = pb.StepResponse(version=result.version, copy_ops=_copies_to_proto(result.copy_ops),
+                               pool_incarnation=result.incarnation)
     add = response.results.add  # built in place: no copy of the slot arrays
     for r in result.results:
         add(seq_id=r.seq_id, num_tokens=r.num_tokens, num_cached_tokens=r.num_cached_tokens,
@@ -239,7 +240,7 @@ def step_result_from_proto(msg: pb.StepResponse) -> StepResult:
         OpResult(r.seq_id, r.num_tokens, r.num_cached_tokens, tuple(r.new_block_ids),
                  _copies_from_proto(r.copy_ops), r.slot_start, tuple(r.slot_mapping))
         for r in msg.results)
-    return StepResult(msg.version, results, _copies_from_proto(msg.copy_ops))
+    return StepResult(msg.version, results, _copies_from_proto(msg.copy_ops), msg.pool_incarnation)
 
 
 # --- tables, sequences, followers ----------------------------------------------------
@@ -253,25 +254,31 @@ def tables_from_proto(msgs) -> dict[str, list[int]]:
 
 def sequence_to_proto(info: SequenceInfo) -> pb.GetSequenceResponse:
     return pb.GetSequenceResponse(seq_id=info.seq_id, num_tokens=info.num_tokens,
-                                  num_committed=info.num_committed, block_ids=info.block_table)
+                                  num_committed=info.num_committed, block_ids=info.block_table,
+                                  kv_lost=info.kv_lost)
 
 
 def sequence_from_proto(msg: pb.GetSequenceResponse) -> SequenceInfo:
-    return SequenceInfo(msg.seq_id, msg.num_tokens, msg.num_committed, list(msg.block_ids))
+    return SequenceInfo(msg.seq_id, msg.num_tokens, msg.num_committed, list(msg.block_ids), msg.kv_lost)
 
 
-def watch_item_to_proto(item: Snapshot | VersionDelta) -> pb.WatchResponse:
+def watch_item_to_proto(item: Snapshot | VersionDelta, incarnation: str) -> pb.WatchResponse:
+    """``incarnation``: the pool incarnation of a delta (a snapshot names its own)."""
     if isinstance(item, Snapshot):
-        return pb.WatchResponse(snapshot=pb.Snapshot(version=item.version, tables=tables_to_proto(item.tables)))
+        return pb.WatchResponse(snapshot=pb.Snapshot(version=item.version, tables=tables_to_proto(item.tables)),
+                                pool_incarnation=item.incarnation)
     updates = [pb.TableUpdate(seq_id=u.seq_id, keep=u.keep, block_ids=u.block_ids, freed=u.freed)
                for u in item.updates]
     return pb.WatchResponse(delta=pb.VersionDelta(version=item.version, updates=updates,
-                                                  copy_ops=_copies_to_proto(item.copy_ops)))
+                                                  copy_ops=_copies_to_proto(item.copy_ops)),
+                            pool_incarnation=incarnation)
 
 
 def watch_item_from_proto(msg: pb.WatchResponse) -> Snapshot | VersionDelta:
+    """A snapshot keeps its incarnation; a delta's is the one the stream was
+    opened with (or the last snapshot's)."""
     if msg.WhichOneof("kind") == "snapshot":
-        return Snapshot(msg.snapshot.version, tables_from_proto(msg.snapshot.tables))
+        return Snapshot(msg.snapshot.version, tables_from_proto(msg.snapshot.tables), msg.pool_incarnation)
     delta = msg.delta
     updates = tuple(TableUpdate(u.seq_id, u.keep, tuple(u.block_ids), u.freed) for u in delta.updates)
     return VersionDelta(delta.version, updates, _copies_from_proto(delta.copy_ops))

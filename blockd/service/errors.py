@@ -6,7 +6,8 @@ Every servicer method is wrapped by :func:`unary` or :func:`server_stream`:
   ``code`` names, the error's message, and details:
   ``google.rpc.ErrorInfo`` (domain ``blockd``, reason = the error class in
   UPPER_SNAKE_CASE, metadata ``op_index`` for a failing batch operation,
-  ``rpc`` for the method) and, for INVALID_ARGUMENT, a ``google.rpc.BadRequest``
+  ``rpc`` for the method, plus the error's own ``metadata`` if it has one,
+  e.g. the ``seq_ids`` of KV_LOST) and, for INVALID_ARGUMENT, a ``google.rpc.BadRequest``
   whose field violation names the offending field (``ops[3]``,
   ``config.block_size``, ...);
 * anything else is a bug: it leaves as INTERNAL with an incident id, and the
@@ -104,7 +105,7 @@ def _reason(err: BlockdError) -> str:
 def blockd_status(err: BlockdError, rpc: str) -> grpc.Status:
     """The status a core error leaves as (see the module docstring)."""
     code = getattr(code_pb2, err.code, code_pb2.INTERNAL)
-    metadata = {"rpc": rpc}
+    metadata = {**getattr(err, "metadata", {}), "rpc": rpc}
     if err.op_index is not None:
         metadata["op_index"] = str(err.op_index)
     details = [error_details_pb2.ErrorInfo(reason=_reason(err), domain=DOMAIN, metadata=metadata)]

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 
 import grpc
 
-from blockd.engine import Engine
+from blockd.engine import Engine, Snapshot
 from blockd.service import convert
 from blockd.service.convert import optional_id, require_id, require_ids
 from blockd.service.errors import BadField, server_stream, unary
@@ -76,7 +76,8 @@ class BlockServicer(pb_grpc.BlockServiceServicer):
     def Step(self, request: pb.StepRequest, context) -> pb.StepResponse:
         pool = require_id(request.pool, "pool")
         request_id = optional_id(request.request_id, "request_id")
-        result = self._engine.step(pool, convert.ops_from_proto(request.ops), request_id, dry_run=request.dry_run)
+        result = self._engine.step(pool, convert.ops_from_proto(request.ops), request_id, dry_run=request.dry_run,
+                                   incarnation=request.pool_incarnation)
         return convert.step_result_to_proto(result)
 
     @unary
@@ -92,10 +93,16 @@ class BlockServicer(pb_grpc.BlockServiceServicer):
 
     @server_stream
     def Watch(self, request: pb.WatchRequest, context) -> Iterator[pb.WatchResponse]:
-        stream = self._engine.watch(require_id(request.pool, "pool"), request.from_version,
-                                    _stopper(context, self._shutdown))
+        pool = require_id(request.pool, "pool")
+        # Every message names its incarnation. A follower that named none gets
+        # the current one; should the pool be re-created before the stream
+        # starts, the engine sees the mismatch and opens with a snapshot.
+        incarnation = request.pool_incarnation or self._engine.pool_incarnation(pool)
+        stream = self._engine.watch(pool, request.from_version, _stopper(context, self._shutdown), incarnation)
         for item in stream:
-            yield convert.watch_item_to_proto(item)
+            if isinstance(item, Snapshot):
+                incarnation = item.incarnation
+            yield convert.watch_item_to_proto(item, incarnation)
 
     @server_stream
     def Events(self, request: pb.EventsRequest, context) -> Iterator[pb.EventsResponse]:

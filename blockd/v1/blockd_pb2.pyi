@@ -25,6 +25,11 @@ Conventions:
   field), never as a success flag in a response.
 * Hot fields are packed repeated uint32/uint64, so a 256-sequence decode
   step is two packed arrays in and one packed array out.
+* Identity (see DESIGN.md, incarnations): a pool incarnation is a random id
+  made when a pool is created and kept across daemon restarts; versions are
+  comparable only within one incarnation. A worker incarnation is a random
+  id made when a worker process starts; KV written by an earlier one is
+  gone, and blockd reports the sequences that held it (reason KV_LOST).
 """
 
 from collections import abc as _abc
@@ -155,6 +160,8 @@ class PoolStats(_message.Message):
     NUM_COPIES_FIELD_NUMBER: _builtins.int
     VERSION_FIELD_NUMBER: _builtins.int
     LAST_EVENT_SEQ_NO_FIELD_NUMBER: _builtins.int
+    INCARNATION_FIELD_NUMBER: _builtins.int
+    NUM_KV_LOST_SEQS_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     num_blocks: _builtins.int
     block_size: _builtins.int
@@ -171,6 +178,14 @@ class PoolStats(_message.Message):
     num_copies: _builtins.int
     version: _builtins.int
     last_event_seq_no: _builtins.int
+    incarnation: _builtins.str
+    """The pool's incarnation. A pool deleted and re-created under the same name
+    gets a new one.
+    """
+    num_kv_lost_seqs: _builtins.int
+    """Sequences whose KV was lost when a worker of the pool restarted and that
+    are not freed yet; steps that extend, commit or fork them fail (KV_LOST).
+    """
     def __init__(
         self,
         *,
@@ -190,10 +205,12 @@ class PoolStats(_message.Message):
         num_copies: _builtins.int = ...,
         version: _builtins.int = ...,
         last_event_seq_no: _builtins.int = ...,
+        incarnation: _builtins.str = ...,
+        num_kv_lost_seqs: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "last_event_seq_no", b"last_event_seq_no", "name", b"name", "num_blocks", b"num_blocks", "num_copies", b"num_copies", "num_evictable_blocks", b"num_evictable_blocks", "num_evictions", b"num_evictions", "num_free_blocks", b"num_free_blocks", "num_seqs", b"num_seqs", "num_tokens", b"num_tokens", "num_used_blocks", b"num_used_blocks", "prefix_hit_tokens", b"prefix_hit_tokens", "prefix_queried_tokens", b"prefix_queried_tokens", "tail_waste_bytes", b"tail_waste_bytes", "tail_waste_slots", b"tail_waste_slots", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "incarnation", b"incarnation", "last_event_seq_no", b"last_event_seq_no", "name", b"name", "num_blocks", b"num_blocks", "num_copies", b"num_copies", "num_evictable_blocks", b"num_evictable_blocks", "num_evictions", b"num_evictions", "num_free_blocks", b"num_free_blocks", "num_kv_lost_seqs", b"num_kv_lost_seqs", "num_seqs", b"num_seqs", "num_tokens", b"num_tokens", "num_used_blocks", b"num_used_blocks", "prefix_hit_tokens", b"prefix_hit_tokens", "prefix_queried_tokens", b"prefix_queried_tokens", "tail_waste_bytes", b"tail_waste_bytes", "tail_waste_slots", b"tail_waste_slots", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -723,6 +740,7 @@ class StepRequest(_message.Message):
     OPS_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     DRY_RUN_FIELD_NUMBER: _builtins.int
+    POOL_INCARNATION_FIELD_NUMBER: _builtins.int
     pool: _builtins.str
     request_id: _builtins.str
     """Names this step for retries (see the idempotency window above); the
@@ -733,6 +751,12 @@ class StepRequest(_message.Message):
     same error) without changing anything: no new version, nothing logged,
     request_id not remembered. The can_* query of DESIGN.md.
     """
+    pool_incarnation: _builtins.str
+    """The pool incarnation the caller planned against (from an earlier
+    StepResponse or GetPool). When set and not the pool's current one, the
+    step is refused with FAILED_PRECONDITION, reason POOL_INCARNATION_MISMATCH:
+    the pool was deleted and re-created since. Empty: not checked.
+    """
     @_builtins.property
     def ops(self) -> _containers.RepeatedCompositeFieldContainer[Global___Op]: ...
     def __init__(
@@ -742,10 +766,11 @@ class StepRequest(_message.Message):
         ops: _abc.Iterable[Global___Op] | None = ...,
         request_id: _builtins.str = ...,
         dry_run: _builtins.bool = ...,
+        pool_incarnation: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dry_run", b"dry_run", "ops", b"ops", "pool", b"pool", "request_id", b"request_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dry_run", b"dry_run", "ops", b"ops", "pool", b"pool", "pool_incarnation", b"pool_incarnation", "request_id", b"request_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -760,7 +785,12 @@ class StepResponse(_message.Message):
     VERSION_FIELD_NUMBER: _builtins.int
     RESULTS_FIELD_NUMBER: _builtins.int
     COPY_OPS_FIELD_NUMBER: _builtins.int
+    POOL_INCARNATION_FIELD_NUMBER: _builtins.int
     version: _builtins.int
+    pool_incarnation: _builtins.str
+    """The pool incarnation the version belongs to; name it (with the version)
+    in the workers' calls.
+    """
     @_builtins.property
     def results(self) -> _containers.RepeatedCompositeFieldContainer[Global___OpResult]: ...
     @_builtins.property
@@ -771,10 +801,11 @@ class StepResponse(_message.Message):
         version: _builtins.int = ...,
         results: _abc.Iterable[Global___OpResult] | None = ...,
         copy_ops: _abc.Iterable[Global___CopyOp] | None = ...,
+        pool_incarnation: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["copy_ops", b"copy_ops", "results", b"results", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["copy_ops", b"copy_ops", "pool_incarnation", b"pool_incarnation", "results", b"results", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -889,9 +920,14 @@ class GetSequenceResponse(_message.Message):
     NUM_TOKENS_FIELD_NUMBER: _builtins.int
     NUM_COMMITTED_FIELD_NUMBER: _builtins.int
     BLOCK_IDS_FIELD_NUMBER: _builtins.int
+    KV_LOST_FIELD_NUMBER: _builtins.int
     seq_id: _builtins.str
     num_tokens: _builtins.int
     num_committed: _builtins.int
+    kv_lost: _builtins.bool
+    """The sequence's KV was lost (a worker of the pool restarted): free it and
+    compute it again.
+    """
     @_builtins.property
     def block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     def __init__(
@@ -901,10 +937,11 @@ class GetSequenceResponse(_message.Message):
         num_tokens: _builtins.int = ...,
         num_committed: _builtins.int = ...,
         block_ids: _abc.Iterable[_builtins.int] | None = ...,
+        kv_lost: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "num_committed", b"num_committed", "num_tokens", b"num_tokens", "seq_id", b"seq_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "kv_lost", b"kv_lost", "num_committed", b"num_committed", "num_tokens", b"num_tokens", "seq_id", b"seq_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -918,17 +955,26 @@ class WatchRequest(_message.Message):
 
     POOL_FIELD_NUMBER: _builtins.int
     FROM_VERSION_FIELD_NUMBER: _builtins.int
+    POOL_INCARNATION_FIELD_NUMBER: _builtins.int
     pool: _builtins.str
     from_version: _builtins.int
+    pool_incarnation: _builtins.str
+    """The pool incarnation the follower's replica belongs to. When set and not
+    the current one (the pool was re-created, or blockd restarted without its
+    data), the stream starts with a snapshot of the current incarnation,
+    whatever from_version says: drop the replica and load it. Empty: not
+    checked.
+    """
     def __init__(
         self,
         *,
         pool: _builtins.str = ...,
         from_version: _builtins.int = ...,
+        pool_incarnation: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["from_version", b"from_version", "pool", b"pool"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["from_version", b"from_version", "pool", b"pool", "pool_incarnation", b"pool_incarnation"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1029,6 +1075,11 @@ class WatchResponse(_message.Message):
 
     SNAPSHOT_FIELD_NUMBER: _builtins.int
     DELTA_FIELD_NUMBER: _builtins.int
+    POOL_INCARNATION_FIELD_NUMBER: _builtins.int
+    pool_incarnation: _builtins.str
+    """The pool incarnation of this message's version (the same for every
+    message of one stream, except after a snapshot that changes it).
+    """
     @_builtins.property
     def snapshot(self) -> Global___Snapshot: ...
     @_builtins.property
@@ -1038,10 +1089,11 @@ class WatchResponse(_message.Message):
         *,
         snapshot: Global___Snapshot | None = ...,
         delta: Global___VersionDelta | None = ...,
+        pool_incarnation: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["delta", b"delta", "kind", b"kind", "snapshot", b"snapshot"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["delta", b"delta", "kind", b"kind", "snapshot", b"snapshot"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["delta", b"delta", "kind", b"kind", "pool_incarnation", b"pool_incarnation", "snapshot", b"snapshot"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["snapshot", "delta"]  # noqa: Y015
     _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
@@ -1226,6 +1278,7 @@ class WorkerInfo(_message.Message):
     KV_HEAD_END_FIELD_NUMBER: _builtins.int
     POOL_BYTES_FIELD_NUMBER: _builtins.int
     DEVICE_FIELD_NUMBER: _builtins.int
+    INCARNATION_FIELD_NUMBER: _builtins.int
     worker_id: _builtins.str
     pool: _builtins.str
     address: _builtins.str
@@ -1235,6 +1288,13 @@ class WorkerInfo(_message.Message):
     kv_head_end: _builtins.int
     pool_bytes: _builtins.int
     device: _builtins.str
+    incarnation: _builtins.str
+    """A random id the worker process made when it started (required). A worker
+    that registers with an incarnation the pool has not seen holds none of the
+    pool's KV yet: every sequence of the pool is then marked KV-lost and the
+    prefix cache is cleared (AllBlocksCleared). Re-registering with the same
+    incarnation (after a blockd restart) changes nothing.
+    """
     def __init__(
         self,
         *,
@@ -1247,10 +1307,11 @@ class WorkerInfo(_message.Message):
         kv_head_end: _builtins.int = ...,
         pool_bytes: _builtins.int = ...,
         device: _builtins.str = ...,
+        incarnation: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "device", b"device", "kv_head_end", b"kv_head_end", "kv_head_start", b"kv_head_start", "layer_end", b"layer_end", "layer_start", b"layer_start", "pool", b"pool", "pool_bytes", b"pool_bytes", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "device", b"device", "incarnation", b"incarnation", "kv_head_end", b"kv_head_end", "kv_head_start", b"kv_head_start", "layer_end", b"layer_end", "layer_start", b"layer_start", "pool", b"pool", "pool_bytes", b"pool_bytes", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

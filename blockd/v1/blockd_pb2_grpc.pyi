@@ -25,6 +25,11 @@ Conventions:
   field), never as a success flag in a response.
 * Hot fields are packed repeated uint32/uint64, so a 256-sequence decode
   step is two packed arrays in and one packed array out.
+* Identity (see DESIGN.md, incarnations): a pool incarnation is a random id
+  made when a pool is created and kept across daemon restarts; versions are
+  comparable only within one incarnation. A worker incarnation is a random
+  id made when a worker process starts; KV written by an earlier one is
+  gone, and blockd reports the sequences that held it (reason KV_LOST).
 """
 
 from blockd.v1 import blockd_pb2 as _blockd_pb2

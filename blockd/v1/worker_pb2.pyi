@@ -13,6 +13,17 @@ Conventions:
 * Layers are the pool's global layer indices; KV heads are the worker's
   local ones (its shard); query heads are the matching group of query heads.
 * Tensors travel as raw little-endian bytes with dtype and shape.
+* Every data-plane call names the incarnations it was planned against
+  (both required): `pool_incarnation` (from blockd's StepResponse or
+  GetPool: versions are comparable only within one) and
+  `worker_incarnation` (from GetWorkerStats or ListWorkers: a restarted
+  worker lost its KV). A mismatch is FAILED_PRECONDITION with reason
+  POOL_INCARNATION_MISMATCH, POOL_INCARNATION_UNAVAILABLE (the worker has
+  not loaded that incarnation yet) or WORKER_INCARNATION_MISMATCH.
+* A worker never computes over slots it has not written in its current
+  incarnation: attention whose context reaches such slots is
+  FAILED_PRECONDITION with reason KV_NOT_WRITTEN, naming the sequences
+  (ErrorInfo metadata seq_ids, a JSON list) -- recompute them.
 """
 
 from collections import abc as _abc
@@ -96,6 +107,8 @@ class GetWorkerStatsResponse(_message.Message):
     TOKENS_PROCESSED_FIELD_NUMBER: _builtins.int
     COPY_OPS_APPLIED_FIELD_NUMBER: _builtins.int
     SNAPSHOTS_LOADED_FIELD_NUMBER: _builtins.int
+    WORKER_INCARNATION_FIELD_NUMBER: _builtins.int
+    POOL_INCARNATION_FIELD_NUMBER: _builtins.int
     worker_id: _builtins.str
     pool: _builtins.str
     layer_start: _builtins.int
@@ -111,6 +124,12 @@ class GetWorkerStatsResponse(_message.Message):
     tokens_processed: _builtins.int
     copy_ops_applied: _builtins.int
     snapshots_loaded: _builtins.int
+    worker_incarnation: _builtins.str
+    """This worker process's incarnation (name it in data-plane calls)."""
+    pool_incarnation: _builtins.str
+    """The pool incarnation the worker's replica belongs to (empty before the
+    first one arrives).
+    """
     def __init__(
         self,
         *,
@@ -129,10 +148,12 @@ class GetWorkerStatsResponse(_message.Message):
         tokens_processed: _builtins.int = ...,
         copy_ops_applied: _builtins.int = ...,
         snapshots_loaded: _builtins.int = ...,
+        worker_incarnation: _builtins.str = ...,
+        pool_incarnation: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["applied_version", b"applied_version", "copy_ops_applied", b"copy_ops_applied", "device", b"device", "dtype", b"dtype", "kv_head_end", b"kv_head_end", "kv_head_start", b"kv_head_start", "layer_end", b"layer_end", "layer_start", b"layer_start", "num_sequences", b"num_sequences", "pool", b"pool", "pool_bytes", b"pool_bytes", "received_version", b"received_version", "snapshots_loaded", b"snapshots_loaded", "tokens_processed", b"tokens_processed", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["applied_version", b"applied_version", "copy_ops_applied", b"copy_ops_applied", "device", b"device", "dtype", b"dtype", "kv_head_end", b"kv_head_end", "kv_head_start", b"kv_head_start", "layer_end", b"layer_end", "layer_start", b"layer_start", "num_sequences", b"num_sequences", "pool", b"pool", "pool_bytes", b"pool_bytes", "pool_incarnation", b"pool_incarnation", "received_version", b"received_version", "snapshots_loaded", b"snapshots_loaded", "tokens_processed", b"tokens_processed", "worker_id", b"worker_id", "worker_incarnation", b"worker_incarnation"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -150,9 +171,15 @@ class WriteKVRequest(_message.Message):
     KEY_FIELD_NUMBER: _builtins.int
     VALUE_FIELD_NUMBER: _builtins.int
     SLOT_MAPPING_FIELD_NUMBER: _builtins.int
+    POOL_INCARNATION_FIELD_NUMBER: _builtins.int
+    WORKER_INCARNATION_FIELD_NUMBER: _builtins.int
     pool: _builtins.str
     version: _builtins.int
     layer: _builtins.int
+    pool_incarnation: _builtins.str
+    """The pool incarnation `version` belongs to (required)."""
+    worker_incarnation: _builtins.str
+    """The worker incarnation the caller planned against (required)."""
     @_builtins.property
     def key(self) -> Global___Tensor: ...
     @_builtins.property
@@ -170,10 +197,12 @@ class WriteKVRequest(_message.Message):
         key: Global___Tensor | None = ...,
         value: Global___Tensor | None = ...,
         slot_mapping: _abc.Iterable[_builtins.int] | None = ...,
+        pool_incarnation: _builtins.str = ...,
+        worker_incarnation: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "layer", b"layer", "pool", b"pool", "slot_mapping", b"slot_mapping", "value", b"value", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "layer", b"layer", "pool", b"pool", "pool_incarnation", b"pool_incarnation", "slot_mapping", b"slot_mapping", "value", b"value", "version", b"version", "worker_incarnation", b"worker_incarnation"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -220,11 +249,17 @@ class AttentionRequest(_message.Message):
     VALUE_FIELD_NUMBER: _builtins.int
     SLOT_MAPPING_FIELD_NUMBER: _builtins.int
     SCALE_FIELD_NUMBER: _builtins.int
+    POOL_INCARNATION_FIELD_NUMBER: _builtins.int
+    WORKER_INCARNATION_FIELD_NUMBER: _builtins.int
     pool: _builtins.str
     version: _builtins.int
     layer: _builtins.int
     scale: _builtins.float
     """Softmax scale; 0 means 1/sqrt(head_dim)."""
+    pool_incarnation: _builtins.str
+    """The pool incarnation `version` belongs to (required)."""
+    worker_incarnation: _builtins.str
+    """The worker incarnation the caller planned against (required)."""
     @_builtins.property
     def seq_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     @_builtins.property
@@ -255,10 +290,12 @@ class AttentionRequest(_message.Message):
         value: Global___Tensor | None = ...,
         slot_mapping: _abc.Iterable[_builtins.int] | None = ...,
         scale: _builtins.float = ...,
+        pool_incarnation: _builtins.str = ...,
+        worker_incarnation: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "query", b"query", "value", b"value"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["context_lens", b"context_lens", "key", b"key", "layer", b"layer", "pool", b"pool", "query", b"query", "query_lens", b"query_lens", "scale", b"scale", "seq_ids", b"seq_ids", "slot_mapping", b"slot_mapping", "value", b"value", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["context_lens", b"context_lens", "key", b"key", "layer", b"layer", "pool", b"pool", "pool_incarnation", b"pool_incarnation", "query", b"query", "query_lens", b"query_lens", "scale", b"scale", "seq_ids", b"seq_ids", "slot_mapping", b"slot_mapping", "value", b"value", "version", b"version", "worker_incarnation", b"worker_incarnation"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -307,10 +344,16 @@ class ModelStepRequest(_message.Message):
     TOKEN_IDS_FIELD_NUMBER: _builtins.int
     SLOT_MAPPING_FIELD_NUMBER: _builtins.int
     RETURN_LOGITS_FIELD_NUMBER: _builtins.int
+    POOL_INCARNATION_FIELD_NUMBER: _builtins.int
+    WORKER_INCARNATION_FIELD_NUMBER: _builtins.int
     pool: _builtins.str
     version: _builtins.int
     return_logits: _builtins.bool
     """Also return the logits of each sequence's last new token."""
+    pool_incarnation: _builtins.str
+    """The pool incarnation `version` belongs to (required)."""
+    worker_incarnation: _builtins.str
+    """The worker incarnation the caller planned against (required)."""
     @_builtins.property
     def seq_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     @_builtins.property
@@ -338,10 +381,12 @@ class ModelStepRequest(_message.Message):
         token_ids: _abc.Iterable[_builtins.int] | None = ...,
         slot_mapping: _abc.Iterable[_builtins.int] | None = ...,
         return_logits: _builtins.bool = ...,
+        pool_incarnation: _builtins.str = ...,
+        worker_incarnation: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["context_lens", b"context_lens", "pool", b"pool", "query_lens", b"query_lens", "return_logits", b"return_logits", "seq_ids", b"seq_ids", "slot_mapping", b"slot_mapping", "token_ids", b"token_ids", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["context_lens", b"context_lens", "pool", b"pool", "pool_incarnation", b"pool_incarnation", "query_lens", b"query_lens", "return_logits", b"return_logits", "seq_ids", b"seq_ids", "slot_mapping", b"slot_mapping", "token_ids", b"token_ids", "version", b"version", "worker_incarnation", b"worker_incarnation"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -13,6 +13,17 @@ Conventions:
 * Layers are the pool's global layer indices; KV heads are the worker's
   local ones (its shard); query heads are the matching group of query heads.
 * Tensors travel as raw little-endian bytes with dtype and shape.
+* Every data-plane call names the incarnations it was planned against
+  (both required): `pool_incarnation` (from blockd's StepResponse or
+  GetPool: versions are comparable only within one) and
+  `worker_incarnation` (from GetWorkerStats or ListWorkers: a restarted
+  worker lost its KV). A mismatch is FAILED_PRECONDITION with reason
+  POOL_INCARNATION_MISMATCH, POOL_INCARNATION_UNAVAILABLE (the worker has
+  not loaded that incarnation yet) or WORKER_INCARNATION_MISMATCH.
+* A worker never computes over slots it has not written in its current
+  incarnation: attention whose context reaches such slots is
+  FAILED_PRECONDITION with reason KV_NOT_WRITTEN, naming the sequences
+  (ErrorInfo metadata seq_ids, a JSON list) -- recompute them.
 """
 
 from blockd.v1 import worker_pb2 as _worker_pb2

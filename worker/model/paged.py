@@ -34,7 +34,9 @@ class PagedBatch:
     """One model step's batch, packed as one row of ``sum(query_lens)`` tokens.
 
     Sequence ``i``'s new tokens are the last ``query_lens[i]`` of its
-    ``context_lens[i]``; ``slot_mapping`` has one physical slot per new token.
+    ``context_lens[i]``; ``slot_mapping`` has one physical slot per new token
+    (on the CPU: the runtime checks and records slots there, so no layer waits
+    on a device-to-host copy).
     """
 
     runtime: WorkerRuntime
@@ -43,6 +45,8 @@ class PagedBatch:
     query_lens: list[int]
     context_lens: list[int]
     slot_mapping: torch.Tensor
+    #: the pool incarnation the step was planned against (None: not checked)
+    pool_incarnation: str | None = None
 
 
 def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -69,7 +73,8 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     out = batch.runtime.attention(
         batch.version, module.layer_idx, batch.seq_ids, batch.query_lens, batch.context_lens,
         query[0].transpose(0, 1).contiguous(), key=key[0].transpose(0, 1).contiguous(),
-        value=value[0].transpose(0, 1).contiguous(), slot_mapping=batch.slot_mapping, scale=scaling)
+        value=value[0].transpose(0, 1).contiguous(), slot_mapping=batch.slot_mapping, scale=scaling,
+        pool_incarnation=batch.pool_incarnation)
     return out.unsqueeze(0), None
 
 

@@ -15,8 +15,9 @@ The result is the logits of each sequence's last new token, ``[batch, vocab]``.
 Errors are the runtime's (:mod:`blockd.core.errors`): inconsistent lengths,
 token ids past the vocabulary, slots that are not the sequence's slots at that
 version -> InvalidArgument; unknown sequence -> NotFound; stale or
-never-arriving version -> WrongState. All of them are raised before the model
-runs, and in a tensor-parallel group the ranks agree on them first, so one
+never-arriving version, another pool incarnation, or cached context whose KV
+this worker has not written in its incarnation (KVNotWritten) -> WrongState.
+All of them are raised before the model runs, and in a tensor-parallel group the ranks agree on them first, so one
 rank never waits in a collective for a peer that refused the step.
 """
 
@@ -50,11 +51,14 @@ class StepInput:
     context_lens: list[int]
     token_ids: torch.Tensor  # int64 [T]
     slot_mapping: torch.Tensor  # int64 [T]
+    #: the pool incarnation of ``version`` (None: whichever the replica holds)
+    pool_incarnation: str | None = None
 
     def digest(self) -> bytes:
         """Identifies the request, so TP ranks can check that they run the same step."""
         h = hashlib.blake2b(digest_size=16)
-        h.update(repr((self.version, self.seq_ids, self.query_lens, self.context_lens)).encode())
+        h.update(repr((self.version, self.pool_incarnation, self.seq_ids, self.query_lens,
+                       self.context_lens)).encode())
         h.update(self.token_ids.numpy().tobytes())
         h.update(self.slot_mapping.numpy().tobytes())
         return h.digest()
@@ -92,9 +96,9 @@ class ModelRunner:
 
     def step(self, version: int, seq_ids: Sequence[str], query_lens: Sequence[int],
              context_lens: Sequence[int], token_ids: Sequence[int],
-             slot_mapping: Sequence[int]) -> torch.Tensor:
+             slot_mapping: Sequence[int], *, pool_incarnation: str | None = None) -> torch.Tensor:
         """Logits ``[batch, vocab]`` (float32, CPU) of each sequence's last new token."""
-        batch = self.check(version, seq_ids, query_lens, context_lens, token_ids, slot_mapping)
+        batch = self.check(version, seq_ids, query_lens, context_lens, token_ids, slot_mapping, pool_incarnation)
         with self._lock:
             error = self._prepare(batch)
             if self.tp is None:
@@ -106,7 +110,8 @@ class ModelRunner:
             with self.tp.collective(agreed=True):
                 return self._forward(batch)
 
-    def check(self, version, seq_ids, query_lens, context_lens, token_ids, slot_mapping) -> StepInput:
+    def check(self, version, seq_ids, query_lens, context_lens, token_ids, slot_mapping,
+              pool_incarnation: str | None = None) -> StepInput:
         """Validate a request on its own (no pool state): the same on every rank."""
         if type(version) is not int or version < 0:
             raise InvalidArgument(f"version must be a non-negative integer, got {shown(version)}")
@@ -135,15 +140,18 @@ class ModelRunner:
         if bad:
             raise InvalidArgument(f"token id {bad[0]} is not in the model's vocabulary of {self.vocab_size}")
         return StepInput(version, seq_ids, q_lens, ctx, torch.tensor(tokens, dtype=torch.int64),
-                         torch.tensor(slots, dtype=torch.int64))
+                         torch.tensor(slots, dtype=torch.int64), pool_incarnation)
 
     def _prepare(self, batch: StepInput) -> BlockdError | None:
         """Bring the replica to ``batch.version`` and check the slots against its
-        tables; return (not raise) the error so TP ranks can agree on it."""
+        tables and that the cached context of every sequence is written in this
+        incarnation; return (not raise) the error so TP ranks can agree on it."""
         try:
-            self.runtime.advance(batch.version)
-            tables = self.runtime.replica.tables_of(batch.seq_ids)
+            incarnation = self.runtime.advance(batch.version, batch.pool_incarnation)
+            tables = self.runtime.replica.tables_of(batch.seq_ids, batch.version, incarnation)
             self._check_slots(batch, tables)
+            self.runtime.check_written(batch.seq_ids, tables,
+                                       [n - q for q, n in zip(batch.query_lens, batch.context_lens)])
         except BlockdError as err:
             return err
         return None
@@ -169,7 +177,7 @@ class ModelRunner:
         positions = torch.cat([torch.arange(n - q, n) for q, n in zip(batch.query_lens, batch.context_lens)])
         last = torch.tensor(batch.query_lens).cumsum(0) - 1
         paged = PagedBatch(self.runtime, batch.version, batch.seq_ids, batch.query_lens, batch.context_lens,
-                           batch.slot_mapping.to(device))
+                           batch.slot_mapping, batch.pool_incarnation)
         with torch.inference_mode():
             out = self.model(input_ids=batch.token_ids.to(device).unsqueeze(0),
                              position_ids=positions.to(device).unsqueeze(0), use_cache=False,

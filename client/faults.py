@@ -1,0 +1,97 @@
+"""How :class:`client.scheduler.Scheduler` survives faults: a mixin holding its
+fault policy, apart from the planning it interrupts.
+
+Faults (see DESIGN.md, incarnations). Every step names the pool incarnation
+of the previous one, and every model step the incarnation its version belongs
+to, so nothing planned on one pool runs on another:
+
+* KV lost (a worker restarted): blockd refuses a batch naming a sequence whose
+  KV is gone (``KV_LOST``, with the sequence ids), a worker refuses attention
+  over slots it has not written (``KV_NOT_WRITTEN``) or a call planned
+  against its previous life (``WORKER_INCARNATION_MISMATCH``), or cannot be
+  reached. The requests concerned are preempted with recompute (freed without
+  committing: their KV must not enter the prefix cache), the workers are
+  waited for, and serving carries on; ``counters.num_kv_loss_preemptions``
+  counts them.
+* The pool deleted or re-created under the scheduler (``POOL_INCARNATION_MISMATCH``
+  or NOT_FOUND for the pool): its sequences are gone, so every request held
+  fails with an error saying so; later requests run on the new pool.
+
+The mixin works on the scheduler's own state (``running``, ``waiting``, the
+pending releases, ``_preempt``); it has no state of its own.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import grpc
+
+from blockd.core.types import Commit
+from client.errors import BlockdClientError, FailedPreconditionError
+from client.serving import finish
+
+if TYPE_CHECKING:
+    from client.serving import RequestState
+
+#: model-step refusals a worker fault explains: recompute and carry on
+WORKER_FAULTS = frozenset({"KV_NOT_WRITTEN", "WORKER_INCARNATION_MISMATCH", "POOL_INCARNATION_UNAVAILABLE"})
+_UNREACHABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+
+
+class PoolGone(Exception):
+    """The pool was deleted or re-created: every request held has been failed."""
+
+
+class FaultRecovery:
+    """The scheduler's reactions to lost KV and to a pool gone (see the module docstring)."""
+
+    def _preempt_lost(self, states: list[RequestState]) -> None:
+        for state in reversed(states):  # newest first, so the oldest ends first in the queue
+            self._preempt(state, kv_lost=True)
+
+    def _on_kv_lost(self, err: FailedPreconditionError) -> None:
+        """blockd refused the batch: sequences it names lost their KV. Recompute
+        their requests; a finished one is only freed (its Commit is refused)."""
+        lost = set(err.seq_ids)
+        owners = [state for state in self.running if any(seq.seq_id in lost for seq in state.samples)]
+        kept = [op for op in self._release if not (type(op) is Commit and op.seq_id in lost)]
+        if not owners and len(kept) == len(self._release):
+            raise err  # names nothing this scheduler holds: acting on it would loop
+        self._release = kept
+        self._preempt_lost(owners)
+
+    def _on_model_fault(self, err: BlockdClientError, entries: list) -> None:
+        """The model step failed. A worker fault (restarted, unreachable, KV
+        not written) means none of the batch was computed and the KV the
+        workers hold is unknown: recompute the batch's requests and wait for
+        the workers. Anything else is not the scheduler's to mend: raise it."""
+        if err.reason == "POOL_INCARNATION_MISMATCH":
+            self._pool_gone(err)
+        if err.reason not in WORKER_FAULTS and err.code not in _UNREACHABLE:
+            raise err
+        self.counters.num_worker_faults += 1
+        states = list({id(state): state for state, _, _ in entries}.values())
+        self._preempt_lost([state for state in states if state in self.running])
+        if err.reason == "KV_NOT_WRITTEN":
+            # blockd may still cache blocks the worker no longer holds (a prefix hit
+            # taken before it learnt of the loss): recomputing would hit them again
+            self.client.reset_prefix_cache(self.pool)
+        reconnect = getattr(self.executor, "reconnect", None)
+        if reconnect is not None:
+            reconnect(self.config.worker_restart_timeout_s)
+
+    def _pool_gone(self, err: BlockdClientError) -> None:
+        """The pool was deleted or re-created: fail every request held, then raise PoolGone."""
+        now, error = self.clock(), (f"pool {self.pool!r} was deleted or re-created while this request ran, "
+                                    f"so its sequences are gone: {err.message}")
+        for state in [*self.running, *self.waiting]:
+            self.admission.on_release(state)
+            self._finished.append(finish(state, now, error=error))
+            self.counters.num_failed += 1
+        self.running.clear()
+        self.waiting.clear()
+        self._release.clear()
+        self._admission_blocked = False
+        self.pool_incarnation = ""
+        raise PoolGone(error)

@@ -1,0 +1,122 @@
+"""Which slots of a worker's KV shard hold K/V written in its current incarnation.
+
+A worker never answers over KV it cannot vouch for: after a restart its pool is
+zeros, and after its replica moves to a new pool incarnation the memory holds
+the old pool's data under the new pool's block ids. So the runtime records,
+per layer, every slot that ``write_kv`` stored, carries the record along with
+``copy_blocks``, and clears it when the pool incarnation changes; attention
+whose context reaches a slot not recorded is refused
+(:class:`~blockd.identity.KVNotWritten`) instead of computed.
+
+Kept as a bitmap ``[layers, blocks, block_size]`` (one byte per slot and
+layer: next to ``2 * heads * head_dim`` elements of KV, noise) plus, per layer
+and block, the number of *leading* slots written, so the check of a batch is
+one gather over the blocks it reads (vectorised, on the CPU: no device sync)::
+
+    block 7, block_size 4:  written  1 1 0 1   -> leading 2
+    a sequence whose context ends 3 slots into block 7 needs leading >= 3: refused
+
+Imports torch and :mod:`blockd.identity` only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from blockd.identity import KVNotWritten, listed
+
+
+@dataclass(frozen=True)
+class ContextBlocks:
+    """The blocks a batch reads and how many leading slots of each it needs.
+
+    ``blocks``, ``need`` and ``rows`` (the batch row of each entry) are flat,
+    row after row; a row of ``n`` context tokens needs ``block_size`` slots of
+    each of its first ``n // block_size`` blocks and ``n % block_size`` of
+    the next.
+    """
+
+    blocks: torch.Tensor  # int64 [K]
+    need: torch.Tensor  # int32 [K]
+    rows: torch.Tensor  # int64 [K]
+
+    @classmethod
+    def of(cls, tables: torch.Tensor, lengths: torch.Tensor, block_size: int) -> ContextBlocks:
+        """``tables``: int64 ``[rows, width]`` (padded), ``lengths``: ``[rows]`` tokens."""
+        offsets = torch.arange(tables.shape[1], dtype=torch.int64) * block_size
+        need = (lengths.to(torch.int64)[:, None] - offsets[None, :]).clamp_(0, block_size)
+        used = need > 0
+        rows = torch.arange(tables.shape[0], dtype=torch.int64)[:, None].expand_as(tables)
+        return cls(tables[used], need[used].to(torch.int32), rows[used])
+
+
+class WrittenSlots:
+    """The written-slot record of one shard (see the module docstring)."""
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int) -> None:
+        self.block_size = block_size
+        self.bits = torch.zeros(num_layers, num_blocks, block_size, dtype=torch.bool)
+        self.lead = torch.zeros(num_layers, num_blocks, dtype=torch.int32)
+
+    def clear(self) -> None:
+        self.bits.zero_()
+        self.lead.zero_()
+
+    def mark(self, layer: int, slots: torch.Tensor) -> None:
+        """``slots`` (int64, negatives are padding) of local ``layer`` were written."""
+        slots = slots.to("cpu", torch.int64)
+        if slots.numel() and bool((slots < 0).any()):
+            slots = slots[slots >= 0]
+        if not slots.numel():
+            return
+        blocks = torch.div(slots, self.block_size, rounding_mode="floor")
+        self.bits[layer, blocks, slots - blocks * self.block_size] = True
+        touched = torch.unique(blocks)
+        rows = self.bits[layer].index_select(0, touched).to(torch.int32)
+        self.lead[layer, touched] = rows.cumprod(1).sum(1, dtype=torch.int32)
+
+    def copy(self, pairs: torch.Tensor) -> None:
+        """Blocks copied ``src -> dst`` in every layer (``pairs``: ``[n, 2]``);
+        as in :func:`~worker.kernels.copy_blocks`, every source is read first."""
+        pairs = pairs.to("cpu", torch.int64)
+        src, dst = pairs[:, 0], pairs[:, 1]
+        self.bits[:, dst] = self.bits[:, src]
+        self.lead[:, dst] = self.lead[:, src]
+
+    def check(self, layers: int | slice, context: ContextBlocks, seq_ids: Sequence[str],
+              lengths: Sequence[int]) -> None:
+        """Raise :class:`KVNotWritten` unless every slot ``context`` reads is
+        written in ``layers`` (local indices)."""
+        if not context.blocks.numel():
+            return
+        ok = self.lead[layers].index_select(-1, context.blocks) >= context.need
+        if bool(ok.all()):
+            return
+        if ok.dim() == 2:  # several layers: an entry fails if it fails in any of them
+            ok = ok.all(0)
+        rows = torch.unique(context.rows[~ok]).tolist()
+        names = [seq_ids[r] for r in rows]
+        missing = self._missing(layers, context.blocks[context.rows == rows[0]], int(lengths[rows[0]]))
+        more = f" (and {len(names) - 1} more sequences)" if len(names) > 1 else ""
+        raise KVNotWritten(
+            f"sequence {names[0]!r}{more} reads KV this worker has not written in its current incarnation "
+            f"(positions {missing} of its {int(lengths[rows[0]])} context tokens; the worker restarted, or "
+            "the pool was re-created, since they were computed): recompute them (preempt with recompute)",
+            metadata=listed(names))
+
+    def _missing(self, layers: int | slice, blocks: torch.Tensor, length: int) -> str:
+        """The unwritten positions among a sequence's first ``length``, as ranges."""
+        bits = self.bits[layers].index_select(-2, blocks)
+        written = (bits.all(0) if bits.dim() == 3 else bits).reshape(-1)[:length].tolist()
+        ranges: list[list[int]] = []
+        for pos, done in enumerate(written):
+            if not done:
+                if ranges and ranges[-1][1] == pos - 1:
+                    ranges[-1][1] = pos
+                else:
+                    ranges.append([pos, pos])
+        text = ", ".join(f"{a}..{b}" if b > a else f"{a}" for a, b in ranges[:4])
+        return text + (", ..." if len(ranges) > 4 else "")
