@@ -144,8 +144,9 @@ class Engine:
             result = self._reset(record["pool"])
         else:
             raise ValueError(f"unknown log record kind {kind!r}")
-        if rid:
-            self._requests.put(rid, self._fingerprint(kind, record.get("pool", "")), result)
+        if rid:  # a create_pool record names its pool inside its config
+            pool = record["config"]["name"] if kind == "create_pool" else record["pool"]
+            self._requests.put(rid, self._fingerprint(kind, pool), result)
 
     def _log(self, record: dict) -> None:
         if self._wal is None:
