@@ -1,4 +1,6 @@
-"""The ``blockd`` console script: ``blockd serve`` runs the daemon.
+"""The ``blockd`` console script: ``blockd serve`` runs the daemon; ``check-data``,
+``repair-data`` and ``compact`` work on a data directory offline
+(:mod:`blockd.repair`, :mod:`blockd.compact`).
 
 Settings come from flags, falling back to environment variables:
 
@@ -18,6 +20,14 @@ When the server is up it prints ``blockd listening on HOST:PORT`` (the real
 port when 0 was asked for) on stdout; tests and scripts wait for that line.
 SIGTERM and SIGINT shut down gracefully: stop accepting calls, give in-flight
 ones a grace period, flush and close the log.
+
+A damaged data directory (anything but a torn tail of the last log segment)
+makes ``serve`` exit 1 with an ERROR line naming the file, byte offset and
+record, having changed nothing; ``blockd check-data DIR`` reports the same
+offline, and ``blockd repair-data DIR --truncate-at-first-bad`` is the
+explicit way to cut the log there. While serving, the daemon holds
+``DIR/blockd.lock``, so a second daemon (or a repair) on the same directory
+is refused.
 """
 
 from __future__ import annotations
@@ -68,6 +78,22 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--grace-s", type=float, default=5.0,
                        help="seconds in-flight calls get to finish on shutdown")
     serve.add_argument("--log-level", default=os.environ.get("BLOCKD_LOG_LEVEL", "INFO"))
+    check = sub.add_parser("check-data", help="verify a data directory offline (exit 0: blockd would start)")
+    check.add_argument("data_dir")
+    repair = sub.add_parser("repair-data", help="cut a damaged log at its first bad record, keeping a copy")
+    repair.add_argument("data_dir")
+    repair.add_argument("--truncate-at-first-bad", action="store_true",
+                        help="do it (without this flag it only says what it would cut)")
+    compact = sub.add_parser("compact", help="write a snapshot from the log (blockd serve runs this itself)")
+    compact.add_argument("data_dir")
+    compact.add_argument("--upto", type=int, default=None, help="LSN the snapshot covers (default: the last)")
+    compact.add_argument("--no-prune", action="store_true",
+                         help="keep the files the snapshot replaces (the daemon prunes them itself)")
+    compact.add_argument("--nice", type=int, default=0, help="lower this process's CPU priority by this much")
+    compact.add_argument("--max-request-ids", type=int, default=16384,
+                         help="the idempotency table's size; must match the daemon's")
+    for p in (check, repair, compact):
+        p.add_argument("--log-level", default=os.environ.get("BLOCKD_LOG_LEVEL", "WARNING"))
     return parser
 
 
@@ -91,8 +117,27 @@ def _start_metrics(engine, port: int, metrics):
     return http
 
 
+def _lock_data_dir(data_dir: str):
+    """The daemon's lock on its data dir, or False (logged) when another holds it."""
+    from blockd.wal import DAEMON_LOCK, DirLock
+
+    try:
+        os.makedirs(data_dir, exist_ok=True)
+        lock = DirLock(data_dir, DAEMON_LOCK)
+        # a daemon just killed may take a moment to let go
+        if lock.acquire(timeout_s=10):
+            return lock
+    except OSError as err:
+        log.error("cannot use the data dir %s: %s", data_dir, err)
+        return False
+    log.error("the data dir %s is in use by another blockd (it holds %s); stop that one first",
+              data_dir, os.path.join(data_dir, DAEMON_LOCK))
+    return False
+
+
 def serve(args: argparse.Namespace) -> int:
     # imported here so `blockd --help` stays fast and grpc-free
+    from blockd.datadir import HINT, DataDirError
     from blockd.engine import Engine
     from blockd.service.server import BlockdServer
 
@@ -100,11 +145,18 @@ def serve(args: argparse.Namespace) -> int:
         raise SystemExit(f"--fsync must be one of {', '.join(FSYNC_POLICIES)}, got {args.fsync!r}")
     log.info("data dir: %s; fsync: %s", args.data_dir or "none (in memory)", args.fsync)
     metrics = _load_metrics(args.metrics_port)
+    # held until this process exits (the kernel releases it even on SIGKILL)
+    dir_lock = _lock_data_dir(args.data_dir) if args.data_dir else None
+    if dir_lock is False:
+        return 1
     try:
         engine = Engine(data_dir=args.data_dir, fsync=args.fsync, fsync_interval_s=args.fsync_interval_s,
                         snapshot_every=args.snapshot_every,
                         observe_wal_sync=metrics.observe_wal_sync if metrics is not None else None,
                         observe_step=metrics.observe_step if metrics is not None else None)
+    except DataDirError as err:
+        log.error("cannot start: the data dir is damaged: %s; %s", err, HINT.format(dir=args.data_dir))
+        return 1
     except (BlockdError, OSError, ValueError) as err:
         log.error("cannot open the engine: %s", err)
         return 1
@@ -145,6 +197,16 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "serve":
         return serve(args)
+    if args.command == "compact":
+        from blockd.compact import main as compact_main
+
+        return compact_main(args)
+    from blockd import repair
+
+    if args.command == "check-data":
+        return repair.check(args.data_dir, sys.stdout)
+    if args.command == "repair-data":
+        return repair.repair(args.data_dir, args.truncate_at_first_bad, sys.stdout)
     return 2
 
 
