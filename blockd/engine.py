@@ -92,7 +92,7 @@ class _PoolEntry:
 
 class Engine:
     def __init__(self, data_dir: str | None = None, fsync: str = "always", fsync_interval_s: float = 0.05,
-                 snapshot_every: int = 10000, snapshot_log_ratio: float = 1.0, clock: Callable[[], float] = time.monotonic,
+                 snapshot_every: int = 10000, snapshot_log_ratio: float = 0.25, clock: Callable[[], float] = time.monotonic,
                  worker_timeout_s: float = 10.0, max_request_ids: int = 16384,
                  observe_wal_sync: Callable[[float], None] | None = None,
                  observe_step: Callable[[str, list, str, float], None] | None = None) -> None:

@@ -14,7 +14,7 @@ import shutil
 
 import pytest
 
-from blockd.core import Allocate, PoolConfig
+from blockd.core import Allocate
 from blockd.datadir import DataDirError, Reader
 from blockd.engine import Engine
 from blockd.wal import FRAME, SEGMENT_HEADER, encode_frame
