@@ -229,7 +229,8 @@ def recovery(args: argparse.Namespace) -> Iterator[dict]:
 def _crash_loop_life(address: str, life: int, steps: int, live: list[str]) -> None:
     """One life's steps: a decode step over the live sequences; every 10th
     step frees the 4 oldest and admits 4 new ones (the state stays bounded)."""
-    with BlockdClient(address) as client:  # its retries reuse the request id: at most once
+    # its retries reuse the request id (at most once); a loaded machine may be slow to accept
+    with BlockdClient(address, timeout_s=60) as client:
         if life == 0:
             client.create_pool(PoolConfig("loop", num_blocks=1 << 14, block_size=BLOCK_SIZE))
             live.extend(f"first-{k}" for k in range(32))

@@ -164,7 +164,7 @@ def _lock_data_dir(data_dir: str):
 
 def serve(args: argparse.Namespace) -> int:
     # imported here so `blockd --help` stays fast and grpc-free
-    from blockd.datadir import HINT, DataDirError
+    from blockd.datadir import DataDirError, advice
     from blockd.engine import Engine
     from blockd.service.server import BlockdServer
 
@@ -182,7 +182,7 @@ def serve(args: argparse.Namespace) -> int:
                         observe_wal_sync=metrics.observe_wal_sync if metrics is not None else None,
                         observe_step=metrics.observe_step if metrics is not None else None)
     except DataDirError as err:
-        log.error("cannot start: the data dir is damaged: %s; %s", err, HINT.format(dir=args.data_dir))
+        log.error("cannot start: the data dir is damaged: %s; nothing on disk was changed. %s", err, advice(err))
         return 1
     except (BlockdError, OSError, ValueError) as err:
         log.error("cannot open the engine: %s", err)

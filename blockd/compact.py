@@ -182,6 +182,9 @@ class Snapshots:
 
 def main(args) -> int:
     """``blockd compact``: prints one JSON line (lsn, bytes, seconds) on success."""
+    if not os.path.isdir(args.data_dir):
+        print(f"blockd compact: {args.data_dir}: no such directory", file=sys.stderr)
+        return 2
     if args.nice:
         os.nice(args.nice)
     try:

@@ -42,8 +42,6 @@ from blockd.wal import (
 
 log = logging.getLogger("blockd.datadir")
 
-HINT = ("nothing on disk was changed. Inspect it with `blockd check-data {dir}`; `blockd repair-data {dir} "
-        "--truncate-at-first-bad` cuts the log at the first bad record, keeping a copy of what it cuts")
 
 
 class DataDirError(Exception):
@@ -61,6 +59,15 @@ class DataDirError(Exception):
     @property
     def cuttable(self) -> bool:
         return self.offset is not None
+
+
+def advice(err: DataDirError, checked: bool = False) -> str:
+    """What an operator can do about ``err`` (``checked``: they ran check-data already)."""
+    look = "" if checked else f"`blockd check-data {err.data_dir}` reports what is there; "
+    if err.cuttable:
+        return (f"{look}`blockd repair-data {err.data_dir} --truncate-at-first-bad` cuts the log at the first "
+                "bad record, keeping a copy of what it cuts")
+    return f"{look}the damage is not in the log, so cutting the log cannot help: restore the directory from a backup"
 
 
 @dataclass

@@ -22,7 +22,7 @@ import shutil
 import time
 from typing import TextIO
 
-from blockd.datadir import HINT, DataDirError, Reader
+from blockd.datadir import DataDirError, Reader, advice
 from blockd.wal import COMPACT_LOCK, DAEMON_LOCK, SEGMENT_HEADER, DirLock, fsync_dir, parse_name
 
 _LOCKS = (COMPACT_LOCK, DAEMON_LOCK)
@@ -77,7 +77,8 @@ def check(data_dir: str, out: TextIO) -> int:
     _describe(reader, out)
     if err is not None:
         print(f"error: {err}", file=out)
-        print(f"blockd would refuse to start: {HINT.format(dir=data_dir)}", file=out)
+        print(f"blockd would refuse to start with this error (nothing was changed): {advice(err, checked=True)}",
+              file=out)
         return 1
     print(f"last lsn {reader.last_lsn}; {reader.records_after_snapshot} records after the snapshot "
           f"({reader.bytes_after_snapshot} bytes) to replay", file=out)

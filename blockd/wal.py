@@ -21,7 +21,8 @@ Format 2 (written since format versions exist):
 Format 1 (data directories written before format versions) is read, never
 written: headerless segments of ``[u32 length][u32 crc32][JSON with "lsn"]``
 and plain-JSON ``snapshot-N.json`` files. The first compaction after an
-upgrade replaces them. :mod:`blockd.datadir` reads and verifies both.
+upgrade replaces them. Format 1 has no header check, so in its last segment a
+flipped length that points past the end still passes for a torn tail. :mod:`blockd.datadir` reads and verifies both.
 
 Appending: a frame goes out in one ``os.write`` and, under fsync policy
 ``always``, is fsynced before the caller acknowledges the batch; ``interval``
@@ -161,7 +162,10 @@ def remove_replaced(data_dir: str, lsn: int) -> list[str]:
     doomed = [name for (_, name), (nxt, _) in itertools.pairwise(segments) if nxt <= lsn + 1]
     doomed += [n for n in names if (parsed := parse_name(n)) and parsed[0] == "snapshot" and parsed[1] < lsn]
     for name in doomed:
-        os.unlink(os.path.join(data_dir, name))
+        try:
+            os.unlink(os.path.join(data_dir, name))
+        except FileNotFoundError:  # pruned already (an operator's `blockd compact`)
+            pass
     fsync_dir(data_dir)
     return doomed
 
