@@ -14,6 +14,12 @@ holds the compaction lock); after it, recovery takes snapshot L and treats
 the segments it covers as stale until they are pruned. Two compactions
 never run at once: each holds ``compact.lock`` (an ``flock``, released by
 the kernel if the holder dies) from listing the directory to the rename.
+
+A compactor started by the daemon never deletes anything (``--no-prune``):
+the daemon prunes once its child has exited, and recovery prunes what the
+newest snapshot made stale. So a daemon restarting while its previous life's
+compactor still runs reads a directory that only ever gains a snapshot.
+A graceful shutdown waits for a running compaction.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ Layout of a data directory::
     snapshot-000000000042.snap   full engine state after log record 42
     wal-000000000043.log         records 43, 44, ... (a segment)
     wal-000000000101.log         records 101, ... (segments are contiguous)
-    compact.lock                 held while files are added or removed
+    compact.lock                 held by a compaction (one at a time; see blockd.compact)
     blockd.lock                  held by the daemon serving the directory
 
 Format 2 (written since format versions exist):
