@@ -4,6 +4,9 @@ Prints one JSON object per line. Parts (``--part NAME``, repeatable; all by
 default) are functions registered in :data:`PARTS` that yield result dicts,
 so another part (e.g. ``recovery``) is one more function and one more entry.
 
+``crash_loop_restart`` and ``snapshot_stall`` (durability under a crash loop
+and while a snapshot is taken) are described on their functions.
+
 ``step_rpc``: the daemon runs in its own process (``blockd serve``, state in
 memory); each scheduler owns a pool of 256 running sequences and sends a
 256-sequence decode step (one ``decode_append`` op) per call through the
@@ -28,7 +31,7 @@ does not serialise them. Fields:
   lookup, compact answer): median engine step with and without one, for a
   256-sequence decode step and a 2,048-token prefill.
 
-Run: ``python bench/rpc.py [--part step_rpc] [--seconds 3]``.
+Run: ``python bench/rpc.py [--part step_rpc] [--seconds 3] [--quick]``.
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from blockd.core import Allocate, Pool, PoolConfig
-from blockd.core.types import DecodeAppend
+from blockd.core.types import DecodeAppend, Free
 from blockd.local_cluster import ChildProcess
 from client.sdk import BlockdClient
 
@@ -313,9 +316,147 @@ def idempotency(args: argparse.Namespace) -> Iterator[dict]:
     yield from _cost_rows(200 if args.quick else 1000, prompt_len)
 
 
+
+def _crash_loop_life(address: str, life: int, steps: int, live: list[str]) -> None:
+    """One life's steps: a decode step over the live sequences; every 10th
+    step frees the 4 oldest and admits 4 new ones (the state stays bounded)."""
+    # its retries reuse the request id (at most once); a loaded machine may be slow to accept
+    with BlockdClient(address, timeout_s=60) as client:
+        if life == 0:
+            client.create_pool(PoolConfig("loop", num_blocks=1 << 14, block_size=BLOCK_SIZE))
+            live.extend(f"first-{k}" for k in range(32))
+            client.step("loop", [Allocate(s, list(range(40))) for s in live])
+        for i in range(steps):
+            if i % 10 == 0:
+                old, new = live[:4], [f"l{life}-{i}-{k}" for k in range(4)]
+                del live[:4]
+                client.step("loop", [Free(s) for s in old] +
+                            [Allocate(s, [(life + i + k) % 500 for k in range(40)]) for s in new])
+                live.extend(new)
+            else:
+                client.decode_append("loop", live, [i % 500] * len(live))
+
+
+def crash_loop_restart(args: argparse.Namespace) -> Iterator[dict]:
+    """A daemon SIGKILLed after every ~130 records, 100 lives (--snapshot-every
+    300): the restart time once ~13k records were written against once ~3k
+    were, in the same run. Snapshots must keep the replay (and so the
+    restart) bounded; ``replayed`` is what the daemon says it replayed."""
+    import re
+    import tempfile
+
+    lives, per_life = (30, 130) if args.quick else (100, 130)
+    restarts, recovers, replayed, written, live = [], [], [], [], []
+    with tempfile.TemporaryDirectory() as data_dir:
+        for life in range(lives):
+            began = time.perf_counter()
+            proc, address = start_daemon("--data-dir", data_dir, "--snapshot-every", "300", "--log-level", "INFO",
+                                         "--snapshot-log-ratio", os.environ.get("BENCH_LOG_RATIO", "0.25"),
+                                         timeout_s=120)
+            restarts.append(time.perf_counter() - began)
+            found = re.search(r"(\d+) log records replayed.* in ([0-9.]+)s", proc.output())
+            replayed.append(int(found.group(1)) if found else -1)
+            recovers.append(float(found.group(2)) if found else -1.0)
+            written.append(life * per_life)
+            try:
+                _crash_loop_life(address, life, per_life, live)
+            finally:
+                proc.kill()
+
+        snapshot = max(_snapshot_files(data_dir), default="")
+        snapshot_mb = os.path.getsize(os.path.join(data_dir, snapshot)) / 2**20 if snapshot else 0.0
+
+    def around(target: int) -> tuple[float, float, int]:
+        near = sorted(range(lives), key=lambda i: abs(written[i] - target))[:7]
+        return (statistics.median(restarts[i] for i in near), statistics.median(recovers[i] for i in near),
+                max(replayed[i] for i in near))
+
+    early, late = around(3000 if not args.quick else 1000), around(written[-1])
+    yield {"name": "crash_loop_restart", "lives": lives, "records_per_life": per_life, "snapshot_every": 300,
+           "records_early": 3000 if not args.quick else 1000, "records_late": written[-1],
+           "restart_s_early": round(early[0], 3), "restart_s_late": round(late[0], 3),
+           "recover_s_early": round(early[1], 3), "recover_s_late": round(late[1], 3),
+           "max_replayed_early": early[2], "max_replayed_late": late[2], "last_snapshot_mb": round(snapshot_mb, 2),
+           "ratio_late_vs_early": round(late[0] / early[0], 3), "target_ratio": 1.5, "cpus": os.cpu_count(),
+           "load_avg": round(os.getloadavg()[0], 2)}
+
+
+def _snapshot_files(data_dir: str) -> set[str]:
+    return {n for n in os.listdir(data_dir) if n.startswith("snapshot-") and not n.endswith(".tmp")}
+
+
+def snapshot_stall(args: argparse.Namespace) -> Iterator[dict]:
+    """The longest step while a snapshot of 100k sequences is taken.
+
+    The daemon holds pool ``big`` (100k sequences of 64 tokens) and snapshots
+    after a fixed number of records (``--snapshot-every``); one scheduler
+    steps a 256-sequence decode batch on its own pool before the snapshot,
+    while it is taken (from the record that triggers it until the snapshot
+    file is in place), and as many steps again after it. Fields:
+    ``max_step_ms`` / ``p99_ms_during`` while the snapshot is taken (target:
+    max <= 50), ``p99_ms_without`` / ``max_ms_without`` over the steps before
+    and after it (the same machine's noise floor)."""
+    import tempfile
+
+    num_seqs, baseline_steps = (10_000 if args.quick else 100_000), 1500
+    fill_records = 1 + num_seqs // 1000
+    trigger = fill_records + 2 + 50 + baseline_steps  # + small pool, its allocation, warm-up steps
+    fsync = os.environ.get("BENCH_STALL_FSYNC", "always")
+    with tempfile.TemporaryDirectory() as data_dir:
+        proc, address = start_daemon("--data-dir", data_dir, "--snapshot-every", str(trigger), "--fsync", fsync,
+                                     timeout_s=120)
+        try:
+            with BlockdClient(address, timeout_s=600) as client:
+                client.create_pool(PoolConfig("big", num_blocks=num_seqs * 4 + 1024, block_size=BLOCK_SIZE))
+                for start in range(0, num_seqs, 1000):
+                    client.step("big", [Allocate(f"r{i}", [(i * 31 + j) % 32000 for j in range(64)])
+                                        for i in range(start, start + 1000)])
+            times, began, snapshot_at = _step_through_snapshot(address, data_dir, trigger - fill_records)
+        finally:
+            stop_daemon(proc)
+    times = times[50:]  # after the warm-up
+    without = sorted(t for t0, t in times if not began <= t0 <= snapshot_at)
+    during = sorted(t for t0, t in times if began <= t0 <= snapshot_at)
+    yield {"name": "snapshot_stall", "seqs": num_seqs, "fsync": fsync, "steps_without": len(without),
+           "steps_during": len(during), "snapshot_s": round(snapshot_at - began, 2),
+           "p99_ms_without": round(percentile(without, 0.99) * 1e3, 2), "max_ms_without": round(without[-1] * 1e3, 2),
+           "p99_ms_during": round(percentile(during, 0.99) * 1e3, 2), "max_step_ms": round(during[-1] * 1e3, 2),
+           "target_max_step_ms": 50.0, "cpus": os.cpu_count(), "load_avg": round(os.getloadavg()[0], 2)}
+
+
+def _step_through_snapshot(address: str, data_dir: str, records_before: int) -> tuple[list, float, float]:
+    """Decode steps on pool ``small``: [(start, seconds)], when the step that
+    triggers the snapshot started, and when the snapshot file appeared; then
+    as many steps again (at most 3000) as were taken while it was written."""
+    with BlockdClient(address) as client:
+        client.create_pool(PoolConfig("small", num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE))
+        ids = _seq_ids("small")
+        client.step("small", [Allocate(s, list(range(BLOCK_SIZE))) for s in ids])
+        tokens, times = [7] * NUM_SEQS, []
+        began = snapshot_at = None
+        deadline, stop_after = time.perf_counter() + 900, None
+        while time.perf_counter() < deadline and (stop_after is None or len(times) < stop_after):
+            start = time.perf_counter()
+            if len(times) % (MAX_STEPS // 2) == MAX_STEPS // 2 - 1:  # start the sequences afresh
+                client.step("small", [Free(s) for s in ids] + [Allocate(s, list(range(BLOCK_SIZE))) for s in ids])
+            else:
+                client.decode_append("small", ids, tokens)
+            times.append((start, time.perf_counter() - start))
+            if began is None and len(times) + 2 >= records_before:
+                began = start
+            if snapshot_at is None and began is not None and len(times) % 20 == 0 and _snapshot_files(data_dir):
+                snapshot_at = time.perf_counter()
+                during = sum(1 for t0, _ in times if t0 >= began)
+                stop_after = len(times) + min(during, 3000)
+        if snapshot_at is None:
+            raise RuntimeError("no snapshot appeared within 900 s")
+    return times, began, snapshot_at
+
+
 #: part name -> generator of result lines; add new parts here
-PARTS: dict[str, Callable[[argparse.Namespace], Iterator[dict]]] = {"step_rpc": step_rpc, "recovery": recovery,
-                                                                   "idempotency": idempotency}
+PARTS: dict[str, Callable[[argparse.Namespace], Iterator[dict]]] = {
+    "step_rpc": step_rpc, "recovery": recovery, "crash_loop_restart": crash_loop_restart,
+    "snapshot_stall": snapshot_stall, "idempotency": idempotency}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -27,10 +27,14 @@ import errno
 import fcntl
 import os
 import socket
+import time
 
 from blockd.core.errors import WrongState
 
 LOCK_NAME = "blockd.lock"
+#: a daemon SIGKILLed a moment ago holds the lock until the kernel has torn
+#: the process down; a restart right after waits this long for it
+DEFAULT_WAIT_S = 2.0
 
 
 class DataDirLocked(WrongState):
@@ -40,17 +44,24 @@ class DataDirLocked(WrongState):
 class DataDirLock:
     """Held from construction until :meth:`release` (or the process ends)."""
 
-    def __init__(self, data_dir: str) -> None:
+    def __init__(self, data_dir: str, wait_s: float = DEFAULT_WAIT_S) -> None:
         self._fd: int | None = None
         os.makedirs(data_dir, exist_ok=True)
         self.path = os.path.join(data_dir, LOCK_NAME)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as err:
-            os.close(fd)
-            if err.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                raise
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except OSError as err:
+                if err.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                    os.close(fd)
+                    raise
+                if time.monotonic() < deadline:
+                    time.sleep(0.05)
+                    continue
+                os.close(fd)
             raise DataDirLocked(
                 f"data dir {data_dir!r} is in use by another blockd ({self._holder()}); stop that daemon "
                 "first, or give this one another --data-dir") from None

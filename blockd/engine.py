@@ -19,6 +19,11 @@
 Recovery loads the newest snapshot and replays the later records through the
 same code paths, so pools, tables, ref counts, the prefix index and its LRU
 order, versions, event numbers and the idempotency table come back exactly.
+It reads through :class:`blockd.datadir.Reader`, which verifies every byte:
+damage other than a torn tail of the last segment raises ``DataDirError`` and
+nothing on disk changes. Snapshots are built from the log by a compactor
+process (:mod:`blockd.compact`); the engine only rotates the log, so a
+snapshot never holds the engine lock or the GIL for long.
 All public methods are thread-safe (one engine lock: the GIL serialises the
 allocator anyway, and one lock keeps the log in commit order).
 """
@@ -33,6 +38,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from itertools import islice
 
+from blockd.compact import Snapshots
 from blockd.core import (
     AlreadyExists,
     BlockdError,
@@ -53,6 +59,7 @@ from blockd.core import (
 from blockd.core.errors import shown
 from blockd.core.state import config_to_json, dump_pool, load_pool, op_from_json, op_to_json
 from blockd.core.validate import check_config, check_name
+from blockd.datadir import DataDirError, Reader
 from blockd.datadir_lock import DataDirLock
 from blockd.idempotency import MISSING, IdempotencyLimits, IdempotencyTable, IdempotencyUsage, fingerprint
 from blockd.identity import PoolIdentity, legacy_incarnation, new_incarnation
@@ -100,7 +107,7 @@ class _PoolEntry:
 
 class Engine:
     def __init__(self, data_dir: str | None = None, fsync: str = "always", fsync_interval_s: float = 0.05,
-                 snapshot_every: int = 10000, snapshot_log_ratio: float = 1.0, clock: Callable[[], float] = time.monotonic,
+                 snapshot_every: int = 10000, snapshot_log_ratio: float = 0.25, clock: Callable[[], float] = time.monotonic,
                  worker_timeout_s: float = 10.0, idempotency: IdempotencyLimits | None = None,
                  wall_clock: Callable[[], float] = time.time,
                  observe_wal_sync: Callable[[float], None] | None = None,
@@ -115,49 +122,70 @@ class Engine:
         #: "ok" or the lowercase status code name
         self.observe_step = observe_step
         self.workers = WorkerRegistry(clock, worker_timeout_s)
-        #: snapshot after at least this many log records, once the log since the
-        #: last snapshot is at least ``snapshot_log_ratio`` times its size: the
-        #: cost of snapshots stays proportional to what was logged
-        self.snapshot_every = snapshot_every
-        self.snapshot_log_ratio = snapshot_log_ratio
-        self._since_snapshot = 0
-        self._snapshotter: threading.Thread | None = None
         self._closed = False
         self._broken = ""
         self._wal: WriteAheadLog | None = None
+        self._snapshots: Snapshots | None = None
         # one daemon per data dir, locked before anything in it is read (and
         # unlocked if opening fails, so the same process may try again)
         self._datadir_lock = DataDirLock(data_dir) if data_dir is not None else None
         try:
             if data_dir is not None:
-                self._wal = WriteAheadLog(data_dir, fsync, fsync_interval_s, observe_wal_sync)
-                self._recover()
+                reader = Reader(data_dir)
+                self._recover(reader)  # verifies everything first: a refusal changes nothing on disk
+                reader.clean_up()
+                self._wal = WriteAheadLog(data_dir, reader.last_lsn, fsync, fsync_interval_s, observe_wal_sync)
                 self._wal.open_for_append()
+                # snapshot policy: see Snapshots; the compactor must replay as this engine does
+                self._snapshots = Snapshots(self._wal, snapshot_every, snapshot_log_ratio, self._requests.limits)
+                self._snapshots.recovered(reader)  # a crash loop must not outrun the snapshots
         except BaseException:
             if self._datadir_lock is not None:
                 self._datadir_lock.release()
             raise
 
+    @classmethod
+    def replayed(cls, reader: Reader, **kwargs) -> Engine:
+        """An in-memory engine holding what ``reader`` reads (a data directory,
+        up to its ``upto_lsn``), replayed as recovery does; changes nothing on disk.
+        Raises :class:`blockd.datadir.DataDirError` on damage."""
+        engine = cls(**kwargs)
+        engine._recover(reader)
+        return engine
+
     # --- durability -------------------------------------------------------
-    def _recover(self) -> None:
+    def _recover(self, reader: Reader) -> None:
         start = time.perf_counter()
-        snapshot, records = self._wal.recover()
+        snapshot = reader.load_snapshot()
         if snapshot is not None:
-            for data in snapshot["pools"]:
-                name = data["config"]["name"]
-                entry = _PoolEntry(load_pool(data), PoolIdentity.load(data["identity"]) if "identity" in data
-                                   else PoolIdentity(legacy_incarnation(name, snapshot["lsn"])))
-                entry.events.extend(KVEvent(*e[:2], bytes.fromhex(e[2]), bytes.fromhex(e[3]), e[4],
-                                            tuple(e[5])) for e in data.get("events", []))
-                self._pools[entry.pool.config.name] = entry
-            self._requests.load(snapshot["requests"])
+            try:
+                self._load_snapshot(snapshot)
+            # a checksummed snapshot that does not load is damage all the same
+            except Exception as err:  # noqa: BLE001
+                raise DataDirError(reader.data_dir, reader.snapshot_name,
+                                   f"snapshot does not load ({type(err).__name__}: {err})") from None
         replayed = 0
-        for record in records:
-            self._apply_record(record)
+        for record in reader.records():
+            try:
+                self._apply_record(record.body)
+            # whatever a record breaks (a KeyError, a core error), it is not the
+            # state that was acknowledged: refuse rather than start from it
+            except Exception as err:  # noqa: BLE001
+                raise reader.error_at(record, f"record does not apply ({type(err).__name__}: {err})") from None
             replayed += 1
-        log.info("recovered %d pools from %s (snapshot lsn %s, %d log records replayed) in %.2fs",
-                 len(self._pools), self._wal.data_dir, snapshot["lsn"] if snapshot else "none",
-                 replayed, time.perf_counter() - start)
+        log.info("recovered %d pools from %s (snapshot lsn %s, %d log records replayed, last lsn %d) in %.2fs",
+                 len(self._pools), reader.data_dir, reader.snapshot_lsn if snapshot else "none",
+                 replayed, reader.last_lsn, time.perf_counter() - start)
+
+    def _load_snapshot(self, snapshot: dict) -> None:
+        for data in snapshot["pools"]:
+            name = data["config"]["name"]
+            entry = _PoolEntry(load_pool(data), PoolIdentity.load(data["identity"]) if "identity" in data
+                               else PoolIdentity(legacy_incarnation(name, snapshot["lsn"])))
+            entry.events.extend(KVEvent(*e[:2], bytes.fromhex(e[2]), bytes.fromhex(e[3]), e[4],
+                                        tuple(e[5])) for e in data.get("events", []))
+            self._pools[entry.pool.config.name] = entry
+        self._requests.load(snapshot["requests"])
 
     def _apply_record(self, record: dict) -> None:
         kind, rid = record["kind"], record.get("rid", "")
@@ -194,20 +222,10 @@ class Engine:
             self._broken = f"the write-ahead log failed ({err}); restart blockd to recover"
             log.critical(self._broken)
             raise InvariantViolation(self._broken) from err
-        self._since_snapshot += 1
-        if (self._since_snapshot >= self.snapshot_every and not self._snapshot_running()
-                and self._wal.bytes_since_snapshot >= self._wal.last_snapshot_bytes * self.snapshot_log_ratio):
-            state, lsn = self._capture()
-            self._snapshotter = threading.Thread(target=self._persist, args=(state, lsn),
-                                                 name="blockd-snapshot", daemon=True)
-            self._snapshotter.start()
+        self._snapshots.logged()
 
-    def _snapshot_running(self) -> bool:
-        return self._snapshotter is not None and self._snapshotter.is_alive()
-
-    def _capture(self) -> tuple[dict, int]:
-        """The whole state as plain data, and the log rotated at its LSN (call
-        under the engine lock; the expensive JSON and I/O happen later)."""
+    def _capture(self) -> dict:
+        """The whole state as plain data (what a snapshot holds)."""
         pools = []
         for entry in self._pools.values():
             data = dump_pool(entry.pool)
@@ -215,28 +233,12 @@ class Engine:
             data["events"] = [[e.seq_no, e.kind, e.block_hash.hex(), e.parent_hash.hex(), e.block_id,
                                list(e.token_ids)] for e in entry.events]
             pools.append(data)
-        state = {"pools": pools, "requests": self._requests.dump()}
-        self._since_snapshot = 0
-        return state, self._wal.rotate()
-
-    def _persist(self, state: dict, lsn: int) -> None:
-        started = time.perf_counter()
-        try:
-            self._wal.persist_snapshot(state, lsn)
-        except OSError as err:  # the log still holds everything: keep serving
-            log.error("snapshot at lsn %d failed (%s); the write-ahead log still covers it", lsn, err)
-            return
-        log.info("snapshot at lsn %d written in %.2fs", lsn, time.perf_counter() - started)
+        return {"pools": pools, "requests": self._requests.dump()}
 
     def snapshot(self) -> None:
         """Write a snapshot now and wait for it (no-op without a data directory)."""
-        if self._wal is None:
-            return
-        if self._snapshotter is not None:
-            self._snapshotter.join()
-        with self._lock:
-            state, lsn = self._capture()
-        self._persist(state, lsn)
+        if self._snapshots is not None:
+            self._snapshots.take_now(self._lock)
 
     def close(self) -> None:
         with self._lock:
@@ -246,8 +248,9 @@ class Engine:
             for entry in self._pools.values():
                 entry.deleted = True  # ends Watch/Events streams
             self._changed.notify_all()
-            if self._snapshotter is not None:
-                self._snapshotter.join()
+        if self._snapshots is not None:
+            self._snapshots.wait()
+        with self._lock:
             try:
                 if self._wal is not None:
                     self._wal.close()

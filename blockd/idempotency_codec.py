@@ -218,10 +218,25 @@ def _encode_step(result: StepResult, b: int) -> bytes:
         parts += (_RESULT.pack(len(seq_id), r.num_tokens, r.num_cached_tokens, r.slot_start, block_form,
                                len(blocks), len(r.copy_ops), slot_form, len(slots)),
                   seq_id, blocks, _pairs(r.copy_ops), slots)
-    # the pool incarnation the version belongs to, last: answers kept before
-    # there were incarnations simply end after the results
-    parts.append(_text(result.incarnation))
+    parts.append(_incarnation(result.incarnation))
     return b"".join(parts)
+
+
+def _incarnation(text: str) -> bytes:
+    """The pool incarnation a step's version belongs to, kept last (answers
+    kept before there were incarnations simply end after the results): a
+    uuid4's 32 hex digits as 16 bytes, anything else as its text."""
+    if not text:
+        return b""
+    if len(text) == 32 and all(c in "0123456789abcdef" for c in text):
+        return b"\x01" + bytes.fromhex(text)
+    return b"\x02" + _text(text)
+
+
+def _incarnation_of(data: bytes) -> str:
+    if not data:
+        return ""
+    return data[1:].hex() if data[:1] == b"\x01" else data[1:].decode("utf-8", "surrogatepass")
 
 
 def _decode_step(data: bytes) -> StepResult:
@@ -250,8 +265,7 @@ def _decode_step(data: bytes) -> StepResult:
         else:
             new = _unpack_ints(block_form, new_part)
         results.append(OpResult(seq_id, tokens, cached, new, op_copies, start, slots))
-    incarnation = data[pos:].decode("utf-8", "surrogatepass")
-    return StepResult(version, tuple(results), copies, incarnation)
+    return StepResult(version, tuple(results), copies, _incarnation_of(data[pos:]))
 
 
 def encode_result(result: object, block_size: int = 0) -> bytes:

@@ -1,51 +1,96 @@
-"""Durability: the write-ahead log and snapshots of a data directory.
+"""Durability: the on-disk format of a data directory, and its writers.
 
 Layout of a data directory::
 
-    snapshot-000000000042.json   full engine state after log record 42
-    wal-000000000043.log         records 43, 44, ... (one segment per snapshot)
+    snapshot-000000000042.snap   full engine state after log record 42
+    wal-000000000043.log         records 43, 44, ... (a segment)
+    wal-000000000101.log         records 101, ... (segments are contiguous)
+    compact.lock                 held by a compaction (one at a time; see blockd.compact)
+    blockd.lock                  held by the daemon serving the directory
 
-A record is ``[u32 length][u32 crc32][JSON payload]``. A record is written
-(one ``os.write`` of the whole frame, so a killed process never leaves half a
-record in the page cache) and, under fsync policy ``always``, fsynced before
-the caller acknowledges the batch. ``interval`` fsyncs from a background
-thread every ``fsync_interval_s``; ``never`` leaves it to the OS (a process
-crash loses nothing acknowledged, a machine crash may). On recovery a torn or
-corrupt tail -- a record cut short by a crash -- is truncated away: it was
-never acknowledged.
+Format 2 (written since format versions exist):
 
-Snapshots: the log is rotated at the LSN the captured state covers; the state
-is then written to a temporary file (possibly from another thread while new
-records go to the new segment), fsynced, and renamed; only then are older
-segments and snapshots deleted. Imports only the standard library.
+* a segment starts with a 24-byte header ``[8s "BLKDWAL\\0"][u32 version]
+  [u64 first lsn][u32 crc32 of the 20 bytes before]``, then frames
+  ``[u32 length][u64 lsn][u32 crc32(body)][u32 crc32 of the 16 bytes before]
+  [body: the record as JSON]``. The header check means a flipped length or
+  LSN is caught as damage instead of passing for a record cut short.
+* a snapshot is ``[8s "BLKDSNAP"][u32 version][u32 crc32(body)][u64 length]``
+  then the state as JSON (its ``lsn`` equals the one in the file name).
+
+Format 1 (data directories written before format versions) is read, never
+written: headerless segments of ``[u32 length][u32 crc32][JSON with "lsn"]``
+and plain-JSON ``snapshot-N.json`` files. The first compaction after an
+upgrade replaces them. Format 1 has no header check, so in its last segment a
+flipped length that points past the end still passes for a torn tail. :mod:`blockd.datadir` reads and verifies both.
+
+Appending: a frame goes out in one ``os.write`` and, under fsync policy
+``always``, is fsynced before the caller acknowledges the batch; ``interval``
+fsyncs from a background thread every ``fsync_interval_s``; ``never`` leaves
+it to the OS. Snapshots are built by :mod:`blockd.compact` (another process)
+from the closed segments; the daemon only rotates the log. Imports only the
+standard library.
 """
 
 from __future__ import annotations
 
+import fcntl
+import itertools
 import json
-import logging
 import os
 import struct
 import threading
 import time
 import zlib
-from collections.abc import Callable, Iterator
-
-log = logging.getLogger("blockd.wal")
+from collections.abc import Callable
 
 FSYNC_POLICIES = ("always", "interval", "never")
-_HEADER = struct.Struct("<II")
+FORMAT = 2
+
+SEGMENT_MAGIC = b"BLKDWAL\x00"
+SEGMENT_HEADER = struct.Struct("<8sIQI")
+FRAME = struct.Struct("<IQII")
+LEGACY_FRAME = struct.Struct("<II")
+SNAPSHOT_MAGIC = b"BLKDSNAP"
+SNAPSHOT_HEADER = struct.Struct("<8sIIQ")
+_SYNC_CHUNK = 4 << 20
+#: a frame body larger than this is damage, not a record (a step of 1M tokens is ~8 MB)
+MAX_RECORD_BYTES = 1 << 30
+
+SEGMENT_SUFFIX, SNAPSHOT_SUFFIX, LEGACY_SNAPSHOT_SUFFIX, TMP_SUFFIX = ".log", ".snap", ".json", ".tmp"
+COMPACT_LOCK = "compact.lock"
 
 
-def _name(prefix: str, lsn: int, suffix: str) -> str:
-    return f"{prefix}-{lsn:012d}.{suffix}"
+def segment_name(first_lsn: int) -> str:
+    return f"wal-{first_lsn:012d}{SEGMENT_SUFFIX}"
 
 
-def _lsn_of(name: str) -> int:
-    return int(name.split("-", 1)[1].split(".", 1)[0])
+def snapshot_name(lsn: int) -> str:
+    return f"snapshot-{lsn:012d}{SNAPSHOT_SUFFIX}"
 
 
-def _fsync_dir(path: str) -> None:
+def parse_name(name: str) -> tuple[str, int] | None:
+    """``("segment" | "snapshot", lsn)`` for a data file's name, else None."""
+    for prefix, suffixes, kind in (("wal-", (SEGMENT_SUFFIX,), "segment"),
+                                   ("snapshot-", (SNAPSHOT_SUFFIX, LEGACY_SNAPSHOT_SUFFIX), "snapshot")):
+        for suffix in suffixes:
+            digits = name[len(prefix):-len(suffix)]
+            if name.startswith(prefix) and name.endswith(suffix) and len(digits) == 12 and digits.isdigit():
+                return kind, int(digits)
+    return None
+
+
+def segment_header(first_lsn: int) -> bytes:
+    head = SEGMENT_MAGIC + struct.pack("<IQ", FORMAT, first_lsn)
+    return head + struct.pack("<I", zlib.crc32(head))
+
+
+def encode_frame(lsn: int, body: bytes) -> bytes:
+    head = struct.pack("<IQI", len(body), lsn, zlib.crc32(body))
+    return head + struct.pack("<I", zlib.crc32(head)) + body
+
+
+def fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -53,10 +98,82 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-class WriteAheadLog:
-    """Appends records; recovers the last snapshot plus the records after it."""
+class DirLock:
+    """An advisory ``flock`` on a file in the data directory (released when the
+    holder closes it or dies, so a SIGKILLed holder never leaves it held)."""
 
-    def __init__(self, data_dir: str, fsync: str = "always", fsync_interval_s: float = 0.05,
+    def __init__(self, data_dir: str, name: str) -> None:
+        self.path = os.path.join(data_dir, name)
+        self._fd: int | None = None
+
+    def acquire(self, timeout_s: float | None = None) -> bool:
+        """Take it, waiting up to ``timeout_s`` (None: as long as it takes)."""
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | (fcntl.LOCK_NB if deadline is not None else 0))
+                self._fd = fd
+                return True
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    os.close(fd)
+                    return False
+                time.sleep(0.05)
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def write_snapshot(data_dir: str, state: dict, lsn: int, before_rename: Callable[[], None] | None = None) -> int:
+    """Write ``state`` (as of ``lsn``) durably: temporary file, fsync, rename,
+    directory fsync. Returns its size. Call with the compaction lock held."""
+    state["lsn"] = lsn
+    body = json.dumps(state, separators=(",", ":")).encode()
+    final = os.path.join(data_dir, snapshot_name(lsn))
+    tmp = final + TMP_SUFFIX
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        data = memoryview(SNAPSHOT_HEADER.pack(SNAPSHOT_MAGIC, FORMAT, zlib.crc32(body), len(body)) + body)
+        # synced a few MiB at a time: one fsync of 100 MB makes the daemon's
+        # own per-record fsyncs queue behind it for hundreds of milliseconds
+        done = 0
+        while done < len(data):
+            done += os.write(fd, data[done:done + _SYNC_CHUNK])
+            os.fdatasync(fd)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    if before_rename is not None:
+        before_rename()
+    os.replace(tmp, final)
+    fsync_dir(data_dir)
+    return len(data)
+
+
+def remove_replaced(data_dir: str, lsn: int) -> list[str]:
+    """Delete the snapshots older than ``lsn`` and the segments whose records
+    are all at or below it (a segment ends where the next one starts); returns
+    the names. Call once snapshot ``lsn`` is durable, with the compaction lock."""
+    names = sorted(os.listdir(data_dir))
+    segments = sorted((parsed[1], n) for n in names if (parsed := parse_name(n)) and parsed[0] == "segment")
+    doomed = [name for (_, name), (nxt, _) in itertools.pairwise(segments) if nxt <= lsn + 1]
+    doomed += [n for n in names if (parsed := parse_name(n)) and parsed[0] == "snapshot" and parsed[1] < lsn]
+    for name in doomed:
+        try:
+            os.unlink(os.path.join(data_dir, name))
+        except FileNotFoundError:  # pruned already (an operator's `blockd compact`)
+            pass
+    fsync_dir(data_dir)
+    return doomed
+
+
+class WriteAheadLog:
+    """Appends records after a recovered LSN; rotates segments for compaction."""
+
+    def __init__(self, data_dir: str, lsn: int, fsync: str = "always", fsync_interval_s: float = 0.05,
                  observe_sync: Callable[[float], None] | None = None) -> None:
         if fsync not in FSYNC_POLICIES:
             raise ValueError(f"fsync policy must be one of {FSYNC_POLICIES}, got {fsync!r}")
@@ -64,83 +181,45 @@ class WriteAheadLog:
         self.fsync = fsync
         self.fsync_interval_s = fsync_interval_s
         self.observe_sync = observe_sync
-        os.makedirs(data_dir, exist_ok=True)
-        self.lsn = 0
+        self.lsn = lsn
         #: log bytes written since the last rotation, and the size of the last
         #: snapshot: the engine snapshots once the log outgrows the snapshot
         self.bytes_since_snapshot = 0
         self.last_snapshot_bytes = 0
+        self._segment_first = 0
         self._fd: int | None = None
         self._dirty = False
         self._io_lock = threading.Lock()
         self._stop = threading.Event()
         self._syncer: threading.Thread | None = None
 
-    # --- recovery -----------------------------------------------------------
-    def recover(self) -> tuple[dict | None, Iterator[dict]]:
-        """The newest snapshot (or None) and an iterator over later records.
-
-        Exhaust the iterator before :meth:`open_for_append`.
-        """
-        names = sorted(os.listdir(self.data_dir))
-        for name in names:
-            if name.endswith(".tmp"):  # a snapshot cut short by a crash; the log still has it all
-                os.unlink(os.path.join(self.data_dir, name))
-        snaps = [n for n in names if n.startswith("snapshot-") and n.endswith(".json")]
-        snapshot = None
-        if snaps:
-            path = os.path.join(self.data_dir, snaps[-1])
-            with open(path, encoding="utf-8") as f:
-                snapshot = json.load(f)
-            self.lsn = snapshot["lsn"]
-            self.last_snapshot_bytes = os.path.getsize(path)
-        segments = [n for n in names if n.startswith("wal-") and n.endswith(".log")]
-        return snapshot, self._replay(segments)
-
-    def _replay(self, segments: list[str]) -> Iterator[dict]:
-        for name in segments:
-            path = os.path.join(self.data_dir, name)
-            with open(path, "rb") as f:
-                data = f.read()
-            pos = 0
-            while pos < len(data):
-                if pos + _HEADER.size > len(data):
-                    break
-                length, crc = _HEADER.unpack_from(data, pos)
-                body = data[pos + _HEADER.size : pos + _HEADER.size + length]
-                if len(body) < length or zlib.crc32(body) != crc:
-                    break
-                record = json.loads(body)
-                pos += _HEADER.size + length
-                if record["lsn"] <= self.lsn:
-                    continue
-                self.lsn = record["lsn"]
-                yield record
-            if pos < len(data):
-                log.warning("truncating a torn record at byte %d of %s (never acknowledged)", pos, name)
-                with open(path, "r+b") as f:
-                    f.truncate(pos)
-                    os.fsync(f.fileno())
-
-    # --- appending --------------------------------------------------------
     def open_for_append(self) -> None:
-        """Start a fresh segment after the recovered records."""
+        """Start a fresh segment after the recovered records. A segment of that
+        name can only be empty (or hold a torn header, already verified as
+        such): any record in it would have a higher LSN than the last one."""
+        os.makedirs(self.data_dir, exist_ok=True)
+        stale = os.path.join(self.data_dir, segment_name(self.lsn + 1))
+        if os.path.exists(stale):
+            os.unlink(stale)
         self._open_segment(self.lsn + 1)
         if self.fsync == "interval":
             self._syncer = threading.Thread(target=self._sync_loop, name="blockd-wal-sync", daemon=True)
             self._syncer.start()
 
     def _open_segment(self, first_lsn: int) -> None:
-        path = os.path.join(self.data_dir, _name("wal", first_lsn, "log"))
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        _fsync_dir(self.data_dir)
+        path = os.path.join(self.data_dir, segment_name(first_lsn))
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o644)
+        # the header needs no fsync of its own: a crash before the first
+        # record's fsync leaves an empty or zeroed last segment, which
+        # recovery recognises as torn; the name must be durable, though
+        os.write(fd, segment_header(first_lsn))
+        fsync_dir(self.data_dir)
+        self._fd, self._segment_first = fd, first_lsn
 
     def append(self, record: dict) -> int:
         """Write one record (durable per the fsync policy) and return its LSN."""
         self.lsn += 1
-        record["lsn"] = self.lsn
-        body = json.dumps(record, separators=(",", ":")).encode()
-        frame = _HEADER.pack(len(body), zlib.crc32(body)) + body
+        frame = encode_frame(self.lsn, json.dumps(record, separators=(",", ":")).encode())
         with self._io_lock:
             os.write(self._fd, frame)
             self.bytes_since_snapshot += len(frame)
@@ -167,38 +246,18 @@ class WriteAheadLog:
                 self._sync_locked()
 
     def rotate(self) -> int:
-        """Start a new segment; returns the LSN a snapshot taken now covers.
-
-        The caller captures the state at this LSN (under its own lock) and
-        then may :meth:`persist_snapshot` it at leisure, in another thread:
-        until that snapshot is durable, the old snapshot and every segment
-        since it stay on disk, so recovery never depends on it.
-        """
+        """Close the current segment (fsynced) and start a new one; returns the
+        LSN a snapshot built from the closed segments covers. A segment with
+        no records yet is kept: every record up to the LSN is already closed."""
         with self._io_lock:
+            self.bytes_since_snapshot = 0
+            if self._segment_first > self.lsn:
+                return self.lsn
             os.fsync(self._fd)
+            self._dirty = False
             os.close(self._fd)
             self._open_segment(self.lsn + 1)
-            self.bytes_since_snapshot = 0
             return self.lsn
-
-    def persist_snapshot(self, state: dict, lsn: int) -> None:
-        """Write ``state`` (as of ``lsn``) durably, then drop what it replaces."""
-        state["lsn"] = lsn
-        final = os.path.join(self.data_dir, _name("snapshot", lsn, "json"))
-        tmp = final + ".tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(state, f, separators=(",", ":"))
-            f.flush()
-            os.fsync(f.fileno())
-            self.last_snapshot_bytes = f.tell()
-        os.replace(tmp, final)
-        _fsync_dir(self.data_dir)
-        for name in os.listdir(self.data_dir):
-            old = (name.startswith("snapshot-") and name.endswith(".json") and _lsn_of(name) < lsn) or (
-                name.startswith("wal-") and _lsn_of(name) <= lsn)
-            if old:
-                os.unlink(os.path.join(self.data_dir, name))
-        _fsync_dir(self.data_dir)
 
     def close(self) -> None:
         self._stop.set()

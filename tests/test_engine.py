@@ -87,6 +87,15 @@ def test_torn_tail_record_is_dropped(tmp_path):
     assert "y" in Engine(str(tmp_path)).get_tables("p", [])[1]
 
 
+def test_a_retried_create_pool_after_restart_gets_its_first_answer(tmp_path):
+    engine = Engine(str(tmp_path))
+    first = engine.create_pool(PoolConfig("p", num_blocks=8, block_size=4), request_id="make-p")
+    engine.close()
+    again = Engine(str(tmp_path))
+    assert again.create_pool(PoolConfig("p", num_blocks=8, block_size=4), request_id="make-p") == first
+    again.close()
+
+
 def test_request_id_reuse_for_another_request_is_refused():
     engine = Engine()
     engine.create_pool(PoolConfig("p", num_blocks=8, block_size=4), request_id="r1")
