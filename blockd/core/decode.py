@@ -9,13 +9,14 @@ write by the same :meth:`~blockd.core.batch.Batch.copy_on_write` that
 tokens, in list order.
 
 The step journals one columnar entry for all its sequences (a
-:class:`~blockd.core.batch.SeqMarks` of plain tuples built inline) rather than
-one object per sequence, and grows block fills in one
-:meth:`~blockd.core.blocks.BlockSpace.add_fill_each` call after the loop: an
-object or a method call per sequence would cost more than the rest of the loop
-(measured with ``bench/core.py``). Fills grow only once the whole step
-succeeded; a failed step's marks restore them anyway.
-Imports only the standard library.
+:class:`~blockd.core.batch.SeqMarks` of plain tuples built inline), because an
+undo object per sequence costs about as much as the rest of the loop; and it
+grows block fills in one :meth:`~blockd.core.blocks.BlockSpace.add_fill_each`
+call after the loop, because an ``add_fill`` call per sequence costs about 8%
+of the step (``bench/core.py --against``). Fills grow only once the whole step
+succeeded; a failed step's marks restore them anyway. Slots come from
+:func:`~blockd.core.arith.slot_at`, a call per sequence of about 5%, which the
+step affords. Imports only the standard library.
 """
 
 from __future__ import annotations
