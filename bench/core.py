@@ -13,9 +13,11 @@ Prints one JSON object per line:
 * ``decode_step_vs_rev`` (only with ``--against REV``): the 256-sequence
   decode step of this tree's core and of the core at git revision ``REV``,
   both imported into this process and stepped alternately, so load from
-  other processes hits both alike; ``ratio_vs_rev`` is the median over rounds
-  of this tree's median step time over the revision's (< 1 is faster). Use it
-  to check a change to the core against the commit before it.
+  other processes hits both alike (which one is set up first alternates by
+  round, and the rounds are made even, so that bias cancels);
+  ``ratio_vs_rev`` is the geometric mean over rounds of this tree's median
+  step time over the revision's (< 1 is faster). Use it to check a change to
+  the core against the commit before it.
 
 Absolute times drift ±20% on shared machines; compare ratios within one run.
 """
@@ -171,13 +173,19 @@ def time_decode_paired(cores: list[ModuleType], steps: int, num_seqs: int = 256,
 def bench_against(rev: str, steps: int, rounds: int) -> None:
     import blockd.core
 
+    ours: list[float] = []
+    theirs: list[float] = []
     with tempfile.TemporaryDirectory() as tmp:
         cores = [blockd.core, core_at(rev, tmp)]
-        runs = [time_decode_paired(cores, steps) for _ in range(rounds)]
-    ours, theirs = [r[0] for r in runs], [r[1] for r in runs]
-    emit("decode_step_vs_rev", rev=rev, num_seqs=256, block_size=BLOCK, steps=steps, rounds=rounds,
+        for round_no in range(rounds + rounds % 2):
+            # which pool is built first shifts step times by a few percent; alternate it
+            flip = round_no % 2
+            times = time_decode_paired(cores[::-1] if flip else cores, steps)
+            ours.append(times[flip])
+            theirs.append(times[1 - flip])
+    emit("decode_step_vs_rev", rev=rev, num_seqs=256, block_size=BLOCK, steps=steps, rounds=len(ours),
          us_per_step=round(statistics.median(ours), 1), rev_us_per_step=round(statistics.median(theirs), 1),
-         ratio_vs_rev=round(statistics.median(a / b for a, b in zip(ours, theirs)), 3),
+         ratio_vs_rev=round(statistics.geometric_mean(a / b for a, b in zip(ours, theirs)), 3),
          ratios=[round(a / b, 3) for a, b in zip(ours, theirs)])
 
 
@@ -186,7 +194,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer repetitions (for smoke tests)")
     parser.add_argument("--against", metavar="REV",
                         help="only compare the decode step with the core at this git revision (e.g. HEAD~1)")
-    parser.add_argument("--rounds", type=int, default=7, help="rounds of --against (default 7)")
+    parser.add_argument("--rounds", type=int, default=8, help="rounds of --against, made even (default 8)")
     args = parser.parse_args()
     steps = 64 if args.quick else 512
     if args.against:
