@@ -111,15 +111,15 @@ class WorkerGroup:
         one changed (a worker restarted). Raises the last error after ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
         changed = False
-        for worker in self.workers:
+        for rank, worker in enumerate(self.workers):
             before = worker.incarnation
             while True:
                 try:
                     changed |= worker.refresh() != before
                     break
-                except BlockdClientError:
+                except BlockdClientError as err:
                     if time.monotonic() > deadline:
-                        raise
+                        raise self._group_error([(rank, err)]) from None
                     time.sleep(0.2)
         return changed
 
