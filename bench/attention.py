@@ -127,7 +127,7 @@ def measure(name: str, layer, tables, context_lens, starts, query, args) -> dict
                    vllm_max_abs_err=(vllm.run().float() - reference).abs().max().item())
         row["ms"] = min(row["ms"], t["blockd"] * 1e3)
         del vllm
-    if device.type == "cpu" and wrapper.backend != "torch" and not args.no_torch_backend:
+    if wrapper.backend != "torch" and not args.no_torch_backend:
         torch_wrapper, torch_plan_ms = planned("torch", device, tables, context_lens, starts, kv_heads, dtype)
         t = interleaved_best({"blockd": blockd, "torch": lambda: torch_wrapper.run(query, layer, out=out)},
                              args.rounds, device)
