@@ -13,7 +13,7 @@ the compiler flags, torch's version and the CPU's flags, so a rebuilt torch,
 an edited source or another CPU sharing a home directory never loads a stale
 library; concurrent processes wait on torch's lock. A warm cache loads in
 well under a second; a cold build takes ~30-90 s on a small machine
-(``python -m worker.kernels.native`` builds it ahead of time).
+(``python -m worker.kernels`` builds it ahead of time; ``make setup`` does).
 
 Which backend :class:`worker.kernels.PagedAttention` uses on a CPU is chosen
 by ``BLOCKD_ATTENTION_BACKEND``:
@@ -32,6 +32,7 @@ Imports torch only (``torch.utils.cpp_extension`` lazily).
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import sys
@@ -152,14 +153,10 @@ def ops():
 
 
 def main() -> None:
-    """``python -m worker.kernels.native``: build the kernel now (setup, CI) and say where it is."""
+    """``python -m worker.kernels``: build the kernel now (set-up, CI); one JSON line says how it went."""
     logging.basicConfig(level=logging.INFO)
     ok = load()
     _, directory = _build_dir()
     isa = {v: k for k, v in ISAS.items()}.get(int(ops().best_isa()), "?") if ok else None
-    print({"built": ok, "dir": str(directory), "best_isa": isa, "error": _failure or None})
+    print(json.dumps({"built": ok, "dir": str(directory), "best_isa": isa, "error": _failure or None}))
     sys.exit(0 if ok else 1)
-
-
-if __name__ == "__main__":
-    main()
