@@ -9,6 +9,9 @@
   on the pool's blocks and block tables, repacked into vLLM's own cache layout
   where its kernel needs one; imported only when ``vllm`` is installed.
 
+CPU copies live on transparent huge pages like blockd's pool
+(:func:`worker.layout.empty_huge_pages`), so no side gets a TLB advantage.
+
 All batches here are uniform: every sequence has the same context length and
 the same number of new tokens (what bench/attention.py builds).
 """
@@ -21,7 +24,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from worker.layout import as_rows, gather_rows
+from worker.layout import as_rows, empty_huge_pages, gather_rows
 
 __all__ = ["VllmKernel", "contiguous", "vllm_available"]
 
@@ -33,8 +36,11 @@ def _contiguous_kv(layer: torch.Tensor, tables: torch.Tensor, context: int):
                        torch.arange(heads, device=layer.device)[None, :, None], heads).reshape(-1)
     batch, head_dim = tables.shape[0], layer.shape[4]
     padded = tables.shape[1] * layer.shape[3]
-    kv = [as_rows(layer[i]).index_select(0, rows).view(batch, heads, padded, head_dim)[:, :, :context]
-          .contiguous() for i in (0, 1)]
+    kv = []
+    for i in (0, 1):  # on huge pages when on a CPU, like the pool and vLLM's caches: same TLB cost
+        gathered = as_rows(layer[i]).index_select(0, rows).view(batch, heads, padded, head_dim)[:, :, :context]
+        dst = empty_huge_pages(gathered.shape, layer.dtype) if layer.device.type == "cpu" else None
+        kv.append(gathered.contiguous() if dst is None else dst.copy_(gathered))
     return kv[0], kv[1]
 
 
@@ -94,7 +100,8 @@ class VllmKernel:
 
     def _repack(self, layer: torch.Tensor, step: int = 1024) -> None:
         ops, heads, block_size, head_dim = self._ops, layer.shape[2], layer.shape[3], layer.shape[4]
-        self.k_cache, self.v_cache = torch.empty_like(layer[0]), torch.empty_like(layer[1])
+        # on huge pages, like blockd's pool, so the comparison is between kernels
+        self.k_cache, self.v_cache = (empty_huge_pages(layer.shape[1:], layer.dtype) for _ in (0, 1))
         for lo in range(0, layer.shape[1], step):  # block slices bound the token-major temporaries
             hi = min(lo + step, layer.shape[1])
             tokens = [layer[i, lo:hi].permute(0, 2, 1, 3).reshape(-1, heads, head_dim) for i in (0, 1)]
