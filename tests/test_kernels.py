@@ -245,6 +245,22 @@ def test_skips_sequences_without_query_tokens(backend):
                   backend=backend)
 
 
+@pytest.mark.parametrize("backend", ["torch", "native"])
+def test_strided_query_and_empty_sequences(backend):
+    """A query that is a transposed view (as a model's projections hand it over) and a
+    sequence with no tokens at all: the output is still contiguous and exact."""
+    ctx, q_lens = [0, 40, 17], [0, 3, 1]
+    kv, tables = make_batch([max(c, 1) for c in ctx], 16, NUM_KV_HEADS, 64, torch.float32)
+    query = torch.randn(8, sum(q_lens), 64).transpose(0, 1)  # [T, Hq, D], not contiguous
+    starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()])
+    wrapper = PagedAttention(device="cpu", backend=backend)
+    wrapper.plan(tables, torch.tensor(ctx), starts, num_q_heads=8, num_kv_heads=NUM_KV_HEADS, head_dim=64,
+                 block_size=16, kv_dtype=torch.float32)
+    out = wrapper.run(query, kv[0])
+    assert out.is_contiguous()
+    check_close(out, dense_reference(query, kv[0], tables, ctx, q_lens, 64 ** -0.5))
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_prefill_one_shot_function(device):
     ctx, q_lens = mixed_batch(16)

@@ -196,8 +196,8 @@ class PagedAttention:
         """
         plan = self.plan_info
         self._check_run(plan, query, kv_layer, out)
-        if out is None:
-            out = torch.empty_like(query)
+        if out is None:  # contiguous whatever the query's strides (both kernels write rows)
+            out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         if plan.total_q == 0:
             return out
         if isinstance(plan, NativePlan):

@@ -73,6 +73,8 @@ def plan_native(batch: Batch, *, num_q_heads: int, num_kv_heads: int, head_dim: 
     """
     if kv_dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"the compiled kernel handles float32, bfloat16 and float16 pools, not {kv_dtype}")
+    if batch.max_block_id >= 2**31 or batch.q_start[-1] >= 2**31:
+        raise ValueError("the compiled kernel indexes blocks and query rows with int32; this batch needs more")
     group = num_q_heads // num_kv_heads
     q_start = batch.q_start_t
     seq_meta = torch.stack((batch.ctx_t, q_start[:-1], q_start[1:] - q_start[:-1]), dim=1).to(torch.int32)
