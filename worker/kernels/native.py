@@ -8,7 +8,7 @@ otherwise; see the source). It is not built at install time because pip's
 build isolation would fetch a second (CUDA) torch to build against.
 
 The build is cached under ``$BLOCKD_KERNEL_CACHE`` (default
-``~/.cache/blockd/kernels``), in a directory named by a hash of the source,
+``~/.cache/blockd/kernels``), in a directory named by a hash of the sources,
 the compiler flags, torch's version and the CPU's flags, so a rebuilt torch,
 an edited source or another CPU sharing a home directory never loads a stale
 library; concurrent processes wait on torch's lock. A warm cache loads in
@@ -92,7 +92,8 @@ def _cpu_signature() -> str:
 
 def _build_dir() -> tuple[str, Path]:
     digest = hashlib.sha256()
-    for part in (_SOURCE.read_bytes(), " ".join(_CFLAGS + _LDFLAGS).encode(), torch.__version__.encode(),
+    sources = [path.read_bytes() for path in sorted(_SOURCE.parent.iterdir()) if path.is_file()]
+    for part in (*sources, " ".join(_CFLAGS + _LDFLAGS).encode(), torch.__version__.encode(),
                  _cpu_signature().encode(), sys.version.encode()):
         digest.update(part)
     name = "blockd_attention_" + digest.hexdigest()[:16]
