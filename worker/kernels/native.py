@@ -105,6 +105,13 @@ def _build() -> None:
     from torch.utils import cpp_extension
 
     name, directory = _build_dir()
+    library = directory / f"{name}.so"
+    if library.exists():  # the directory is named by a hash of everything that went in: it is current
+        try:
+            torch.ops.load_library(str(library))
+            return
+        except OSError:  # e.g. a build killed while linking: rebuild below
+            pass
     directory.mkdir(parents=True, exist_ok=True)
     # torch runs `ninja` from PATH; the ninja wheel's binary sits beside this
     # interpreter even when the venv is not activated.
