@@ -1,11 +1,15 @@
 """Paged attention over a pool layer: decode, prefill/extend and mixed batches.
 
 After FlashInfer's wrappers: :meth:`PagedAttention.plan` does the host-side
-work once per batch (validation, tiling, gather and mask indices, workspace
-sizing; see :mod:`worker.kernels.plan`), and :meth:`PagedAttention.run` is
-called once per layer on the caller's query and the pool's layer tensor.
+work once per batch, and :meth:`PagedAttention.run` is called once per layer
+on the caller's query and the pool's layer tensor. The wrapper validates the
+batch (:mod:`worker.kernels.batch`) and hands it to its backend: the compiled
+CPU kernel (:mod:`worker.kernels.native_attention`), FlashInfer on CUDA
+(:mod:`worker.kernels.flashinfer_attention`), or the tiled torch kernels of
+this module (tiling, gather and mask indices, workspace sizing in
+:mod:`worker.kernels.plan`), the fallback on every device.
 
-How a tile runs (all on buffers owned by the wrapper, grown only at plan
+How a torch tile runs (all on buffers owned by the wrapper, grown only at plan
 time, so a run allocates nothing proportional to the context)::
 
     K tile  <- index_select(as_rows(kv_layer[0]), kv_rows)     [pairs, T, D]
