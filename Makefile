@@ -11,7 +11,7 @@ $(BIN)/python:
 
 # torch is pinned through constraints.txt so CPU machines take the CPU build.
 setup: $(BIN)/python
-	$(BIN)/pip install -q -c constraints.txt -e '.[worker,model,dev,deploy]'
+	$(BIN)/pip install -q -c constraints.txt -e '.[worker,model,dev,deploy,ha]'
 
 demo: setup
 	$(BIN)/python -m blockd.cluster_demo
