@@ -11,20 +11,9 @@ ours. Everything here runs on one daemon thread; the engine asks
 acknowledges a step, and gets ``on_elected`` / ``on_stepped_down`` calls.
 
 **Lease validity.** A leader may act until ``lease_valid_until = t_send +
-TTL - margin``, where ``t_send`` is this host's monotonic time *before* it
-sent the last keepalive that etcd answered with ``TTL > 0``. Why that is
-safe: etcd's lessor (on the etcd leader) sets the lease's expiry to *its*
-receipt time + TTL, and it received the request after we sent it, so in
-real time the lease cannot end before ``t_send + TTL`` - up to the rate
-difference ρ between the two clocks (no absolute synchronisation is needed,
-only bounded drift: ρ ≈ 1e-4 with NTP, 5e-4 for free-running quartz). The
-``margin`` covers ρ·TTL and the time between ``can_acknowledge()`` and the
-acknowledgement leaving the process. Measuring from the *reply* would be
-unsafe: a reply delayed in the network would stretch our belief past the
-real expiry. etcd itself never ends a lease early: expiry is checked by the
-etcd leader (every 500 ms) and revocation goes through raft, so the key
-disappears at or after the expiry; a new etcd leader *extends* every lease
-to a full TTL; it never shortens one.
+TTL - margin``, ``t_send`` being the time *before* it sent the last keepalive
+that etcd answered; :mod:`blockd.ha.lease` explains why measuring from the
+send time is safe with etcd's server-side expiry and bounded clock drift.
 
 **Fencing a new leader.** A winner does not serve at once. The key was
 absent, so the previous leader's lease was revoked (it resigned, having
@@ -38,17 +27,15 @@ clock rates) before ``on_elected``. Hence the old leader's
 **Stepping down** (``on_stepped_down`` at once, ``can_acknowledge()`` false
 from that moment): the lease validity ran out (no keepalive answered: etcd
 down, or this process was paused), etcd no longer has the lease, or the
-leader key is gone or belongs to another term. A term is never resumed: a
-lease whose validity ran out is abandoned (revoked once etcd answers again)
-and the replica campaigns with a new lease, hence a new term.
+leader key is gone or belongs to another term. A term is never resumed: the
+lease of a term ends with it (abandoned, revoked once etcd answers) and the
+replica campaigns again with a new lease, hence for a new term.
 
 **Resign** (graceful shutdown): leadership ends locally first, then the
 lease is revoked, which deletes the key at once: the next leader is elected
 within one poll (plus its margin) instead of a TTL.
 
-**Members.** Each replica keeps ``members/<replica-id>`` (address, role,
-term, applied LSN, lag) under its lease, rewritten when it changes and every
-``member_refresh_s``: it vanishes with the replica.
+**Members.** Each replica keeps its member key (:mod:`blockd.ha.members`).
 
 Callbacks run on the election thread and must return quickly.
 """
@@ -63,7 +50,10 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from blockd.ha.etcd import EtcdClient, EtcdUnavailable, cmp_absent, op_put, op_range
-from blockd.ha.keys import BadValue, LeaderInfo, MemberInfo, check_name, group_keys
+from blockd.ha.insync import campaign_compares
+from blockd.ha.keys import BadValue, LeaderInfo, check_name, group_keys
+from blockd.ha.lease import LeaseKeeper
+from blockd.ha.members import MemberReport
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -80,6 +70,8 @@ class ElectionConfig:
     ``margin_s``: safety margin taken off each lease validity and waited by a
     new leader before serving. ``poll_s``: how often a non-leader campaigns /
     a leader re-reads its key. ``request_timeout_s``: bound on one etcd call.
+    ``require_in_sync``: campaign only as a member of the in-sync set
+    (:mod:`blockd.ha.insync`; ``sync`` replication needs it).
     """
 
     group: str
@@ -90,6 +82,7 @@ class ElectionConfig:
     poll_s: float = 0.2
     request_timeout_s: float = 1.0
     member_refresh_s: float = 5.0
+    require_in_sync: bool = False
 
     def __post_init__(self) -> None:
         check_name("group name", self.group)
@@ -107,12 +100,13 @@ class ElectionConfig:
 
 @dataclass(frozen=True)
 class Leadership:
-    """What an elected leader knows: its ``term``, the term before it (0:
-    none known) and when (``clock()``) it began to serve."""
+    """What an elected leader knows: its ``term``, the term before it and who
+    held it (0 and "": none known) and when (``clock()``) it began to serve."""
 
     term: int
     previous_term: int
     serving_since: float
+    previous_leader: str = ""
 
 
 @dataclass
@@ -121,6 +115,7 @@ class _Pending:
 
     term: int
     previous_term: int
+    previous_leader: str
     previous_lease: int | None
     not_before: float
 
@@ -146,35 +141,36 @@ class Election:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._lease_id: int | None = None
-        self._ttl = config.ttl_s
-        self._valid_until = 0.0
-        self._next_keepalive = 0.0
-        self._abandoned: list[int] = []
+        self._lease = LeaseKeeper(self._kv, config.ttl_s, config.margin_s, clock)
         self._pending: _Pending | None = None
         self._leadership: Leadership | None = None
         self._observed: LeaderInfo | None = None
-        self._progress = (0, -1)
-        self._member: tuple[MemberInfo, int, float] | None = None  # what was written, under which lease, when
-        self.elections_won = self.step_downs = self.leader_changes = self.etcd_errors = 0
+        self._member = MemberReport(self.keys.member(config.replica_id), config.replica_id, config.address,
+                                    config.member_refresh_s, clock)
+        self._said_ineligible = False
+        self.campaigns = self.elections_won = self.step_downs = self.leader_changes = self.etcd_errors = 0
 
     # what the engine asks ------------------------------------------------------------------------
 
     def can_acknowledge(self) -> bool:
         """True while this replica leads and its lease is provably valid."""
         with self._lock:
-            return self._leadership is not None and self._clock() < self._valid_until
+            return self._leadership is not None and self._clock() < self._lease.valid_until
 
     def lease_valid_until(self) -> float:
         """``clock()`` time until which a leader may act (0.0 when not leading)."""
         with self._lock:
-            return self._valid_until if self._leadership is not None else 0.0
+            return self._lease.valid_until if self._leadership is not None else 0.0
 
     @property
     def last_valid_until(self) -> float:
         """The validity of the lease as last renewed, leading or not (for reports and tests)."""
-        with self._lock:
-            return self._valid_until
+        return self._lease.valid_until
+
+    @property
+    def clock(self) -> Callable[[], float]:
+        """The clock that validity times are on (``time.monotonic`` unless injected)."""
+        return self._clock
 
     @property
     def leadership(self) -> Leadership | None:
@@ -188,10 +184,7 @@ class Election:
 
     def report_progress(self, applied_lsn: int, lag_records: int = -1) -> None:
         """The replica's log position for its member key (written on the next cycle)."""
-        if applied_lsn < 0 or lag_records < -1:
-            raise ValueError(f"applied_lsn must be >= 0 and lag_records >= -1, got {applied_lsn}, {lag_records}")
-        with self._lock:
-            self._progress = (applied_lsn, lag_records)
+        self._member.set_progress(applied_lsn, lag_records)
 
     # lifetime ------------------------------------------------------------------------------------
 
@@ -210,8 +203,7 @@ class Election:
             self._thread.join(timeout_s)
         with self._lock:
             was, self._leadership, self._pending = self._leadership, None, None
-            leases = [*self._abandoned, *([self._lease_id] if self._lease_id else [])]
-            self._lease_id, self._abandoned = None, []
+            leases = self._lease.take_all()
         if was is not None:
             log.info("replica %s resigns as leader of %s (term %d)", self.config.replica_id,
                      self.config.group, was.term)
@@ -250,13 +242,14 @@ class Election:
             self._stop.wait(self._sleep_s())
 
     def _cycle(self) -> None:
-        if self._lease_id is None:
-            self._grant()
-        elif self._clock() >= self._next_keepalive:
-            self._keepalive()
-        if self._lease_id is None or self._stop.is_set():
+        lease = self._lease
+        if lease.lease_id is None:
+            lease.grant(self.config.request_timeout_s)
+        elif lease.due() and not lease.keepalive(self._timeout(), min(self.config.poll_s, lease.ttl / 6)):
+            self._step_down("etcd no longer has the lease (expired)")
+        if lease.lease_id is None or self._stop.is_set():
             return
-        self._revoke_abandoned()
+        lease.revoke_abandoned(self.config.request_timeout_s)
         if self._leadership is not None:
             self._check_key()
         elif self._pending is not None:
@@ -269,69 +262,34 @@ class Election:
         """A leader's etcd call never outlives its validity (it must step down on time)."""
         timeout = self.config.request_timeout_s
         if self._leadership is not None or self._pending is not None:
-            timeout = min(timeout, max(0.05, self._valid_until - self._clock()))
+            timeout = min(timeout, max(0.05, self._lease.valid_until - self._clock()))
         return timeout
 
     def _sleep_s(self) -> float:
         now = self._clock()
         wake = now + self.config.poll_s
-        if self._lease_id is not None:
-            wake = min(wake, self._next_keepalive)
+        if self._lease.lease_id is not None:
+            wake = min(wake, self._lease.next_keepalive)
         if self._leadership is not None:
-            wake = min(wake, self._valid_until)
+            wake = min(wake, self._lease.valid_until)
         if self._pending is not None:
             wake = min(wake, self._pending.not_before)
         return max(0.0, wake - now)
 
-    # the lease ------------------------------------------------------------------------------------
-
-    def _grant(self) -> None:
-        sent = self._clock()
-        lease_id, ttl = self._kv.grant(self.config.ttl_s, self.config.request_timeout_s)
-        with self._lock:
-            self._lease_id, self._ttl = lease_id, ttl
-            self._valid_until = sent + ttl - self.config.margin_s
-            self._next_keepalive = sent + ttl / 3
-        log.debug("replica %s holds lease %x (TTL %d s)", self.config.replica_id, lease_id, ttl)
-
-    def _keepalive(self) -> None:
-        sent = self._clock()
-        try:
-            ttl = self._kv.keepalive(self._lease_id, self._timeout())
-        except EtcdUnavailable:
-            self._next_keepalive = self._clock() + min(self.config.poll_s, self._ttl / 6)
-            raise
-        if ttl <= 0:
-            self._lose_lease(f"etcd no longer has lease {self._lease_id:x} (expired)")
-            return
-        with self._lock:
-            self._valid_until = sent + ttl - self.config.margin_s
-            self._next_keepalive = sent + ttl / 3
-
-    def _lose_lease(self, reason: str, abandon: bool = False) -> None:
-        """Forget the lease (revoking it later if ``abandon``); a leader steps down."""
-        with self._lock:
-            if abandon and self._lease_id is not None:
-                self._abandoned.append(self._lease_id)
-            self._lease_id, self._pending, self._member = None, None, None
-        self._step_down(reason)
-
-    def _revoke_abandoned(self) -> None:
-        while self._abandoned:
-            self._kv.revoke(self._abandoned[0], self.config.request_timeout_s)
-            with self._lock:
-                self._abandoned.pop(0)
+    # losing it ------------------------------------------------------------------------------------
 
     def _enforce_validity(self) -> None:
-        if (self._leadership is not None or self._pending is not None) and self._clock() >= self._valid_until:
-            self._lose_lease(f"lease validity ran out at {self._valid_until:.3f} (no keepalive answered in time)",
-                             abandon=True)
+        if (self._leadership is not None or self._pending is not None) and self._clock() >= self._lease.valid_until:
+            self._step_down(f"lease validity ran out at {self._lease.valid_until:.3f} (no keepalive answered "
+                            "in time)")
 
     def _step_down(self, reason: str) -> None:
+        """Leadership (or the wait for it) ends now; so does the lease of the term."""
         with self._lock:
-            was, self._leadership = self._leadership, None
+            was, self._leadership, self._pending = self._leadership, None, None
             if was is not None:
                 self.step_downs += 1
+            self._lease.drop(abandon=True)
         if was is not None:
             log.warning("replica %s steps down as leader of %s (term %d): %s", self.config.replica_id,
                         self.config.group, was.term, reason)
@@ -340,24 +298,35 @@ class Election:
     # the key --------------------------------------------------------------------------------------
 
     def _me(self) -> LeaderInfo:
-        return LeaderInfo(self.config.replica_id, self.config.address, self._lease_id)
+        return LeaderInfo(self.config.replica_id, self.config.address, self._lease.lease_id)
 
     def _campaign(self) -> None:
         me, keys = self._me(), self.keys
-        result = self._kv.txn([cmp_absent(keys.leader)],
-                              [op_range(keys.last_leader), op_put(keys.leader, me.encode(), me.lease_id),
-                               op_put(keys.last_leader, me.encode())],
-                              [op_range(keys.leader)], self._timeout())
-        if result.succeeded:
+        ways = campaign_compares(keys, me.replica_id) if self.config.require_in_sync else [([], [])]
+        self.campaigns += 1
+        for compares, extra_ops in ways:
+            result = self._kv.txn([cmp_absent(keys.leader), *compares],
+                                  [op_range(keys.last_leader), op_put(keys.leader, me.encode(), me.lease_id),
+                                   op_put(keys.last_leader, me.encode()), *extra_ops],
+                                  [op_range(keys.leader)], self._timeout())
+            if result.succeeded:
+                found = result.ranges[0]
+                previous = LeaderInfo.decode(found[0].value, found[0].mod_revision) if found else None
+                self._begin_pending(result.revision, previous, previous_known=True)
+                return
             found = result.ranges[0]
-            previous = LeaderInfo.decode(found[0].value, found[0].mod_revision) if found else None
-            self._begin_pending(result.revision, previous, previous_known=True)
-            return
-        found = result.ranges[0]
-        if not found:
-            return  # deleted between compare and read: campaign again next cycle
-        holder = LeaderInfo.decode(found[0].value, found[0].create_revision)
-        if holder.lease_id == me.lease_id:
+            if found:
+                self._found_holder(LeaderInfo.decode(found[0].value, found[0].create_revision))
+                return
+        if self.config.require_in_sync:  # no leader, and this replica may lack acknowledged records
+            self._observe(None)
+            if not self._said_ineligible:
+                self._said_ineligible = True
+                log.info("replica %s is not in the in-sync set of %s: it will not lead until a leader admits "
+                         "it", me.replica_id, self.config.group)
+
+    def _found_holder(self, holder: LeaderInfo) -> None:
+        if holder.lease_id == self._lease.lease_id:
             # our own earlier attempt was applied but its answer lost: last_leader was overwritten
             self._begin_pending(holder.term, None, previous_known=False)
         else:
@@ -365,9 +334,10 @@ class Election:
 
     def _begin_pending(self, term: int, previous: LeaderInfo | None, previous_known: bool) -> None:
         now = self._clock()
-        wait = self.config.margin_s if previous_known else self._ttl + self.config.margin_s
-        previous_lease = previous.lease_id if previous and previous.lease_id != self._lease_id else None
-        self._pending = _Pending(term, previous.term if previous else 0, previous_lease, now + wait)
+        wait = self.config.margin_s if previous_known else self._lease.ttl + self.config.margin_s
+        previous_lease = previous.lease_id if previous and previous.lease_id != self._lease.lease_id else None
+        self._pending = _Pending(term, previous.term if previous else 0, previous.replica_id if previous else "",
+                                 previous_lease, now + wait)
         self._observe(replace(self._me(), term=term))
         log.info("replica %s won the leader key of %s (term %d, previous term %d); serving after fencing",
                  self.config.replica_id, self.config.group, term, self._pending.previous_term)
@@ -375,7 +345,7 @@ class Election:
 
     def _holds_key(self, term: int) -> bool:
         found = self._kv.get(self.keys.leader, self._timeout())
-        return found is not None and found.create_revision == term and found.lease == self._lease_id
+        return found is not None and found.create_revision == term and found.lease == self._lease.lease_id
 
     def _advance_pending(self) -> None:
         pending = self._pending
@@ -390,10 +360,12 @@ class Election:
             pending.previous_lease = None
             pending.not_before = max(pending.not_before, self._clock() + self.config.margin_s)
         now = self._clock()
-        if now < pending.not_before or now >= self._valid_until:
+        if now < pending.not_before or now >= self._lease.valid_until:
             return
-        leadership = Leadership(pending.term, pending.previous_term, now)
+        leadership = Leadership(pending.term, pending.previous_term, now, pending.previous_leader)
         with self._lock:
+            if self._stop.is_set():  # resign() ran meanwhile: it must stay resigned
+                return
             self._leadership, self._pending = leadership, None
             self.elections_won += 1
         log.info("replica %s leads %s (term %d, previous term %d)", self.config.replica_id,
@@ -403,12 +375,11 @@ class Election:
     def _check_key(self) -> None:
         term = self._leadership.term
         found = self._kv.get(self.keys.leader, self._timeout())
-        # the lease of a term ends with it: a successor waiting for it must not wait for a TTL
         if found is None:
-            self._lose_lease("the leader key is gone (deleted outside blockd)", abandon=True)
-        elif found.create_revision != term or found.lease != self._lease_id:
+            self._step_down("the leader key is gone (deleted outside blockd)")
+        elif found.create_revision != term or found.lease != self._lease.lease_id:
             holder = LeaderInfo.decode(found.value, found.create_revision)
-            self._lose_lease(f"the leader key now names {holder.replica_id} (term {holder.term})", abandon=True)
+            self._step_down(f"the leader key now names {holder.replica_id} (term {holder.term})")
             self._observe(holder)
 
     def _observe(self, leader: LeaderInfo | None) -> None:
@@ -431,17 +402,8 @@ class Election:
 
     def _publish_member(self) -> None:
         with self._lock:
-            applied, lag = self._progress
             term = self._observed.term if self._observed else 0
-        info = MemberInfo(self.config.replica_id, self.config.address, self._role(), term, applied, lag)
-        now = self._clock()
-        if self._member is not None:
-            written, lease, at = self._member
-            if written == info and lease == self._lease_id and now < at + self.config.member_refresh_s:
-                return
-        stamped = replace(info, updated_unix_s=round(time.time(), 3))
-        self._kv.put(self.keys.member(self.config.replica_id), stamped.encode(), self._lease_id, self._timeout())
-        self._member = (info, self._lease_id, now)
+        self._member.publish(self._kv, self._lease.lease_id, self._role(), term, self._timeout())
 
     def _call(self, callback, *args) -> None:
         if callback is None:
