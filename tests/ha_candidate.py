@@ -1,6 +1,6 @@
 """A replica's election as a process of its own, for tests that SIGSTOP it.
 
-    python -m tests.ha_candidate --etcd URL --group G --replica-id R [--ttl-s 2] [--margin-s 0.5]
+    python -m tests.ha_candidate --etcd URL --group G --replica-id R [--ttl-s 4] [--margin-s 0.5]
 
 Prints one JSON object per line (flushed), every time field ``at`` on
 ``time.monotonic()``, which is the system-wide CLOCK_MONOTONIC on Linux and
@@ -43,7 +43,7 @@ def main() -> None:
     parser.add_argument("--etcd", required=True)
     parser.add_argument("--group", required=True)
     parser.add_argument("--replica-id", required=True)
-    parser.add_argument("--ttl-s", type=int, default=2)
+    parser.add_argument("--ttl-s", type=int, default=4)
     parser.add_argument("--margin-s", type=float, default=0.5)
     args = parser.parse_args()
     config = ElectionConfig(args.group, args.replica_id, f"{args.replica_id}.test:50051", ttl_s=args.ttl_s,

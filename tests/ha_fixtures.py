@@ -34,7 +34,8 @@ class Replica:
     """An :class:`Election` and what its callbacks said, with ``time.monotonic()`` stamps."""
 
     def __init__(self, url: str, group: str, replica_id: str, **config) -> None:
-        config = {"poll_s": 0.05, **config}
+        # a TTL of 4 s: a loaded test machine must not make a healthy leader miss its keepalives
+        config = {"poll_s": 0.05, "ttl_s": 4, **config}
         self.events: list[tuple[str, Leadership, float, str]] = []
         self.election = Election(url, ElectionConfig(group, replica_id, f"{replica_id}.test:50051", **config),
                                  on_elected=lambda won: self.events.append(("elected", won, time.monotonic(), "")),

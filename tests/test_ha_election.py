@@ -109,8 +109,7 @@ def test_new_leader_waits_for_a_previous_lease_that_still_lives(etcd_server, rep
         asked = time.monotonic()
         if kv.time_to_live(ghost_lease) <= 0:
             break
-        last_alive_asked = asked
-        assert replica.leads() is None, "served while the previous leader's lease was alive"
+        last_alive_asked = asked  # the lease lived at some moment after this
         time.sleep(0.02)
     won = wait_for(replica.leads, "the leader after the ghost's lease ended")
     assert won.serving_since > last_alive_asked > 0
@@ -175,8 +174,8 @@ def test_paused_leader_process_is_replaced_only_after_its_lease_expired(etcd_ser
         os.kill(old.popen.pid, signal.SIGCONT)
         down = wait_for(lambda: old.find("stepped_down"), "the continued child to step down")[0]
         assert down["valid_until"] < won.serving_since, (down, won)
-        acks = old.find("ack")
-        assert acks[-1]["value"] is False
+        acks = wait_for(lambda: old.find("ack")[-1]["value"] is False and old.find("ack"),
+                        "the continued child to see that it may not acknowledge")
         assert all(a["at"] < won.serving_since for a in acks if a["value"]), (acks, won)
         assert len(old.find("elected")) == 1 and new.election.can_acknowledge()
         assert won.previous_term == old.find("elected")[0]["term"]

@@ -37,7 +37,8 @@ within one poll (plus its margin) instead of a TTL.
 
 **Members.** Each replica keeps its member key (:mod:`blockd.ha.members`).
 
-Callbacks run on the election thread and must return quickly.
+Callbacks run on the election thread (the "resigned" step-down on the
+thread that calls :meth:`Election.resign`) and must return quickly.
 """
 
 from __future__ import annotations
