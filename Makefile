@@ -13,7 +13,7 @@ $(BIN)/python:
 # The CPU attention kernel is compiled here (~1 min once, then cached) rather
 # than in a worker's first step; if it cannot be built the torch kernels run.
 setup: $(BIN)/python
-	$(BIN)/pip install -q -c constraints.txt -e '.[worker,model,dev,deploy]'
+	$(BIN)/pip install -q -c constraints.txt -e '.[worker,model,dev,deploy,ha]'
 	-$(BIN)/python -m worker.kernels
 
 demo: setup

@@ -9,6 +9,7 @@
     blockctl seq show POOL SEQ
     blockctl events tail POOL [--from N] [--limit N] [--follow]
     blockctl top [--interval S] [--once]
+    blockctl cluster status [--etcd URLS] [--group G]
 
 Human-readable tables by default; ``--json`` prints JSON (events as one object
 per line, so a tail can be piped). The three global flags may also follow
@@ -22,7 +23,8 @@ message go to stderr as one line.
 
 Each command group registers itself in :data:`COMMANDS` through one
 ``add_*(subparsers)`` function (pools in :mod:`client.cli_pools`, workers and
-health in :mod:`client.cli_cluster`, ``top`` in :mod:`client.top`).
+health in :mod:`client.cli_cluster`, ``top`` in :mod:`client.top`, ``cluster
+status`` in :mod:`client.cli_ha`).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from blockd import config_env
 from client.calls import DEFAULT_TARGET
 from client.cli_cluster import add_health, add_workers
 from client.cli_common import EPILOG, EXIT_CODES, CommandFailed, Exit, emit, jsonable, render_table
+from client.cli_ha import add_cluster
 from client.cli_pools import add_pools, add_prefix_cache
 from client.errors import BlockdClientError
 from client.sdk import BlockdClient
@@ -116,7 +119,7 @@ def add_events(sub: argparse._SubParsersAction) -> None:
 
 #: command groups, each registering its subcommands
 COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
-    add_pools, add_prefix_cache, add_workers, add_health, add_seq, add_events, add_top]
+    add_pools, add_prefix_cache, add_workers, add_health, add_seq, add_events, add_top, add_cluster]
 
 
 def _add_global_flags(parser: argparse.ArgumentParser, after_command: bool) -> None:

@@ -1,0 +1,415 @@
+"""Leader election with fencing on etcd: who may acknowledge, and until when.
+
+Each replica of a group runs one :class:`Election`. It holds an etcd lease
+(TTL ``ttl_s``), renews it every TTL/3, and campaigns by creating
+``/blockd/<group>/leader`` bound to that lease *if absent* (one etcd
+transaction, which also reads ``last_leader`` and rewrites it). The winner's
+**term** is the leader key's create revision: etcd's revision only grows, so
+every later leader has a larger term, on every replica, without a counter of
+ours. Everything here runs on one daemon thread; the engine asks
+:meth:`Election.can_acknowledge` (cheap, lock + clock) before it
+acknowledges a step, and gets ``on_elected`` / ``on_stepped_down`` calls.
+
+**Lease validity.** A leader may act until ``lease_valid_until = t_send +
+TTL - margin``, ``t_send`` being the time *before* it sent the last keepalive
+that etcd answered; :mod:`blockd.ha.lease` explains why measuring from the
+send time is safe with etcd's server-side expiry and bounded clock drift.
+
+**Fencing a new leader.** A winner does not serve at once. The key was
+absent, so the previous leader's lease was revoked (it resigned, having
+stopped acknowledging first) or expired (its validity ended strictly
+before). The winner reads the previous leader's lease id from ``last_leader``
+and, should that lease still live (someone deleted the key by hand), waits
+until etcd reports it gone; then it waits one more ``margin`` (grace for
+clock rates) before ``on_elected``. Hence the old leader's
+``can_acknowledge()`` turns false before the new one's turns true.
+
+**Stepping down** (``on_stepped_down`` at once, ``can_acknowledge()`` false
+from that moment): the lease validity ran out (no keepalive answered: etcd
+down, or this process was paused), etcd no longer has the lease, or the
+leader key is gone or belongs to another term. A term is never resumed: the
+lease of a term ends with it (abandoned, revoked once etcd answers) and the
+replica campaigns again with a new lease, hence for a new term.
+
+**Resign** (graceful shutdown): leadership ends locally first, then the
+lease is revoked, which deletes the key at once: the next leader is elected
+within one poll (plus its margin) instead of a TTL.
+
+**Members.** Each replica keeps its member key (:mod:`blockd.ha.members`).
+
+Callbacks run on the election thread (the "resigned" step-down on the
+thread that calls :meth:`Election.resign`) and must return quickly.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+from blockd.ha.etcd import EtcdClient, EtcdUnavailable, cmp_absent, op_put, op_range
+from blockd.ha.insync import campaign_compares
+from blockd.ha.keys import BadValue, LeaderInfo, check_name, group_keys
+from blockd.ha.lease import LeaseKeeper
+from blockd.ha.members import MemberReport
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
+log = logging.getLogger("blockd.ha")
+
+
+@dataclass(frozen=True)
+class ElectionConfig:
+    """One replica's part in a group's election.
+
+    ``address``: what callers dial to reach this replica (advertised gRPC
+    address). ``ttl_s``: the lease TTL asked of etcd (it may grant more).
+    ``margin_s``: safety margin taken off each lease validity and waited by a
+    new leader before serving. ``poll_s``: how often a non-leader campaigns /
+    a leader re-reads its key. ``request_timeout_s``: bound on one etcd call.
+    ``require_in_sync``: campaign only as a member of the in-sync set
+    (:mod:`blockd.ha.insync`; ``sync`` replication needs it).
+    """
+
+    group: str
+    replica_id: str
+    address: str
+    ttl_s: int = 2
+    margin_s: float = 0.5
+    poll_s: float = 0.2
+    request_timeout_s: float = 1.0
+    member_refresh_s: float = 5.0
+    require_in_sync: bool = False
+
+    def __post_init__(self) -> None:
+        check_name("group name", self.group)
+        check_name("replica id", self.replica_id)
+        if not self.address:
+            raise ValueError("address (what callers dial to reach this replica) must not be empty")
+        if not isinstance(self.ttl_s, int) or self.ttl_s < 1:
+            raise ValueError(f"ttl_s must be a whole number of seconds >= 1 (etcd leases), got {self.ttl_s!r}")
+        if not 0 < self.margin_s <= self.ttl_s / 2:
+            raise ValueError(f"margin_s must be in (0, ttl_s/2] = (0, {self.ttl_s / 2}], got {self.margin_s}")
+        for name in ("poll_s", "request_timeout_s", "member_refresh_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class Leadership:
+    """What an elected leader knows: its ``term``, the term before it and who
+    held it (0 and "": none known) and when (``clock()``) it began to serve."""
+
+    term: int
+    previous_term: int
+    serving_since: float
+    previous_leader: str = ""
+
+
+@dataclass
+class _Pending:
+    """Won the key, not serving yet: waiting for the previous lease to end."""
+
+    term: int
+    previous_term: int
+    previous_leader: str
+    previous_lease: int | None
+    not_before: float
+
+
+class Election:
+    """Campaign, keep the lease, fence, step down; see the module docstring.
+
+    ``start()`` once; ``resign()`` at shutdown. Thread-safe getters.
+    """
+
+    def __init__(self, endpoints: str | list[str], config: ElectionConfig, *,
+                 on_elected: Callable[[Leadership], None] | None = None,
+                 on_stepped_down: Callable[[Leadership, str], None] | None = None,
+                 on_leader_changed: Callable[[LeaderInfo | None], None] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.keys = group_keys(config.group)
+        self._endpoints = endpoints
+        self._kv = EtcdClient(endpoints, config.request_timeout_s)
+        self._on_elected, self._on_stepped_down = on_elected, on_stepped_down
+        self._on_leader_changed = on_leader_changed
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lease = LeaseKeeper(self._kv, config.ttl_s, config.margin_s, clock)
+        self._pending: _Pending | None = None
+        self._leadership: Leadership | None = None
+        self._observed: LeaderInfo | None = None
+        self._member = MemberReport(self.keys.member(config.replica_id), config.replica_id, config.address,
+                                    config.member_refresh_s, clock)
+        self._said_ineligible = False
+        self.campaigns = self.elections_won = self.step_downs = self.leader_changes = self.etcd_errors = 0
+
+    # what the engine asks ------------------------------------------------------------------------
+
+    def can_acknowledge(self) -> bool:
+        """True while this replica leads and its lease is provably valid."""
+        with self._lock:
+            return self._leadership is not None and self._clock() < self._lease.valid_until
+
+    def lease_valid_until(self) -> float:
+        """``clock()`` time until which a leader may act (0.0 when not leading)."""
+        with self._lock:
+            return self._lease.valid_until if self._leadership is not None else 0.0
+
+    @property
+    def last_valid_until(self) -> float:
+        """The validity of the lease as last renewed, leading or not (for reports and tests)."""
+        return self._lease.valid_until
+
+    @property
+    def clock(self) -> Callable[[], float]:
+        """The clock that validity times are on (``time.monotonic`` unless injected)."""
+        return self._clock
+
+    @property
+    def leadership(self) -> Leadership | None:
+        with self._lock:
+            return self._leadership
+
+    def leader(self) -> LeaderInfo | None:
+        """The leader as last seen in etcd (this replica's own info while it leads)."""
+        with self._lock:
+            return self._observed
+
+    def report_progress(self, applied_lsn: int, lag_records: int = -1) -> None:
+        """The replica's log position for its member key (written on the next cycle)."""
+        self._member.set_progress(applied_lsn, lag_records)
+
+    # lifetime ------------------------------------------------------------------------------------
+
+    def start(self) -> Election:
+        if self._thread is not None:
+            raise RuntimeError("election already started")
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                        name=f"election-{self.config.replica_id}")
+        self._thread.start()
+        return self
+
+    def resign(self, timeout_s: float = 5.0) -> None:
+        """Stop; leadership ends here first, then the lease is revoked (its keys go at once)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+        with self._lock:
+            was, self._leadership, self._pending = self._leadership, None, None
+            leases = self._lease.take_all()
+        if was is not None:
+            log.info("replica %s resigns as leader of %s (term %d)", self.config.replica_id,
+                     self.config.group, was.term)
+            self._call(self._on_stepped_down, was, "resigned")
+        kv = EtcdClient(self._endpoints, self.config.request_timeout_s)  # the thread may still hold ours
+        try:
+            for lease in leases:
+                kv.revoke(lease)
+        except EtcdUnavailable as err:
+            log.warning("could not revoke lease on resign (%s): the next leader waits for its TTL", err)
+        finally:
+            kv.close()
+            if self._thread is None or not self._thread.is_alive():
+                self._kv.close()
+
+    close = resign
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.resign()
+
+    # the loop -------------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._cycle()
+            except EtcdUnavailable as err:
+                self.etcd_errors += 1
+                log.debug("replica %s: %s", self.config.replica_id, err)
+            except BadValue as err:
+                log.error("group %s: %s; fix or delete that key", self.config.group, err)
+            self._enforce_validity()
+            self._stop.wait(self._sleep_s())
+
+    def _cycle(self) -> None:
+        lease = self._lease
+        if lease.lease_id is None:
+            lease.grant(self.config.request_timeout_s)
+        elif lease.due() and not lease.keepalive(self._timeout(), min(self.config.poll_s, lease.ttl / 6)):
+            self._step_down("etcd no longer has the lease (expired)")
+        if lease.lease_id is None or self._stop.is_set():
+            return
+        lease.revoke_abandoned(self.config.request_timeout_s)
+        if self._leadership is not None:
+            self._check_key()
+        elif self._pending is not None:
+            self._advance_pending()
+        else:
+            self._campaign()
+        self._publish_member()
+
+    def _timeout(self) -> float:
+        """A leader's etcd call never outlives its validity (it must step down on time)."""
+        timeout = self.config.request_timeout_s
+        if self._leadership is not None or self._pending is not None:
+            timeout = min(timeout, max(0.05, self._lease.valid_until - self._clock()))
+        return timeout
+
+    def _sleep_s(self) -> float:
+        now = self._clock()
+        wake = now + self.config.poll_s
+        if self._lease.lease_id is not None:
+            wake = min(wake, self._lease.next_keepalive)
+        if self._leadership is not None:
+            wake = min(wake, self._lease.valid_until)
+        if self._pending is not None:
+            wake = min(wake, self._pending.not_before)
+        return max(0.0, wake - now)
+
+    # losing it ------------------------------------------------------------------------------------
+
+    def _enforce_validity(self) -> None:
+        if (self._leadership is not None or self._pending is not None) and self._clock() >= self._lease.valid_until:
+            self._step_down(f"lease validity ran out at {self._lease.valid_until:.3f} (no keepalive answered "
+                            "in time)")
+
+    def _step_down(self, reason: str) -> None:
+        """Leadership (or the wait for it) ends now; so does the lease of the term."""
+        with self._lock:
+            was, self._leadership, self._pending = self._leadership, None, None
+            if was is not None:
+                self.step_downs += 1
+            self._lease.drop(abandon=True)
+        if was is not None:
+            log.warning("replica %s steps down as leader of %s (term %d): %s", self.config.replica_id,
+                        self.config.group, was.term, reason)
+            self._call(self._on_stepped_down, was, reason)
+
+    # the key --------------------------------------------------------------------------------------
+
+    def _me(self) -> LeaderInfo:
+        return LeaderInfo(self.config.replica_id, self.config.address, self._lease.lease_id)
+
+    def _campaign(self) -> None:
+        me, keys = self._me(), self.keys
+        ways = campaign_compares(keys, me.replica_id) if self.config.require_in_sync else [([], [])]
+        self.campaigns += 1
+        for compares, extra_ops in ways:
+            result = self._kv.txn([cmp_absent(keys.leader), *compares],
+                                  [op_range(keys.last_leader), op_put(keys.leader, me.encode(), me.lease_id),
+                                   op_put(keys.last_leader, me.encode()), *extra_ops],
+                                  [op_range(keys.leader)], self._timeout())
+            if result.succeeded:
+                found = result.ranges[0]
+                previous = LeaderInfo.decode(found[0].value, found[0].mod_revision) if found else None
+                self._begin_pending(result.revision, previous, previous_known=True)
+                return
+            found = result.ranges[0]
+            if found:
+                self._found_holder(LeaderInfo.decode(found[0].value, found[0].create_revision))
+                return
+        if self.config.require_in_sync:  # no leader, and this replica may lack acknowledged records
+            self._observe(None)
+            if not self._said_ineligible:
+                self._said_ineligible = True
+                log.info("replica %s is not in the in-sync set of %s: it will not lead until a leader admits "
+                         "it", me.replica_id, self.config.group)
+
+    def _found_holder(self, holder: LeaderInfo) -> None:
+        if holder.lease_id == self._lease.lease_id:
+            # our own earlier attempt was applied but its answer lost: last_leader was overwritten
+            self._begin_pending(holder.term, None, previous_known=False)
+        else:
+            self._observe(holder)
+
+    def _begin_pending(self, term: int, previous: LeaderInfo | None, previous_known: bool) -> None:
+        now = self._clock()
+        wait = self.config.margin_s if previous_known else self._lease.ttl + self.config.margin_s
+        previous_lease = previous.lease_id if previous and previous.lease_id != self._lease.lease_id else None
+        self._pending = _Pending(term, previous.term if previous else 0, previous.replica_id if previous else "",
+                                 previous_lease, now + wait)
+        self._observe(replace(self._me(), term=term))
+        log.info("replica %s won the leader key of %s (term %d, previous term %d); serving after fencing",
+                 self.config.replica_id, self.config.group, term, self._pending.previous_term)
+        self._advance_pending()
+
+    def _holds_key(self, term: int) -> bool:
+        found = self._kv.get(self.keys.leader, self._timeout())
+        return found is not None and found.create_revision == term and found.lease == self._lease.lease_id
+
+    def _advance_pending(self) -> None:
+        pending = self._pending
+        if not self._holds_key(pending.term):
+            log.warning("replica %s lost the leader key of %s before serving (term %d)",
+                        self.config.replica_id, self.config.group, pending.term)
+            self._pending = None
+            return
+        if pending.previous_lease is not None:
+            if self._kv.time_to_live(pending.previous_lease, self._timeout()) > 0:
+                return  # the previous leader may still act: wait for etcd to end its lease
+            pending.previous_lease = None
+            pending.not_before = max(pending.not_before, self._clock() + self.config.margin_s)
+        now = self._clock()
+        if now < pending.not_before or now >= self._lease.valid_until:
+            return
+        leadership = Leadership(pending.term, pending.previous_term, now, pending.previous_leader)
+        with self._lock:
+            if self._stop.is_set():  # resign() ran meanwhile: it must stay resigned
+                return
+            self._leadership, self._pending = leadership, None
+            self.elections_won += 1
+        log.info("replica %s leads %s (term %d, previous term %d)", self.config.replica_id,
+                 self.config.group, leadership.term, leadership.previous_term)
+        self._call(self._on_elected, leadership)
+
+    def _check_key(self) -> None:
+        term = self._leadership.term
+        found = self._kv.get(self.keys.leader, self._timeout())
+        if found is None:
+            self._step_down("the leader key is gone (deleted outside blockd)")
+        elif found.create_revision != term or found.lease != self._lease.lease_id:
+            holder = LeaderInfo.decode(found.value, found.create_revision)
+            self._step_down(f"the leader key now names {holder.replica_id} (term {holder.term})")
+            self._observe(holder)
+
+    def _observe(self, leader: LeaderInfo | None) -> None:
+        with self._lock:
+            before, self._observed = self._observed, leader
+            changed = (before.term if before else 0) != (leader.term if leader else 0)
+            if changed:
+                self.leader_changes += 1
+        if changed:
+            self._call(self._on_leader_changed, leader)
+
+    # membership -----------------------------------------------------------------------------------
+
+    def _role(self) -> str:
+        if self._leadership is not None:
+            return "leader"
+        if self._pending is not None or self._observed is None:
+            return "candidate"
+        return "follower"
+
+    def _publish_member(self) -> None:
+        with self._lock:
+            term = self._observed.term if self._observed else 0
+        self._member.publish(self._kv, self._lease.lease_id, self._role(), term, self._timeout())
+
+    def _call(self, callback, *args) -> None:
+        if callback is None:
+            return
+        try:
+            callback(*args)
+        except Exception:  # a failing callback must not stop the election thread
+            log.exception("election callback %s failed", getattr(callback, "__name__", callback))
