@@ -57,9 +57,10 @@ import signal
 import sys
 import threading
 
-from blockd import addresses, config_env
+from blockd import config_env
 from blockd.core.errors import BlockdError
 from blockd.idempotency import IdempotencyLimits
+from blockd.rpc import addresses
 
 log = logging.getLogger("blockd")
 

@@ -35,7 +35,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from itertools import islice
 
 from blockd.compact import Snapshots
@@ -57,39 +56,22 @@ from blockd.core import (
     WrongState,
 )
 from blockd.core.errors import shown
+from blockd.core.incarnations import new_incarnation
 from blockd.core.state import config_to_json, dump_pool, load_pool, op_from_json, op_to_json
+from blockd.core.types import SequenceInfo, Snapshot, WorkerInfo, WorkerStatus
 from blockd.core.validate import check_config, check_name
 from blockd.datadir import DataDirError, Reader
 from blockd.datadir_lock import DataDirLock
 from blockd.idempotency import MISSING, IdempotencyLimits, IdempotencyTable, IdempotencyUsage, fingerprint
-from blockd.identity import PoolIdentity, legacy_incarnation, new_incarnation
+from blockd.identity import PoolIdentity, legacy_incarnation
 from blockd.wal import WriteAheadLog
-from blockd.workers import WorkerInfo, WorkerRegistry, WorkerStatus
+from blockd.workers import WorkerRegistry
 
 log = logging.getLogger("blockd.engine")
 
 #: KV events kept per pool for Events streams that resume
 MAX_RETAINED_EVENTS = 65536
 _WAIT_S = 0.25
-
-
-@dataclass(frozen=True)
-class Snapshot:
-    """All tables of a pool at ``version`` of ``incarnation`` (for a follower
-    that fell behind, or whose replica belongs to another incarnation)."""
-
-    version: int
-    tables: dict[str, list[int]]
-    incarnation: str = ""
-
-
-@dataclass(frozen=True)
-class SequenceInfo:
-    seq_id: str
-    num_tokens: int
-    num_committed: int
-    block_table: list[int]
-    kv_lost: bool = False
 
 
 class _PoolEntry:

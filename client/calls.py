@@ -3,7 +3,7 @@
 :class:`~client.sdk.BlockdClient` and :class:`~client.aio.AsyncBlockdClient`
 differ only in how they wait; every request they build and every reply they
 read goes through a :class:`Call` defined here, and the message <-> dataclass
-mapping itself is :mod:`blockd.service.convert` (the one the daemon uses).
+mapping itself is :mod:`blockd.rpc.convert` (the one the daemon uses).
 
 Also here: the channel settings both clients use. Retries of UNAVAILABLE are
 left to gRPC's own retry policy in the channel's service config, and every
@@ -21,7 +21,7 @@ from typing import Any
 
 from blockd.core.hashing import NO_EXTRA_KEYS, ExtraKeys
 from blockd.core.types import Op, OpResult
-from blockd.service import convert
+from blockd.rpc import convert
 from blockd.v1 import blockd_pb2 as pb
 from blockd.v1 import blockd_pb2_grpc as pb_grpc
 

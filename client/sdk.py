@@ -38,11 +38,13 @@ from blockd.core.types import (
     OpResult,
     PoolConfig,
     PoolStats,
+    SequenceInfo,
+    Snapshot,
     StepResult,
     VersionDelta,
+    WorkerInfo,
+    WorkerStatus,
 )
-from blockd.engine import SequenceInfo, Snapshot
-from blockd.workers import WorkerInfo, WorkerStatus
 from client import calls
 from client.calls import Call
 from client.errors import from_rpc_error

@@ -3,7 +3,7 @@ runner in another process calls to write K/V and run attention for a batch at
 a named pool version, and what a scheduler calls to run one model step on a
 worker that runs a model (``model_step``).
 
-Tensors go out as raw bytes (:mod:`worker.tensors`, torch only, no worker
+Tensors go out as raw bytes (:mod:`blockd.rpc.tensors`, torch only, no worker
 state); errors come back as :mod:`client.errors` exceptions, like the blockd
 SDK's. Every call has a deadline.
 
@@ -23,11 +23,11 @@ from typing import TYPE_CHECKING
 import grpc
 import torch
 
+from blockd.rpc.tensors import from_proto, to_proto
 from blockd.v1 import worker_pb2 as pb
 from blockd.v1 import worker_pb2_grpc
 from client import calls
 from client.errors import from_rpc_error
-from worker.tensors import from_proto, to_proto
 
 if TYPE_CHECKING:
     from typing_extensions import Self

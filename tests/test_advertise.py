@@ -1,4 +1,4 @@
-"""Advertised addresses (:mod:`blockd.addresses`): parsing, the port taken
+"""Advertised addresses (:mod:`blockd.rpc.addresses`): parsing, the port taken
 from the bound address, registration refusing what nobody can dial (over
 real gRPC), and the worker and daemon processes honouring the flag."""
 
@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from blockd.addresses import advertised, split, unroutable_reason
 from blockd.core import InvalidArgument, PoolConfig
+from blockd.core.types import WorkerInfo
 from blockd.engine import Engine
-from blockd.workers import WorkerInfo
+from blockd.rpc.addresses import advertised, split, unroutable_reason
 from client.errors import InvalidArgumentError
 from client.sdk import BlockdClient
 from tests.procs import Proc, start_blockd, start_worker
@@ -58,11 +58,11 @@ def test_registration_refuses_a_wildcard_address_over_grpc(client) -> None:
     client.create_pool(PoolConfig("m", num_blocks=8, block_size=4))
     for address in ("0.0.0.0:50061", "[::]:50061", "10.0.0.7:0"):
         with pytest.raises(InvalidArgumentError, match="--advertise-address") as refused:
-            client.register_worker(WorkerInfo("w", "m", address, 0, 1, 0, 1))
+            client.register_worker(WorkerInfo("w", "m", address, 0, 1, 0, 1, incarnation="i0"))
         assert address in str(refused.value)
     assert client.list_workers("m") == []
-    client.register_worker(WorkerInfo("w", "m", "10.0.0.7:50061", 0, 1, 0, 1))
-    client.register_worker(WorkerInfo("follower", "m", "", 0, 1, 0, 1))  # serves nothing: allowed
+    client.register_worker(WorkerInfo("w", "m", "10.0.0.7:50061", 0, 1, 0, 1, incarnation="i0"))
+    client.register_worker(WorkerInfo("follower", "m", "", 0, 1, 0, 1, incarnation="i1"))  # serves nothing
     assert sorted(w.info.address for w in client.list_workers("m")) == ["", "10.0.0.7:50061"]
 
 
@@ -70,7 +70,7 @@ def test_the_registry_refuses_it_in_the_engine_too() -> None:
     engine = Engine()
     engine.create_pool(PoolConfig("m", num_blocks=8, block_size=4))
     with pytest.raises(InvalidArgument, match="0.0.0.0 is not an address another host can dial"):
-        engine.register_worker(WorkerInfo("w", "m", "0.0.0.0:1", 0, 1, 0, 1))
+        engine.register_worker(WorkerInfo("w", "m", "0.0.0.0:1", 0, 1, 0, 1, incarnation="i0"))
 
 
 def test_worker_registers_its_advertised_address() -> None:

@@ -13,7 +13,7 @@ import grpc
 import pytest
 
 from blockd.core import Allocate, Commit, PoolConfig
-from blockd.workers import WorkerInfo
+from blockd.core.types import WorkerInfo
 from client.cli import main as blockctl
 from client.cli_common import EPILOG, EXIT_CODES, Exit
 from client.sdk import BlockdClient
@@ -57,8 +57,9 @@ def test_prefix_cache_reset(target, client, capsys) -> None:
 
 def test_workers_list(target, client, capsys) -> None:
     client.create_pool(PoolConfig("m", num_blocks=8, block_size=4, num_layers=2, num_kv_heads=4))
-    client.register_worker(WorkerInfo("w1", "m", "10.1.2.3:50061", 0, 2, 2, 4, pool_bytes=64, device="cuda:1"))
-    client.register_worker(WorkerInfo("w0", "m", "10.1.2.4:50061", 0, 2, 0, 2, pool_bytes=64))
+    client.register_worker(WorkerInfo("w1", "m", "10.1.2.3:50061", 0, 2, 2, 4, pool_bytes=64, device="cuda:1",
+                                      incarnation="i1"))
+    client.register_worker(WorkerInfo("w0", "m", "10.1.2.4:50061", 0, 2, 0, 2, pool_bytes=64, incarnation="i0"))
     code, out, _ = run(capsys, "--target", target, "workers", "list")
     lines = out.splitlines()
     assert code == 0 and lines[0].split()[:4] == ["WORKER_ID", "POOL", "ADDRESS", "LAYERS"]

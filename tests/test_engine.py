@@ -20,9 +20,8 @@ from blockd.core import (
     WrongState,
 )
 from blockd.core.state import dump_pool
-from blockd.core.types import DecodeAppend, VersionDelta
-from blockd.engine import Engine, Snapshot
-from blockd.workers import WorkerInfo
+from blockd.core.types import DecodeAppend, Snapshot, VersionDelta, WorkerInfo
+from blockd.engine import Engine
 
 
 def pool_state(engine: Engine, name: str) -> str:

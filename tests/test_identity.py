@@ -8,10 +8,10 @@ import json
 import pytest
 
 from blockd.core import ALL_BLOCKS_CLEARED, Allocate, Append, Commit, DecodeAppend, Fork, Free, PoolConfig
-from blockd.engine import Engine, Snapshot
-from blockd.identity import KVLost, PoolIncarnationMismatch
-from blockd.service.errors import blockd_status
-from blockd.workers import WorkerInfo
+from blockd.core.incarnations import KVLost, PoolIncarnationMismatch
+from blockd.core.types import Snapshot, WorkerInfo
+from blockd.engine import Engine
+from blockd.rpc.errors import blockd_status
 
 CONFIG = PoolConfig("p", num_blocks=16, block_size=2)
 

@@ -25,8 +25,8 @@ import pytest
 import torch
 
 from blockd.core import ALL_BLOCKS_CLEARED, BLOCK_STORED, Allocate, Append, Commit, Free, PoolConfig
+from blockd.core.types import WorkerInfo
 from blockd.local_cluster import ClusterSpec, LocalCluster
-from blockd.workers import WorkerInfo
 from client.errors import BlockdClientError, FailedPreconditionError, NotFoundError
 from client.model_group import WorkerGroup
 from client.reference import ContiguousReference

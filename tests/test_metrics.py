@@ -22,10 +22,9 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from blockd.core.errors import InvalidArgument, NoRoom, NotFound
-from blockd.core.types import Allocate, Append, Commit, DecodeAppend, Fork, Free, PoolConfig
+from blockd.core.types import Allocate, Append, Commit, DecodeAppend, Fork, Free, PoolConfig, WorkerInfo
 from blockd.engine import Engine
 from blockd.metrics import BlockdMetrics, EngineCollector, outcome_of, start_metrics_server
-from blockd.workers import WorkerInfo
 from worker.metrics import WorkerMetrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

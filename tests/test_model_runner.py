@@ -23,7 +23,7 @@ import torch
 
 from blockd.core import Allocate, Commit, DecodeAppend, Fork, Pool
 from blockd.core.errors import InvalidArgument, NotFound, WrongState
-from blockd.identity import KVNotWritten
+from blockd.core.incarnations import KVNotWritten
 from client.errors import FailedPreconditionError, InvalidArgumentError
 from client.sdk import BlockdClient
 from client.worker import WorkerClient

@@ -22,7 +22,7 @@ import pytest
 from google.rpc import error_details_pb2
 
 from blockd.core import PoolConfig
-from blockd.workers import WorkerInfo
+from blockd.core.types import WorkerInfo
 from client.errors import FailedPreconditionError
 from client.model_group import ModelBatch
 from client.scheduler import Scheduler, SchedulerConfig

@@ -5,7 +5,7 @@ import socket
 import time
 
 from blockd.core import Allocate, Append, Fork, Free, PoolConfig
-from blockd.workers import WorkerInfo
+from blockd.core.types import WorkerInfo
 from client.errors import BlockdClientError
 from client.sdk import BlockdClient
 from tests.procs import start_blockd

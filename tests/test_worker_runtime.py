@@ -6,7 +6,7 @@ import torch
 
 from blockd.core import Allocate, Append, BlockdError, Fork, Free, NotFound, Pool, PoolConfig
 from blockd.core.errors import InvalidArgument
-from blockd.identity import KVNotWritten, PoolIncarnationMismatch, PoolIncarnationUnavailable
+from blockd.core.incarnations import KVNotWritten, PoolIncarnationMismatch, PoolIncarnationUnavailable
 from tests.dense import dense_attention
 from worker.replica import StaleVersion, TableReplica, VersionUnavailable
 from worker.runtime import ShardSpec, WorkerRuntime

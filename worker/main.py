@@ -16,8 +16,9 @@ import signal
 import socket
 import threading
 
-from blockd import addresses, config_env
-from blockd.workers import WorkerInfo
+from blockd import config_env
+from blockd.core.types import WorkerInfo
+from blockd.rpc import addresses
 from client.sdk import BlockdClient
 from worker.follower import Follower
 from worker.runtime import ShardSpec, WorkerRuntime

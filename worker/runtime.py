@@ -31,8 +31,8 @@ from dataclasses import dataclass
 import torch
 
 from blockd.core.errors import InvalidArgument, WrongState, shown
+from blockd.core.incarnations import new_incarnation
 from blockd.core.types import PoolConfig
-from blockd.identity import new_incarnation
 from worker.kernels import PagedAttention, copy_blocks, select_device, write_kv
 from worker.layout import KVGeometry, allocate_kv_pool
 from worker.replica import TableReplica
@@ -184,7 +184,7 @@ class WorkerRuntime:
             return self._advance(version, pool_incarnation)
 
     def check_written(self, seq_ids: Sequence[str], tables: list[list[int]], lengths: Sequence[int]) -> None:
-        """Refuse (:class:`~blockd.identity.KVNotWritten`) unless the first
+        """Refuse (:class:`~blockd.core.incarnations.KVNotWritten`) unless the first
         ``lengths[i]`` tokens of each sequence are written in every layer of
         this shard in this incarnation (a model step checks its cached context
         once, before the forward)."""

@@ -5,7 +5,7 @@ The state and the answers stay the stock ones (grpcio-health-checking,
 grpcio-reflection); only the way they are registered differs from the
 generated ``add_*_to_server`` helpers:
 
-* requests are read with :func:`~blockd.service.errors.lenient_parser`: bytes
+* requests are read with :func:`~blockd.rpc.errors.lenient_parser`: bytes
   that do not parse get INVALID_ARGUMENT through the one error mapping, where
   the stock registration answers INTERNAL and gRPC logs "Exception
   deserializing message!" with a traceback for every such call;
@@ -27,7 +27,7 @@ from grpc_health.v1 import health, health_pb2
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from blockd.core.validate import MAX_ID_LEN
-from blockd.service.errors import (
+from blockd.rpc.errors import (
     BadField,
     MalformedRequest,
     method_handlers,
@@ -60,7 +60,7 @@ def _service_name(request) -> str:
 
 
 class _Health:
-    """Adapter: every failure leaves through :mod:`blockd.service.errors`."""
+    """Adapter: every failure leaves through :mod:`blockd.rpc.errors`."""
 
     def __init__(self, servicer: HealthServicer) -> None:
         self._servicer = servicer
