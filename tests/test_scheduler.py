@@ -23,8 +23,8 @@ from google.rpc import error_details_pb2
 
 from blockd.core import PoolConfig
 from blockd.core.types import WorkerInfo
+from client.backends import ModelBatch
 from client.errors import FailedPreconditionError
-from client.model_group import ModelBatch
 from client.scheduler import Scheduler, SchedulerConfig
 from client.serving import GenerationRequest, ReservationAdmission, percentile
 
