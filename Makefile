@@ -14,7 +14,7 @@ setup: $(BIN)/python
 	$(BIN)/pip install -q -c constraints.txt -e '.[worker,model,dev,deploy]'
 
 demo: setup
-	$(BIN)/python -m blockd.cluster_demo
+	$(BIN)/python -m cluster.demo
 
 test: setup
 	$(BIN)/python -m pytest

@@ -50,8 +50,8 @@ sys.path.insert(0, ROOT)
 
 from blockd.core import Allocate, Pool, PoolConfig
 from blockd.core.types import DecodeAppend, Free
-from blockd.local_cluster import ChildProcess
 from client.sdk import BlockdClient
+from cluster.local import ChildProcess
 
 NUM_SEQS = 256
 BLOCK_SIZE = 16

@@ -14,8 +14,8 @@ import pytest
 from blockd.core import PoolConfig
 from blockd.datadir_lock import LOCK_NAME, DataDirLock, DataDirLocked
 from blockd.engine import Engine
-from blockd.local_cluster import ROOT, child_env
 from client.sdk import BlockdClient
+from cluster.local import ROOT, child_env
 
 pytest_plugins = ["tests.grpc_fixtures"]
 

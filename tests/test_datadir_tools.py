@@ -15,9 +15,9 @@ from blockd.core import Allocate, PoolConfig
 from blockd.datadir import Reader
 from blockd.engine import Engine
 from blockd.idempotency import IdempotencyLimits
-from blockd.local_cluster import child_env
 from blockd.wal import COMPACT_LOCK, DirLock
 from client.sdk import BlockdClient
+from cluster.local import child_env
 from tests.datadirs import build, data_files, digest, flip, reference, segments, state, workload
 from tests.procs import start_blockd
 
