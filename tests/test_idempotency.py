@@ -25,6 +25,7 @@ from blockd.core import (
 from blockd.core.state import op_to_json
 from blockd.core.types import DecodeAppend, OpResult, PoolStats, StepResult
 from blockd.engine import Engine
+from blockd.engine_config import EngineConfig
 from blockd.idempotency import IdempotencyLimits, IdempotencyTable
 from blockd.idempotency_codec import decode_result, encode_result, fingerprint
 from client import errors as ce
@@ -43,7 +44,7 @@ class Clock:
 
 
 def small_engine(limits: IdempotencyLimits | None = None, clock: Clock | None = None, **kwargs) -> Engine:
-    engine = Engine(idempotency=limits, wall_clock=clock or Clock(), **kwargs)
+    engine = Engine(EngineConfig(idempotency=limits or IdempotencyLimits(), wall_clock=clock or Clock(), **kwargs))
     engine.create_pool(PoolConfig("p", num_blocks=4096, block_size=4), request_id="create-p")
     return engine
 

@@ -81,23 +81,25 @@ class KVShardServicer:
 
     @unary
     def WriteKV(self, request, context):
+        # malformed tensors are the caller's mistake whatever incarnation it names
+        key, value = from_proto(request.key, "key"), from_proto(request.value, "value")
         incarnation = self._check_call(request)
-        self.runtime.write_kv(request.version, request.layer, from_proto(request.key, "key"),
-                              from_proto(request.value, "value"), list(request.slot_mapping),
+        self.runtime.write_kv(request.version, request.layer, key, value, list(request.slot_mapping),
                               pool_incarnation=incarnation)
         return pb.WriteKVResponse(version=request.version)
 
     @unary
     def Attention(self, request, context):
-        incarnation = self._check_call(request)
         has_kv = request.HasField("key") or request.HasField("value")
         if has_kv and not (request.HasField("key") and request.HasField("value")):
             raise InvalidArgument("key and value go together")
+        query = from_proto(request.query, "query")
+        key = from_proto(request.key, "key") if has_kv else None
+        value = from_proto(request.value, "value") if has_kv else None
+        incarnation = self._check_call(request)
         out = self.runtime.attention(
             request.version, request.layer, list(request.seq_ids), list(request.query_lens),
-            list(request.context_lens), from_proto(request.query, "query"),
-            key=from_proto(request.key, "key") if has_kv else None,
-            value=from_proto(request.value, "value") if has_kv else None,
+            list(request.context_lens), query, key=key, value=value,
             slot_mapping=list(request.slot_mapping) if has_kv else None,
             scale=request.scale or None, pool_incarnation=incarnation)
         return pb.AttentionResponse(output=to_proto(out), version=request.version)

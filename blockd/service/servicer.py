@@ -77,8 +77,9 @@ class BlockServicer(pb_grpc.BlockServiceServicer):
     def Step(self, request: pb.StepRequest, context) -> pb.StepResponse:
         pool = require_id(request.pool, "pool")
         request_id = optional_id(request.request_id, "request_id")
+        incarnation = optional_id(request.pool_incarnation, "pool_incarnation")
         result = self._engine.step(pool, convert.ops_from_proto(request.ops), request_id, dry_run=request.dry_run,
-                                   incarnation=request.pool_incarnation)
+                                   incarnation=incarnation)
         return convert.step_result_to_proto(result)
 
     @unary
@@ -98,7 +99,7 @@ class BlockServicer(pb_grpc.BlockServiceServicer):
         # Every message names its incarnation. A follower that named none gets
         # the current one; should the pool be re-created before the stream
         # starts, the engine sees the mismatch and opens with a snapshot.
-        incarnation = request.pool_incarnation or self._engine.pool_incarnation(pool)
+        incarnation = optional_id(request.pool_incarnation, "pool_incarnation") or self._engine.pool_incarnation(pool)
         stream = self._engine.watch(pool, request.from_version, _stopper(context, self._shutdown), incarnation)
         for item in stream:
             if isinstance(item, Snapshot):
