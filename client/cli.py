@@ -33,7 +33,7 @@ import sys
 from collections.abc import Callable
 
 from blockd import config_env
-from client.calls import DEFAULT_TARGET
+from client.channel import DEFAULT_TARGET
 from client.cli_cluster import add_health, add_workers
 from client.cli_common import EPILOG, EXIT_CODES, CommandFailed, Exit, emit, jsonable, render_table
 from client.cli_pools import add_pools, add_prefix_cache

@@ -26,7 +26,7 @@ import torch
 from blockd.rpc.tensors import from_proto, to_proto
 from blockd.v1 import worker_pb2 as pb
 from blockd.v1 import worker_pb2_grpc
-from client import calls
+from client.channel import channel_options
 from client.errors import from_rpc_error
 
 if TYPE_CHECKING:
@@ -37,9 +37,8 @@ class WorkerClient:
     def __init__(self, target: str, *, timeout_s: float = 30.0) -> None:
         self.target = target
         self.timeout_s = timeout_s
-        options = [*calls.channel_options(), ("grpc.max_receive_message_length", 256 << 20),
-                   ("grpc.max_send_message_length", 256 << 20)]
-        self._channel = grpc.insecure_channel(target, options=options)
+        # tensors travel in messages: a prefill's K/V or logits can be large
+        self._channel = grpc.insecure_channel(target, options=channel_options(max_message_bytes=256 << 20))
         self._stub = worker_pb2_grpc.KVShardServiceStub(self._channel)
         #: the worker incarnation calls are planned against (learned on first use)
         self.incarnation: str | None = None
