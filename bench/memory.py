@@ -72,7 +72,7 @@ def memory_trace(spec: TraceSpec, *, seed: int, warmup: int, steps: int) -> list
     paging["ratio"] = lines[0]["ratio"]
     paging["ratio_vs_oracle"] = lines[2]["ratio"]
     paging["params"] = {**trace_params(spec, seed), "watermark_ratio": WATERMARK_RATIO}
-    return [{**common, "scheme": "paging", **paging}] + lines
+    return [{**common, "scheme": "paging", **paging}, *lines]
 
 
 def block_size_sweep(spec: TraceSpec, *, seed: int, warmup: int, steps: int,

@@ -344,7 +344,7 @@ class Reader:
                 os.fsync(f.fileno())
         # files the snapshot replaces: a compaction stopped before pruning them
         stale = [s.name for s in self.segments if s.stale]
-        stale += [n for n in self.listing.old_snapshots]
+        stale += list(self.listing.old_snapshots)
         for name in stale:
             log.info("removing %s (replaced by %s)", os.path.join(self.data_dir, name), self.snapshot_name)
             os.unlink(os.path.join(self.data_dir, name))

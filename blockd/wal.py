@@ -34,6 +34,7 @@ standard library.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import itertools
 import json
@@ -162,10 +163,8 @@ def remove_replaced(data_dir: str, lsn: int) -> list[str]:
     doomed = [name for (_, name), (nxt, _) in itertools.pairwise(segments) if nxt <= lsn + 1]
     doomed += [n for n in names if (parsed := parse_name(n)) and parsed[0] == "snapshot" and parsed[1] < lsn]
     for name in doomed:
-        try:
+        with contextlib.suppress(FileNotFoundError):  # pruned already (an operator's `blockd compact`)
             os.unlink(os.path.join(data_dir, name))
-        except FileNotFoundError:  # pruned already (an operator's `blockd compact`)
-            pass
     fsync_dir(data_dir)
     return doomed
 

@@ -92,8 +92,8 @@ class WorkerGroup:
         others = "; ".join(f"rank {r} ({self.workers[r].target}): "
                            + (e.code.name if isinstance(e, BlockdClientError) else type(e).__name__)
                            for r, e in failed if r != rank)
-        message = f"rank {rank} ({self.workers[rank].target}) of the worker group of pool {self.pool!r}: " \
-                  f"{err.message}" + (f" [also failed: {others}]" if others else "")
+        message = (f"rank {rank} ({self.workers[rank].target}) of the worker group of pool {self.pool!r}: "
+                   f"{err.message}" + (f" [also failed: {others}]" if others else ""))
         return type(err)(message, code=err.code, details=err.details)
 
     def run(self, version: int, batch: ModelBatch, *, pool_incarnation: str = "") -> list[int]:

@@ -42,7 +42,7 @@ def workload(seed: int) -> list[GenerationRequest]:
     return requests
 
 
-@pytest.mark.parametrize("model,tp_size", [("tiny-llama", 1), ("tiny-qwen2", 2)])
+@pytest.mark.parametrize(("model", "tp_size"), [("tiny-llama", 1), ("tiny-qwen2", 2)])
 def test_paged_cluster_generates_what_the_contiguous_reference_does(model, tp_size):
     requests = workload(tp_size)
     spec = ClusterSpec(model, tp_size, "m", num_blocks=26, block_size=8, watermark_blocks=1)

@@ -12,6 +12,7 @@ import sys
 import pytest
 
 from blockd.core import PoolConfig
+from blockd.datadir import DataDirError
 from blockd.datadir_lock import LOCK_NAME, DataDirLock, DataDirLocked
 from blockd.engine import Engine
 from blockd.engine_config import EngineConfig
@@ -35,8 +36,8 @@ def test_a_second_daemon_on_a_locked_data_dir_is_refused(daemon, tmp_path) -> No
         c.create_pool(PoolConfig("kept", num_blocks=8, block_size=4))
     second = serve_once(data_dir)
     assert second.returncode == 1
-    assert f"data dir {data_dir!r} is in use by another blockd (pid={first.pid} host={socket.gethostname()} " \
-           "started=" in second.stderr
+    assert (f"data dir {data_dir!r} is in use by another blockd (pid={first.pid} host={socket.gethostname()} "
+            "started=") in second.stderr
     assert "blockd listening" not in second.stdout
     with BlockdClient(first.address) as c:  # the first one is untouched
         assert [p.name for p in c.list_pools()] == ["kept"]
@@ -60,7 +61,7 @@ def test_the_engine_holds_the_lock_until_closed(tmp_path) -> None:
 
 def test_a_failed_open_releases_the_lock(tmp_path) -> None:
     (tmp_path / "snapshot-000000000001.json").write_text("not a snapshot")
-    with pytest.raises(Exception) as failed:
+    with pytest.raises(DataDirError) as failed:
         Engine(EngineConfig(data_dir=str(tmp_path)))
     lock = DataDirLock(str(tmp_path))  # free again although `failed` keeps the engine's frame alive
     assert lock.is_held and failed.value is not None

@@ -87,10 +87,9 @@ def test_repair_data_refuses_without_the_flag_then_cuts_keeping_a_copy(built):
     dry = blockd("repair-data", data_dir)
     assert dry.returncode == 2 and "--truncate-at-first-bad" in dry.stdout and digest(data_dir) == before
     reader = Reader(data_dir)
-    lsns = []
+    lsns: list[int] = []
     with pytest.raises(Exception, match="checksum"):
-        for record in reader.records():
-            lsns.append(record.lsn)
+        lsns.extend(record.lsn for record in reader.records())
     done = blockd("repair-data", data_dir, "--truncate-at-first-bad")
     assert done.returncode == 0, done.stdout
     (qdir,) = [n for n in os.listdir(data_dir) if n.startswith("quarantine-")]

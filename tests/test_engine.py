@@ -51,7 +51,8 @@ def drive(engine: Engine, rounds: int = 6) -> list:
 @pytest.mark.parametrize("snapshot_every", [3, 10_000])
 @pytest.mark.parametrize("fsync", ["always", "interval", "never"])
 def test_restart_restores_everything_exactly(tmp_path, fsync, snapshot_every):
-    engine = Engine(EngineConfig(data_dir=str(tmp_path), fsync=fsync, snapshot_every=snapshot_every, snapshot_log_ratio=0))
+    config = EngineConfig(data_dir=str(tmp_path), fsync=fsync, snapshot_every=snapshot_every, snapshot_log_ratio=0)
+    engine = Engine(config)
     results = drive(engine)
     before = {name: pool_state(engine, name) for name in ("a", "b")}
     events = {name: list(engine._pools[name].events) for name in ("a", "b")}

@@ -289,9 +289,9 @@ def test_two_metrics_servers_in_one_process_do_not_collide():
         server_b.close()
     metrics = BlockdMetrics()
     metrics.attach(first)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="already attached"):
         metrics.attach(second)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="metrics port"):
         start_metrics_server(first, -1)
 
 
@@ -331,7 +331,7 @@ def test_worker_metrics_output():
     assert value("blockd_worker_pool_bytes", pool) == 1 << 20
     with pytest.raises(ValueError, match="unknown kernel"):
         metrics.observe_kernel("flash_attention_9000", 0.1)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="pool must be"):
         WorkerMetrics("")
     text = worker_scrape(metrics)
     for family in text_string_to_metric_families(text):

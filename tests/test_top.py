@@ -76,7 +76,7 @@ def test_no_pools_and_orphan_workers():
 
 
 def test_interval_must_be_positive():
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="interval"):
         run_top(Engine(), 0, False, io.StringIO())
 
 

@@ -69,7 +69,7 @@ def test_a_flipped_byte_in_any_segment_refuses_and_changes_nothing(built, segmen
     flip(path, offset)
     err = refuses_unchanged(data_dir, name)
     # the error points at the frame that holds the flipped byte (or the segment header)
-    starts = [0] + frame_offsets(path) if where != "head" else [0]
+    starts = [0, *frame_offsets(path)] if where != "head" else [0]
     assert err.offset == max(s for s in starts if s <= offset)
 
 
@@ -196,7 +196,7 @@ def test_fault_injection_random_bytes(tmp_path):
         data_dir = str(tmp_path / f"case{i}")
         shutil.copytree(pristine, data_dir)
         pos = rng.randrange(total)
-        for name, size in files:
+        for name, size in files:  # noqa: B007 - the loop finds the file the byte falls in
             if pos < size:
                 break
             pos -= size
@@ -206,7 +206,7 @@ def test_fault_injection_random_bytes(tmp_path):
             engine = Engine(EngineConfig(data_dir=data_dir))
         except DataDirError as err:
             assert digest(data_dir) == before, f"case {i} ({name} byte {pos}): a refusal changed files"
-            assert name in str(err) and "byte" in str(err) or "snapshot" in str(err), str(err)
+            assert (name in str(err) and "byte" in str(err)) or "snapshot" in str(err), str(err)
             outcomes["refused"] += 1
             continue
         assert state(engine) == ref, f"case {i} ({name} byte {pos}): started with a state never acknowledged"

@@ -55,7 +55,8 @@ def test_watch_resumes_after_restart_without_gap_or_duplicate(tmp_path):
             original_push(delta)
 
         runtime.replica.push = recording_push
-        follower = Follower(client, runtime, WorkerInfo("w", "m", "", 0, 1, 0, 1, incarnation=runtime.incarnation), heartbeat_interval_s=0.1)
+        info = WorkerInfo("w", "m", "", 0, 1, 0, 1, incarnation=runtime.incarnation)
+        follower = Follower(client, runtime, info, heartbeat_interval_s=0.1)
         follower.start()
         for i in range(5):
             client.step("m", [Allocate(f"s{i}", [i] * 3)])

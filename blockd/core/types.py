@@ -184,7 +184,7 @@ class KVEvent:
 
 @dataclass(frozen=True)
 class PoolStats:
-    """Counts read in O(1); ``tail_waste_slots`` = used blocks × b − distinct
+    """Counts read in O(1); ``tail_waste_slots`` = used blocks * b - distinct
     token slots in use."""
 
     name: str

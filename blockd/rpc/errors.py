@@ -172,6 +172,7 @@ def unary(method: Callable) -> Callable:
             status = status_for(err, rpc)
         # abort raises, so it must run outside the try above
         context.abort_with_status(status)
+        return None
 
     return handler
 
