@@ -2,6 +2,8 @@
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+# pip runs again only when what it installs from changes
+STAMP := $(VENV)/.installed
 
 .PHONY: demo test setup bench clean
 
@@ -10,8 +12,11 @@ $(BIN)/python:
 	$(BIN)/pip install -q --upgrade pip
 
 # torch is pinned through constraints.txt so CPU machines take the CPU build.
-setup: $(BIN)/python
+$(STAMP): pyproject.toml constraints.txt | $(BIN)/python
 	$(BIN)/pip install -q -c constraints.txt -e '.[worker,model,dev,deploy]'
+	touch $@
+
+setup: $(STAMP)
 
 demo: setup
 	$(BIN)/python -m cluster.demo
@@ -26,4 +31,4 @@ bench: setup
 	$(BIN)/python bench/attention.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .hypothesis .mypy_cache .import_linter_cache

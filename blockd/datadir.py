@@ -115,7 +115,7 @@ def _list(data_dir: str) -> _Listing:
     found = _Listing()
     if not os.path.isdir(data_dir):
         return found
-    snapshots = []
+    snapshots: list[tuple[int, str]] = []
     for name in sorted(os.listdir(data_dir)):
         parsed = parse_name(name)
         if parsed is not None:

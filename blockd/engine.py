@@ -140,7 +140,8 @@ class Engine:
         if isinstance(record, records.CreatePool):
             return self._create_pool(record.config, record.incarnation)
         if isinstance(record, records.DeletePool):
-            return self._delete_pool(record.pool)
+            self._delete_pool(record.pool)
+            return None
         if isinstance(record, records.ResetPrefixCache):
             entry = self._entry(record.pool)
             entry.pool.reset_prefix_cache()

@@ -48,12 +48,11 @@ def legacy_incarnation(pool: str, lsn: int) -> str:
     return "legacy-" + hashlib.blake2b(f"{pool}@{lsn}".encode(), digest_size=12).hexdigest()
 
 
-def _named(op: Op) -> tuple:
+def _named(op: Op) -> tuple[object, ...]:
     """The existing sequences an operation extends, commits or forks from."""
-    kind = type(op)
-    if kind is DecodeAppend:
+    if type(op) is DecodeAppend:
         return tuple(op.seq_ids) if isinstance(op.seq_ids, (list, tuple)) else ()
-    if kind is Fork:
+    if type(op) is Fork:
         return (op.parent_seq_id,)
     return (getattr(op, "seq_id", None),)
 
@@ -123,7 +122,7 @@ class PoolIdentity:
         hits: list[str] = []
         first = None
         for index, op in enumerate(ops):
-            if type(op) in (Free, Allocate):
+            if type(op) is Free or type(op) is Allocate:
                 if type(op.seq_id) is str:
                     fresh.add(op.seq_id)
                 continue

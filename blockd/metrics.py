@@ -61,6 +61,9 @@ def outcome_of(err: BaseException | None) -> str:
     return code.lower() if isinstance(code, str) else "internal"
 
 
+_Family = GaugeMetricFamily | CounterMetricFamily
+
+
 def _gauge(name: str, doc: str, labels: Sequence[str] = ("pool",), unit: str = "") -> GaugeMetricFamily:
     return GaugeMetricFamily(name, doc, labels=list(labels), unit=unit)
 
@@ -76,7 +79,7 @@ class EngineCollector(Collector):
         self._engine = engine
         self._on_pools = on_pools
 
-    def _families(self) -> dict[str, Metric]:
+    def _families(self) -> dict[str, _Family]:
         return {
             "blocks": _gauge("blockd_pool_blocks", "Blocks of the pool by state: free (on the free list), "
                              "used (referenced by a sequence), evictable (cached prefix, ref count 0).",
@@ -122,8 +125,9 @@ class EngineCollector(Collector):
         return families.values()
 
     @staticmethod
-    def _add_pool(families: dict[str, Metric], s: PoolStats) -> None:
+    def _add_pool(families: dict[str, _Family], s: PoolStats) -> None:
         pool = [s.name]
+        value: float
         for state, value in (("free", s.num_free_blocks), ("used", s.num_used_blocks),
                              ("evictable", s.num_evictable_blocks)):
             families["blocks"].add_metric([s.name, state], value)

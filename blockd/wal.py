@@ -117,7 +117,7 @@ class DirLock:
                 self._fd = fd
                 return True
             except BlockingIOError:
-                if time.monotonic() >= deadline:
+                if deadline is None or time.monotonic() >= deadline:
                     os.close(fd)
                     return False
                 time.sleep(0.05)
@@ -215,12 +215,17 @@ class WriteAheadLog:
         fsync_dir(self.data_dir)
         self._fd, self._segment_first = fd, first_lsn
 
+    @property
+    def _open_fd(self) -> int:
+        assert self._fd is not None, "the log is not open"
+        return self._fd
+
     def append(self, record: dict) -> int:
         """Write one record (durable per the fsync policy) and return its LSN."""
         self.lsn += 1
         frame = encode_frame(self.lsn, json.dumps(record, separators=(",", ":")).encode())
         with self._io_lock:
-            os.write(self._fd, frame)
+            os.write(self._open_fd, frame)
             self.bytes_since_snapshot += len(frame)
             if self.fsync == "always":
                 self._sync_locked()
@@ -230,7 +235,7 @@ class WriteAheadLog:
 
     def _sync_locked(self) -> None:
         start = time.perf_counter()
-        os.fsync(self._fd)
+        os.fsync(self._open_fd)
         self._dirty = False
         if self.observe_sync is not None:
             self.observe_sync(time.perf_counter() - start)
@@ -252,9 +257,9 @@ class WriteAheadLog:
             self.bytes_since_snapshot = 0
             if self._segment_first > self.lsn:
                 return self.lsn
-            os.fsync(self._fd)
+            os.fsync(self._open_fd)
             self._dirty = False
-            os.close(self._fd)
+            os.close(self._open_fd)
             self._open_segment(self.lsn + 1)
             return self.lsn
 

@@ -31,6 +31,7 @@ import argparse
 import json
 import sys
 from collections.abc import Callable
+from typing import Any
 
 from blockd import config_env
 from client.channel import DEFAULT_TARGET
@@ -122,7 +123,7 @@ COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
 def _add_global_flags(parser: argparse.ArgumentParser, after_command: bool) -> None:
     """``--target``, ``--json``, ``--timeout-s``: before the command, and again
     after it (with no default there, so a flag given before is not undone)."""
-    kwargs = {"default": argparse.SUPPRESS} if after_command else {}
+    kwargs: dict[str, Any] = {"default": argparse.SUPPRESS} if after_command else {}
     parser.add_argument("--target", help="blockd (or, for health, a worker) address HOST:PORT",
                         **(kwargs or {"default": DEFAULT_TARGET}))
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables",

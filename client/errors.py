@@ -161,7 +161,7 @@ def from_rpc_error(err: grpc.RpcError) -> BlockdClientError:
     code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
     message = (err.details() if hasattr(err, "details") else None) or str(err)
     try:
-        status = rpc_status.from_call(err)
+        status = rpc_status.from_call(err)  # type: ignore[arg-type]  # a failed call is its RpcError
     except ValueError:  # status details that disagree with the call's code/message
         status = None
     return error_for(code, message, _unpack(status) if status is not None else ())

@@ -103,7 +103,7 @@ class WorkerGroup:
                    for worker in self.workers]
         # wait for every rank before raising any rank's error: no call is left running
         wait(futures)
-        failed = [(rank, future.exception()) for rank, future in enumerate(futures) if future.exception()]
+        failed = [(rank, err) for rank, future in enumerate(futures) if (err := future.exception()) is not None]
         if failed:
             raise self._group_error(failed)
         answers = [future.result() for future in futures]

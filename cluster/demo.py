@@ -27,6 +27,8 @@ import sys
 import time
 from dataclasses import dataclass
 
+from blockd.core.types import PoolStats
+from client.scheduler import SchedulerCounters
 from client.serving import RequestOutput, percentile
 from cluster.local import ClusterSpec, LocalCluster, live_pids, model_config
 from sim.meter import Meter
@@ -86,8 +88,8 @@ class DemoRun:
     outputs: list[RequestOutput]
     seconds: float
     busy: Meter
-    final_stats: object
-    counters: object
+    final_stats: PoolStats
+    counters: SchedulerCounters
 
 
 class _Progress:
@@ -186,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
                                        watermark_blocks=max(1, cfg.num_blocks // 40)))
     try:
         cluster.start()
-        print(f"started blockd at {cluster.blockd_address} (pid {cluster.blockd.pid}) and workers at "
+        print(f"started blockd at {cluster.blockd_address} (pid {cluster.pids[-1]}) and workers at "
               + ", ".join(f"{w.address} (pid {w.pid})" for w in cluster.workers), file=out, flush=True)
         from cluster.reference import ContiguousReference
 

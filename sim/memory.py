@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import random
 
-from blockd.core import Allocate, Append, ExtraKeys, Fork, Free, Pool, PoolConfig
+from blockd.core import Allocate, Append, ExtraKeys, Fork, Free, Op, Pool, PoolConfig
 from blockd.core.arith import num_blocks_for
 from client.scheduler import Scheduler, SchedulerConfig
 from sim.backend import InProcessBlockd
@@ -142,10 +142,12 @@ def _request_rng(seed: int, r: int) -> random.Random:
 def _start(pool: Pool, ids: list[str], prompt: list[int], share: bool) -> None:
     """All ``ids`` hold ``prompt``: forked from the first, or each a private copy
     (a per-sequence cache salt keeps the prefix cache out of it)."""
+    ops: list[Op]
     if share:
-        pool.step([Allocate(ids[0], prompt)] + [Fork(ids[0], child) for child in ids[1:]])
+        ops = [Allocate(ids[0], prompt), *(Fork(ids[0], child) for child in ids[1:])]
     else:
-        pool.step([Allocate(s, prompt, ExtraKeys(cache_salt=s)) for s in ids])
+        ops = [Allocate(s, prompt, ExtraKeys(cache_salt=s)) for s in ids]
+    pool.step(ops)
 
 
 def parallel_sampling_block_steps(spec: TraceSpec, n: int, *, seed: int, num_requests: int,
@@ -186,6 +188,7 @@ def beam_search_block_steps(spec: TraceSpec, width: int, *, seed: int, num_reque
             if t and t % fork_every == 0:
                 parents = sorted(rng.choices(range(width), BEAM_PARENT_WEIGHTS[:width], k=width))
                 children = [f"r{r}.{t}.{j}" for j in range(width)]
+                ops: list[Op]
                 if share:
                     ops = [Fork(beams[p], c) for p, c in zip(parents, children)]
                 else:

@@ -129,9 +129,9 @@ class WorkerRuntime:
         with self._lock:
             self.replica.trim()
 
-    def _copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
+    def _copy_blocks(self, copy_ops: Sequence[tuple[int, int]]) -> None:
         start = time.perf_counter()
-        pairs = torch.tensor(pairs, dtype=torch.int64).view(-1, 2)
+        pairs = torch.tensor(copy_ops, dtype=torch.int64).view(-1, 2)
         copy_blocks(self.kv, pairs.to(self.device))
         self.written.copy(pairs)
         self.metrics.observe_kernel("copy_blocks", time.perf_counter() - start)
@@ -245,8 +245,8 @@ class WorkerRuntime:
                 write_kv(self.kv[local], key, value, slots.to(self.device))
                 self.written.mark(local, slots)
                 self.metrics.observe_kernel("write_kv", time.perf_counter() - start)
-            self._plan(version, incarnation, seq_ids, q_lens, ctx, heads, scale)
-            self.written.check(local, self._context, seq_ids, ctx)
+            context = self._plan(version, incarnation, seq_ids, q_lens, ctx, heads, scale)
+            self.written.check(local, context, seq_ids, ctx)
             start = time.perf_counter()
             out = self._attention.run(query, self.kv[local])
             self.metrics.observe_kernel("attention", time.perf_counter() - start)
@@ -254,11 +254,12 @@ class WorkerRuntime:
         self.metrics.add_tokens(total)
         return out
 
-    def _plan(self, version, incarnation, seq_ids, q_lens, ctx, heads, scale) -> None:
-        """Plan once per batch: every layer of a forward pass reuses it."""
+    def _plan(self, version, incarnation, seq_ids, q_lens, ctx, heads, scale) -> ContextBlocks:
+        """Plan once per batch: every layer of a forward pass reuses it. Returns
+        the batch's context blocks (for the written-slot check)."""
         key = (version, incarnation, tuple(seq_ids), tuple(q_lens.tolist()), tuple(ctx.tolist()), heads, scale)
-        if key == self._plan_key:
-            return
+        if key == self._plan_key and self._context is not None:
+            return self._context
         tables = self.replica.tables_of(seq_ids, version, incarnation)
         b = self.config.block_size
         for seq_id, table, n in zip(seq_ids, tables, ctx.tolist()):
@@ -274,6 +275,7 @@ class WorkerRuntime:
                              num_kv_heads=self.geometry.num_kv_heads, head_dim=self.geometry.head_dim,
                              block_size=b, kv_dtype=self.dtype, scale=scale)
         self._plan_key = key
+        return self._context
 
     def stats(self) -> dict:
         return {

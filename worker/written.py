@@ -87,7 +87,7 @@ class WrittenSlots:
         self.lead[:, dst] = self.lead[:, src]
 
     def check(self, layers: int | slice, context: ContextBlocks, seq_ids: Sequence[str],
-              lengths: Sequence[int]) -> None:
+              lengths: Sequence[int] | torch.Tensor) -> None:
         """Raise :class:`KVNotWritten` unless every slot ``context`` reads is
         written in ``layers`` (local indices)."""
         if not context.blocks.numel():

@@ -44,11 +44,11 @@ class HealthServicer(health.HealthServicer):
     """The stock servicer (``set``, ``enter_graceful_shutdown``, ``Check``,
     non-blocking ``Watch``) plus ``List``."""
 
-    def List(self, request, context) -> health_pb2.HealthListResponse:
-        # the parent keeps the statuses in _server_status under _lock
-        with self._lock:
-            statuses = dict(self._server_status)
-        return health_pb2.HealthListResponse(
+    def List(self, request, context):  # -> health_pb2.HealthListResponse (newer than the stubs)
+        # the parent keeps the statuses in _server_status under _lock (not in its stubs)
+        with self._lock:  # type: ignore[attr-defined]
+            statuses = dict(self._server_status)  # type: ignore[attr-defined]
+        return health_pb2.HealthListResponse(  # type: ignore[attr-defined]
             statuses={name: health_pb2.HealthCheckResponse(status=status) for name, status in statuses.items()})
 
 
@@ -84,7 +84,7 @@ class _Health:
             context.abort_with_status(status_for(err, "Watch"))
         return self._servicer.Watch(request, context, send_response_callback)
 
-    Watch.experimental_non_blocking = True
+    Watch.experimental_non_blocking = True  # type: ignore[attr-defined]  # gRPC reads this marker
 
 
 def _parsed(requests: Iterable) -> Iterator:
