@@ -39,6 +39,8 @@ from worker.replica import TableReplica
 from worker.written import ContextBlocks, WrittenSlots
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+#: makes a zeroed pool shard: (geometry, dtype, device) -> tensor of ``geometry.shape``
+Allocator = Callable[[KVGeometry, torch.dtype, torch.device], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -89,7 +91,10 @@ def _padded(tables: list[list[int]]) -> torch.Tensor:
 class WorkerRuntime:
     def __init__(self, config: PoolConfig, shard: ShardSpec | None = None, *, device: str | None = None,
                  version_timeout_s: float = 5.0, latest_committed: Callable[[], int] | None = None,
-                 metrics=None) -> None:
+                 metrics=None, allocate: Allocator = allocate_kv_pool) -> None:
+        """``allocate`` makes the zeroed pool tensor (torch's allocator by
+        default; :meth:`worker.ipc.SharedPool.allocate` for a pool other
+        processes map over CUDA IPC)."""
         if config.dtype not in TORCH_DTYPES:
             raise InvalidArgument(f"workers hold float32, float16 or bfloat16 pools, not {config.dtype}")
         self.config = config
@@ -101,7 +106,10 @@ class WorkerRuntime:
             num_layers=self.shard.layer_end - self.shard.layer_start, num_blocks=config.num_blocks,
             num_kv_heads=self.shard.kv_head_end - self.shard.kv_head_start, block_size=config.block_size,
             head_dim=config.head_dim)
-        self.kv = allocate_kv_pool(self.geometry, self.dtype, self.device)
+        self.kv = allocate(self.geometry, self.dtype, self.device)
+        if tuple(self.kv.shape) != self.geometry.shape or self.kv.dtype != self.dtype:
+            raise ValueError(f"the allocator made a {self.kv.dtype} pool of shape {tuple(self.kv.shape)}, "
+                             f"not {self.dtype} {self.geometry.shape}")
         self.replica = TableReplica(self._copy_blocks)
         #: this process's worker incarnation: KV written by an earlier one is gone
         self.incarnation = new_incarnation()
