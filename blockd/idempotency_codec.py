@@ -142,7 +142,7 @@ def _pack_ints(values) -> tuple[int, bytes]:
 
 def _blocks_of(slots, start: int, b: int) -> list[int] | None:
     """The blocks behind ``slots`` when they are exactly the slots of token
-    positions ``start, start + 1, ...`` through a block table (DESIGN.md:
+    positions ``start, start + 1, ...`` through a block table (docs/glossary.md, slot:
     position p lives in slot ``table[p // b] * b + p % b``), else None. The
     check rebuilds the slots from the blocks at C speed and compares."""
     n = len(slots)

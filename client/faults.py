@@ -1,7 +1,7 @@
 """How :class:`client.scheduler.Scheduler` survives faults: a mixin holding its
 fault policy, apart from the planning it interrupts.
 
-Faults (see DESIGN.md, incarnations). Every step names the pool incarnation
+Faults (see docs/protocol.md, Incarnations). Every step names the pool incarnation
 of the previous one, and every model step the incarnation its version belongs
 to, so nothing planned on one pool runs on another:
 

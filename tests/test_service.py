@@ -1,5 +1,5 @@
 """blockd over real gRPC on loopback: every RPC through the SDK (sync and
-asyncio), the status code of each error case of DESIGN.md with its
+asyncio), the status code of each error case of docs/protocol.md with its
 google.rpc details, atomicity and idempotency over the wire, health and
 reflection, streams that end, retries and graceful shutdown."""
 
