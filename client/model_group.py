@@ -62,18 +62,19 @@ class WorkerGroup:
 
     def reconnect(self, timeout_s: float = 120.0) -> bool:
         """Wait until every worker answers, and learn its incarnation; True if
-        one changed (a worker restarted). Raises the last error after ``timeout_s``."""
+        one changed (a worker restarted). Raises the last error after
+        ``timeout_s``, naming the rank that does not answer."""
         deadline = time.monotonic() + timeout_s
         changed = False
-        for worker in self.workers:
+        for rank, worker in enumerate(self.workers):
             before = worker.incarnation
             while True:
                 try:
                     changed |= worker.refresh() != before
                     break
-                except BlockdClientError:
+                except BlockdClientError as err:
                     if time.monotonic() > deadline:
-                        raise
+                        raise self._group_error([(rank, err)]) from None  # names the rank and its address
                     time.sleep(0.2)
         return changed
 
