@@ -12,8 +12,11 @@ $(BIN)/python:
 	$(BIN)/pip install -q --upgrade pip
 
 # torch is pinned through constraints.txt so CPU machines take the CPU build.
+# The CPU attention kernel is compiled here (~1 min once, then cached) rather
+# than in a worker's first step; if it cannot be built the torch kernels run.
 $(STAMP): pyproject.toml constraints.txt | $(BIN)/python
 	$(BIN)/pip install -q -c constraints.txt -e '.[worker,model,dev,deploy]'
+	-$(BIN)/python -m worker.kernels
 	touch $@
 
 setup: $(STAMP)

@@ -1,25 +1,40 @@
-"""Paged decode attention vs attention over contiguous K/V, plus a memory-bandwidth probe.
+"""Paged attention vs contiguous attention and vLLM's CPU kernel, plus a memory-bandwidth probe.
 
 Prints one JSON object per line:
 
 * ``{"name": "bandwidth", "op": "sum" | "copy", "gbps": ...}``: bytes a large
   tensor sum reads (or a copy reads + writes) per second: the roofline.
 * ``{"name": "paged_decode", ...}``: :class:`worker.kernels.PagedAttention`
-  on a pool layer with shuffled block tables, against
-  ``torch.nn.functional.scaled_dot_product_attention`` over the same K/V laid
-  out contiguously (``[batch, kv_heads, context, head_dim]``, GQA via
-  ``enable_gqa``), both timed in this run. ``ratio_vs_contiguous`` = paged ms
-  / contiguous ms; ``gbps`` = K+V bytes the paged kernel reads per second;
-  ``plan_ms`` is the once-per-batch planning the per-layer ``ms`` excludes;
-  ``max_abs_err`` compares the two outputs.
+  (its default backend: ``backend`` says which) on one pool layer with shuffled
+  block tables, batch 32, 32 query heads, head dim 128, block 16. Baselines on
+  the same K/V, timed in the same run:
+
+  - ``contiguous_ms``: the fastest contiguous SDPA on a CPU: K/V as
+    ``[batch, kv_heads, context, D]`` and each KV head's query group folded into
+    the query length (``q.view(B, Hkv, G, D)``), so no K/V is repeated;
+  - ``vllm_ms``: vLLM's fused CPU kernel (``cpu_attention_with_kv_cache``, the
+    faster of its split/unsplit schedules), when ``vllm`` imports;
+  - ``torch_backend_ms``: blockd's own tiled torch kernels (the fallback backend).
+
+  ``ratio_vs_*`` = blockd ms / that ms (below 1: blockd is faster); ``gbps`` =
+  K+V bytes read per second; ``plan_ms`` is the once-per-batch ``plan()`` (min
+  of 5) that the per-layer ``ms`` excludes; ``max_abs_err`` against float32 SDPA.
+* ``{"name": "paged_prefill", ...}``: causal prefill (a whole prompt) and
+  chunked prefill (new tokens after cached ones), same fields plus ``gflops``
+  (blockd's QK^T + PV flops per second over the causally visible pairs); the contiguous
+  baseline is SDPA over K/V expanded to every query head with the causal mask
+  aligned to the last keys.
 * ``{"name": "written_check", ...}``: what the worker adds per layer so it never
   attends over KV it has not written in its incarnation (:mod:`worker.written`):
   recording a decode batch's new slots (``mark_ms``) and checking every slot
   the batch reads (``check_ms``), against the paged decode kernel on the same
   batch in this run (``ratio_vs_paged_decode``); ``plan_ms`` is once per batch.
 
-Times are the minimum over repetitions (the least disturbed run). Run:
-``python bench/attention.py [--quick] [--reps N] [--threads N]``.
+Candidates are timed interleaved, round by round, and each reports its best
+round, so a shared machine's load drifts hit them alike (``loadavg_1m`` says
+how loaded it was). vLLM runs in its own venv: ``PYTHONPATH=. /path/to/vllm-venv/bin/python
+bench/attention.py``. ``--device cuda`` times the CUDA backend (FlashInfer when
+installed) against contiguous SDPA, with CUDA events, and probes HBM bandwidth.
 """
 
 from __future__ import annotations
@@ -31,113 +46,154 @@ import sys
 import time
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from worker.kernels import PagedAttention
-from worker.layout import KVGeometry, allocate_kv_pool, as_rows, gather_rows
+from bench.attention_baselines import VllmKernel, contiguous, vllm_available
+from worker.kernels import PagedAttention, native
+from worker.layout import KVGeometry, allocate_kv_pool
 from worker.written import ContextBlocks, WrittenSlots
 
 BATCH, Q_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 32, 128, 16
 
 
-#: seconds to wait, before each timed repetition, for the CPUs to go idle (``--wait-idle``)
-WAIT_IDLE_S = 0.0
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
-def cpu_idle_fraction(interval: float = 0.3) -> float:
-    """Share of all CPUs idle over ``interval`` seconds (Linux ``/proc/stat``; 1.0 elsewhere)."""
-    def sample() -> tuple[int, int]:
-        with open("/proc/stat") as f:
-            fields = [int(x) for x in f.readline().split()[1:]]
-        return fields[3] + fields[4], sum(fields)  # idle + iowait, total
-
-    try:
-        idle0, total0 = sample()
-        time.sleep(interval)
-        idle1, total1 = sample()
-    except OSError:
-        return 1.0
-    return (idle1 - idle0) / max(1, total1 - total0)
-
-
-def wait_for_idle_cpus() -> None:
-    """On a shared host, other processes' bursts stall torch's thread team for whole
-    scheduler slices; wait (bounded by WAIT_IDLE_S) until nobody else is running."""
-    deadline = time.monotonic() + WAIT_IDLE_S
-    while time.monotonic() < deadline and cpu_idle_fraction() < 0.95:
-        pass
-
-
-def best_seconds(fn, reps: int) -> float:
-    fn()  # warm-up: first-touch of workspaces, library dispatch
-    times = []
-    for _ in range(reps):
-        if WAIT_IDLE_S:
-            wait_for_idle_cpus()
-        start = time.perf_counter()
+def interleaved_best(candidates: dict, rounds: int, device: torch.device) -> dict[str, float]:
+    """Best seconds of each candidate; every round runs all of them, in alternating order."""
+    names = list(candidates)
+    for fn in candidates.values():  # warm-up: first touch, dispatch, caches
         fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
+    best = dict.fromkeys(names, float("inf"))
+    for r in range(rounds):
+        for name in names if r % 2 == 0 else reversed(names):
+            sync(device)
+            start = time.perf_counter()
+            candidates[name]()
+            sync(device)
+            best[name] = min(best[name], time.perf_counter() - start)
+    return best
 
 
-def bandwidth(reps: int) -> list[dict]:
+def bandwidth(rounds: int, device: torch.device) -> list[dict]:
     """Read (sum) and read+write (copy) throughput of a 512 MiB float32 tensor."""
-    x = torch.ones(128 << 20, dtype=torch.float32)
+    x = torch.ones(128 << 20, dtype=torch.float32, device=device)
     y = torch.empty_like(x)
     nbytes = x.numel() * 4
-    read = nbytes / best_seconds(x.sum, reps) / 1e9
-    copy = 2 * nbytes / best_seconds(lambda: y.copy_(x), reps) / 1e9
-    return [{"name": "bandwidth", "op": "sum", "gbps": round(read, 2), "bytes": nbytes},
-            {"name": "bandwidth", "op": "copy", "gbps": round(copy, 2), "bytes": 2 * nbytes}]
+    t = interleaved_best({"sum": lambda: x.sum(), "copy": lambda: y.copy_(x)}, rounds, device)
+    return [{"name": "bandwidth", "device": device.type, "op": "sum", "gbps": round(nbytes / t["sum"] / 1e9, 2),
+             "bytes": nbytes},
+            {"name": "bandwidth", "device": device.type, "op": "copy",
+             "gbps": round(2 * nbytes / t["copy"] / 1e9, 2), "bytes": 2 * nbytes}]
 
 
-def make_case(kv_heads: int, context: int, dtype: torch.dtype, seed: int = 0):
-    """A one-layer pool filled at random, shuffled tables, and the same K/V made contiguous."""
+def make_pool(num_seqs: int, context: int, kv_heads: int, dtype: torch.dtype, device: torch.device, seed=0):
+    """A random one-layer pool and shuffled block tables (``[seqs, context / b]``)."""
     gen = torch.Generator().manual_seed(seed)
-    blocks_per_seq = context // BLOCK_SIZE
-    geometry = KVGeometry(1, BATCH * blocks_per_seq, BLOCK_SIZE, kv_heads, HEAD_DIM)
+    blocks_per_seq = -(-context // BLOCK_SIZE)
+    geometry = KVGeometry(1, num_seqs * blocks_per_seq, BLOCK_SIZE, kv_heads, HEAD_DIM)
     kv = allocate_kv_pool(geometry, dtype)
     kv.normal_(generator=gen)
-    tables = torch.randperm(geometry.num_blocks, generator=gen).view(BATCH, blocks_per_seq)
-    heads = torch.arange(kv_heads)
-    rows = gather_rows(tables[:, None, :], heads[None, :, None], kv_heads).reshape(-1)
-    contiguous = [as_rows(kv[0, i]).index_select(0, rows).view(BATCH, kv_heads, context, HEAD_DIM)
-                  for i in (0, 1)]
-    query = torch.randn(BATCH, Q_HEADS, HEAD_DIM, generator=gen).to(dtype)
-    return kv, tables, contiguous, query
+    tables = torch.randperm(geometry.num_blocks, generator=gen).view(num_seqs, blocks_per_seq)
+    return kv[0].to(device), tables.to(torch.int32)
 
 
-def decode_case(kv_heads: int, context: int, dtype: torch.dtype, reps: int,
-                tile_bytes: int | None = None) -> dict:
-    kv, tables, (k, v), query = make_case(kv_heads, context, dtype)
-    context_lens = torch.full((BATCH,), context, dtype=torch.int64)
-    wrapper = PagedAttention(device="cpu", tile_bytes=tile_bytes)
-    plan_start = time.perf_counter()
-    wrapper.plan(tables.to(torch.int32), context_lens, num_q_heads=Q_HEADS, num_kv_heads=kv_heads,
-                 head_dim=HEAD_DIM, block_size=BLOCK_SIZE, kv_dtype=dtype)
-    plan_ms = (time.perf_counter() - plan_start) * 1e3
+def planned(backend: str | None, device, tables, context_lens, starts, kv_heads, dtype):
+    """A planned wrapper and the best of 5 ``plan()`` times (ms)."""
+    wrapper = PagedAttention(device=device, backend=backend)
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        wrapper.plan(tables.to(device), context_lens.to(device), None if starts is None else starts.to(device),
+                     num_q_heads=Q_HEADS, num_kv_heads=kv_heads, head_dim=HEAD_DIM, block_size=BLOCK_SIZE,
+                     kv_dtype=dtype)
+        times.append(time.perf_counter() - start)
+    return wrapper, min(times) * 1e3
+
+
+def measure(name: str, layer, tables, context_lens, starts, query, args) -> dict:
+    """Blockd vs the baselines on one batch (see the module docstring)."""
+    device, dtype, kv_heads = layer.device, layer.dtype, layer.shape[2]
+    wrapper, plan_ms = planned(None, device, tables, context_lens, starts, kv_heads, dtype)
     out = torch.empty_like(query)
-    paged = best_seconds(lambda: wrapper.run(query, kv[0], out=out), reps)
-    q4 = query.unsqueeze(2)  # [batch, Hq, 1, D]
-    dense = best_seconds(lambda: F.scaled_dot_product_attention(q4, k, v, enable_gqa=True), reps)
-    reference = F.scaled_dot_product_attention(q4, k, v, enable_gqa=True).squeeze(2)
-    err = (wrapper.run(query, kv[0]).float() - reference.float()).abs().max().item()
-    kv_bytes = 2 * k.numel() * k.element_size()
-    return {
-        "name": "paged_decode", "batch": BATCH, "q_heads": Q_HEADS, "kv_heads": kv_heads,
-        "head_dim": HEAD_DIM, "context": context, "dtype": str(dtype).removeprefix("torch."),
-        "block_size": BLOCK_SIZE, "ms": round(paged * 1e3, 3),
-        "contiguous_ms": round(dense * 1e3, 3), "ratio_vs_contiguous": round(paged / dense, 3),
-        "gbps": round(kv_bytes / paged / 1e9, 2), "contiguous_gbps": round(kv_bytes / dense / 1e9, 2),
-        "plan_ms": round(plan_ms, 2), "tiles": len(wrapper.plan_info.tiles),
-        "tile_bytes": wrapper.tile_bytes, "threads": torch.get_num_threads(), "max_abs_err": err,
-        "loadavg_1m": round(os.getloadavg()[0], 2),
-    }
+    blockd = lambda: wrapper.run(query, layer, out=out)
+    reference, dense = contiguous(layer, tables, context_lens, starts, query)
+    t = interleaved_best({"blockd": blockd, "contiguous": dense}, args.rounds, device)
+    row = {"name": name, "backend": wrapper.backend, "ms": t["blockd"] * 1e3, "plan_ms": round(plan_ms, 3),
+           "contiguous_ms": t["contiguous"] * 1e3, "ratio_vs_contiguous": t["blockd"] / t["contiguous"]}
+    row["max_abs_err"] = (wrapper.run(query, layer).float() - reference).abs().max().item()
+    del dense
+    if device.type == "cpu" and vllm_available() and not args.no_vllm:
+        vllm = VllmKernel(layer, tables, context_lens, starts, query)
+        t = interleaved_best({"blockd": blockd, "vllm": vllm.run}, args.rounds, device)
+        row.update(vllm_ms=t["vllm"] * 1e3, ratio_vs_vllm=t["blockd"] / t["vllm"], vllm_isa=vllm.isa,
+                   vllm_max_abs_err=(vllm.run().float() - reference).abs().max().item())
+        row["ms"] = min(row["ms"], t["blockd"] * 1e3)
+        del vllm
+    if wrapper.backend != "torch" and not args.no_torch_backend:
+        torch_wrapper, torch_plan_ms = planned("torch", device, tables, context_lens, starts, kv_heads, dtype)
+        t = interleaved_best({"blockd": blockd, "torch": lambda: torch_wrapper.run(query, layer, out=out)},
+                             args.rounds, device)
+        row.update(torch_backend_ms=t["torch"] * 1e3, torch_backend_plan_ms=round(torch_plan_ms, 3),
+                   ratio_vs_torch_backend=t["blockd"] / t["torch"])
+    if wrapper.backend == "torch" and native.failure():
+        row["native_error"] = native.failure()[:300]
+    return row
 
 
-def written_check_case(context: int, paged_ms: float, reps: int) -> dict:
+def finish(row: dict, layer, query, tables, context_lens) -> dict:
+    """Shape fields, GB/s, rounding, and the machine's state."""
+    kv_bytes = 2 * int(context_lens.sum()) * layer.shape[2] * HEAD_DIM * layer.element_size()
+    out = {"name": row.pop("name"), "batch": tables.shape[0], "q_heads": query.shape[1],
+           "kv_heads": layer.shape[2], "head_dim": HEAD_DIM, "dtype": str(layer.dtype).removeprefix("torch."),
+           "block_size": BLOCK_SIZE, "device": layer.device.type, **row}
+    for key in [k for k in out if k.endswith("_ms") or k == "ms"]:
+        out[key.removesuffix("ms") + "gbps" if key != "ms" else "gbps"] = round(kv_bytes / out[key] / 1e6, 2)
+        out[key] = round(out[key], 3)
+    for key in [k for k in out if k.startswith("ratio")]:
+        out[key] = round(out[key], 3)
+    out.pop("plan_gbps", None)
+    out.pop("torch_backend_plan_gbps", None)
+    out.update(threads=torch.get_num_threads(), loadavg_1m=round(os.getloadavg()[0], 2))
+    return out
+
+
+def decode_case(kv_heads: int, context: int, dtype: torch.dtype, args) -> dict:
+    layer, tables = make_pool(BATCH, context, kv_heads, dtype, args.device)
+    lens = torch.full((BATCH,), context, dtype=torch.int32)
+    query = torch.randn(BATCH, Q_HEADS, HEAD_DIM, generator=torch.Generator().manual_seed(1)).to(dtype)
+    query = query.to(args.device)
+    row = measure("paged_decode", layer, tables, lens, None, query, args)
+    return finish({**row, "context": context}, layer, query, tables, lens)
+
+
+def prefill_case(num_seqs: int, new_tokens: int, context: int, dtype: torch.dtype, args) -> dict:
+    """``num_seqs`` sequences, each with ``new_tokens`` query tokens ending a ``context``-token history."""
+    layer, tables = make_pool(num_seqs, context, 8, dtype, args.device)
+    lens = torch.full((num_seqs,), context, dtype=torch.int32)
+    starts = torch.arange(0, num_seqs * new_tokens + 1, new_tokens, dtype=torch.int32)
+    query = torch.randn(num_seqs * new_tokens, Q_HEADS, HEAD_DIM, generator=torch.Generator().manual_seed(1))
+    query = query.to(dtype).to(args.device)
+    row = measure("paged_prefill", layer, tables, lens, starts, query, args)
+    pairs = num_seqs * (new_tokens * (context - new_tokens) + new_tokens * (new_tokens + 1) // 2)
+    gflop = 4 * pairs * Q_HEADS * HEAD_DIM / 1e9  # QK^T and PV, 2 flops per multiply-add
+    row["gflops"] = round(gflop / row["ms"] * 1e3, 2)
+    return finish({**row, "context": context, "new_tokens": new_tokens}, layer, query, tables, lens)
+
+
+def best_seconds(fn, rounds: int) -> float:
+    best = float("inf")
+    for _ in range(rounds):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def written_check_case(context: int, paged_ms: float, rounds: int) -> dict:
     """The written-slot record of a decode batch like :func:`decode_case`'s."""
     blocks_per_seq = context // BLOCK_SIZE
     tables = torch.randperm(BATCH * blocks_per_seq, generator=torch.Generator().manual_seed(0))
@@ -150,44 +206,50 @@ def written_check_case(context: int, paged_ms: float, reps: int) -> dict:
     plan_ms = (time.perf_counter() - plan_start) * 1e3
     new_slots = tables[:, -1] * BLOCK_SIZE + BLOCK_SIZE - 1  # each sequence's newest token
     seq_ids = [f"s{i}" for i in range(BATCH)]
-    mark = best_seconds(lambda: written.mark(0, new_slots), reps)
-    check = best_seconds(lambda: written.check(0, batch, seq_ids, lengths), reps)
+    mark = best_seconds(lambda: written.mark(0, new_slots), rounds * 4)
+    check = best_seconds(lambda: written.check(0, batch, seq_ids, lengths), rounds * 4)
     return {"name": "written_check", "batch": BATCH, "context": context, "block_size": BLOCK_SIZE,
             "mark_ms": round(mark * 1e3, 4), "check_ms": round(check * 1e3, 4), "plan_ms": round(plan_ms, 3),
-            "paged_decode_ms": paged_ms, "ratio_vs_paged_decode": round((mark + check) * 1e3 / paged_ms, 6)}
+            "paged_decode_ms": round(paged_ms, 3), "ratio_vs_paged_decode": round((mark + check) * 1e3 / paged_ms, 6)}
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="context 1024 only, fewer repetitions")
-    parser.add_argument("--reps", type=int, default=None, help="timed repetitions per measurement")
+    parser.add_argument("--quick", action="store_true", help="context 1024 only, fewer rounds, no prefill")
+    parser.add_argument("--rounds", type=int, default=None, help="timed rounds per comparison")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
-    parser.add_argument("--tile-bytes", type=int, default=None, help="override the CPU attention tile size")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--kv-heads", type=int, nargs="*", default=[8, 32])
     parser.add_argument("--context", type=int, nargs="*", default=None)
-    parser.add_argument("--dtype", nargs="*", default=["float32", "bfloat16"])
+    parser.add_argument("--dtype", nargs="*", default=None, help="default: float32 bfloat16 (cuda: bf16 fp16)")
     parser.add_argument("--no-bandwidth", action="store_true", help="skip the bandwidth probe")
-    parser.add_argument("--wait-idle", type=float, default=0.0, metavar="S",
-                        help="before each timed run, wait up to S seconds for idle CPUs (shared hosts)")
+    parser.add_argument("--no-prefill", action="store_true", help="skip the prefill rows")
+    parser.add_argument("--no-vllm", action="store_true", help="skip vLLM even when it imports")
+    parser.add_argument("--no-torch-backend", action="store_true", help="skip the torch-backend comparison")
     args = parser.parse_args(argv)
-    global WAIT_IDLE_S  # noqa: PLW0603 - set once from the command line, read by every timed run
-    WAIT_IDLE_S = args.wait_idle
+    args.device = torch.device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
-    reps = args.reps or (2 if args.quick else 3)
+    args.rounds = args.rounds or (3 if args.quick else 5)
+    dtypes = args.dtype or (["bfloat16", "float16"] if args.device.type == "cuda" else ["float32", "bfloat16"])
     if not args.no_bandwidth:
-        for line in bandwidth(reps):
+        for line in bandwidth(args.rounds, args.device):
             print(json.dumps(line), flush=True)
-    contexts = args.context or ((1024,) if args.quick else (1024, 4096))
     paged_ms: dict[int, float] = {}
     for kv_heads in args.kv_heads:
-        for context in contexts:
-            for dtype in args.dtype:
-                line = decode_case(kv_heads, context, getattr(torch, dtype), reps, args.tile_bytes)
+        for context in args.context or ((1024,) if args.quick else (1024, 4096)):
+            for dtype in dtypes:
+                line = decode_case(kv_heads, context, getattr(torch, dtype), args)
                 paged_ms.setdefault(context, line["ms"])
                 print(json.dumps(line), flush=True)
-    for context, ms in paged_ms.items():  # against the first decode case of each context
-        print(json.dumps(written_check_case(context, ms, reps)), flush=True)
+    if args.device.type == "cpu":
+        for context, ms in paged_ms.items():  # against the first decode case of each context
+            print(json.dumps(written_check_case(context, ms, args.rounds)), flush=True)
+    if args.quick or args.no_prefill:
+        return
+    for dtype in dtypes:
+        for num_seqs, new_tokens, context in ((1, 2048, 2048), (8, 64, 1024)):
+            print(json.dumps(prefill_case(num_seqs, new_tokens, context, getattr(torch, dtype), args)), flush=True)
 
 
 if __name__ == "__main__":

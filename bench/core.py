@@ -10,6 +10,14 @@ Prints one JSON object per line:
   with 256 prompts that share nothing.
 * ``pool_scaling``: the 256-sequence decode step on pools of 1k and 1M
   blocks; ``ratio_vs_1k`` shows the cost does not grow with the pool.
+* ``decode_step_vs_rev`` (only with ``--against REV``): the 256-sequence
+  decode step of this tree's core and of the core at git revision ``REV``,
+  both imported into this process and stepped alternately, so load from
+  other processes hits both alike (which one is set up first alternates by
+  round, and the rounds are made even, so that bias cancels);
+  ``ratio_vs_rev`` is the geometric mean over rounds of this tree's median
+  step time over the revision's (< 1 is faster). Use it to check a change to
+  the core against the commit before it.
 
 Absolute times drift ±20% on shared machines; compare ratios within one run.
 """
@@ -18,14 +26,21 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib
+import io
 import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
+import tarfile
+import tempfile
 import time
+from types import ModuleType
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
 
 from blockd.core import Allocate, Append, Commit, Free, Pool, PoolConfig
 from blockd.core.types import DecodeAppend
@@ -108,11 +123,83 @@ def bench_pool_scaling(steps: int) -> None:
              ratio_vs_1k=round(us / small, 3))
 
 
+def core_at(rev: str, into: str) -> ModuleType:
+    """``blockd.core`` as of git revision ``rev``, imported as ``blockd_at_rev.core``
+    (its own imports renamed to match) so it runs beside this tree's core."""
+    archive = subprocess.run(["git", "archive", rev, "blockd/core"], cwd=ROOT, capture_output=True, check=True)
+    with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
+        for member in tar.getmembers():
+            if member.isfile() and member.name.endswith(".py"):
+                data = tar.extractfile(member)
+                assert data is not None
+                path = os.path.join(into, "blockd_at_rev", "core", os.path.basename(member.name))
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                with open(path, "w") as out:
+                    out.write(data.read().decode().replace("blockd.core", "blockd_at_rev.core"))
+    with open(os.path.join(into, "blockd_at_rev", "__init__.py"), "w"):
+        pass
+    sys.path.insert(0, into)
+    return importlib.import_module("blockd_at_rev.core")
+
+
+def time_decode_paired(cores: list[ModuleType], steps: int, num_seqs: int = 256,
+                       prompt_len: int = 31) -> list[float]:
+    """Median µs per decode step for each core, stepping them in turn (the
+    order flips every step); the workload is :func:`time_decode`'s."""
+    setups = []
+    for core in cores:
+        pool = core.Pool(core.PoolConfig("bench", num_blocks=200_000, block_size=BLOCK))
+        ids = [f"seq-{i}" for i in range(num_seqs)]
+        setups.append((core, pool, ids))
+    tokens = [7] * num_seqs
+    samples: list[list[float]] = [[] for _ in cores]
+    gc.collect()
+    for done in range(steps):
+        if done % BLOCK == 0:  # (re)start every sequence, untimed
+            for core, pool, ids in setups:
+                if done:
+                    pool.step([core.Free(s) for s in ids])
+                pool.step([core.Allocate(s, [i % 30000] * prompt_len) for i, s in enumerate(ids)])
+        order = range(len(setups)) if done % 2 else reversed(range(len(setups)))
+        for k in order:
+            core, pool, ids = setups[k]
+            op = [core.DecodeAppend(ids, tokens)]
+            start = time.perf_counter()
+            pool.step(op)
+            samples[k].append(time.perf_counter() - start)
+    return [statistics.median(s) * 1e6 for s in samples]
+
+
+def bench_against(rev: str, steps: int, rounds: int) -> None:
+    import blockd.core
+
+    ours: list[float] = []
+    theirs: list[float] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        cores = [blockd.core, core_at(rev, tmp)]
+        for round_no in range(rounds + rounds % 2):
+            # which pool is built first shifts step times by a few percent; alternate it
+            flip = round_no % 2
+            times = time_decode_paired(cores[::-1] if flip else cores, steps)
+            ours.append(times[flip])
+            theirs.append(times[1 - flip])
+    emit("decode_step_vs_rev", rev=rev, num_seqs=256, block_size=BLOCK, steps=steps, rounds=len(ours),
+         us_per_step=round(statistics.median(ours), 1), rev_us_per_step=round(statistics.median(theirs), 1),
+         ratio_vs_rev=round(statistics.geometric_mean(a / b for a, b in zip(ours, theirs)), 3),
+         ratios=[round(a / b, 3) for a, b in zip(ours, theirs)])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer repetitions (for smoke tests)")
+    parser.add_argument("--against", metavar="REV",
+                        help="only compare the decode step with the core at this git revision (e.g. HEAD~1)")
+    parser.add_argument("--rounds", type=int, default=8, help="rounds of --against, made even (default 8)")
     args = parser.parse_args()
     steps = 64 if args.quick else 512
+    if args.against:
+        bench_against(args.against, steps, args.rounds)
+        return
     bench_decode(steps)
     bench_prefill(2 if args.quick else 7)
     bench_pool_scaling(steps)

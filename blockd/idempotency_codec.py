@@ -263,8 +263,10 @@ def _decode_step(data: bytes) -> StepResult:
             new = _unpack_ints(blocks_form, slot_part[_BLOCKS_HEAD.size :])[skip:]
         else:
             new = _unpack_ints(block_form, new_part)
-        results.append(OpResult(seq_id, tokens, cached, new, op_copies, start, slots))
-    return StepResult(version, tuple(results), copies, _incarnation_of(data[pos:]))
+        results.append(OpResult(seq_id=seq_id, num_tokens=tokens, num_cached_tokens=cached, new_block_ids=new,
+                                copy_ops=op_copies, slot_start=start, slot_mapping=slots))
+    return StepResult(version=version, results=tuple(results), copy_ops=copies,
+                      incarnation=_incarnation_of(data[pos:]))
 
 
 def encode_result(result: object, block_size: int = 0) -> bytes:

@@ -87,7 +87,7 @@ class PoolIdentity:
         return replace(stats, incarnation=self.incarnation, num_kv_lost_seqs=len(self.lost))
 
     def result(self, result: StepResult) -> StepResult:
-        return StepResult(result.version, result.results, result.copy_ops, self.incarnation)
+        return replace(result, incarnation=self.incarnation)
 
     # --- workers and lost KV ------------------------------------------------------
     def knows(self, worker_incarnation: str) -> bool:

@@ -80,7 +80,9 @@ def main(argv: list[str] | None = None) -> int:
         requests = workload(args.seed) if args.action == "generate" else workload(args.seed)[:1]
         with WorkerGroup(args.pool, [w.info.address for w in workers], timeout_s=30.0) as group:
             sched = Scheduler(client, args.pool, group,
-                              SchedulerConfig(max_num_batched_tokens=48, max_num_seqs=16))
+                              SchedulerConfig(max_num_batched_tokens=48, max_num_seqs=16,
+                                              # a killed worker is waited for this long, then reported
+                                              worker_restart_timeout_s=10.0))
             for request in requests:
                 sched.add_request(request)
             try:

@@ -2,7 +2,7 @@
 
 import pytest
 
-from blockd.core import locate, num_blocks_for, slot_mapping, slot_of, tail_waste
+from blockd.core import locate, num_blocks_for, slot_at, slot_mapping, slot_of, tail_waste
 
 
 @pytest.mark.parametrize(
@@ -42,3 +42,12 @@ def test_slot_mapping_matches_per_position_slots(block_size):
             assert slot_mapping(table, start, end, block_size) == expect
     with pytest.raises(IndexError):
         slot_mapping(table, 0, end_max + 1, block_size)
+
+
+@pytest.mark.parametrize("block_size", [1, 3, 4, 16])
+def test_slot_at_agrees_with_slot_of(block_size):
+    table = [9, 2, 14]
+    for position in range(len(table) * block_size):
+        block, offset = locate(table, position, block_size)
+        assert slot_at(block, offset, block_size) == slot_of(table, position, block_size)
+    assert slot_at(7, 1, 4) == 29

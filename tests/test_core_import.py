@@ -1,7 +1,10 @@
-"""The allocator core must stay free of gRPC, torch and metrics code."""
+"""The allocator core must stay free of gRPC, torch and metrics code, and its
+modules must import one another in one direction only."""
 
+import ast
 import subprocess
 import sys
+from pathlib import Path
 
 from tests.conftest import ROOT
 
@@ -35,3 +38,46 @@ def test_block_hashes_are_stable_across_processes():
                              env={"PYTHONHASHSEED": seed, "PATH": ""})
         assert out.stdout.split() == here
     assert len(here) == 2 and len(set(here)) == 2
+
+
+#: the core's modules, lowest first; a module imports only from layers below its own
+CORE_LAYERS = [
+    {"errors", "arith", "lru"},
+    {"hashing"},
+    {"types"},
+    {"validate", "sequence"},
+    {"blocks"},
+    {"batch"},
+    {"decode"},
+    {"ops"},
+    {"pool"},
+    {"invariants", "state"},
+    {"__init__"},
+]
+
+
+def _core_imports(path: Path) -> set[str]:
+    """Every blockd.core module ``path`` imports, wherever the import sits
+    (``TYPE_CHECKING`` blocks and function bodies count too)."""
+    tree = ast.parse(path.read_text())
+    found = set()
+    for node in ast.walk(tree):
+        names = ([node.module or ""] if isinstance(node, ast.ImportFrom)
+                 else [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+        for name in names:
+            if name.startswith("blockd.core."):
+                found.add(name.split(".")[2])
+            elif name == "blockd.core" and isinstance(node, ast.ImportFrom):
+                found.update(a.name for a in node.names)
+    return found
+
+
+def test_core_modules_import_one_way():
+    """The core's imports run downward (types/errors/arith -> blocks/sequence ->
+    batch -> decode/ops -> pool), so no two modules import each other."""
+    core = Path(ROOT) / "blockd" / "core"
+    rank = {name: i for i, layer in enumerate(CORE_LAYERS) for name in layer}
+    assert set(rank) == {p.stem for p in core.glob("*.py")}, "add the new module to CORE_LAYERS"
+    upward = [f"{path.stem} imports {name}" for path in sorted(core.glob("*.py"))
+              for name in sorted(_core_imports(path)) if rank[name] >= rank[path.stem]]
+    assert upward == []

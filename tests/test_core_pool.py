@@ -308,3 +308,62 @@ def test_dry_run_answers_like_the_real_step_and_changes_nothing():
     real = pool.step(ops)
     assert dry.results == real.results and dry.copy_ops == real.copy_ops
     assert dry.version == real.version - 1
+
+
+def test_rollback_keeps_the_tombstones_and_their_order():
+    """Tombstones change only when a batch commits, so a failed batch that
+    re-allocated and re-freed ids leaves them exactly as they were."""
+    pool = make_pool()
+    pool.step([Allocate("a", [1]), Allocate("b", [2]), Allocate("c", [3])])
+    pool.step([Free("a")])
+    pool.step([Free("b")])
+    before = list(pool.freed.items())
+    assert before == [("a", 2), ("b", 3)]
+    with pytest.raises(NotFound):
+        pool.step([Allocate("a", [1]), Free("c"), Free("a"), Append("missing", [1])])
+    assert list(pool.freed.items()) == before
+    with pytest.raises(WrongState, match="freed at version 4"):  # the batch sees its own frees
+        pool.step([Free("c"), Append("c", [1])])
+    pool.step([Allocate("a", [1]), Free("c")])
+    assert list(pool.freed.items()) == [("b", 3), ("c", 4)]
+
+
+def test_a_failed_batch_announces_none_of_its_evictions():
+    pool = make_pool(num_blocks=3)
+    pool.step([Allocate("a", list(range(8))), Commit("a", 8), Free("a")])  # blocks 0, 1 cached
+    pool.take_events()
+    with pytest.raises(NotFound):  # takes fresh block 2, evicts block 1, then fails
+        pool.step([Allocate("b", list(range(50, 58))), Append("missing", [1])])
+    assert pool.lookup_prefix(list(range(8))) == 8 and pool.stats().num_evictions == 0
+    r = pool.step([Allocate("c", [9])])  # takes block 2: no eviction
+    assert r.results[0].new_block_ids == (2,)
+    assert pool.take_events() == []
+    check_invariants(pool)
+
+
+def test_failed_decode_restores_fills_when_a_sequence_repeats_across_a_block():
+    """A sequence listed twice fills its last block and then takes a new one;
+    the failed batch must give every block back its fill, free ones included."""
+    from blockd.core.state import dump_pool
+
+    pool = make_pool(num_blocks=8)
+    pool.step([Allocate("a", list(range(3))), Allocate("x", [1]), Free("x")])  # block 1 on the free list
+    pool.step([Allocate("s", [1, 2]), Fork("s", "t")])  # s, t share block 2, half full
+    before = dump_pool(pool)
+    with pytest.raises(NotFound) as err:
+        pool.step([DecodeAppend(["a", "a", "s", "a"], [7, 8, 9, 10]), Append("missing", [1])])
+    assert err.value.op_index == 1
+    assert dump_pool(pool) == before
+    check_invariants(pool)
+
+
+def test_copy_on_write_is_the_same_for_append_and_decode():
+    a, b = make_pool(), make_pool()
+    for pool in (a, b):
+        pool.step([Allocate("s", [1, 2, 3, 4, 5]), Fork("s", "t")])
+    ra = a.step([Append("t", [6])])
+    rb = b.step([DecodeAppend(["t"], [6])])
+    assert ra.copy_ops == rb.copy_ops == ((1, 2),)
+    assert ra.results[0].slot_mapping == rb.results[0].slot_mapping == (2 * 4 + 1,)
+    assert a.deltas_since(1) == b.deltas_since(1)
+    assert state(a) == state(b)

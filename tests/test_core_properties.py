@@ -1,6 +1,7 @@
 """Property tests: random allocate/append/commit/fork/free/decode batches under
-memory pressure, with shared prefixes and extra keys; the invariant checker
-runs after every step, and a model of each sequence's tokens is compared."""
+memory pressure, with shared prefixes, extra keys and reused sequence ids; the
+invariant checker runs after every step, a model of each sequence's tokens is
+compared, and the prefix index rebuilt from the KV events must match the pool's."""
 
 import json
 
@@ -9,6 +10,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from blockd.core import (
+    ALL_BLOCKS_CLEARED,
+    BLOCK_REMOVED,
+    BLOCK_STORED,
     Allocate,
     Append,
     BlockdError,
@@ -37,14 +41,19 @@ def snapshot(pool):
 
 
 class PoolMachine(RuleBasedStateMachine):
+    num_blocks, block_size, watermark_blocks = 24, 3, 2
+
     def __init__(self):
         super().__init__()
-        self.block_size = 3
-        self.pool = Pool(PoolConfig("p", num_blocks=24, block_size=3, watermark_blocks=2,
-                                    max_retained_versions=8))
+        self.pool = Pool(PoolConfig("p", num_blocks=self.num_blocks, block_size=self.block_size,
+                                    watermark_blocks=self.watermark_blocks, max_retained_versions=8))
         self.model: dict[str, list[int]] = {}
         self.committed: dict[str, int] = {}
         self.counter = 0
+        self.freed_ids: list[str] = []
+        #: the prefix index as the KV events describe it
+        self.index_from_events: dict[bytes, int] = {}
+        self.last_seq_no = 0
 
     def _new_id(self):
         self.counter += 1
@@ -113,6 +122,39 @@ class PoolMachine(RuleBasedStateMachine):
         seq_id = data.draw(st.sampled_from(sorted(self.model)))
         assert self._run([Free(seq_id)]) is not None
         del self.model[seq_id], self.committed[seq_id]
+        self.freed_ids.append(seq_id)
+
+    @precondition(lambda self: self.freed_ids)
+    @rule(data=st.data(), prompt=tokens, fail=st.booleans())
+    def reuse_freed_id(self, data, prompt, fail):
+        """A freed id allocated again; in a failing batch its tombstone (and
+        the tombstones' order) must come back exactly."""
+        seq_id = data.draw(st.sampled_from(self.freed_ids))
+        if fail:
+            before = snapshot(self.pool)
+            try:
+                self.pool.step([Allocate(seq_id, prompt), Free(seq_id), Allocate(seq_id, prompt),
+                                Append("missing", [1])])
+            except BlockdError:
+                pass
+            assert snapshot(self.pool) == before
+        elif self._run([Allocate(seq_id, prompt)]) is not None:
+            self.freed_ids.remove(seq_id)
+            self.model[seq_id] = list(prompt)
+            self.committed[seq_id] = 0
+
+    @precondition(lambda self: self.model)
+    @rule(data=st.data())
+    def failing_decode(self, data):
+        """A decode step (sequences may repeat, cross blocks and copy on write)
+        followed by a failing op must leave no trace, block fills included."""
+        ids = data.draw(st.lists(st.sampled_from(sorted(self.model)), min_size=1, max_size=6))
+        before = snapshot(self.pool)
+        try:
+            self.pool.step([DecodeAppend(ids, [1] * len(ids)), Append("missing", [1])])
+        except BlockdError:
+            pass
+        assert snapshot(self.pool) == before
 
     @precondition(lambda self: self.model)
     @rule(data=st.data(), new=tokens, prefix=st.sampled_from(PREFIXES))
@@ -138,6 +180,23 @@ class PoolMachine(RuleBasedStateMachine):
         self.pool = restored
 
     @invariant()
+    def events_describe_the_index(self):
+        """Replaying the KV events gives the pool's prefix index: no event of a
+        rolled-back batch leaks, none is missing, numbering has no gaps."""
+        for event in self.pool.take_events():
+            self.last_seq_no += 1
+            assert event.seq_no == self.last_seq_no
+            if event.kind == BLOCK_STORED:
+                assert event.block_hash not in self.index_from_events
+                self.index_from_events[event.block_hash] = event.block_id
+            elif event.kind == BLOCK_REMOVED:
+                assert self.index_from_events.pop(event.block_hash) == event.block_id
+            else:
+                assert event.kind == ALL_BLOCKS_CLEARED
+                self.index_from_events.clear()
+        assert self.index_from_events == self.pool.blocks.index
+
+    @invariant()
     def invariants_hold(self):
         check_invariants(self.pool)
         b = self.block_size
@@ -148,9 +207,21 @@ class PoolMachine(RuleBasedStateMachine):
             assert seq.num_committed >= self.committed[seq_id]
         assert set(self.pool.seqs) == set(self.model)
         stats = self.pool.stats()
-        assert stats.num_free_blocks + stats.num_used_blocks + stats.num_evictable_blocks == 24
+        assert stats.num_free_blocks + stats.num_used_blocks + stats.num_evictable_blocks == self.num_blocks
 
 
 PoolMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=40, deadline=None,
                                          suppress_health_check=[HealthCheck.too_slow])
 TestPoolMachine = PoolMachine.TestCase
+
+
+class SmallPoolMachine(PoolMachine):
+    """The same rules on a pool so small that most batches reuse freed blocks,
+    evict, and revive cached blocks from the middle of the LRU, so a rollback
+    that restores the free list or the LRU out of order shows."""
+
+    num_blocks, block_size, watermark_blocks = 8, 2, 0
+
+
+SmallPoolMachine.TestCase.settings = PoolMachine.TestCase.settings
+TestSmallPoolMachine = SmallPoolMachine.TestCase

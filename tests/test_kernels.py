@@ -12,12 +12,19 @@ Tolerances (kernel output vs the float32 reference on the same input values):
   relative; the kernel itself computes in float32),
 * float16 (one smoke case): ``atol = rtol = 5e-3`` (fp16 rounds at ~5e-4).
 
+Each grid runs on every backend of :class:`PagedAttention`: ``torch`` (the
+tiled torch kernels), ``native`` (the compiled CPU kernel; its vector, 4-wide
+and scalar code paths are checked separately) and ``flashinfer`` (CUDA; skips
+when torch sees no GPU or flashinfer is not installed; bf16/fp16 only).
 CUDA variants run the same checks on a GPU and skip when torch sees none.
 """
 
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -26,6 +33,8 @@ from blockd.core.arith import num_blocks_for, slot_mapping, slot_of
 from worker.kernels import (
     PagedAttention,
     copy_blocks,
+    flashinfer_attention,
+    native,
     paged_decode_attention,
     paged_prefill_attention,
     select_device,
@@ -43,6 +52,9 @@ NUM_KV_HEADS = 2  # small: the grid is wide, and heads are independent anyway
 CUDA = pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="CUDA path: needs a GPU, torch.cuda.is_available() is False"))
 DEVICES = ["cpu", CUDA]
+FLASHINFER = pytest.param("flashinfer", marks=pytest.mark.skipif(
+    not flashinfer_attention.available(), reason="FlashInfer path: needs a CUDA GPU and flashinfer-python"))
+BACKENDS = ["torch", "native", FLASHINFER]
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -99,7 +111,11 @@ def check_close(actual, expected):
 
 
 def run_attention(ctx_lens, q_lens, block_size, head_dim, ratio, dtype, device="cpu", tile_bytes=None,
-                  decode_api=False, seed=0, bag_rows=None):
+                  decode_api=False, seed=0, bag_rows=None, backend="torch"):
+    if backend == "flashinfer":
+        if not flashinfer_attention.supports(dtype, head_dim):
+            pytest.skip(f"FlashInfer has no kernels for {dtype} / head_dim {head_dim} (the torch kernels run)")
+        device = "cuda"
     kv, tables = make_batch(ctx_lens, block_size, NUM_KV_HEADS, head_dim, dtype, device, seed)
     num_q_heads = NUM_KV_HEADS * ratio
     gen = torch.Generator().manual_seed(seed + 1)
@@ -107,7 +123,8 @@ def run_attention(ctx_lens, q_lens, block_size, head_dim, ratio, dtype, device="
     q_start = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
     context = torch.tensor(ctx_lens, dtype=torch.int64, device=device)
     scale = 1.0 / math.sqrt(head_dim)
-    wrapper = PagedAttention(device=device, tile_bytes=tile_bytes, bag_rows=bag_rows)
+    wrapper = PagedAttention(device=device, tile_bytes=tile_bytes, bag_rows=bag_rows, backend=backend)
+    assert wrapper.backend == backend
     wrapper.plan(tables, context, None if decode_api else q_start, num_q_heads=num_q_heads,
                  num_kv_heads=NUM_KV_HEADS, head_dim=head_dim, block_size=block_size, kv_dtype=dtype,
                  scale=scale)
@@ -126,13 +143,14 @@ def edge_lengths(block_size):
 # ---------------------------------------------------------------- decode
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("ratio", [1, 4, 8])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("block_size", [1, 16, 32])
-def test_decode_matches_dense(block_size, head_dim, ratio, dtype):
+def test_decode_matches_dense(block_size, head_dim, ratio, dtype, backend):
     ctx = edge_lengths(block_size)
-    run_attention(ctx, [1] * len(ctx), block_size, head_dim, ratio, dtype, decode_api=True)
+    run_attention(ctx, [1] * len(ctx), block_size, head_dim, ratio, dtype, decode_api=True, backend=backend)
 
 
 @pytest.mark.parametrize("bag_rows", [0, None])
@@ -178,32 +196,37 @@ def mixed_batch(block_size):
     return [c for c, _ in pairs], [q for _, q in pairs]
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("ratio", [1, 4, 8])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("block_size", [1, 16, 32])
-def test_mixed_prefill_and_decode_match_dense(block_size, head_dim, ratio, dtype):
+def test_mixed_prefill_and_decode_match_dense(block_size, head_dim, ratio, dtype, backend):
     ctx, q_lens = mixed_batch(block_size)
-    run_attention(ctx, q_lens, block_size, head_dim, ratio, dtype)
+    run_attention(ctx, q_lens, block_size, head_dim, ratio, dtype, backend=backend)
 
 
-@pytest.mark.parametrize("tile_bytes", [16 << 10, None])
+@pytest.mark.parametrize("backend, tile_bytes", [("torch", 16 << 10), ("torch", None), ("native", None),
+                                                 ("flashinfer", None)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_long_prefill_and_extend(dtype, tile_bytes):
+def test_long_prefill_and_extend(dtype, backend, tile_bytes):
     """~2000-token prompt, a 300-token chunk after a 1700-token prefix, and decodes.
 
     Small tiles force row chunks with causally trimmed key ranges and head splits.
     """
+    if backend == "flashinfer" and not flashinfer_attention.available():
+        pytest.skip("FlashInfer path: needs a CUDA GPU and flashinfer-python")
     ctx, q_lens = [2000, 2000, 33, 1], [2000, 300, 1, 1]
-    wrapper = run_attention(ctx, q_lens, 16, 64, 4, dtype, tile_bytes=tile_bytes)
+    wrapper = run_attention(ctx, q_lens, 16, 64, 4, dtype, tile_bytes=tile_bytes, backend=backend)
     if tile_bytes:
         tiles = wrapper.plan_info.tiles
         assert len({t.num_blocks for t in tiles}) > 2  # trimmed: early row chunks gather less
 
 
-def test_float16_pool():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_float16_pool(backend):
     ctx, q_lens = mixed_batch(16)
-    run_attention(ctx, q_lens, 16, 64, 4, torch.float16)
+    run_attention(ctx, q_lens, 16, 64, 4, torch.float16, backend=backend)
 
 
 @pytest.mark.parametrize("bag_rows", [0, 10**6])
@@ -215,9 +238,27 @@ def test_mixed_batch_either_value_path(dtype, bag_rows):
     assert all((t.bag_offset >= 0) == bool(bag_rows) for t in wrapper.plan_info.tiles)
 
 
-def test_skips_sequences_without_query_tokens():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_skips_sequences_without_query_tokens(backend):
     ctx, q_lens = [20, 30, 9], [4, 0, 9]
-    run_attention(ctx, q_lens, 16, 64, 2, torch.float32)
+    run_attention(ctx, q_lens, 16, 64, 2, torch.bfloat16 if backend == "flashinfer" else torch.float32,
+                  backend=backend)
+
+
+@pytest.mark.parametrize("backend", ["torch", "native"])
+def test_strided_query_and_empty_sequences(backend):
+    """A query that is a transposed view (as a model's projections hand it over) and a
+    sequence with no tokens at all: the output is still contiguous and exact."""
+    ctx, q_lens = [0, 40, 17], [0, 3, 1]
+    kv, tables = make_batch([max(c, 1) for c in ctx], 16, NUM_KV_HEADS, 64, torch.float32)
+    query = torch.randn(8, sum(q_lens), 64).transpose(0, 1)  # [T, Hq, D], not contiguous
+    starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()])
+    wrapper = PagedAttention(device="cpu", backend=backend)
+    wrapper.plan(tables, torch.tensor(ctx), starts, num_q_heads=8, num_kv_heads=NUM_KV_HEADS, head_dim=64,
+                 block_size=16, kv_dtype=torch.float32)
+    out = wrapper.run(query, kv[0])
+    assert out.is_contiguous()
+    check_close(out, dense_reference(query, kv[0], tables, ctx, q_lens, 64 ** -0.5))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -230,17 +271,108 @@ def test_prefill_one_shot_function(device):
     check_close(out, dense_reference(query, kv[0], tables, ctx, q_lens, 64 ** -0.5))
 
 
+# ---------------------------------------------------------------- the compiled CPU kernel
+
+
+def native_isas():
+    """The compiled kernel's code paths this CPU can run (``avx2`` only where it was compiled in)."""
+    native.load(required=True)
+    best = int(native.ops().best_isa())
+    return [name for name, value in native.ISAS.items() if name != "auto" and value <= best]
+
+
+@pytest.mark.parametrize("head_dim", [128, 36, 18])  # 8-wide, 4-wide and scalar-only head sizes
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_native_every_code_path_matches_dense(dtype, head_dim):
+    """Each vector width of the compiled kernel (forced through its ``isa`` argument) on a
+    mixed batch: decode, full and chunked prefill, GQA; head sizes that rule out wider vectors."""
+    ctx, q_lens = mixed_batch(16)
+    ctx, q_lens = ctx + [700], q_lens + [70]  # several 32-key chunks and 64-row items
+    kv, tables = make_batch(ctx, 16, NUM_KV_HEADS, head_dim, dtype)
+    query = torch.randn(sum(q_lens), 4 * NUM_KV_HEADS, head_dim).to(dtype)
+    starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()])
+    expected = dense_reference(query, kv[0], tables, ctx, q_lens, head_dim ** -0.5)
+    for isa in native_isas():
+        wrapper = PagedAttention(device="cpu", backend="native")
+        wrapper.isa = native.ISAS[isa]
+        wrapper.plan(tables, torch.tensor(ctx), starts, num_q_heads=4 * NUM_KV_HEADS, num_kv_heads=NUM_KV_HEADS,
+                     head_dim=head_dim, block_size=16, kv_dtype=dtype)
+        check_close(wrapper.run(query, kv[0]), expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_decode_split_along_keys_matches_dense(dtype):
+    """Two long sequences and more threads than (sequence, head) pairs: the plan splits each
+    pair's keys into pieces (merged by log-sum-exp); short ones stay whole."""
+    ctx = [3000, 1500, 20]
+    before = torch.get_num_threads()
+    torch.set_num_threads(8)
+    try:
+        wrapper = run_attention(ctx, [1] * len(ctx), 16, 64, 4, dtype, backend="native")
+    finally:
+        torch.set_num_threads(before)
+    merges = wrapper.plan_info.merges
+    assert merges.shape[0] == 2 * NUM_KV_HEADS  # the two long sequences, each KV head
+    assert set(merges[:, 0].tolist()) == {0, 1} and bool((merges[:, 3] >= 2).all())
+
+
+def _child(code: str, **env: str) -> subprocess.CompletedProcess:
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return subprocess.run([sys.executable, "-c", code], cwd=root, env={**os.environ, **env},
+                          capture_output=True, text=True, timeout=240, check=False)
+
+
+def test_native_falls_back_to_torch_without_a_compiler(tmp_path):
+    """A failed build (here: no working C++ compiler, empty cache) leaves ``auto`` on the torch
+    kernels, still correct, and makes ``native`` raise with the reason; in a fresh interpreter,
+    as the build is attempted once per process."""
+    code = (
+        "import torch\n"
+        "from worker.kernels import PagedAttention, native\n"
+        "pa = PagedAttention('cpu')\n"
+        "assert pa.backend == 'torch', pa.backend\n"
+        "pa.plan(torch.tensor([[0]]), torch.tensor([3]), num_q_heads=2, num_kv_heads=1, head_dim=8,"
+        " block_size=4, kv_dtype=torch.float32)\n"
+        "kv = torch.zeros(2, 1, 1, 4, 8)\n"
+        "kv[1, 0, 0, :3] = 2.0\n"
+        "assert bool((pa.run(torch.randn(1, 2, 8), kv) == 2.0).all())\n"
+        "try:\n"
+        "    PagedAttention('cpu', backend='native')\n"
+        "except native.KernelUnavailable as err:\n"
+        "    print('raised:', str(err)[:80])\n"
+    )
+    done = _child(code, CXX="false", BLOCKD_KERNEL_CACHE=str(tmp_path), BLOCKD_ATTENTION_BACKEND="auto")
+    assert done.returncode == 0, done.stderr
+    assert "raised: the compiled CPU attention kernel could not be built" in done.stdout
+    assert "using the torch kernels" in done.stderr  # the one warning, with its reason
+
+
+def test_backend_setting_is_validated(monkeypatch):
+    monkeypatch.setenv("BLOCKD_ATTENTION_BACKEND", "torch")
+    assert PagedAttention("cpu").backend == "torch"
+    monkeypatch.setenv("BLOCKD_ATTENTION_BACKEND", "fast")
+    with pytest.raises(ValueError, match="BLOCKD_ATTENTION_BACKEND must be one of"):
+        PagedAttention("cpu")
+    monkeypatch.setenv("BLOCKD_ATTENTION_BACKEND", "auto")
+    monkeypatch.setenv("BLOCKD_ATTENTION_ISA", "avx9")
+    with pytest.raises(ValueError, match="BLOCKD_ATTENTION_ISA must be one of"):
+        PagedAttention("cpu")
+    with pytest.raises(ValueError, match="CUDA devices only"):
+        PagedAttention("cpu", backend="flashinfer")
+
+
 # ---------------------------------------------------------------- plan once, run per layer
 
 
-def test_plan_once_run_every_layer_reuses_workspace():
+@pytest.mark.parametrize("backend", ["torch", "native"])
+def test_plan_once_run_every_layer_reuses_workspace(backend):
     ctx, q_lens = mixed_batch(16)
     geometry = KVGeometry(3, 64, 16, NUM_KV_HEADS, 64)
     pool = allocate_kv_pool(geometry, torch.float32).normal_()
     _, tables = make_batch(ctx, 16, NUM_KV_HEADS, 64, torch.float32, spare_blocks=64)
     tables = torch.where(tables >= 0, tables % 64, tables)  # ids must fit this pool; collisions are fine
     starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()])
-    wrapper = PagedAttention(device="cpu")
+    wrapper = PagedAttention(device="cpu", backend=backend)
     wrapper.plan(tables, torch.tensor(ctx), starts, num_q_heads=8, num_kv_heads=NUM_KV_HEADS, head_dim=64,
                  block_size=16, kv_dtype=torch.float32)
     workspace = wrapper.workspace_bytes

@@ -36,6 +36,10 @@ BAD_CODES = {grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL, grpc.StatusCode.
 REFLECTION = "grpc.reflection.v1alpha.ServerReflection"
 
 
+#: string fields whose valid value is not "p" (set by the fixture)
+FIELD_VALUES: dict[str, str] = {}
+
+
 @pytest.fixture(scope="module")
 def servers() -> Iterator[dict[str, str]]:
     """blockd with a pool "p" holding a sequence "p", and a worker of a pool
@@ -44,10 +48,13 @@ def servers() -> Iterator[dict[str, str]]:
     engine = Engine()
     engine.create_pool(PoolConfig("p", num_blocks=16, block_size=4))
     engine.step("p", [Allocate("p", [1, 2, 3])])
+    # a step naming another incarnation would be refused for that, not for the long field
+    FIELD_VALUES["pool_incarnation"] = engine.pool_incarnation("p")
     blockd = BlockdServer(engine, "127.0.0.1:0", max_workers=8)
     config = PoolConfig("p", num_blocks=16, block_size=4, num_layers=1, num_kv_heads=1, head_dim=4, dtype="float32")
-    worker = WorkerServer(WorkerRuntime(config, device="cpu", version_timeout_s=0.2, latest_committed=lambda: 0),
-                          "w")
+    runtime = WorkerRuntime(config, device="cpu", version_timeout_s=0.2, latest_committed=lambda: 0)
+    FIELD_VALUES["worker_incarnation"] = runtime.incarnation
+    worker = WorkerServer(runtime, "w")
     blockd.start()
     worker.start()
     yield {"blockd": blockd.address, "worker": worker.address}
@@ -100,7 +107,7 @@ def fill(msg, path: tuple[str, ...]) -> None:
             continue
         repeated = field.is_repeated
         if field.type == descriptor.FieldDescriptor.TYPE_STRING:
-            value = OVERSIZED if path == (field.name,) else "p"
+            value = OVERSIZED if path == (field.name,) else FIELD_VALUES.get(field.name, "p")
             if repeated:
                 getattr(msg, field.name).append(value)
             else:

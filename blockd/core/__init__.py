@@ -6,7 +6,7 @@ prometheus_client (a test checks ``sys.modules`` in a fresh interpreter), so
 the daemon, the workers, the benchmarks and the tests can all use it as is.
 """
 
-from blockd.core.arith import locate, num_blocks_for, slot_mapping, slot_of, tail_waste
+from blockd.core.arith import locate, num_blocks_for, slot_at, slot_mapping, slot_of, tail_waste
 from blockd.core.errors import (
     AlreadyExists,
     BlockdError,
@@ -73,6 +73,7 @@ __all__ = [
     "hash_full_blocks",
     "locate",
     "num_blocks_for",
+    "slot_at",
     "slot_mapping",
     "slot_of",
     "tail_waste",

@@ -47,10 +47,15 @@ def locate(block_table: Sequence[int], position: int, block_size: int) -> tuple[
     return block_table[logical], offset
 
 
+def slot_at(block: int, offset: int, block_size: int) -> int:
+    """Physical slot of the token at ``offset`` inside physical ``block``."""
+    return block * block_size + offset
+
+
 def slot_of(block_table: Sequence[int], position: int, block_size: int) -> int:
     """Physical slot number of token ``position``: ``table[t // b] * b + t % b``."""
     block, offset = locate(block_table, position, block_size)
-    return block * block_size + offset
+    return slot_at(block, offset, block_size)
 
 
 def slot_mapping(
@@ -64,7 +69,7 @@ def slot_mapping(
             f"token range [{start}, {end}) runs past the table's "
             f"{len(block_table)} blocks of {block_size}"
         )
-    slots = []
+    slots: list[int] = []
     for logical in range(start // block_size, num_blocks_for(end, block_size)):
         base = block_table[logical] * block_size
         lo = max(start, logical * block_size) - logical * block_size

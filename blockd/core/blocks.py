@@ -1,9 +1,9 @@
-"""Physical block bookkeeping with an undo journal: the pool's block space.
+"""Physical block bookkeeping with typed undo entries: the pool's block space.
 
 Owns, per block id: the ref count, how many of its slots hold tokens (``fill``)
 and its prefix hash; and, pool-wide: the never-used counter, the free list, the
-evictable LRU (:class:`~blockd.core.lru.BlockLRU`) and the prefix index
-(hash -> block id).
+evictable LRU (:class:`~blockd.core.lru.BlockLRU`), the prefix index
+(hash -> block id) and the evictions not yet announced as events.
 
 Every block is in exactly one state:
 
@@ -13,18 +13,35 @@ Every block is in exactly one state:
 * **evictable**: ref count 0, indexed hash, in the LRU.
 * **used**: ref count > 0 (it may or may not carry an indexed hash).
 
-Every mutation made while a transaction is open is recorded as an undo entry;
-:meth:`rollback` replays them in reverse, which restores the exact previous
-state, LRU order included. This is what makes a batch atomic without copying
-the pool. Imports only the standard library.
+While a batch is open (:meth:`BlockSpace.begin`) every mutation appends one
+:class:`Undo` entry to the batch's journal; replaying the journal in reverse
+(:meth:`Undo.undo` of each) restores the exact previous state, LRU order
+included. This is what makes a batch atomic without copying the pool. The
+batch itself (:mod:`blockd.core.batch`) owns the journal. Imports only the
+standard library.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections import deque
 
 from blockd.core.errors import InvariantViolation
 from blockd.core.lru import BlockLRU
+
+
+class Undo(ABC):
+    """One journal entry: how to take back one mutation, exactly."""
+
+    __slots__ = ()
+
+    @abstractmethod
+    def undo(self) -> None:
+        """Restore what the mutation changed (entries are undone newest first)."""
+
+
+#: the open batch's undo entries, oldest first
+Journal = list[Undo]
 
 
 class BlockSpace:
@@ -46,59 +63,22 @@ class BlockSpace:
         self.num_evictions = 0
         #: hashes dropped by evictions since the last drain (for BlockRemoved)
         self.evicted: list[tuple[int, bytes]] = []
-        self._undo: list[tuple] | None = None
+        #: the open batch's journal; None outside a batch (nothing is recorded)
+        self.journal: Journal | None = None
 
-    # --- transactions -------------------------------------------------
-    def begin(self) -> None:
-        self._undo = []
-        self._saved = (self.num_used, self.filled_slots, self.num_evictions, len(self.evicted))
+    # --- batches --------------------------------------------------------
+    def begin(self, journal: Journal) -> None:
+        """Record every mutation into ``journal`` from now on; its first entry
+        puts the counters back, so undoing the whole journal restores them."""
+        if self.journal is not None:
+            raise InvariantViolation("a batch is already open on this block space")
+        journal.append(_Counters(self, self.num_used, self.filled_slots, self.num_evictions,
+                                 len(self.evicted)))
+        self.journal = journal
 
-    def commit(self) -> None:
-        self._undo = None
-
-    def journal(self) -> list[tuple]:
-        """The open transaction's undo list, for hot loops that append to it
-        directly (entries as for :meth:`log`)."""
-        if self._undo is None:
-            raise InvariantViolation("no transaction is open")
-        return self._undo
-
-    def log(self, entry: tuple) -> None:
-        """Record an undo entry owned by a caller (see :meth:`rollback`)."""
-        if self._undo is not None:
-            self._undo.append(entry)
-
-    def rollback(self, undo_other) -> None:
-        """Undo everything since :meth:`begin`; foreign entries go to ``undo_other``."""
-        entries, self._undo = self._undo or [], None
-        for entry in reversed(entries):
-            kind = entry[0]
-            if kind == "ref":
-                self.ref[entry[1]] = entry[2]
-            elif kind == "fill":
-                self.fill[entry[1]] = entry[2]
-            elif kind == "fresh":
-                self.next_fresh -= 1
-            elif kind == "free_pop":
-                self.free.appendleft(entry[1])
-            elif kind == "free_push":
-                self.free.pop()
-            elif kind == "lru_push":
-                self.lru.remove(entry[1])
-            elif kind == "lru_remove":
-                self.lru.relink(entry[1], entry[2], entry[3])
-            elif kind == "evict":
-                _, block, h, prev, nxt = entry
-                self.lru.relink(block, prev, nxt)
-                self.hash[block] = h
-                self.index[h] = block
-            elif kind == "index_add":
-                del self.index[entry[1]]
-                self.hash[entry[2]] = None
-            else:
-                undo_other(entry)
-        self.num_used, self.filled_slots, self.num_evictions, num_evicted = self._saved
-        del self.evicted[num_evicted:]
+    def end(self) -> None:
+        """Stop recording (the batch committed or was undone)."""
+        self.journal = None
 
     # --- queries --------------------------------------------------------
     @property
@@ -117,77 +97,89 @@ class BlockSpace:
         Order: never-used ids, then the free list, then evict the least
         recently used evictable block (dropping its hash).
         """
-        undo = self._undo
+        journal = self.journal
         if self.next_fresh < self.num_blocks:
             block = self.next_fresh
             self.next_fresh += 1
-            if undo is not None:
-                undo.append(("fresh",))
+            if journal is not None:
+                journal.append(_TookFresh(self, block, self.fill[block]))
         elif self.free:
             block = self.free.popleft()
-            if undo is not None:
-                undo.append(("free_pop", block))
+            if journal is not None:
+                journal.append(_TookFree(self, block, self.fill[block]))
         else:
-            block = self.lru.front()
-            if block is None:
-                raise InvariantViolation("no free or evictable block left; capacity check missed")
-            prev, nxt = self.lru.remove(block)
-            h = self.hash[block]
-            if undo is not None:
-                undo.append(("evict", block, h, prev, nxt))
-            del self.index[h]
-            self.hash[block] = None
-            self.num_evictions += 1
-            self.evicted.append((block, h))
-        if undo is not None:
-            undo.append(("ref", block, 0))
-            undo.append(("fill", block, self.fill[block]))
+            block = self._evict()
         self.ref[block] = 1
         self.fill[block] = fill
         self.num_used += 1
         self.filled_slots += fill
         return block
 
+    def _evict(self) -> int:
+        """Drop the hash of the least recently used evictable block and return it."""
+        block = self.lru.front()
+        h = self.hash[block] if block is not None else None
+        if block is None or h is None:
+            raise InvariantViolation("no free or evictable block left; capacity check missed")
+        prev, nxt = self.lru.remove(block)
+        if self.journal is not None:
+            self.journal.append(_TookEvicted(self, block, self.fill[block], h, prev, nxt))
+        del self.index[h]
+        self.hash[block] = None
+        self.num_evictions += 1
+        self.evicted.append((block, h))
+        return block
+
     def acquire(self, block: int) -> None:
         """One more table holds ``block`` (a prefix hit or a fork)."""
         ref = self.ref[block]
-        if self._undo is not None:
-            self._undo.append(("ref", block, ref))
         if ref == 0:
             prev, nxt = self.lru.remove(block)
-            if self._undo is not None:
-                self._undo.append(("lru_remove", block, prev, nxt))
+            if self.journal is not None:
+                self.journal.append(_Revived(self, block, prev, nxt))
             self.num_used += 1
             self.filled_slots += self.fill[block]
+        elif self.journal is not None:
+            self.journal.append(_Shared(self, block))
         self.ref[block] = ref + 1
 
     def release(self, block: int) -> None:
         """One table fewer holds ``block``; at 0 it becomes evictable or free."""
         ref = self.ref[block]
-        if self._undo is not None:
-            self._undo.append(("ref", block, ref))
         self.ref[block] = ref - 1
+        journal = self.journal
         if ref > 1:
+            if journal is not None:
+                journal.append(_Unshared(self, block))
             return
         self.num_used -= 1
         self.filled_slots -= self.fill[block]
         if self.hash[block] is not None:
             self.lru.push_back(block)
-            if self._undo is not None:
-                self._undo.append(("lru_push", block))
+            if journal is not None:
+                journal.append(_Cached(self, block))
         else:
             self.free.append(block)
-            if self._undo is not None:
-                self._undo.append(("free_push",))
+            if journal is not None:
+                journal.append(_Freed(self, block))
 
     def add_fill(self, block: int, count: int) -> None:
         """``count`` more slots of a used, unshared block now hold tokens.
 
         Not journaled: only a sequence's own last block grows, and the
-        sequence's undo entry restores that block's fill from its old length.
+        sequence's mark (:class:`blockd.core.batch.SeqMarks`) restores that
+        block's fill from the sequence's old length.
         """
         self.fill[block] += count
         self.filled_slots += count
+
+    def add_fill_each(self, blocks: list[int]) -> None:
+        """:meth:`add_fill` of one slot for each listed block (a block listed
+        twice gains two): a decode step's growth in one call."""
+        fill = self.fill
+        for block in blocks:
+            fill[block] += 1
+        self.filled_slots += len(blocks)
 
     def index_block(self, block: int, h: bytes) -> bool:
         """Enter a full, committed block under ``h``; False if ``h`` is taken."""
@@ -195,15 +187,153 @@ class BlockSpace:
             return False
         self.index[h] = block
         self.hash[block] = h
-        if self._undo is not None:
-            self._undo.append(("index_add", h, block))
+        if self.journal is not None:
+            self.journal.append(_Indexed(self, block, h))
         return True
 
     def clear_index(self) -> None:
-        """Forget every hash; evictable blocks become free (not journaled)."""
+        """Forget every hash; evictable blocks become free (an operator action
+        outside any batch, so not journaled)."""
+        if self.journal is not None:
+            raise InvariantViolation("the prefix index cannot be cleared inside a batch")
         for block in list(self.lru):
             self.lru.remove(block)
             self.free.append(block)
         for block in self.index.values():
             self.hash[block] = None
         self.index.clear()
+
+
+# --- undo entries: one class per kind of mutation ---------------------------
+# Each names what it takes back and keeps only what that needs. They restore
+# absolute values where the mutation overwrote one (fills, LRU links) and step
+# counts back otherwise; replayed newest first, both give the old state.
+
+
+class _Counters(Undo):
+    """The batch began: put the O(1) counters and the eviction queue back."""
+
+    __slots__ = ("filled_slots", "num_evicted", "num_evictions", "num_used", "space")
+
+    def __init__(self, space: BlockSpace, num_used: int, filled_slots: int, num_evictions: int,
+                 num_evicted: int) -> None:
+        self.space, self.num_used, self.filled_slots = space, num_used, filled_slots
+        self.num_evictions, self.num_evicted = num_evictions, num_evicted
+
+    def undo(self) -> None:
+        space = self.space
+        space.num_used, space.filled_slots, space.num_evictions = (
+            self.num_used, self.filled_slots, self.num_evictions)
+        del space.evicted[self.num_evicted:]
+
+
+class _TookFresh(Undo):
+    """A never-used block was handed out."""
+
+    __slots__ = ("block", "fill", "space")
+
+    def __init__(self, space: BlockSpace, block: int, fill: int) -> None:
+        self.space, self.block, self.fill = space, block, fill
+
+    def undo(self) -> None:
+        space = self.space
+        space.next_fresh -= 1
+        space.ref[self.block] = 0
+        space.fill[self.block] = self.fill
+
+
+class _TookFree(_TookFresh):
+    """The front of the free list was handed out."""
+
+    __slots__ = ()
+
+    def undo(self) -> None:
+        space = self.space
+        space.free.appendleft(self.block)
+        space.ref[self.block] = 0
+        space.fill[self.block] = self.fill
+
+
+class _TookEvicted(Undo):
+    """The least recently used evictable block lost its hash and was handed out."""
+
+    __slots__ = ("block", "fill", "h", "nxt", "prev", "space")
+
+    def __init__(self, space: BlockSpace, block: int, fill: int, h: bytes, prev: int, nxt: int) -> None:
+        self.space, self.block, self.fill, self.h, self.prev, self.nxt = space, block, fill, h, prev, nxt
+
+    def undo(self) -> None:
+        space, block = self.space, self.block
+        space.lru.relink(block, self.prev, self.nxt)
+        space.hash[block] = self.h
+        space.index[self.h] = block
+        space.ref[block] = 0
+        space.fill[block] = self.fill
+
+
+class _Revived(Undo):
+    """A prefix hit took an evictable block out of the middle of the LRU."""
+
+    __slots__ = ("block", "nxt", "prev", "space")
+
+    def __init__(self, space: BlockSpace, block: int, prev: int, nxt: int) -> None:
+        self.space, self.block, self.prev, self.nxt = space, block, prev, nxt
+
+    def undo(self) -> None:
+        self.space.ref[self.block] = 0
+        self.space.lru.relink(self.block, self.prev, self.nxt)
+
+
+class _Shared(Undo):
+    """One more table holds a used block."""
+
+    __slots__ = ("block", "space")
+
+    def __init__(self, space: BlockSpace, block: int) -> None:
+        self.space, self.block = space, block
+
+    def undo(self) -> None:
+        self.space.ref[self.block] -= 1
+
+
+class _Unshared(_Shared):
+    """One table fewer holds a block that stays used."""
+
+    __slots__ = ()
+
+    def undo(self) -> None:
+        self.space.ref[self.block] += 1
+
+
+class _Cached(_Shared):
+    """A hashed block's last holder let go: it joined the back of the LRU."""
+
+    __slots__ = ()
+
+    def undo(self) -> None:
+        self.space.lru.remove(self.block)
+        self.space.ref[self.block] = 1
+
+
+class _Freed(_Shared):
+    """An unhashed block's last holder let go: it joined the back of the free list."""
+
+    __slots__ = ()
+
+    def undo(self) -> None:
+        popped = self.space.free.pop()
+        assert popped == self.block, "undo out of order: the free list's back is another block"
+        self.space.ref[self.block] = 1
+
+
+class _Indexed(Undo):
+    """A full, committed block entered the prefix index."""
+
+    __slots__ = ("block", "h", "space")
+
+    def __init__(self, space: BlockSpace, block: int, h: bytes) -> None:
+        self.space, self.block, self.h = space, block, h
+
+    def undo(self) -> None:
+        del self.space.index[self.h]
+        self.space.hash[self.block] = None

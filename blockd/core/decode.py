@@ -2,23 +2,30 @@
 
 This is the hot path of every scheduler step, so it is one tight loop over
 plain lists. The common case (the token lands in the sequence's own, partly
-filled last block) touches one dict, two lists and one counter; crossing a
+filled last block) touches one dict and a few lists; crossing a
 block boundary takes a block; a shared partly filled last block is copied on
-write exactly as :class:`~blockd.core.types.Append` does. A sequence listed
-twice gets two tokens, in list order.
-Imports only the standard library.
+write by the same :meth:`~blockd.core.batch.Batch.copy_on_write` that
+:class:`~blockd.core.types.Append` uses. A sequence listed twice gets two
+tokens, in list order.
+
+The step journals one columnar entry for all its sequences (a
+:class:`~blockd.core.batch.SeqMarks` of plain tuples built inline), because an
+undo object per sequence costs about as much as the rest of the loop; and it
+grows block fills in one :meth:`~blockd.core.blocks.BlockSpace.add_fill_each`
+call after the loop, because an ``add_fill`` call per sequence costs about 8%
+of the step (``bench/core.py --against``). Fills grow only once the whole step
+succeeded; a failed step's marks restore them anyway. Slots come from
+:func:`~blockd.core.arith.slot_at`, a call per sequence of about 5%, which the
+step affords. Imports only the standard library.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from blockd.core.errors import InvalidArgument, NoRoom, NotFound, shown
+from blockd.core.arith import slot_at
+from blockd.core.batch import Batch, Mark
+from blockd.core.errors import InvalidArgument, NotFound, shown
 from blockd.core.hashing import check_token_ids
 from blockd.core.types import DecodeAppend, OpResult, TableUpdate
-
-if TYPE_CHECKING:
-    from blockd.core.pool import Pool
 
 MAX_DECODE_BATCH = 1 << 20
 
@@ -35,55 +42,54 @@ def _check(op: DecodeAppend) -> None:
     check_token_ids(op.token_ids)
 
 
-def apply_decode(pool: Pool, op: DecodeAppend) -> OpResult:
+def apply_decode(batch: Batch, op: DecodeAppend) -> OpResult:
     _check(op)
-    b = pool.block_size
-    blocks = pool.blocks
-    seqs, ref, fill = pool.seqs, blocks.ref, blocks.fill
-    log = blocks.journal().append
+    b, blocks, seqs = batch.block_size, batch.blocks, batch.seqs
+    ref, take = blocks.ref, blocks.take
+    marks: list[Mark] = []
+    mark = marks.append
     slots: list[int] = []
     added: list[int] = []
     copies: list[tuple[int, int]] = []
-    for i, seq_id in enumerate(op.seq_ids):
-        seq = seqs.get(seq_id) if type(seq_id) is str else None
-        if seq is None:
-            pool.get_seq(seq_id)  # raises NotFound, or WrongState for a freed id
-            raise NotFound(f"sequence #{i} {shown(seq_id)} is not in pool {shown(pool.config.name)}")
-        token = op.token_ids[i]
-        tokens, table = seq.token_ids, seq.table
-        num_tokens = len(tokens)
-        log(("seq", seq, len(table), table[-1] if table else -1, num_tokens,
-             seq.num_committed, len(seq.hashes)))
-        if seq.num_committed < num_tokens:  # appending implies the earlier KV is written
-            if num_tokens // b > len(seq.hashes):
-                pool.commit_tokens(seq, num_tokens)
+    grown: list[int] = []  # blocks that gain the token in a slot they already had
+    grow = grown.append
+    try:
+        for seq_id, token in zip(op.seq_ids, op.token_ids):
+            seq = seqs.get(seq_id) if type(seq_id) is str else None
+            if seq is None:
+                batch.get_seq(seq_id)  # raises NotFound, or WrongState for a freed id
+                raise NotFound(f"sequence #{len(slots)} {shown(seq_id)} is not in pool {shown(batch.config.name)}")
+            tokens, table = seq.token_ids, seq.table
+            num_tokens, committed = len(tokens), seq.num_committed
+            mark((seq, num_tokens, committed, table[-1] if table else -1))  # as Batch.mark
+            if committed < num_tokens:  # appending implies the earlier KV is written
+                if num_tokens // b > len(seq.hashes):
+                    batch.commit_tokens(seq, num_tokens)
+                else:
+                    seq.num_committed = num_tokens
+            offset = num_tokens % b
+            if offset:
+                last = table[-1]
+                if ref[last] > 1:  # shared and partly filled
+                    if not blocks.num_available:
+                        raise batch.no_room(f"copy-on-write for {shown(seq_id)} needs a block", watermark=False)
+                    copy = batch.copy_on_write(seq, offset)
+                    copies.append(copy)
+                    last = copy[1]
+                    batch.record_update(TableUpdate(seq_id=seq_id, keep=len(table) - 1, block_ids=(last,)))
+                grow(last)
             else:
-                seq.num_committed = num_tokens
-        offset = num_tokens % b
-        if offset:
-            last = table[-1]
-            if ref[last] > 1:  # shared and partly filled: copy on write
                 if not blocks.num_available:
-                    raise NoRoom(pool.no_room_message(f"copy-on-write for {shown(seq_id)} needs a block",
-                                                      watermark=False))
-                dst = blocks.take(offset)
-                blocks.release(last)
-                table[-1] = dst
-                pool.record_copy(last, dst)
-                copies.append((last, dst))
-                pool.record_update(TableUpdate(seq_id, len(table) - 1, (dst,)))
-                last = dst
-            fill[last] += 1
-            blocks.filled_slots += 1
-        else:
-            if not blocks.num_available:
-                raise NoRoom(pool.no_room_message(f"sequence {shown(seq_id)} needs a new block",
-                                                  watermark=False))
-            last = blocks.take(1)
-            table.append(last)
-            added.append(last)
-            pool.record_update(TableUpdate(seq_id, len(table) - 1, (last,)))
-        tokens.append(token)
-        slots.append(last * b + offset)
-    pool.num_tokens += len(slots)
-    return OpResult("", len(slots), 0, tuple(added), tuple(copies), 0, tuple(slots))
+                    raise batch.no_room(f"sequence {shown(seq_id)} needs a new block", watermark=False)
+                last = take(1)
+                table.append(last)
+                added.append(last)
+                batch.record_update(TableUpdate(seq_id=seq_id, keep=len(table) - 1, block_ids=(last,)))
+            tokens.append(token)
+            slots.append(slot_at(last, offset, b))
+    finally:
+        batch.add_marks(marks)
+    blocks.add_fill_each(grown)
+    batch.num_tokens += len(slots)
+    return OpResult(seq_id="", num_tokens=len(slots), new_block_ids=tuple(added), copy_ops=tuple(copies),
+                    slot_mapping=tuple(slots))

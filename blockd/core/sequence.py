@@ -1,11 +1,16 @@
 """A sequence's allocator-side record: its block table, tokens and hash chain.
 
 Internal to the core; callers only ever see plain lists copied out of it.
-Imports only the standard library.
+Between operations a sequence of ``T`` tokens, ``C`` of them committed, holds
+``ceil(T / b)`` blocks and ``C // b`` hashes (the invariant checker verifies
+both; a batch's undo marks rely on them). Imports only the standard library.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+
+from blockd.core.errors import NotFound, WrongState, shown
 from blockd.core.hashing import ExtraKeys
 
 
@@ -23,3 +28,17 @@ class Sequence:
         self.hashes: list[bytes] = []
         self.extra = extra
         self.extra_digest = extra_digest
+
+
+def find_seq(seqs: Mapping[str, Sequence], seq_id: object, pool_name: str,
+             freed_at: Callable[[str], int | None]) -> Sequence:
+    """The live sequence ``seq_id``; :class:`WrongState` if ``freed_at`` says
+    it was freed recently, :class:`NotFound` if it is unknown."""
+    seq = seqs.get(seq_id) if type(seq_id) is str else None
+    if seq is None:
+        version = freed_at(seq_id) if type(seq_id) is str else None
+        if version is not None:
+            raise WrongState(f"sequence {shown(seq_id)} was freed at version {version} of pool "
+                             f"{shown(pool_name)}; allocate it again to reuse the id")
+        raise NotFound(f"pool {shown(pool_name)} has no sequence {shown(seq_id)}")
+    return seq

@@ -17,16 +17,29 @@ import base64
 import sys
 from array import array
 from collections import deque
+from collections.abc import Iterable
+from typing import Any
 
 from blockd.core.hashing import HASH_BYTES, ExtraKeys
 from blockd.core.pool import Pool
 from blockd.core.sequence import Sequence
-from blockd.core.types import PoolConfig, TableUpdate, VersionDelta
+from blockd.core.types import (
+    Allocate,
+    Append,
+    Commit,
+    DecodeAppend,
+    Fork,
+    Free,
+    Op,
+    PoolConfig,
+    TableUpdate,
+    VersionDelta,
+)
 
 _LITTLE = sys.byteorder == "little"
 
 
-def pack(values, typecode: str = "I") -> str:
+def pack(values: Iterable[int], typecode: str = "I") -> str:
     arr = values if isinstance(values, array) and values.typecode == typecode else array(typecode, values)
     if not _LITTLE:
         arr.byteswap()
@@ -41,30 +54,30 @@ def unpack(text: str, typecode: str = "I") -> list[int]:
     return arr.tolist()
 
 
-def extra_to_json(extra: ExtraKeys) -> list:
+def extra_to_json(extra: ExtraKeys) -> list[Any]:
     return [extra.model_id, extra.model_revision, extra.adapter_name, extra.adapter_id,
             extra.cache_salt, list(extra.mm_hashes)]
 
 
-def extra_from_json(data: list) -> ExtraKeys:
+def extra_from_json(data: list[Any]) -> ExtraKeys:
     return ExtraKeys(data[0], data[1], data[2], data[3], data[4], tuple(data[5]))
 
 
-def config_to_json(cfg: PoolConfig) -> dict:
+def config_to_json(cfg: PoolConfig) -> dict[str, Any]:
     return {k: getattr(cfg, k) for k in PoolConfig.__dataclass_fields__}
 
 
-def _delta_to_json(delta: VersionDelta) -> list:
+def _delta_to_json(delta: VersionDelta) -> list[Any]:
     return [delta.version, [[u.seq_id, u.keep, list(u.block_ids), u.freed] for u in delta.updates],
             [list(c) for c in delta.copy_ops]]
 
 
-def _delta_from_json(data: list) -> VersionDelta:
+def _delta_from_json(data: list[Any]) -> VersionDelta:
     updates = tuple(TableUpdate(s, k, tuple(ids), f) for s, k, ids, f in data[1])
     return VersionDelta(data[0], updates, tuple(tuple(c) for c in data[2]))
 
 
-def _dump_seqs(pool: Pool) -> dict:
+def _dump_seqs(pool: Pool) -> dict[str, Any]:
     """Every sequence, columnar: one packed array per field for all of them, so
     100k sequences cost a few list extends each rather than a dict apiece.
     Ordered by id, so equal pools dump equal (dict order carries no meaning)."""
@@ -86,7 +99,7 @@ def _dump_seqs(pool: Pool) -> dict:
             "extras": [extra_to_json(e) for e in extras], "hashes": base64.b64encode(b"".join(hashes)).decode()}
 
 
-def _load_seqs(pool: Pool, data: dict) -> None:
+def _load_seqs(pool: Pool, data: dict[str, Any]) -> None:
     extras = [extra_from_json(e) for e in data["extras"]]
     digests = [(e, e.digest()) for e in extras]
     tokens, tables = unpack(data["tokens"]), unpack(data["tables"])
@@ -103,7 +116,7 @@ def _load_seqs(pool: Pool, data: dict) -> None:
         pool.seqs[seq_id] = seq
 
 
-def dump_pool(pool: Pool) -> dict:
+def dump_pool(pool: Pool) -> dict[str, Any]:
     blocks = pool.blocks
     hashed = {str(b): h.hex() for b, h in enumerate(blocks.hash) if h is not None}
     seqs = _dump_seqs(pool)
@@ -120,7 +133,7 @@ def dump_pool(pool: Pool) -> dict:
     }
 
 
-def load_pool(data: dict) -> Pool:
+def load_pool(data: dict[str, Any]) -> Pool:
     pool = Pool(PoolConfig(**data["config"]))
     blocks = pool.blocks
     blocks.ref = unpack(data["ref"])
@@ -142,10 +155,8 @@ def load_pool(data: dict) -> Pool:
     return pool
 
 
-def op_to_json(op) -> list:
+def op_to_json(op: object) -> list[Any]:
     """One batch operation as a compact JSON list (the write-ahead log's form)."""
-    from blockd.core.types import Allocate, Append, Commit, DecodeAppend, Fork, Free
-
     if isinstance(op, DecodeAppend):
         return ["D", list(op.seq_ids), list(op.token_ids)]
     if isinstance(op, Append):
@@ -161,9 +172,7 @@ def op_to_json(op) -> list:
     raise TypeError(f"not an operation: {op!r}")
 
 
-def op_from_json(data: list):
-    from blockd.core.types import Allocate, Append, Commit, DecodeAppend, Fork, Free
-
+def op_from_json(data: list[Any]) -> Op:
     kind = data[0]
     if kind == "D":
         return DecodeAppend(data[1], data[2])

@@ -234,10 +234,12 @@ def step_result_to_proto(result: StepResult) -> pb.StepResponse:
 
 def step_result_from_proto(msg: pb.StepResponse) -> StepResult:
     results = tuple(
-        OpResult(r.seq_id, r.num_tokens, r.num_cached_tokens, tuple(r.new_block_ids),
-                 _copies_from_proto(r.copy_ops), r.slot_start, tuple(r.slot_mapping))
+        OpResult(seq_id=r.seq_id, num_tokens=r.num_tokens, num_cached_tokens=r.num_cached_tokens,
+                 new_block_ids=tuple(r.new_block_ids), copy_ops=_copies_from_proto(r.copy_ops),
+                 slot_start=r.slot_start, slot_mapping=tuple(r.slot_mapping))
         for r in msg.results)
-    return StepResult(msg.version, results, _copies_from_proto(msg.copy_ops), msg.pool_incarnation)
+    return StepResult(version=msg.version, results=results, copy_ops=_copies_from_proto(msg.copy_ops),
+                      incarnation=msg.pool_incarnation)
 
 
 # --- tables, sequences, followers ----------------------------------------------------

@@ -1,8 +1,12 @@
-"""The worker's data-plane kernels, in vectorised torch (CPU, or CUDA when present).
+"""The worker's data-plane kernels (CPU, or CUDA when present).
 
 * :func:`write_kv`, :func:`copy_blocks` (:mod:`.cache_ops`): writes into the pool.
-* :class:`PagedAttention` (:mod:`.attention`), planned by :mod:`.plan`: paged
-  decode, prefill/extend and mixed-batch attention, grouped-query included;
+* :class:`PagedAttention` (:mod:`.attention`): paged decode, prefill/extend and
+  mixed-batch attention, grouped-query included, with a batch validated once
+  (:mod:`.batch`) and one of three backends: the compiled CPU kernel
+  (:mod:`.native_attention`, built by :mod:`.native` from ``csrc/``),
+  FlashInfer on CUDA (:mod:`.flashinfer_attention`), or tiled torch
+  (:mod:`.attention`, planned by :mod:`.plan`), the fallback everywhere.
   :func:`paged_decode_attention` / :func:`paged_prefill_attention` plan and run once.
 * :func:`select_device` (:mod:`.device`).
 

@@ -1,11 +1,15 @@
 """Paged attention over a pool layer: decode, prefill/extend and mixed batches.
 
 After FlashInfer's wrappers: :meth:`PagedAttention.plan` does the host-side
-work once per batch (validation, tiling, gather and mask indices, workspace
-sizing; see :mod:`worker.kernels.plan`), and :meth:`PagedAttention.run` is
-called once per layer on the caller's query and the pool's layer tensor.
+work once per batch, and :meth:`PagedAttention.run` is called once per layer
+on the caller's query and the pool's layer tensor. The wrapper validates the
+batch (:mod:`worker.kernels.batch`) and hands it to its backend: the compiled
+CPU kernel (:mod:`worker.kernels.native_attention`), FlashInfer on CUDA
+(:mod:`worker.kernels.flashinfer_attention`), or the tiled torch kernels of
+this module (tiling, gather and mask indices, workspace sizing in
+:mod:`worker.kernels.plan`), the fallback on every device.
 
-How a tile runs (all on buffers owned by the wrapper, grown only at plan
+How a torch tile runs (all on buffers owned by the wrapper, grown only at plan
 time, so a run allocates nothing proportional to the context)::
 
     K tile  <- index_select(as_rows(kv_layer[0]), kv_rows)     [pairs, T, D]
@@ -42,7 +46,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from worker.kernels import flashinfer_attention, native
+from worker.kernels.batch import check_geometry, validate_batch
 from worker.kernels.device import default_bag_rows, default_tile_bytes, select_device
+from worker.kernels.flashinfer_attention import FlashInferPlan, FlashInferRunner
+from worker.kernels.native_attention import NativePlan, plan_native, run_native
 from worker.kernels.plan import AttentionPlan, Tile, build_plan
 from worker.layout import as_rows, as_token_rows
 
@@ -73,6 +81,26 @@ class _Workspace:
         return sum(buf.numel() * buf.element_size() for buf in self._buffers.values())
 
 
+def _choose_backend(device: torch.device, requested: str | None) -> str:
+    """``native`` / ``flashinfer`` / ``torch`` for ``device``; see :class:`PagedAttention`."""
+    setting = requested if requested is not None else native.backend_setting()
+    if setting not in ("auto", "native", "torch", "flashinfer"):
+        raise ValueError(f"backend must be auto, native, flashinfer or torch, got {setting!r}")
+    if setting == "torch":
+        return "torch"
+    if device.type == "cpu":
+        if setting == "flashinfer":
+            raise ValueError("the flashinfer backend runs on CUDA devices only")
+        return "native" if native.load(required=setting == "native") else "torch"
+    if device.type == "cuda" and setting in ("auto", "flashinfer"):
+        if flashinfer_attention.available():
+            return "flashinfer"
+        if setting == "flashinfer":
+            raise ValueError("the flashinfer backend needs the flashinfer-python package (extra 'flashinfer')")
+        return "torch"
+    raise ValueError(f"the {setting} backend does not run on {device.type} devices")
+
+
 class PagedAttention:
     """Attention of query tokens against their sequences' paged K/V, one layer per :meth:`run`.
 
@@ -80,18 +108,30 @@ class PagedAttention:
     prefill / prefix-cache hits (several new tokens, causal over cached + new
     tokens) and mixed batches of both, with grouped- and multi-query attention
     (``num_q_heads`` a multiple of ``num_kv_heads``).
+
+    Backends (``backend``, else ``$BLOCKD_ATTENTION_BACKEND``, default ``auto``):
+    ``native``, the compiled CPU kernel (:mod:`worker.kernels.native_attention`,
+    chosen by ``auto`` on a CPU whenever it builds); ``flashinfer``, FlashInfer's
+    paged wrappers (chosen by ``auto`` on CUDA when installed; float32 pools and
+    unusual head sizes fall back to torch per plan); ``torch``, the tiled torch
+    kernels of this module (everywhere, and the fallback).
     """
 
     def __init__(self, device: torch.device | str | None = None, tile_bytes: int | None = None,
-                 bag_rows: int | None = None) -> None:
-        """``device``: see :func:`select_device`; ``tile_bytes`` / ``bag_rows``: tuning
-        (defaults per device in :mod:`worker.kernels.device`; ``bag_rows=0`` never uses
-        ``embedding_bag``)."""
+                 bag_rows: int | None = None, backend: str | None = None) -> None:
+        """``device``: see :func:`select_device`; ``tile_bytes`` / ``bag_rows``: tuning of the
+        torch kernels (defaults per device in :mod:`worker.kernels.device`; ``bag_rows=0``
+        never uses ``embedding_bag``); ``backend``: ``auto`` / ``native`` / ``flashinfer`` /
+        ``torch`` (``native`` raises :class:`worker.kernels.native.KernelUnavailable` when the
+        kernel cannot be built)."""
         self.device = select_device(device)
+        self.backend = _choose_backend(self.device, backend)
+        self.isa = native.isa_setting()
         self.tile_bytes = tile_bytes if tile_bytes is not None else default_tile_bytes(self.device)
         self.bag_rows = bag_rows if bag_rows is not None else default_bag_rows(self.device)
         self._workspace = _Workspace(self.device)
-        self._plan: AttentionPlan | None = None
+        self._flashinfer = FlashInferRunner(self.device) if self.backend == "flashinfer" else None
+        self._plan: AttentionPlan | NativePlan | FlashInferPlan | None = None
 
     @property
     def workspace_bytes(self) -> int:
@@ -99,8 +139,8 @@ class PagedAttention:
         return self._workspace.nbytes
 
     @property
-    def plan_info(self) -> AttentionPlan:
-        """The current plan (tiles and index tensors), for inspection and tests."""
+    def plan_info(self) -> AttentionPlan | NativePlan | FlashInferPlan:
+        """The current plan (for the torch backend: tiles and index tensors), for inspection and tests."""
         if self._plan is None:
             raise ValueError("PagedAttention.run/plan_info called before plan()")
         return self._plan
@@ -121,9 +161,18 @@ class PagedAttention:
 
         Raises ``ValueError`` naming the offending sequence for an inconsistent batch.
         """
-        plan = build_plan(block_tables, context_lens, query_start_loc, num_q_heads=num_q_heads,
-                          num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size,
-                          kv_dtype=kv_dtype, scale=scale, device=self.device, tile_bytes=self.tile_bytes,
+        shape = {"num_q_heads": num_q_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim,
+                 "block_size": block_size, "kv_dtype": kv_dtype}
+        check_geometry(**shape)
+        batch = validate_batch(block_tables, context_lens, query_start_loc, block_size)
+        if self.backend == "native":
+            previous = self._plan.partial if isinstance(self._plan, NativePlan) else None
+            self._plan = plan_native(batch, **shape, scale=scale, isa=self.isa, partial=previous)
+            return
+        if self._flashinfer is not None and flashinfer_attention.supports(kv_dtype, head_dim):
+            self._plan = self._flashinfer.plan(batch, **shape, scale=scale)
+            return
+        plan = build_plan(batch, **shape, scale=scale, device=self.device, tile_bytes=self.tile_bytes,
                           max_bag_rows=self.bag_rows)
         ws, rows = self._workspace, plan.total_q * num_q_heads * head_dim
         ws.reserve("k", plan.max_kv_elems, kv_dtype)
@@ -151,9 +200,15 @@ class PagedAttention:
         """
         plan = self.plan_info
         self._check_run(plan, query, kv_layer, out)
-        if out is None:
-            out = torch.empty_like(query)
+        if out is None:  # contiguous whatever the query's strides (both kernels write rows)
+            out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         if plan.total_q == 0:
+            return out
+        if isinstance(plan, NativePlan):
+            run_native(plan, query, kv_layer, out)
+            return out
+        if isinstance(plan, FlashInferPlan):
+            FlashInferRunner.run(plan, query, kv_layer, out)
             return out
         ws, group_width = self._workspace, plan.group_size * plan.head_dim
         rows = plan.total_q * plan.num_kv_heads
@@ -238,8 +293,8 @@ class PagedAttention:
         wide = self._workspace.take(name + "_wide", numel, _COMPUTE_DTYPE)
         return wide.copy_(native).view(pairs, keys, head_dim)
 
-    def _check_run(self, plan: AttentionPlan, query: torch.Tensor, kv_layer: torch.Tensor,
-                   out: torch.Tensor | None) -> None:
+    def _check_run(self, plan: AttentionPlan | NativePlan | FlashInferPlan, query: torch.Tensor,
+                   kv_layer: torch.Tensor, out: torch.Tensor | None) -> None:
         want_q = (plan.total_q, plan.num_q_heads, plan.head_dim)
         if tuple(query.shape) != want_q or query.dtype != plan.kv_dtype:
             raise ValueError(f"query must be {list(want_q)} of {plan.kv_dtype} (as planned); "

@@ -39,7 +39,7 @@ Gathered rows index the layer viewed by :func:`worker.layout.as_rows`. Padded
 block columns repeat the sequence's first block, so every gathered key is a
 finite value of the pool (never an out-of-range read).
 
-Imports torch and :mod:`blockd.core.arith` / :mod:`worker.layout` only.
+Imports torch and :mod:`blockd.core.arith` / :mod:`worker.layout` / :mod:`worker.kernels.batch` only.
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 import torch
 
 from blockd.core.arith import num_blocks_for
+from worker.kernels.batch import Batch
 from worker.layout import gather_rows, token_rows
 
 __all__ = ["AttentionPlan", "Tile", "build_plan"]
@@ -120,70 +121,10 @@ class AttentionPlan:
         return self.num_q_heads // self.num_kv_heads
 
 
-@dataclass
-class _Batch:
-    """The validated batch, on the CPU, as the planner reads it."""
-
-    tables: torch.Tensor  # int64 [B, M]
-    ctx: list[int]
-    q_start: list[int]
-    q_len: list[int]
-    max_block_id: int  # largest block id any sequence uses; -1 when none
-
-
-def _as_cpu_int64(name: str, value: torch.Tensor, dims: int) -> torch.Tensor:
-    if not isinstance(value, torch.Tensor) or value.dim() != dims:
-        raise ValueError(f"{name} must be a {dims}-d integer tensor, got {getattr(value, 'shape', value)!r}")
-    if value.dtype.is_floating_point or value.dtype == torch.bool:
-        raise ValueError(f"{name} must hold integers (int32/int64), got {value.dtype}")
-    return value.detach().to("cpu", torch.int64)
-
-
-def _validate_batch(block_tables, context_lens, query_start_loc, block_size: int) -> _Batch:
-    tables = _as_cpu_int64("block_tables", block_tables, 2)
-    ctx_t = _as_cpu_int64("context_lens", context_lens, 1)
-    batch = tables.shape[0]
-    if ctx_t.shape[0] != batch:
-        raise ValueError(f"context_lens has {ctx_t.shape[0]} entries for {batch} block tables")
-    if query_start_loc is None:  # decode: one query token per sequence
-        qsl = torch.arange(batch + 1, dtype=torch.int64)
-    else:
-        qsl = _as_cpu_int64("query_start_loc", query_start_loc, 1)
-        if qsl.shape[0] != batch + 1 or qsl[0] != 0:
-            raise ValueError(f"query_start_loc must be [batch + 1] = [{batch + 1}] starting at 0, got {qsl.tolist()}")
-    ctx, q_start = ctx_t.tolist(), qsl.tolist()
-    q_len = [q_start[i + 1] - q_start[i] for i in range(batch)]
-    for i in range(batch):
-        if ctx[i] < 0:
-            raise ValueError(f"sequence {i}: context_lens must be >= 0, got {ctx[i]}")
-        if q_len[i] < 0:
-            raise ValueError(f"query_start_loc must not decrease (sequence {i} has {q_len[i]} query tokens)")
-        if q_len[i] > ctx[i]:
-            raise ValueError(
-                f"sequence {i}: context_lens ({ctx[i]}) counts cached + new tokens, so it must be "
-                f">= its {q_len[i]} query tokens"
-            )
-        needed = num_blocks_for(ctx[i], block_size)
-        if needed > tables.shape[1]:
-            raise ValueError(f"sequence {i}: {ctx[i]} tokens need {needed} blocks, table has {tables.shape[1]}")
-    return _Batch(tables, ctx, q_start, q_len, _max_used_block(tables, ctx, block_size))
-
-
-def _max_used_block(tables: torch.Tensor, ctx: list[int], block_size: int) -> int:
-    """Largest block id among the entries the sequences use (-1 if none); none may be negative."""
-    needed = torch.tensor([num_blocks_for(c, block_size) for c in ctx], dtype=torch.int64)
-    in_use = torch.arange(tables.shape[1])[None, :] < needed[:, None]
-    negative = ((tables < 0) & in_use).any(dim=1).nonzero()
-    if negative.numel():
-        i = int(negative[0])
-        raise ValueError(f"sequence {i}: negative block id among its first {int(needed[i])} table entries")
-    return int(tables[in_use].max()) if bool(in_use.any()) else -1
-
-
 class _PlanBuilder:
     """Accumulates tiles and their index tensors (on the CPU) for one batch."""
 
-    def __init__(self, batch: _Batch, num_kv_heads: int, head_dim: int, block_size: int,
+    def __init__(self, batch: Batch, num_kv_heads: int, head_dim: int, block_size: int,
                  group_size: int, tile_bytes: int, max_bag_rows: int) -> None:
         self.batch = batch
         self.heads, self.head_dim, self.block_size = num_kv_heads, head_dim, block_size
@@ -316,28 +257,16 @@ class _PlanBuilder:
         return offset
 
 
-def build_plan(block_tables: torch.Tensor, context_lens: torch.Tensor,
-               query_start_loc: torch.Tensor | None, *, num_q_heads: int, num_kv_heads: int,
-               head_dim: int, block_size: int, kv_dtype: torch.dtype, scale: float | None,
-               device: torch.device, tile_bytes: int, max_bag_rows: int) -> AttentionPlan:
-    """Validate a batch and cut it into tiles; see the module docstring.
+def build_plan(batch: Batch, *, num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+               kv_dtype: torch.dtype, scale: float | None, device: torch.device, tile_bytes: int,
+               max_bag_rows: int) -> AttentionPlan:
+    """Cut a validated batch (:func:`worker.kernels.batch.validate_batch`) into tiles.
 
-    ``block_tables``: int32/int64 ``[batch, max_blocks]`` (entries past a
-    sequence's blocks are ignored, may be any value); ``context_lens``: int
-    ``[batch]`` (cached + new tokens); ``query_start_loc``: int ``[batch + 1]``
-    offsets of each sequence's query tokens, or ``None`` for decode (one each).
     Tiles with at most ``max_bag_rows`` query rows (``m * g``) per pair get
     ``embedding_bag`` indices for their ``probs @ V``.
     """
-    for name, value in (("num_q_heads", num_q_heads), ("num_kv_heads", num_kv_heads),
-                        ("head_dim", head_dim), ("block_size", block_size), ("tile_bytes", tile_bytes)):
-        if not isinstance(value, int) or value <= 0:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
-    if not kv_dtype.is_floating_point:
-        raise ValueError(f"kv_dtype must be a floating-point dtype (float32, bfloat16, float16), got {kv_dtype}")
-    if num_q_heads % num_kv_heads:
-        raise ValueError(f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
-    batch = _validate_batch(block_tables, context_lens, query_start_loc, block_size)
+    if not isinstance(tile_bytes, int) or tile_bytes <= 0:
+        raise ValueError(f"tile_bytes must be a positive int, got {tile_bytes!r}")
     builder = _PlanBuilder(batch, num_kv_heads, head_dim, block_size, num_q_heads // num_kv_heads,
                            tile_bytes, max_bag_rows)
     builder.add_decode_tiles()

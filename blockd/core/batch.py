@@ -1,0 +1,233 @@
+"""One batch in flight: its undo journal, its scratch and the counters it moves.
+
+:meth:`blockd.core.pool.Pool.step` opens a :class:`Batch`, applies every
+operation through it (:mod:`blockd.core.ops`, :mod:`blockd.core.decode`), then
+either commits it or rolls it back. Operations change sequences only through
+the batch's methods, and blocks only through
+:class:`~blockd.core.blocks.BlockSpace` primitives, which journal into the
+batch while it is open. So the journal holds one typed
+:class:`~blockd.core.blocks.Undo` entry per mutation, and :meth:`Batch.rollback`
+undoes them newest first::
+
+    journal   [Counters | TookFresh 7 | SeqAdded 'a' | SeqMarks [b, c] | Indexed 3 ...]
+    rollback  <--------------------------------------------------------- newest first
+
+What only matters once the batch has succeeded is not journaled but kept
+here and published by the pool on commit: table updates, copy ops, stored
+hashes, tombstone changes and the changes to the pool's counters.
+
+A sequence is journaled as a *mark*, ``(seq, num_tokens, num_committed,
+last block)``, taken before an operation changes it; undoing a mark cuts its
+tokens, table and hashes back to those lengths (the lengths follow from the
+token and committed counts, see :mod:`blockd.core.sequence`), restores its
+last table entry (undoing a copy-on-write) and that block's fill. Marks are
+columnar: one :class:`SeqMarks` entry holds the marks of a whole decode step.
+
+Imports only the standard library.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from blockd.core.arith import num_blocks_for
+from blockd.core.blocks import BlockSpace, Journal, Undo
+from blockd.core.errors import NoRoom, shown
+from blockd.core.hashing import hash_block
+from blockd.core.sequence import Sequence, find_seq
+from blockd.core.types import PoolConfig, TableUpdate
+from blockd.core.validate import check_name
+
+#: a sequence before an operation: (seq, num_tokens, num_committed, last block or -1)
+Mark = tuple[Sequence, int, int, int]
+#: a block that entered the prefix index: (block, hash, parent hash or b"", tokens)
+Stored = tuple[int, bytes, bytes, tuple[int, ...]]
+
+
+class Batch:
+    """The pool's state as one batch of operations sees and changes it.
+
+    Holds the pool's live structures (not copies): ``blocks`` and ``seqs``,
+    which it changes (journaled), and ``freed``, which it only reads.
+    Everything else here belongs to the batch and dies with it.
+    """
+
+    def __init__(self, config: PoolConfig, blocks: BlockSpace, seqs: dict[str, Sequence],
+                 freed: Mapping[str, int], version: int) -> None:
+        self.config = config
+        self.block_size = config.block_size
+        self.blocks = blocks
+        self.seqs = seqs
+        self.freed = freed
+        #: the version this batch becomes if it commits
+        self.version = version + 1
+        self.journal: Journal = []
+        # scratch, published by the pool on commit
+        self.updates: list[TableUpdate] = []
+        self.copy_ops: list[tuple[int, int]] = []
+        self.stored: list[Stored] = []
+        #: tombstone changes in order: (seq_id, the version that freed it, or
+        #: None when the id is live again). Applied on commit, so a rollback
+        #: leaves the pool's tombstones untouched, order included.
+        self.tombstones: list[tuple[str, int | None]] = []
+        # changes to the pool's counters, added to them on commit
+        self.num_tokens = 0
+        self.prefix_queried_tokens = 0
+        self.prefix_hit_tokens = 0
+        self.num_copies = 0
+
+    # --- lifecycle ----------------------------------------------------------
+    def begin(self) -> None:
+        self.blocks.begin(self.journal)
+
+    def commit(self) -> None:
+        """Keep every change; the journal is dropped."""
+        self.blocks.end()
+        self.journal = []
+
+    def rollback(self) -> None:
+        """Undo every change since :meth:`begin`, newest first."""
+        journal, self.journal = self.journal, []
+        try:
+            for entry in reversed(journal):
+                entry.undo()
+        finally:
+            self.blocks.end()
+
+    # --- sequences ----------------------------------------------------------
+    def get_seq(self, seq_id: object) -> Sequence:
+        seq = self.seqs.get(seq_id) if type(seq_id) is str else None
+        if seq is not None:
+            return seq
+        check_name(seq_id, "seq_id")  # an id no sequence can have is the caller's mistake
+        return find_seq(self.seqs, seq_id, self.config.name, self.freed_at)
+
+    def freed_at(self, seq_id: str) -> int | None:
+        """The version that freed ``seq_id``, counting this batch's frees
+        (a scan, but only for ids that are not live: an error path)."""
+        for changed_id, version in reversed(self.tombstones):
+            if changed_id == seq_id:
+                return version
+        return self.freed.get(seq_id)
+
+    def mark(self, seq: Sequence) -> None:
+        """Journal ``seq`` before an operation changes its tokens or table
+        (the decode loop builds the same tuple inline)."""
+        table = seq.table
+        mark = (seq, len(seq.token_ids), seq.num_committed, table[-1] if table else -1)
+        self.journal.append(SeqMarks(self.blocks, [mark]))
+
+    def add_marks(self, marks: list[Mark]) -> None:
+        """Journal the marks a decode step took, once, after its changes.
+
+        After, not before: a sequence listed twice may be marked on a block
+        the step itself took. Undone before the step's block entries, such a
+        mark's fill is overwritten by the take's own undo; every other mark
+        restores a block the step did not take.
+        """
+        self.journal.append(SeqMarks(self.blocks, marks))
+
+    def add_seq(self, seq: Sequence) -> None:
+        """A new sequence (allocated or forked); its id is no longer 'freed'."""
+        self.seqs[seq.seq_id] = seq
+        self.journal.append(_SeqAdded(self.seqs, seq.seq_id))
+        self.tombstones.append((seq.seq_id, None))
+
+    def remove_seq(self, seq: Sequence) -> None:
+        """Drop a sequence and remember that this batch's version freed it."""
+        del self.seqs[seq.seq_id]
+        self.journal.append(_SeqRemoved(self.seqs, seq))
+        self.tombstones.append((seq.seq_id, self.version))
+
+    def commit_tokens(self, seq: Sequence, num_tokens: int) -> None:
+        """Mark the first ``num_tokens`` tokens written; index newly full blocks."""
+        if num_tokens <= seq.num_committed:
+            return
+        b, blocks = self.block_size, self.blocks
+        seq.num_committed = num_tokens
+        hashes = seq.hashes
+        for logical in range(len(hashes), num_tokens // b):
+            parent = hashes[-1] if hashes else None
+            tokens = seq.token_ids[logical * b : (logical + 1) * b]
+            h = hash_block(parent, tokens, seq.extra_digest)
+            hashes.append(h)
+            block = seq.table[logical]
+            if blocks.hash[block] is None and blocks.index_block(block, h):
+                self.stored.append((block, h, parent or b"", tuple(tokens)))
+
+    def copy_on_write(self, seq: Sequence, offset: int) -> tuple[int, int]:
+        """Give ``seq`` its own copy of its shared, partly filled last block,
+        which holds ``offset`` tokens; returns the copy op ``(src, dst)``.
+        The caller has checked that a block is available::
+
+            before   A: [3, 8]  B: [3, 8]   block 8 holds 2 of 4 slots, ref 2
+            after    A: [3, 9]  B: [3, 8]   copy op (8 -> 9); A writes to 9 from slot 9*4+2
+        """
+        src = seq.table[-1]
+        dst = self.blocks.take(offset)
+        self.blocks.release(src)
+        seq.table[-1] = dst
+        self.copy_ops.append((src, dst))
+        self.num_copies += 1
+        return src, dst
+
+    def record_update(self, update: TableUpdate) -> None:
+        self.updates.append(update)
+
+    # --- errors -------------------------------------------------------------
+    def no_room(self, what: str, *, watermark: bool) -> NoRoom:
+        """The error for a request that does not fit, saying what is left."""
+        return NoRoom(no_room_message(self.config, self.blocks, what, watermark=watermark))
+
+
+def no_room_message(cfg: PoolConfig, blocks: BlockSpace, what: str, *, watermark: bool) -> str:
+    msg = (f"pool {shown(cfg.name)} has {blocks.num_free} free and {len(blocks.lru)} evictable "
+           f"of {cfg.num_blocks} blocks; {what}")
+    if watermark and cfg.watermark_blocks:
+        msg += f" while keeping {cfg.watermark_blocks} blocks in reserve for running sequences"
+    return msg + "; free or preempt sequences, or retry later"
+
+
+# --- undo entries for sequences ----------------------------------------------
+
+
+class SeqMarks(Undo):
+    """Sequences as they were before an operation changed them (columnar)."""
+
+    __slots__ = ("marks", "space")
+
+    def __init__(self, space: BlockSpace, marks: list[Mark]) -> None:
+        self.space, self.marks = space, marks
+
+    def undo(self) -> None:
+        fill, b = self.space.fill, self.space.block_size
+        for seq, num_tokens, committed, last in reversed(self.marks):
+            num_blocks = num_blocks_for(num_tokens, b)
+            table = seq.table
+            del table[num_blocks:]
+            if num_blocks:
+                table[-1] = last
+                fill[last] = num_tokens - (num_blocks - 1) * b
+            del seq.token_ids[num_tokens:]
+            seq.num_committed = committed
+            del seq.hashes[committed // b :]
+
+
+class _SeqAdded(Undo):
+    __slots__ = ("seq_id", "seqs")
+
+    def __init__(self, seqs: dict[str, Sequence], seq_id: str) -> None:
+        self.seqs, self.seq_id = seqs, seq_id
+
+    def undo(self) -> None:
+        del self.seqs[self.seq_id]
+
+
+class _SeqRemoved(Undo):
+    __slots__ = ("seq", "seqs")
+
+    def __init__(self, seqs: dict[str, Sequence], seq: Sequence) -> None:
+        self.seqs, self.seq = seqs, seq
+
+    def undo(self) -> None:
+        self.seqs[self.seq.seq_id] = self.seq

@@ -1,0 +1,170 @@
+"""The compiled CPU attention kernel (``csrc/paged_attention.cpp``): building, caching, choosing.
+
+The kernel is a torch C++ extension compiled on first use with
+``torch.utils.cpp_extension.load`` (needs a C++ compiler and the ``ninja``
+package), with ``-march=native`` so its vector code is what this CPU offers
+(AVX2+FMA+F16C where present, portable 4-wide vectors or scalar code
+otherwise; see the source). It is not built at install time because pip's
+build isolation would fetch a second (CUDA) torch to build against.
+
+The build is cached under ``$BLOCKD_KERNEL_CACHE`` (default
+``~/.cache/blockd/kernels``), in a directory named by a hash of the sources,
+the compiler flags, torch's version and the CPU's flags, so a rebuilt torch,
+an edited source or another CPU sharing a home directory never loads a stale
+library; concurrent processes wait on torch's lock. A warm cache loads in
+well under a second; a cold build takes ~30-90 s on a small machine
+(``python -m worker.kernels`` builds it ahead of time; ``make setup`` does).
+
+Which backend :class:`worker.kernels.PagedAttention` uses on a CPU is chosen
+by ``BLOCKD_ATTENTION_BACKEND``:
+
+* ``auto`` (default): the compiled kernel when it builds, else the torch
+  kernels (the failure is logged once, with its reason);
+* ``native``: the compiled kernel, or raise;
+* ``torch``: the torch kernels, nothing is compiled.
+
+``BLOCKD_ATTENTION_ISA`` (``auto``/``avx2``/``vec4``/``scalar``) forces a
+code path of the compiled kernel, for tests and comparisons.
+
+Imports torch only (``torch.utils.cpp_extension`` lazily).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import sys
+import threading
+from pathlib import Path
+
+import torch
+
+__all__ = ["ISAS", "KernelUnavailable", "backend_setting", "isa_setting", "load", "ops"]
+
+log = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("csrc") / "paged_attention.cpp"
+_CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno")
+_LDFLAGS = ("-fopenmp",)
+BACKENDS = ("auto", "native", "torch")
+#: code paths of the compiled kernel, by the ``isa`` argument of its ``run`` op
+ISAS = {"auto": 0, "scalar": 1, "vec4": 2, "avx2": 3}
+
+_lock = threading.Lock()
+_loaded: bool | None = None  # None: not tried yet
+_failure: str = ""
+
+
+class KernelUnavailable(RuntimeError):
+    """The compiled kernel could not be built or loaded (the message says why)."""
+
+
+def backend_setting() -> str:
+    """``BLOCKD_ATTENTION_BACKEND``, validated: ``auto``, ``native`` or ``torch``."""
+    value = os.environ.get("BLOCKD_ATTENTION_BACKEND", "auto").strip().lower() or "auto"
+    if value not in BACKENDS:
+        raise ValueError(f"BLOCKD_ATTENTION_BACKEND must be one of {', '.join(BACKENDS)}, got {value!r}")
+    return value
+
+
+def isa_setting() -> int:
+    """``BLOCKD_ATTENTION_ISA`` as the kernel's ``isa`` argument (0 = the best compiled in)."""
+    value = os.environ.get("BLOCKD_ATTENTION_ISA", "auto").strip().lower() or "auto"
+    if value not in ISAS:
+        raise ValueError(f"BLOCKD_ATTENTION_ISA must be one of {', '.join(ISAS)}, got {value!r}")
+    return ISAS[value]
+
+
+def _cpu_signature() -> str:
+    """The CPU's feature flags (Linux), so a cache shared by different CPUs keeps one build each."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+    return platform.machine() + platform.processor()
+
+
+def _build_dir() -> tuple[str, Path]:
+    digest = hashlib.sha256()
+    sources = [path.read_bytes() for path in sorted(_SOURCE.parent.iterdir()) if path.is_file()]
+    for part in (*sources, " ".join(_CFLAGS + _LDFLAGS).encode(), torch.__version__.encode(),
+                 _cpu_signature().encode(), sys.version.encode()):
+        digest.update(part)
+    name = "blockd_attention_" + digest.hexdigest()[:16]
+    root = Path(os.environ.get("BLOCKD_KERNEL_CACHE") or Path.home() / ".cache" / "blockd" / "kernels")
+    return name, root / name
+
+
+def _build() -> None:
+    from torch.utils import cpp_extension
+
+    name, directory = _build_dir()
+    library = directory / f"{name}.so"
+    if library.exists():  # the directory is named by a hash of everything that went in: it is current
+        try:
+            torch.ops.load_library(str(library))
+            return
+        except OSError:  # e.g. a build killed while linking: rebuild below
+            pass
+    directory.mkdir(parents=True, exist_ok=True)
+    # torch runs `ninja` from PATH; the ninja wheel's binary sits beside this
+    # interpreter even when the venv is not activated.
+    path = os.environ.get("PATH", "")
+    try:
+        import ninja
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + path
+    except ImportError:
+        pass
+    try:
+        # (copies: load() appends to the flag lists it is given)
+        cpp_extension.load(name=name, sources=[str(_SOURCE)], extra_cflags=list(_CFLAGS),
+                           extra_ldflags=list(_LDFLAGS), build_directory=str(directory),
+                           is_python_module=False, verbose=False)
+    finally:
+        os.environ["PATH"] = path
+
+
+def load(required: bool = False) -> bool:
+    """Build (once per cache) and load the kernel; ``True`` when its ops are registered.
+
+    On failure returns ``False`` (logging the reason once), or raises
+    :class:`KernelUnavailable` when ``required``.
+    """
+    global _loaded, _failure
+    with _lock:
+        if _loaded is None:
+            try:
+                _build()
+                _loaded = True
+            except Exception as err:  # noqa: BLE001 - no compiler, no ninja, a compile error: all fall back
+                _loaded, _failure = False, f"{type(err).__name__}: {err}".strip()[:2000]
+                log.warning("compiled CPU attention kernel unavailable, using the torch kernels: %s", _failure)
+    if not _loaded and required:
+        raise KernelUnavailable(f"the compiled CPU attention kernel could not be built: {_failure}")
+    return bool(_loaded)
+
+
+def failure() -> str:
+    """Why the last :func:`load` failed ('' when it did not)."""
+    return _failure
+
+
+def ops():
+    """The kernel's ops (``plan``, ``run``, ``best_isa``); call :func:`load` first."""
+    return torch.ops.blockd_attention
+
+
+def main() -> None:
+    """``python -m worker.kernels``: build the kernel now (set-up, CI); one JSON line says how it went."""
+    logging.basicConfig(level=logging.INFO)
+    ok = load()
+    _, directory = _build_dir()
+    isa = {v: k for k, v in ISAS.items()}.get(int(ops().best_isa()), "?") if ok else None
+    print(json.dumps({"built": ok, "dir": str(directory), "best_isa": isa, "error": _failure or None}))
+    sys.exit(0 if ok else 1)
