@@ -2,6 +2,8 @@
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+# pip runs again only when what it installs from changes
+STAMP := $(VENV)/.installed
 
 .PHONY: demo test setup bench clean
 
@@ -12,12 +14,15 @@ $(BIN)/python:
 # torch is pinned through constraints.txt so CPU machines take the CPU build.
 # The CPU attention kernel is compiled here (~1 min once, then cached) rather
 # than in a worker's first step; if it cannot be built the torch kernels run.
-setup: $(BIN)/python
+$(STAMP): pyproject.toml constraints.txt | $(BIN)/python
 	$(BIN)/pip install -q -c constraints.txt -e '.[worker,model,dev,deploy,ha]'
 	-$(BIN)/python -m worker.kernels
+	touch $@
+
+setup: $(STAMP)
 
 demo: setup
-	$(BIN)/python -m blockd.cluster_demo
+	$(BIN)/python -m cluster.demo
 
 test: setup
 	$(BIN)/python -m pytest
@@ -29,4 +34,4 @@ bench: setup
 	$(BIN)/python bench/attention.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .hypothesis .mypy_cache .import_linter_cache

@@ -83,7 +83,7 @@ def bandwidth(rounds: int, device: torch.device) -> list[dict]:
     x = torch.ones(128 << 20, dtype=torch.float32, device=device)
     y = torch.empty_like(x)
     nbytes = x.numel() * 4
-    t = interleaved_best({"sum": lambda: x.sum(), "copy": lambda: y.copy_(x)}, rounds, device)
+    t = interleaved_best({"sum": x.sum, "copy": lambda: y.copy_(x)}, rounds, device)
     return [{"name": "bandwidth", "device": device.type, "op": "sum", "gbps": round(nbytes / t["sum"] / 1e9, 2),
              "bytes": nbytes},
             {"name": "bandwidth", "device": device.type, "op": "copy",
@@ -119,7 +119,10 @@ def measure(name: str, layer, tables, context_lens, starts, query, args) -> dict
     device, dtype, kv_heads = layer.device, layer.dtype, layer.shape[2]
     wrapper, plan_ms = planned(None, device, tables, context_lens, starts, kv_heads, dtype)
     out = torch.empty_like(query)
-    blockd = lambda: wrapper.run(query, layer, out=out)
+
+    def blockd() -> torch.Tensor:
+        return wrapper.run(query, layer, out=out)
+
     reference, dense = contiguous(layer, tables, context_lens, starts, query)
     t = interleaved_best({"blockd": blockd, "contiguous": dense}, args.rounds, device)
     row = {"name": name, "backend": wrapper.backend, "ms": t["blockd"] * 1e3, "plan_ms": round(plan_ms, 3),

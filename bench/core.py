@@ -94,7 +94,7 @@ def time_prefill(shared: bool, repeats: int) -> float:
     prefix = list(range(1000, 1256))
     for _ in range(repeats):
         pool = Pool(PoolConfig("bench", num_blocks=16_384, block_size=BLOCK))
-        pool.step([Allocate("warm", prefix + [1]), Commit("warm", 257)])  # the shared prefix is cached
+        pool.step([Allocate("warm", [*prefix, 1]), Commit("warm", 257)])  # the shared prefix is cached
         ops = []
         for i in range(256):
             head = prefix if shared and i % 2 == 0 else [(i * 7 + j) % 30000 for j in range(256)]

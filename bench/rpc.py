@@ -50,8 +50,8 @@ sys.path.insert(0, ROOT)
 
 from blockd.core import Allocate, Pool, PoolConfig
 from blockd.core.types import DecodeAppend, Free
-from blockd.local_cluster import ChildProcess
 from client.sdk import BlockdClient
+from cluster.local import ChildProcess
 
 NUM_SEQS = 256
 BLOCK_SIZE = 16
@@ -178,8 +178,9 @@ def _fill_data_dir(data_dir: str, num_seqs: int, prompt_len: int, snapshot: bool
     """A data directory holding ``num_seqs`` sequences (in batches of 1,000),
     written through the same engine the daemon runs."""
     from blockd.engine import Engine
+    from blockd.engine_config import EngineConfig
 
-    engine = Engine(data_dir, fsync="never", snapshot_every=1 << 30)
+    engine = Engine(EngineConfig(data_dir=data_dir, fsync="never", snapshot_every=1 << 30))
     blocks = num_seqs * -(-prompt_len // BLOCK_SIZE) + 1024
     engine.create_pool(PoolConfig("big", num_blocks=blocks, block_size=BLOCK_SIZE))
     for start in range(0, num_seqs, 1000):

@@ -25,7 +25,7 @@ contiguous-cache ``generate``), and the set-up: model config, precision,
 library versions, the length distributions and their scaling, concurrency
 limits, hardware. TTFT counts from t = 0, so it includes the time queued.
 
-Lengths: the ShareGPT fit of :data:`blockd.sim.SHAREGPT` (lognormal, mean
+Lengths: the ShareGPT fit of :data:`sim.workload.SHAREGPT` (lognormal, mean
 input ~160, output ~340 tokens, max 2,048) scaled by 1/8 so that a CPU run
 fits the tiny model's 256 positions and a few minutes: mean input ~20,
 output ~42, max 256. Run: ``python bench/serve.py [--quick] [--seed N]``.
@@ -43,8 +43,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from blockd.local_cluster import ClusterSpec, LocalCluster, model_config
-from blockd.sim import SHAREGPT, LengthDist, TraceSpec
+from cluster.local import ClusterSpec, LocalCluster, model_config
+from sim.workload import SHAREGPT, LengthDist, TraceSpec, request_stream
 
 SCALE = 1 / 8
 TRACE = TraceSpec("sharegpt_like_x1/8", LengthDist(SHAREGPT.prompt.mean * SCALE, SHAREGPT.prompt.sigma),
@@ -56,15 +56,8 @@ NUM_VERIFIED = 8  # outputs per scheme checked against the contiguous reference
 
 
 def make_requests(num: int, seed: int, vocab_size: int):
-    from client.serving import GenerationRequest
-
-    rng = random.Random(seed)
-    requests = []
-    for index in range(num):
-        num_prompt, num_output = TRACE.draw(rng)
-        prompt = tuple(rng.randrange(vocab_size) for _ in range(num_prompt))
-        requests.append(GenerationRequest(f"q{index}", prompt, num_output))
-    return requests
+    stream = request_stream(TRACE, random.Random(seed), limit=num, vocab_size=vocab_size, id_prefix="q")
+    return [timed.request for timed in stream]
 
 
 def run_scheme(scheme: str, cluster: LocalCluster, requests) -> tuple[dict, list]:
@@ -141,7 +134,7 @@ def setup_record(args, config, num_requests: int) -> dict:
 
 
 def verify(requests, outputs) -> bool:
-    from client.reference import ContiguousReference
+    from cluster.reference import ContiguousReference
 
     sample = requests[:NUM_VERIFIED]
     return not ContiguousReference(MODEL).mismatches(sample, outputs)

@@ -57,9 +57,10 @@ import signal
 import sys
 import threading
 
-from blockd import addresses, config_env
+from blockd import config_env
 from blockd.core.errors import BlockdError
 from blockd.idempotency import IdempotencyLimits
+from blockd.rpc import addresses
 
 log = logging.getLogger("blockd")
 
@@ -192,6 +193,7 @@ def serve(args: argparse.Namespace) -> int:
     # imported here so `blockd --help` stays fast and grpc-free
     from blockd.datadir import DataDirError, advice
     from blockd.engine import Engine
+    from blockd.engine_config import EngineConfig
     from blockd.service.server import BlockdServer
 
     log.info("data dir: %s; fsync: %s", args.data_dir or "none (in memory)", args.fsync)
@@ -201,11 +203,12 @@ def serve(args: argparse.Namespace) -> int:
         raise SystemExit(str(err)) from None
     metrics = _load_metrics(args.metrics_port)
     try:
-        engine = Engine(data_dir=args.data_dir, fsync=args.fsync, fsync_interval_s=args.fsync_interval_s,
-                        snapshot_every=args.snapshot_every, snapshot_log_ratio=args.snapshot_log_ratio,
-                        idempotency=limits, worker_timeout_s=args.worker_timeout_s,
-                        observe_wal_sync=metrics.observe_wal_sync if metrics is not None else None,
-                        observe_step=metrics.observe_step if metrics is not None else None)
+        engine = Engine(EngineConfig(
+            data_dir=args.data_dir, fsync=args.fsync, fsync_interval_s=args.fsync_interval_s,
+            snapshot_every=args.snapshot_every, snapshot_log_ratio=args.snapshot_log_ratio,
+            idempotency=limits, worker_timeout_s=args.worker_timeout_s,
+            observe_wal_sync=metrics.observe_wal_sync if metrics is not None else None,
+            observe_step=metrics.observe_step if metrics is not None else None))
     except DataDirError as err:
         log.error("cannot start: the data dir is damaged: %s; nothing on disk was changed. %s", err, advice(err))
         return 1

@@ -73,6 +73,7 @@ def compact(data_dir: str, upto_lsn: int | None = None, *, prune: bool = True,
     table is part of the snapshot and replay trims it by them).
     """
     from blockd.engine import Engine  # the engine runs compactions: import it late
+    from blockd.engine_config import EngineConfig
 
     started = time.perf_counter()
     lock = DirLock(data_dir, COMPACT_LOCK)
@@ -83,11 +84,11 @@ def compact(data_dir: str, upto_lsn: int | None = None, *, prune: bool = True,
         if upto_lsn is not None and upto_lsn <= covered:
             return Compacted(upto_lsn, 0, time.perf_counter() - started)
         reader = Reader(data_dir, upto_lsn)
-        engine = Engine.replayed(reader, idempotency=limits)
+        engine = Engine.replayed(reader, EngineConfig(idempotency=limits or IdempotencyLimits()))
         lsn = reader.last_lsn
         if lsn <= covered:
             return Compacted(lsn, 0, time.perf_counter() - started)
-        size = write_snapshot(data_dir, engine._capture(), lsn, before_rename=lambda: _kill_point("written"))
+        size = write_snapshot(data_dir, engine.capture(), lsn, before_rename=lambda: _kill_point("written"))
         _kill_point("renamed")
         if prune:
             remove_replaced(data_dir, lsn)

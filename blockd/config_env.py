@@ -32,6 +32,7 @@ import argparse
 import os
 import sys
 from collections.abc import Iterator, Mapping
+from typing import Any
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off", "")
@@ -84,6 +85,13 @@ def _long_option(action: argparse.Action) -> str | None:
     return longs[0] if longs else None
 
 
+def _flag_name(action: argparse.Action) -> str:
+    """The long option of an action :func:`_flag_actions` yields (it has one)."""
+    option = _long_option(action)
+    assert option is not None, "flag actions have a long option"
+    return option
+
+
 def _flag_actions(parser: argparse.ArgumentParser) -> Iterator[argparse.Action]:
     """Every optional flag of ``parser`` and of its subcommands, depth first."""
     for action in parser._actions:
@@ -99,9 +107,9 @@ def flag_env_names(parser: argparse.ArgumentParser, prefix: str,
                    overrides: Mapping[str, str] | None = None) -> dict[str, str]:
     """``{"--flag": "ENV_NAME"}`` for every flag ``parser`` (and its subcommands) has."""
     overrides = overrides or {}
-    names = {}
+    names: dict[str, str] = {}
     for action in _flag_actions(parser):
-        option = _long_option(action)
+        option = _flag_name(action)
         names[option] = overrides.get(option) or env_name(prefix, option)
     return names
 
@@ -116,7 +124,7 @@ def convert(action: argparse.Action, name: str, raw: str):
         return is_set if isinstance(action, argparse._StoreTrueAction) else not is_set
     if action.nargs == 0:
         raise EnvError(f"{name} cannot be set from the environment")
-    kind = action.type
+    kind: Any = action.type  # a callable, or None for a plain string
     try:
         value = kind(raw) if kind is not None else raw
     except (ValueError, TypeError, argparse.ArgumentTypeError) as err:
@@ -138,7 +146,7 @@ def install(parser: argparse.ArgumentParser, prefix: str, overrides: Mapping[str
     environ = os.environ if environ is None else environ
     names = flag_env_names(parser, prefix, overrides)
     for action in _flag_actions(parser):
-        name = names[_long_option(action)]
+        name = names[_flag_name(action)]
         if action.help != argparse.SUPPRESS:
             action.help = f"{action.help or ''} [env {name}]".strip()
         # a flag without a default (argparse.SUPPRESS) repeats one given elsewhere

@@ -115,7 +115,7 @@ def _list(data_dir: str) -> _Listing:
     found = _Listing()
     if not os.path.isdir(data_dir):
         return found
-    snapshots = []
+    snapshots: list[tuple[int, str]] = []
     for name in sorted(os.listdir(data_dir)):
         parsed = parse_name(name)
         if parsed is not None:
@@ -344,7 +344,7 @@ class Reader:
                 os.fsync(f.fileno())
         # files the snapshot replaces: a compaction stopped before pruning them
         stale = [s.name for s in self.segments if s.stale]
-        stale += [n for n in self.listing.old_snapshots]
+        stale += list(self.listing.old_snapshots)
         for name in stale:
             log.info("removing %s (replaced by %s)", os.path.join(self.data_dir, name), self.snapshot_name)
             os.unlink(os.path.join(self.data_dir, name))

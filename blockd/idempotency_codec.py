@@ -78,20 +78,19 @@ def _op_parts(op: object) -> tuple[bytes, ...]:
     """One operation as length-prefixed parts, so that a batch's encoding is
     injective. Values the core would refuse (non-str ids, token ids past
     2**32) raise here, before anything is hashed, and are hashed by repr."""
-    kind = type(op)
-    if kind is DecodeAppend:
+    if type(op) is DecodeAppend:
         return (b"D", *_ids(op.seq_ids), *_ints(op.token_ids))
-    if kind is Allocate:
+    if type(op) is Allocate:
         return (*_chunk(b"A", _text(repr((op.seq_id, op.extra_keys)))), *_ints(op.prompt_token_ids))
-    if kind is Append:
+    if type(op) is Append:
         return (*_chunk(b"P", _text(repr(op.seq_id))), *_ints(op.token_ids))
-    if kind is Commit:
+    if type(op) is Commit:
         return _chunk(b"C", _text(repr((op.seq_id, op.num_tokens))))
-    if kind is Fork:
+    if type(op) is Fork:
         return _chunk(b"K", _text(repr((op.parent_seq_id, op.child_seq_id))))
-    if kind is Free:
+    if type(op) is Free:
         return _chunk(b"F", _text(repr(op.seq_id)))
-    raise TypeError(kind)
+    raise TypeError(type(op))
 
 
 def fingerprint(kind: str, pool: str, subject: object = None) -> str:
@@ -143,7 +142,7 @@ def _pack_ints(values) -> tuple[int, bytes]:
 
 def _blocks_of(slots, start: int, b: int) -> list[int] | None:
     """The blocks behind ``slots`` when they are exactly the slots of token
-    positions ``start, start + 1, ...`` through a block table (DESIGN.md:
+    positions ``start, start + 1, ...`` through a block table (docs/glossary.md, slot:
     position p lives in slot ``table[p // b] * b + p % b``), else None. The
     check rebuilds the slots from the blocks at C speed and compares."""
     n = len(slots)

@@ -21,21 +21,18 @@ Owns, for the daemon, one :class:`PoolIdentity` per pool:
 
 The loss is a logged mutation of the pool (record ``worker_joined``) and
 derives from the pool's state at that point, so replaying the log gives the
-same lost set. Also here: the errors of both sides of the identity checks
-(workers raise :class:`KVNotWritten` and the incarnation mismatches), so one
-module names every reason. Imports only the standard library and the core.
+same lost set. The errors both sides raise, and how an incarnation is made,
+are shared with the workers in :mod:`blockd.core.incarnations`. Imports only
+the standard library and the core.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
-import uuid
 from collections import OrderedDict
-from collections.abc import Iterable
 from dataclasses import replace
 
-from blockd.core.errors import WrongState
+from blockd.core.incarnations import KVLost, PoolIncarnationMismatch, listed, short
 from blockd.core.pool import Pool
 from blockd.core.types import Allocate, DecodeAppend, Fork, Free, Op, PoolStats, StepResult
 
@@ -44,12 +41,6 @@ from blockd.core.types import Allocate, DecodeAppend, Fork, Free, Op, PoolStats,
 MAX_KNOWN_WORKERS = 1024
 #: loss descriptions kept per pool, by the version at which the loss happened
 MAX_LOSS_NOTES = 64
-#: bytes of sequence ids listed in an error's metadata (gRPC trailers are small)
-MAX_LISTED_BYTES = 2048
-
-
-def new_incarnation() -> str:
-    return uuid.uuid4().hex
 
 
 def legacy_incarnation(pool: str, lsn: int) -> str:
@@ -57,70 +48,11 @@ def legacy_incarnation(pool: str, lsn: int) -> str:
     return "legacy-" + hashlib.blake2b(f"{pool}@{lsn}".encode(), digest_size=12).hexdigest()
 
 
-def short(incarnation: str) -> str:
-    """What a message shows of an incarnation (enough to tell two apart)."""
-    return incarnation[:12] if incarnation else "(none)"
-
-
-def listed(seq_ids: Iterable[str]) -> dict[str, str]:
-    """ErrorInfo metadata naming sequences: ``seq_ids`` (a JSON list, cut to fit
-    the trailers) and ``num_seq_ids`` (how many there are in all)."""
-    ids, size, total = [], 2, 0
-    for seq_id in seq_ids:
-        total += 1
-        size += len(json.dumps(seq_id)) + 1
-        if size <= MAX_LISTED_BYTES:
-            ids.append(seq_id)
-    return {"seq_ids": json.dumps(ids), "num_seq_ids": str(total)}
-
-
-class _IdentityError(WrongState):
-    """A FAILED_PRECONDITION whose ErrorInfo carries ``metadata`` and ``reason``."""
-
-    reason = "FAILED_PRECONDITION"
-
-    def __init__(self, message: str, *, op_index: int | None = None,
-                 metadata: dict[str, str] | None = None) -> None:
-        super().__init__(message, op_index=op_index)
-        self.metadata = metadata or {}
-
-
-class KVLost(_IdentityError):
-    """A step names sequences whose KV was lost in a worker restart."""
-
-    reason = "KV_LOST"
-
-
-class PoolIncarnationMismatch(_IdentityError):
-    """The caller planned against another (older) incarnation of the pool."""
-
-    reason = "POOL_INCARNATION_MISMATCH"
-
-
-class PoolIncarnationUnavailable(_IdentityError):
-    """A worker has not loaded the named pool incarnation (yet)."""
-
-    reason = "POOL_INCARNATION_UNAVAILABLE"
-
-
-class WorkerIncarnationMismatch(_IdentityError):
-    """The caller planned against another incarnation of this worker."""
-
-    reason = "WORKER_INCARNATION_MISMATCH"
-
-
-class KVNotWritten(_IdentityError):
-    """Attention would read slots the worker has not written in this incarnation."""
-
-    reason = "KV_NOT_WRITTEN"
-
-
-def _named(op: Op) -> tuple:
+def _named(op: Op) -> tuple[object, ...]:
     """The existing sequences an operation extends, commits or forks from."""
-    kind = type(op)
-    if kind is DecodeAppend:
+    if type(op) is DecodeAppend:
         return tuple(op.seq_ids) if isinstance(op.seq_ids, (list, tuple)) else ()
-    if kind is Fork:
+    if type(op) is Fork:
         return (op.parent_seq_id,)
     return (getattr(op, "seq_id", None),)
 
@@ -190,7 +122,7 @@ class PoolIdentity:
         hits: list[str] = []
         first = None
         for index, op in enumerate(ops):
-            if type(op) in (Free, Allocate):
+            if type(op) is Free or type(op) is Allocate:
                 if type(op.seq_id) is str:
                     fresh.add(op.seq_id)
                 continue
@@ -227,15 +159,4 @@ class PoolIdentity:
         return identity
 
 
-__all__ = [
-    "KVLost",
-    "KVNotWritten",
-    "PoolIdentity",
-    "PoolIncarnationMismatch",
-    "PoolIncarnationUnavailable",
-    "WorkerIncarnationMismatch",
-    "legacy_incarnation",
-    "listed",
-    "new_incarnation",
-    "short",
-]
+__all__ = ["MAX_KNOWN_WORKERS", "MAX_LOSS_NOTES", "PoolIdentity", "legacy_incarnation"]

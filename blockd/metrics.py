@@ -27,25 +27,23 @@ allocator core never imports this module.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections import Counter as _Tally
 from collections.abc import Callable, Iterable, Sequence
-from wsgiref.simple_server import WSGIServer
 
 import grpc
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from blockd.core.types import Allocate, Append, Commit, DecodeAppend, Fork, Free, PoolStats
+from blockd.rpc.metrics_http import MetricsServer, serve_metrics
 
 #: operation kinds, as ``kind`` label values; DecodeAppend counts once per op
 OP_KINDS = {Allocate: "allocate", Append: "append", DecodeAppend: "decode_append",
             Commit: "commit", Fork: "fork", Free: "free"}
 UNKNOWN_POOL = "_unknown_"
-DEFAULT_METRICS_ADDR = "127.0.0.1"
 #: a step is a few µs to a few ms in memory; fsync=always adds a disk flush
 STEP_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
                 0.25, 0.5, 1.0, 2.5)
@@ -63,6 +61,9 @@ def outcome_of(err: BaseException | None) -> str:
     return code.lower() if isinstance(code, str) else "internal"
 
 
+_Family = GaugeMetricFamily | CounterMetricFamily
+
+
 def _gauge(name: str, doc: str, labels: Sequence[str] = ("pool",), unit: str = "") -> GaugeMetricFamily:
     return GaugeMetricFamily(name, doc, labels=list(labels), unit=unit)
 
@@ -78,7 +79,7 @@ class EngineCollector(Collector):
         self._engine = engine
         self._on_pools = on_pools
 
-    def _families(self) -> dict[str, Metric]:
+    def _families(self) -> dict[str, _Family]:
         return {
             "blocks": _gauge("blockd_pool_blocks", "Blocks of the pool by state: free (on the free list), "
                              "used (referenced by a sequence), evictable (cached prefix, ref count 0).",
@@ -124,8 +125,9 @@ class EngineCollector(Collector):
         return families.values()
 
     @staticmethod
-    def _add_pool(families: dict[str, Metric], s: PoolStats) -> None:
+    def _add_pool(families: dict[str, _Family], s: PoolStats) -> None:
         pool = [s.name]
+        value: float
         for state, value in (("free", s.num_free_blocks), ("used", s.num_used_blocks),
                              ("evictable", s.num_evictable_blocks)):
             families["blocks"].add_metric([s.name, state], value)
@@ -246,20 +248,6 @@ def rpc_interceptor(metrics: BlockdMetrics) -> grpc.ServerInterceptor:
     return _RpcInterceptor(metrics.rpc_duration)
 
 
-class MetricsServer:
-    """A running ``/metrics`` HTTP endpoint; ``port`` is the bound port."""
-
-    def __init__(self, server: WSGIServer, thread: threading.Thread) -> None:
-        self._server = server
-        self._thread = thread
-        self.addr, self.port = server.server_address[:2]
-
-    def close(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-        self._thread.join(5)
-
-
 def start_metrics_server(engine, port: int, metrics: BlockdMetrics | None = None,
                          addr: str | None = None) -> tuple[BlockdMetrics, MetricsServer]:
     """Serve ``engine``'s metrics on ``addr:port`` (port 0 picks a free one).
@@ -268,13 +256,9 @@ def start_metrics_server(engine, port: int, metrics: BlockdMetrics | None = None
     on loopback unless an operator (or a container) opens them up. ``metrics``
     is attached to ``engine`` here unless it already is.
     """
-    if type(port) is not int or not 0 <= port <= 65535:
-        raise ValueError(f"metrics port must be an int in 0..65535, got {port!r}")
     metrics = metrics if metrics is not None else BlockdMetrics()
     if metrics.engine is None:
         metrics.attach(engine)
     elif metrics.engine is not engine:
         raise ValueError("metrics is attached to another engine")
-    host = addr if addr is not None else os.environ.get("BLOCKD_METRICS_ADDR", DEFAULT_METRICS_ADDR)
-    server, thread = start_http_server(port, addr=host, registry=metrics.registry)
-    return metrics, MetricsServer(server, thread)
+    return metrics, serve_metrics(metrics.registry, port, addr)

@@ -20,16 +20,19 @@ from __future__ import annotations
 import os
 import shutil
 import time
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from blockd.datadir import DataDirError, Reader, advice
 from blockd.datadir_lock import LOCK_NAME, DataDirLock, DataDirLocked
 from blockd.wal import COMPACT_LOCK, SEGMENT_HEADER, DirLock, fsync_dir, parse_name
 
+if TYPE_CHECKING:
+    from blockd.engine import Engine
+
 _LOCKS = (COMPACT_LOCK, LOCK_NAME)
 
 
-def _replay(data_dir: str) -> tuple[Reader, object, DataDirError | None]:
+def _replay(data_dir: str) -> tuple[Reader, Engine | None, DataDirError | None]:
     from blockd.engine import Engine
 
     reader = Reader(data_dir)
@@ -81,6 +84,7 @@ def check(data_dir: str, out: TextIO) -> int:
         print(f"blockd would refuse to start with this error (nothing was changed): {advice(err, checked=True)}",
               file=out)
         return 1
+    assert engine is not None, "a replay without an error gives an engine"
     print(f"last lsn {reader.last_lsn}; {reader.records_after_snapshot} records after the snapshot "
           f"({reader.bytes_after_snapshot} bytes) to replay", file=out)
     for stats in sorted(engine.list_pools(), key=lambda s: s.name):
@@ -96,6 +100,7 @@ def _cut_plan(data_dir: str, err: DataDirError) -> tuple[str, int, list[str]]:
                       if (parsed := parse_name(name)) and parsed[0] == "segment")
     first = next(lsn for lsn, name in segments if name == err.name)
     later = [name for lsn, name in segments if lsn > first]
+    assert err.offset is not None, "only damage at an offset is cut"
     if err.offset <= SEGMENT_HEADER.size:
         # the segment's header or its first record: keeping an empty husk would
         # only leave a gap for the next start to trip over

@@ -34,6 +34,7 @@ standard library.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import itertools
 import json
@@ -116,7 +117,7 @@ class DirLock:
                 self._fd = fd
                 return True
             except BlockingIOError:
-                if time.monotonic() >= deadline:
+                if deadline is None or time.monotonic() >= deadline:
                     os.close(fd)
                     return False
                 time.sleep(0.05)
@@ -162,10 +163,8 @@ def remove_replaced(data_dir: str, lsn: int) -> list[str]:
     doomed = [name for (_, name), (nxt, _) in itertools.pairwise(segments) if nxt <= lsn + 1]
     doomed += [n for n in names if (parsed := parse_name(n)) and parsed[0] == "snapshot" and parsed[1] < lsn]
     for name in doomed:
-        try:
+        with contextlib.suppress(FileNotFoundError):  # pruned already (an operator's `blockd compact`)
             os.unlink(os.path.join(data_dir, name))
-        except FileNotFoundError:  # pruned already (an operator's `blockd compact`)
-            pass
     fsync_dir(data_dir)
     return doomed
 
@@ -216,12 +215,17 @@ class WriteAheadLog:
         fsync_dir(self.data_dir)
         self._fd, self._segment_first = fd, first_lsn
 
+    @property
+    def _open_fd(self) -> int:
+        assert self._fd is not None, "the log is not open"
+        return self._fd
+
     def append(self, record: dict) -> int:
         """Write one record (durable per the fsync policy) and return its LSN."""
         self.lsn += 1
         frame = encode_frame(self.lsn, json.dumps(record, separators=(",", ":")).encode())
         with self._io_lock:
-            os.write(self._fd, frame)
+            os.write(self._open_fd, frame)
             self.bytes_since_snapshot += len(frame)
             if self.fsync == "always":
                 self._sync_locked()
@@ -231,7 +235,7 @@ class WriteAheadLog:
 
     def _sync_locked(self) -> None:
         start = time.perf_counter()
-        os.fsync(self._fd)
+        os.fsync(self._open_fd)
         self._dirty = False
         if self.observe_sync is not None:
             self.observe_sync(time.perf_counter() - start)
@@ -253,9 +257,9 @@ class WriteAheadLog:
             self.bytes_since_snapshot = 0
             if self._segment_first > self.lsn:
                 return self.lsn
-            os.fsync(self._fd)
+            os.fsync(self._open_fd)
             self._dirty = False
-            os.close(self._fd)
+            os.close(self._open_fd)
             self._open_segment(self.lsn + 1)
             return self.lsn
 

@@ -12,45 +12,18 @@ The clock is injected so tests need not sleep.
 
 A worker's address is what schedulers dial, so registration refuses one no
 other host can reach (``0.0.0.0``, ``::``, port 0: see
-:mod:`blockd.addresses`); an empty address registers a worker that serves
+:mod:`blockd.rpc.addresses`); an empty address registers a worker that serves
 nothing (a follower only).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
-from blockd.addresses import unroutable_reason
 from blockd.core.errors import InvalidArgument, NotFound, shown
-from blockd.core.types import PoolConfig
+from blockd.core.types import MAX_DEVICE_LEN, PoolConfig, WorkerInfo, WorkerStatus
 from blockd.core.validate import MAX_ID_LEN, check_int, check_name
-
-#: longest device name a worker may report
-MAX_DEVICE_LEN = 64
-
-
-@dataclass(frozen=True)
-class WorkerInfo:
-    worker_id: str
-    pool: str
-    address: str = ""
-    layer_start: int = 0
-    layer_end: int = 0
-    kv_head_start: int = 0
-    kv_head_end: int = 0
-    pool_bytes: int = 0
-    device: str = "cpu"
-    #: a random id the worker process made when it started (required to register)
-    incarnation: str = ""
-
-
-@dataclass(frozen=True)
-class WorkerStatus:
-    info: WorkerInfo
-    is_up: bool
-    last_heartbeat_age_s: float
-    applied_version: int
+from blockd.rpc.addresses import unroutable_reason
 
 
 class WorkerRegistry:
@@ -109,4 +82,4 @@ class WorkerRegistry:
             del self._workers[worker_id]
 
 
-__all__ = ["MAX_DEVICE_LEN", "WorkerInfo", "WorkerRegistry", "WorkerStatus"]
+__all__ = ["WorkerRegistry"]

@@ -6,14 +6,14 @@
         async for delta in client.watch("llama", from_version=step.version):
             ...
 
-Requests and replies are built and read in :mod:`client.calls` (shared with
+Requests are built and replies read in :mod:`client.messages` (shared with
 the sync client); the same deadlines, retries and request ids apply.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import AsyncGenerator, Callable, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 import grpc.aio
@@ -31,28 +31,37 @@ from blockd.core.types import (
     OpResult,
     PoolConfig,
     PoolStats,
+    SequenceInfo,
+    Snapshot,
     StepResult,
     VersionDelta,
+    WorkerInfo,
+    WorkerStatus,
 )
-from blockd.engine import SequenceInfo, Snapshot
-from blockd.workers import WorkerInfo, WorkerStatus
-from client import calls
-from client.calls import Call
+from blockd.rpc import convert
+from blockd.v1 import blockd_pb2 as pb
+from blockd.v1 import blockd_pb2_grpc as pb_grpc
+from client import messages
+from client.channel import DEFAULT_MAX_ATTEMPTS, DEFAULT_TARGET, DEFAULT_TIMEOUT_S, channel_options
 from client.errors import from_rpc_error
 
 if TYPE_CHECKING:
     from typing_extensions import Self
 
+T = TypeVar("T")
+
 
 class AsyncBlockdClient:
     """A connection to one blockd daemon for one event loop."""
 
-    def __init__(self, target: str = calls.DEFAULT_TARGET, *, timeout_s: float = calls.DEFAULT_TIMEOUT_S,
-                 max_attempts: int = calls.DEFAULT_MAX_ATTEMPTS) -> None:
+    def __init__(self, target: str = DEFAULT_TARGET, *, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 max_attempts: int = DEFAULT_MAX_ATTEMPTS) -> None:
         self.target = target
         self.timeout_s = timeout_s
-        self._channel = grpc.aio.insecure_channel(target, options=calls.channel_options(max_attempts))
-        self._rpc = calls.bind(self._channel)
+        self._channel = grpc.aio.insecure_channel(target, options=channel_options(max_attempts))
+        self._pools = pb_grpc.PoolServiceStub(self._channel)
+        self._blocks = pb_grpc.BlockServiceStub(self._channel)
+        self._workers = pb_grpc.WorkerServiceStub(self._channel)
 
     async def close(self) -> None:
         await self._channel.close()
@@ -63,19 +72,18 @@ class AsyncBlockdClient:
     async def __aexit__(self, *exc) -> None:
         await self.close()
 
-    async def _call(self, call: Call, *args, timeout_s: float | None = None):
-        request = call.request(*args)
+    async def _unary(self, method: Callable[..., Any], request: Any, timeout_s: float | None = None) -> Any:
         try:
-            reply = await self._rpc[call.method](request, timeout=timeout_s or self.timeout_s)
+            return await method(request, timeout=timeout_s or self.timeout_s)
         except grpc.RpcError as err:
             raise from_rpc_error(err) from None
-        return call.reply(reply)
 
-    async def _stream(self, call: Call, *args, timeout_s: float | None = None) -> AsyncGenerator:
-        stream = self._rpc[call.method](call.request(*args), timeout=timeout_s)
+    async def _stream(self, method: Callable[..., Any], request: Any, read: Callable[[Any], T],
+                      timeout_s: float | None) -> AsyncGenerator[T, None]:
+        stream = method(request, timeout=timeout_s)
         try:
             async for reply in stream:
-                yield call.reply(reply)
+                yield read(reply)
         except grpc.RpcError as err:
             raise from_rpc_error(err) from None
         finally:
@@ -83,82 +91,99 @@ class AsyncBlockdClient:
 
     # --- pools -------------------------------------------------------------------
     async def create_pool(self, config: PoolConfig, *, request_id: str | None = None) -> PoolStats:
-        return await self._call(calls.CREATE_POOL, config, request_id)
+        reply = await self._unary(self._pools.CreatePool, messages.create_pool_request(config, request_id))
+        return convert.stats_from_proto(reply.stats)
 
     async def get_pool(self, pool: str) -> PoolStats:
-        return await self._call(calls.GET_POOL, pool)
+        reply = await self._unary(self._pools.GetPool, pb.GetPoolRequest(pool=pool))
+        return convert.stats_from_proto(reply.stats)
 
     async def pool_config(self, pool: str) -> PoolConfig:
-        return await self._call(calls.POOL_CONFIG, pool)
+        reply = await self._unary(self._pools.GetPool, pb.GetPoolRequest(pool=pool))
+        return convert.pool_config_from_reply(reply.config)
 
     async def list_pools(self) -> list[PoolStats]:
-        return await self._call(calls.LIST_POOLS)
+        reply = await self._unary(self._pools.ListPools, pb.ListPoolsRequest())
+        return [convert.stats_from_proto(s) for s in reply.pools]
 
     async def delete_pool(self, pool: str, *, request_id: str | None = None) -> None:
-        await self._call(calls.DELETE_POOL, pool, request_id)
+        await self._unary(self._pools.DeletePool, messages.delete_pool_request(pool, request_id))
 
     async def reset_prefix_cache(self, pool: str, *, request_id: str | None = None) -> None:
-        await self._call(calls.RESET_PREFIX_CACHE, pool, request_id)
+        await self._unary(self._pools.ResetPrefixCache, messages.reset_prefix_cache_request(pool, request_id))
 
     # --- steps ---------------------------------------------------------------------
     async def step(self, pool: str, ops: Sequence[Op], *, request_id: str | None = None,
                    timeout_s: float | None = None, dry_run: bool = False, incarnation: str = "") -> StepResult:
-        return await self._call(calls.STEP, pool, ops, request_id, dry_run, incarnation, timeout_s=timeout_s)
+        """Like :meth:`client.sdk.BlockdClient.step`."""
+        request = messages.step_request(pool, ops, request_id, dry_run, incarnation)
+        return convert.step_result_from_proto(await self._unary(self._blocks.Step, request, timeout_s))
+
+    async def _one(self, pool: str, op: Op, request_id: str | None) -> OpResult:
+        return (await self.step(pool, [op], request_id=request_id)).results[0]
 
     async def allocate(self, pool: str, seq_id: str, prompt_token_ids: Sequence[int],
                        extra_keys: ExtraKeys | None = None, *, request_id: str | None = None) -> OpResult:
-        op = Allocate(seq_id, list(prompt_token_ids), calls.extra_or_none(extra_keys))
-        return await self._call(calls.STEP_ONE, pool, op, request_id)
+        op = Allocate(seq_id, list(prompt_token_ids), messages.extra_or_none(extra_keys))
+        return await self._one(pool, op, request_id)
 
     async def append(self, pool: str, seq_id: str, token_ids: Sequence[int], *,
                      request_id: str | None = None) -> OpResult:
-        return await self._call(calls.STEP_ONE, pool, Append(seq_id, list(token_ids)), request_id)
+        return await self._one(pool, Append(seq_id, list(token_ids)), request_id)
 
     async def decode_append(self, pool: str, seq_ids: Sequence[str], token_ids: Sequence[int], *,
                             request_id: str | None = None) -> OpResult:
-        return await self._call(calls.STEP_ONE, pool, DecodeAppend(list(seq_ids), list(token_ids)), request_id)
+        return await self._one(pool, DecodeAppend(list(seq_ids), list(token_ids)), request_id)
 
     async def commit(self, pool: str, seq_id: str, num_tokens: int, *,
                      request_id: str | None = None) -> OpResult:
-        return await self._call(calls.STEP_ONE, pool, Commit(seq_id, num_tokens), request_id)
+        return await self._one(pool, Commit(seq_id, num_tokens), request_id)
 
     async def fork(self, pool: str, parent_seq_id: str, child_seq_id: str, *,
                    request_id: str | None = None) -> OpResult:
-        return await self._call(calls.STEP_ONE, pool, Fork(parent_seq_id, child_seq_id), request_id)
+        return await self._one(pool, Fork(parent_seq_id, child_seq_id), request_id)
 
     async def free(self, pool: str, seq_id: str, *, request_id: str | None = None) -> OpResult:
-        return await self._call(calls.STEP_ONE, pool, Free(seq_id), request_id)
+        return await self._one(pool, Free(seq_id), request_id)
 
     # --- reads and streams -----------------------------------------------------------
     async def get_tables(self, pool: str, seq_ids: Sequence[str] = ()) -> tuple[int, dict[str, list[int]]]:
-        return await self._call(calls.GET_TABLES, pool, seq_ids)
+        reply = await self._unary(self._blocks.GetTables, pb.GetTablesRequest(pool=pool, seq_ids=list(seq_ids)))
+        return messages.tables_reply(reply)
 
     async def get_sequence(self, pool: str, seq_id: str) -> SequenceInfo:
-        return await self._call(calls.GET_SEQUENCE, pool, seq_id)
+        reply = await self._unary(self._blocks.GetSequence, pb.GetSequenceRequest(pool=pool, seq_id=seq_id))
+        return convert.sequence_from_proto(reply)
 
     def watch(self, pool: str, from_version: int = 0, *, incarnation: str = "",
               timeout_s: float | None = None) -> AsyncGenerator[Snapshot | VersionDelta, None]:
         """Like :meth:`client.sdk.BlockdClient.watch`. An async generator is only
         finalised when closed: leave it early inside ``contextlib.aclosing(...)``
         (or ``await it.aclose()``) so the call is cancelled at once."""
-        return self._stream(calls.WATCH, pool, from_version, incarnation, timeout_s=timeout_s)
+        request = pb.WatchRequest(pool=pool, from_version=from_version, pool_incarnation=incarnation)
+        return self._stream(self._blocks.Watch, request, convert.watch_item_from_proto, timeout_s)
 
     def events(self, pool: str, from_seq_no: int = 0, *,
                timeout_s: float | None = None) -> AsyncGenerator[KVEvent, None]:
         """Like :meth:`client.sdk.BlockdClient.events`; close it as :meth:`watch` says."""
-        return self._stream(calls.EVENTS, pool, from_seq_no, timeout_s=timeout_s)
+        request = pb.EventsRequest(pool=pool, from_seq_no=from_seq_no)
+        return self._stream(self._blocks.Events, request, messages.event_reply, timeout_s)
 
     async def lookup_prefix(self, token_ids: Sequence[int], extra_keys: ExtraKeys | None = None,
                             pools: Sequence[str] = ()) -> dict[str, int]:
-        return await self._call(calls.LOOKUP_PREFIX, token_ids, extra_keys, pools)
+        request = messages.lookup_prefix_request(token_ids, extra_keys, pools)
+        return dict((await self._unary(self._blocks.LookupPrefix, request)).num_cached_tokens)
 
     # --- workers -----------------------------------------------------------------------
     async def register_worker(self, info: WorkerInfo, *, request_id: str | None = None) -> WorkerStatus:
-        return await self._call(calls.REGISTER_WORKER, info, request_id)
+        request = messages.register_worker_request(info, request_id)
+        return convert.worker_status_from_proto((await self._unary(self._workers.RegisterWorker, request)).status)
 
     async def heartbeat(self, worker_id: str, applied_version: int, *,
                         request_id: str | None = None) -> WorkerStatus:
-        return await self._call(calls.HEARTBEAT, worker_id, applied_version, request_id)
+        request = messages.heartbeat_request(worker_id, applied_version, request_id)
+        return convert.worker_status_from_proto((await self._unary(self._workers.Heartbeat, request)).status)
 
     async def list_workers(self, pool: str | None = None) -> list[WorkerStatus]:
-        return await self._call(calls.LIST_WORKERS, pool)
+        reply = await self._unary(self._workers.ListWorkers, pb.ListWorkersRequest(pool=pool or ""))
+        return [convert.worker_status_from_proto(w) for w in reply.workers]

@@ -33,9 +33,10 @@ import argparse
 import json
 import sys
 from collections.abc import Callable
+from typing import Any
 
 from blockd import config_env
-from client.calls import DEFAULT_TARGET
+from client.channel import DEFAULT_TARGET
 from client.cli_cluster import add_health, add_workers
 from client.cli_common import EPILOG, EXIT_CODES, CommandFailed, Exit, emit, jsonable, render_table
 from client.cli_ha import add_cluster
@@ -125,7 +126,7 @@ COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
 def _add_global_flags(parser: argparse.ArgumentParser, after_command: bool) -> None:
     """``--target``, ``--json``, ``--timeout-s``: before the command, and again
     after it (with no default there, so a flag given before is not undone)."""
-    kwargs = {"default": argparse.SUPPRESS} if after_command else {}
+    kwargs: dict[str, Any] = {"default": argparse.SUPPRESS} if after_command else {}
     parser.add_argument("--target", help="blockd (or, for health, a worker) address HOST:PORT",
                         **(kwargs or {"default": DEFAULT_TARGET}))
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables",

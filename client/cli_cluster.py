@@ -44,7 +44,9 @@ def check_health(target: str, service: str = "", timeout_s: float = 5.0) -> str:
     with grpc.insecure_channel(target) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
-            reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
+            # the stubs declare HealthStub's methods on a generic base mypy does not see through
+            reply = stub.Check(health_pb2.HealthCheckRequest(service=service),  # type: ignore[attr-defined]
+                               timeout=timeout_s)
         except grpc.RpcError as err:
             raise from_rpc_error(err) from None
     return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)

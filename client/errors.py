@@ -1,8 +1,9 @@
 """The SDK's exceptions: one class per gRPC status a caller handles differently.
 
 :func:`from_rpc_error` turns a ``grpc.RpcError`` (sync or asyncio) into a
-:class:`BlockdClientError` subclass chosen by status code, with the
-``google.rpc`` details blockd attaches unpacked:
+:class:`BlockdClientError` subclass chosen by status code (:func:`error_for`,
+which an in-process backend uses too), with the ``google.rpc`` details blockd
+attaches unpacked:
 
 * ``details``  - the detail messages (``ErrorInfo``, ``BadRequest``, ...);
 * ``reason``   - ``ErrorInfo.reason`` (``NO_ROOM``, ``NOT_FOUND``, ...);
@@ -149,14 +150,18 @@ def _unpack(status) -> tuple[Message, ...]:
     return tuple(details)
 
 
+def error_for(code: grpc.StatusCode, message: str, details: tuple[Message, ...] = ()) -> BlockdClientError:
+    """The SDK exception for a failure with this status code, message and details."""
+    cls = _BY_CODE.get(code, BlockdClientError)
+    return cls(message, code=code, details=details)
+
+
 def from_rpc_error(err: grpc.RpcError) -> BlockdClientError:
     """The SDK exception for a failed call (works for sync and asyncio calls)."""
     code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
     message = (err.details() if hasattr(err, "details") else None) or str(err)
     try:
-        status = rpc_status.from_call(err)
+        status = rpc_status.from_call(err)  # type: ignore[arg-type]  # a failed call is its RpcError
     except ValueError:  # status details that disagree with the call's code/message
         status = None
-    details = _unpack(status) if status is not None else ()
-    cls = _BY_CODE.get(code, BlockdClientError)
-    return cls(message, code=code, details=details)
+    return error_for(code, message, _unpack(status) if status is not None else ())

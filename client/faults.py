@@ -1,7 +1,7 @@
 """How :class:`client.scheduler.Scheduler` survives faults: a mixin holding its
 fault policy, apart from the planning it interrupts.
 
-Faults (see DESIGN.md, incarnations). Every step names the pool incarnation
+Faults (see docs/protocol.md, Incarnations). Every step names the pool incarnation
 of the previous one, and every model step the incarnation its version belongs
 to, so nothing planned on one pool runs on another:
 
@@ -32,7 +32,13 @@ from client.errors import BlockdClientError, FailedPreconditionError
 from client.serving import finish
 
 if TYPE_CHECKING:
-    from client.serving import RequestState
+    from collections import deque
+    from collections.abc import Callable
+
+    from blockd.core.types import Op
+    from client.backends import BlockdBackend, ModelExecutor
+    from client.scheduler import SchedulerConfig, SchedulerCounters
+    from client.serving import PagingAdmission, RequestOutput, RequestState, ReservationAdmission
 
 #: model-step refusals a worker fault explains: recompute and carry on
 WORKER_FAULTS = frozenset({"KV_NOT_WRITTEN", "WORKER_INCARNATION_MISMATCH", "POOL_INCARNATION_UNAVAILABLE"})
@@ -45,6 +51,23 @@ class PoolGone(Exception):
 
 class FaultRecovery:
     """The scheduler's reactions to lost KV and to a pool gone (see the module docstring)."""
+
+    if TYPE_CHECKING:  # the scheduler's state this mixin works on (client.scheduler.Scheduler)
+        client: BlockdBackend
+        pool: str
+        executor: ModelExecutor
+        config: SchedulerConfig
+        clock: Callable[[], float]
+        counters: SchedulerCounters
+        admission: PagingAdmission | ReservationAdmission
+        waiting: deque[RequestState]
+        running: list[RequestState]
+        pool_incarnation: str
+        _finished: list[RequestOutput]
+        _release: list[Op]
+        _admission_blocked: bool
+
+        def _preempt(self, state: RequestState, *, kv_lost: bool = False) -> None: ...
 
     def _preempt_lost(self, states: list[RequestState]) -> None:
         for state in reversed(states):  # newest first, so the oldest ends first in the queue

@@ -1,14 +1,9 @@
-"""One model replica's workers as the scheduler sees them: a packed batch in,
-one greedy next token per sequence out.
+"""One model replica's workers over gRPC, as the scheduler's
+:class:`~client.backends.ModelExecutor`: a packed batch in, one greedy next
+token per sequence out.
 
-:class:`ModelBatch` is the step contract of the workers' ``ModelStep`` RPC
-(see :meth:`client.worker.WorkerClient.model_step`)::
-
-    seq i:  |<------------- context_lens[i] ------------->|
-            |  already in the pool (cached)  | query_lens[i] new tokens |
-
-``token_ids`` and ``slot_mapping`` hold the sequences' new tokens, packed in
-batch order. :class:`WorkerGroup` sends it to every worker of the replica: one
+:class:`WorkerGroup` sends a :class:`~client.backends.ModelBatch` to every
+worker of the replica: one
 worker holding the whole model, or a tensor-parallel group whose ranks each
 hold a share of the KV heads and must all run the same step at once (their
 collectives wait for each other). Rank 0's tokens are the answer; every other
@@ -27,9 +22,9 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
+from client.backends import ModelBatch
 from client.errors import BlockdClientError, UnavailableError
 from client.worker import WorkerClient
 
@@ -37,53 +32,12 @@ if TYPE_CHECKING:
     from typing_extensions import Self
 
 
-@dataclass
-class ModelBatch:
-    """One step's sequences and their new tokens, in batch order."""
-
-    seq_ids: list[str] = field(default_factory=list)
-    query_lens: list[int] = field(default_factory=list)
-    context_lens: list[int] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)
-    slot_mapping: list[int] = field(default_factory=list)
-
-    def add(self, seq_id: str, context_len: int, token_ids: Sequence[int], slots: Sequence[int]) -> None:
-        """Sequence ``seq_id`` computes ``token_ids`` at positions
-        ``context_len - len(token_ids) .. context_len - 1`` into ``slots``."""
-        if not token_ids or len(token_ids) != len(slots) or context_len < len(token_ids):
-            raise ValueError(f"sequence {seq_id!r}: need 1 <= {len(token_ids)} new tokens <= context "
-                             f"{context_len}, one slot each (got {len(slots)})")
-        self.seq_ids.append(seq_id)
-        self.query_lens.append(len(token_ids))
-        self.context_lens.append(context_len)
-        self.token_ids.extend(token_ids)
-        self.slot_mapping.extend(slots)
-
-    @property
-    def num_seqs(self) -> int:
-        return len(self.seq_ids)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-
-class ModelExecutor(Protocol):
-    """What the scheduler needs from a model replica."""
-
-    def run(self, version: int, batch: ModelBatch, *, pool_incarnation: str = "") -> list[int]:
-        """Greedy next token of each sequence of ``batch``, at pool ``version``
-        of ``pool_incarnation``. May also have ``reconnect(timeout_s)``, which
-        the scheduler calls after a worker fault (see :class:`WorkerGroup`)."""
-        ...
-
-
 class TensorParallelMismatch(RuntimeError):
     """Ranks of one tensor-parallel group returned different tokens."""
 
 
 class WorkerGroup:
-    """The workers of one model replica (rank order), as one :class:`ModelExecutor`."""
+    """The workers of one model replica (rank order), as one :class:`~client.backends.ModelExecutor`."""
 
     def __init__(self, pool: str, targets: Sequence[str], *, timeout_s: float = 60.0) -> None:
         if not targets:
@@ -108,7 +62,8 @@ class WorkerGroup:
 
     def reconnect(self, timeout_s: float = 120.0) -> bool:
         """Wait until every worker answers, and learn its incarnation; True if
-        one changed (a worker restarted). Raises the last error after ``timeout_s``."""
+        one changed (a worker restarted). Raises the last error after
+        ``timeout_s``, naming the rank that does not answer."""
         deadline = time.monotonic() + timeout_s
         changed = False
         for rank, worker in enumerate(self.workers):
@@ -119,7 +74,7 @@ class WorkerGroup:
                     break
                 except BlockdClientError as err:
                     if time.monotonic() > deadline:
-                        raise self._group_error([(rank, err)]) from None
+                        raise self._group_error([(rank, err)]) from None  # names the rank and its address
                     time.sleep(0.2)
         return changed
 
@@ -138,8 +93,8 @@ class WorkerGroup:
         others = "; ".join(f"rank {r} ({self.workers[r].target}): "
                            + (e.code.name if isinstance(e, BlockdClientError) else type(e).__name__)
                            for r, e in failed if r != rank)
-        message = f"rank {rank} ({self.workers[rank].target}) of the worker group of pool {self.pool!r}: " \
-                  f"{err.message}" + (f" [also failed: {others}]" if others else "")
+        message = (f"rank {rank} ({self.workers[rank].target}) of the worker group of pool {self.pool!r}: "
+                   f"{err.message}" + (f" [also failed: {others}]" if others else ""))
         return type(err)(message, code=err.code, details=err.details)
 
     def run(self, version: int, batch: ModelBatch, *, pool_incarnation: str = "") -> list[int]:
@@ -149,7 +104,7 @@ class WorkerGroup:
                    for worker in self.workers]
         # wait for every rank before raising any rank's error: no call is left running
         wait(futures)
-        failed = [(rank, future.exception()) for rank, future in enumerate(futures) if future.exception()]
+        failed = [(rank, err) for rank, future in enumerate(futures) if (err := future.exception()) is not None]
         if failed:
             raise self._group_error(failed)
         answers = [future.result() for future in futures]

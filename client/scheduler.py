@@ -2,8 +2,9 @@
 
 Owns the serving loop of one model replica: which requests run, what each
 step sends to blockd and to the workers, preemption, and the per-request
-results. Request and sequence state is :mod:`client.serving`; the workers are
-behind :class:`client.model_group.ModelExecutor`. One scheduler step::
+results. Request and sequence state is :mod:`client.serving`; blockd and the
+workers are behind the protocols of :mod:`client.backends` (over gRPC, or in
+process for simulations). One scheduler step::
 
     plan     Commit + Free of sequences finished (or preempted) since the last step
              Commit of the prompt tokens the last step computed (chunked prefill)
@@ -11,7 +12,7 @@ behind :class:`client.model_group.ModelExecutor`. One scheduler step::
              DecodeAppend the last sampled token of every decoding sequence
              Allocate waiting requests, FCFS, while the token budget lasts
              (prefix reuse: the pool says how many leading tokens are cached)
-    blockd   ONE BlockdClient.step with all of it, atomic; on RESOURCE_EXHAUSTED
+    blockd   ONE BlockdBackend.step with all of it, atomic; on RESOURCE_EXHAUSTED
              nothing changed, so: an Allocate refused -> admit only the requests
              before it (and no more until a sequence is freed); a running
              sequence's append refused -> preempt the newest running request
@@ -38,10 +39,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from blockd.core.types import Allocate, Commit, DecodeAppend, Fork, Free, Op, StepResult
+from client.backends import BlockdBackend, ModelBatch, ModelExecutor
 from client.errors import BlockdClientError, FailedPreconditionError, NotFoundError, ResourceExhaustedError
 from client.faults import FaultRecovery, PoolGone
-from client.model_group import ModelBatch, ModelExecutor
-from client.sdk import BlockdClient
 from client.serving import (
     GenerationRequest,
     PagingAdmission,
@@ -117,7 +117,7 @@ class Scheduler(FaultRecovery):
     ``clock`` gives seconds for the timings (injected for tests).
     """
 
-    def __init__(self, client: BlockdClient, pool: str, executor: ModelExecutor,
+    def __init__(self, client: BlockdBackend, pool: str, executor: ModelExecutor,
                  config: SchedulerConfig = SchedulerConfig(), *,
                  admission: PagingAdmission | ReservationAdmission | None = None,
                  clock: Callable[[], float] = time.perf_counter) -> None:
@@ -145,10 +145,6 @@ class Scheduler(FaultRecovery):
             raise ValueError(f"request id {request.request_id!r} was already given to this scheduler")
         self._known_ids.add(request.request_id)
         self.waiting.append(RequestState(request, self.clock()))
-
-    @property
-    def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
 
     @property
     def is_idle(self) -> bool:

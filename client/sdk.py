@@ -3,7 +3,7 @@
 Results are blockd's plain dataclasses (:class:`~blockd.core.types.PoolStats`,
 :class:`~blockd.core.types.StepResult`, :class:`~blockd.core.types.OpResult`,
 :class:`~blockd.core.types.KVEvent`, :class:`~blockd.core.types.VersionDelta`,
-:class:`~blockd.engine.Snapshot`, :class:`~blockd.workers.WorkerStatus`, ...),
+:class:`~blockd.core.types.Snapshot`, :class:`~blockd.core.types.WorkerStatus`, ...),
 failures are :mod:`client.errors` exceptions. Every unary call has a deadline
 (``timeout_s``), UNAVAILABLE is retried by the channel, and mutations carry a
 request id so those retries are safe. Streams (``watch``, ``events``) have no
@@ -14,14 +14,15 @@ deadline unless one is given; closing their iterator cancels the call.
         result = client.allocate("llama", "req-1", prompt_token_ids)
         slots = client.decode_append("llama", ["req-1"], [next_token]).slot_mapping
 
-Requests and replies are built and read in :mod:`client.calls`, shared with
-:mod:`client.aio`.
+Each method builds its request (:mod:`client.messages`, shared with
+:mod:`client.aio`), calls its stub method, and reads the reply: follow
+:meth:`BlockdClient.step` to ``BlockService.Step`` in three lines.
 """
 
 from __future__ import annotations
 
-from collections.abc import Generator, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Generator, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 
@@ -38,28 +39,37 @@ from blockd.core.types import (
     OpResult,
     PoolConfig,
     PoolStats,
+    SequenceInfo,
+    Snapshot,
     StepResult,
     VersionDelta,
+    WorkerInfo,
+    WorkerStatus,
 )
-from blockd.engine import SequenceInfo, Snapshot
-from blockd.workers import WorkerInfo, WorkerStatus
-from client import calls
-from client.calls import Call
+from blockd.rpc import convert
+from blockd.v1 import blockd_pb2 as pb
+from blockd.v1 import blockd_pb2_grpc as pb_grpc
+from client import messages
+from client.channel import DEFAULT_MAX_ATTEMPTS, DEFAULT_TARGET, DEFAULT_TIMEOUT_S, channel_options
 from client.errors import from_rpc_error
 
 if TYPE_CHECKING:
     from typing_extensions import Self
 
+T = TypeVar("T")
+
 
 class BlockdClient:
     """A connection to one blockd daemon. Thread-safe; share one per process."""
 
-    def __init__(self, target: str = calls.DEFAULT_TARGET, *, timeout_s: float = calls.DEFAULT_TIMEOUT_S,
-                 max_attempts: int = calls.DEFAULT_MAX_ATTEMPTS) -> None:
+    def __init__(self, target: str = DEFAULT_TARGET, *, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 max_attempts: int = DEFAULT_MAX_ATTEMPTS) -> None:
         self.target = target
         self.timeout_s = timeout_s
-        self._channel = grpc.insecure_channel(target, options=calls.channel_options(max_attempts))
-        self._rpc = calls.bind(self._channel)
+        self._channel = grpc.insecure_channel(target, options=channel_options(max_attempts))
+        self._pools = pb_grpc.PoolServiceStub(self._channel)
+        self._blocks = pb_grpc.BlockServiceStub(self._channel)
+        self._workers = pb_grpc.WorkerServiceStub(self._channel)
 
     def close(self) -> None:
         self._channel.close()
@@ -70,19 +80,20 @@ class BlockdClient:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _call(self, call: Call, *args, timeout_s: float | None = None):
-        request = call.request(*args)
+    def _unary(self, method: Callable[..., Any], request: Any, timeout_s: float | None = None) -> Any:
+        """One call with a deadline; a failure raises its :mod:`client.errors` exception."""
         try:
-            reply = self._rpc[call.method](request, timeout=timeout_s or self.timeout_s)
+            return method(request, timeout=timeout_s or self.timeout_s)
         except grpc.RpcError as err:
             raise from_rpc_error(err) from None
-        return call.reply(reply)
 
-    def _stream(self, call: Call, *args, timeout_s: float | None = None) -> Generator:
-        stream = self._rpc[call.method](call.request(*args), timeout=timeout_s)
+    def _stream(self, method: Callable[..., Any], request: Any, read: Callable[[Any], T],
+                timeout_s: float | None) -> Generator[T, None, None]:
+        """A server stream read item by item; closing the generator cancels the call."""
+        stream = method(request, timeout=timeout_s)
         try:
             for reply in stream:
-                yield call.reply(reply)
+                yield read(reply)
         except grpc.RpcError as err:
             raise from_rpc_error(err) from None
         finally:
@@ -90,22 +101,25 @@ class BlockdClient:
 
     # --- pools -------------------------------------------------------------------
     def create_pool(self, config: PoolConfig, *, request_id: str | None = None) -> PoolStats:
-        return self._call(calls.CREATE_POOL, config, request_id)
+        reply = self._unary(self._pools.CreatePool, messages.create_pool_request(config, request_id))
+        return convert.stats_from_proto(reply.stats)
 
     def get_pool(self, pool: str) -> PoolStats:
-        return self._call(calls.GET_POOL, pool)
+        return convert.stats_from_proto(self._unary(self._pools.GetPool, pb.GetPoolRequest(pool=pool)).stats)
 
     def pool_config(self, pool: str) -> PoolConfig:
-        return self._call(calls.POOL_CONFIG, pool)
+        reply = self._unary(self._pools.GetPool, pb.GetPoolRequest(pool=pool))
+        return convert.pool_config_from_reply(reply.config)
 
     def list_pools(self) -> list[PoolStats]:
-        return self._call(calls.LIST_POOLS)
+        reply = self._unary(self._pools.ListPools, pb.ListPoolsRequest())
+        return [convert.stats_from_proto(s) for s in reply.pools]
 
     def delete_pool(self, pool: str, *, request_id: str | None = None) -> None:
-        self._call(calls.DELETE_POOL, pool, request_id)
+        self._unary(self._pools.DeletePool, messages.delete_pool_request(pool, request_id))
 
     def reset_prefix_cache(self, pool: str, *, request_id: str | None = None) -> None:
-        self._call(calls.RESET_PREFIX_CACHE, pool, request_id)
+        self._unary(self._pools.ResetPrefixCache, messages.reset_prefix_cache_request(pool, request_id))
 
     # --- steps ---------------------------------------------------------------------
     def step(self, pool: str, ops: Sequence[Op], *, request_id: str | None = None,
@@ -119,38 +133,45 @@ class BlockdClient:
         (FailedPreconditionError, reason ``POOL_INCARNATION_MISMATCH``). A step
         naming a sequence whose KV a worker restart lost fails with reason
         ``KV_LOST``; the error's ``seq_ids`` lists them."""
-        return self._call(calls.STEP, pool, ops, request_id, dry_run, incarnation, timeout_s=timeout_s)
+        request = messages.step_request(pool, ops, request_id, dry_run, incarnation)
+        return convert.step_result_from_proto(self._unary(self._blocks.Step, request, timeout_s))
+
+    def _one(self, pool: str, op: Op, request_id: str | None) -> OpResult:
+        """A one-operation step; its operation's result."""
+        return self.step(pool, [op], request_id=request_id).results[0]
 
     def allocate(self, pool: str, seq_id: str, prompt_token_ids: Sequence[int],
                  extra_keys: ExtraKeys | None = None, *, request_id: str | None = None) -> OpResult:
-        op = Allocate(seq_id, list(prompt_token_ids), calls.extra_or_none(extra_keys))
-        return self._call(calls.STEP_ONE, pool, op, request_id)
+        op = Allocate(seq_id, list(prompt_token_ids), messages.extra_or_none(extra_keys))
+        return self._one(pool, op, request_id)
 
     def append(self, pool: str, seq_id: str, token_ids: Sequence[int], *,
                request_id: str | None = None) -> OpResult:
-        return self._call(calls.STEP_ONE, pool, Append(seq_id, list(token_ids)), request_id)
+        return self._one(pool, Append(seq_id, list(token_ids)), request_id)
 
     def decode_append(self, pool: str, seq_ids: Sequence[str], token_ids: Sequence[int], *,
                       request_id: str | None = None) -> OpResult:
-        return self._call(calls.STEP_ONE, pool, DecodeAppend(list(seq_ids), list(token_ids)), request_id)
+        return self._one(pool, DecodeAppend(list(seq_ids), list(token_ids)), request_id)
 
     def commit(self, pool: str, seq_id: str, num_tokens: int, *, request_id: str | None = None) -> OpResult:
-        return self._call(calls.STEP_ONE, pool, Commit(seq_id, num_tokens), request_id)
+        return self._one(pool, Commit(seq_id, num_tokens), request_id)
 
     def fork(self, pool: str, parent_seq_id: str, child_seq_id: str, *,
              request_id: str | None = None) -> OpResult:
-        return self._call(calls.STEP_ONE, pool, Fork(parent_seq_id, child_seq_id), request_id)
+        return self._one(pool, Fork(parent_seq_id, child_seq_id), request_id)
 
     def free(self, pool: str, seq_id: str, *, request_id: str | None = None) -> OpResult:
-        return self._call(calls.STEP_ONE, pool, Free(seq_id), request_id)
+        return self._one(pool, Free(seq_id), request_id)
 
     # --- reads and streams -----------------------------------------------------------
     def get_tables(self, pool: str, seq_ids: Sequence[str] = ()) -> tuple[int, dict[str, list[int]]]:
         """``(version, {seq_id: block table})``; no ``seq_ids`` means all."""
-        return self._call(calls.GET_TABLES, pool, seq_ids)
+        reply = self._unary(self._blocks.GetTables, pb.GetTablesRequest(pool=pool, seq_ids=list(seq_ids)))
+        return messages.tables_reply(reply)
 
     def get_sequence(self, pool: str, seq_id: str) -> SequenceInfo:
-        return self._call(calls.GET_SEQUENCE, pool, seq_id)
+        reply = self._unary(self._blocks.GetSequence, pb.GetSequenceRequest(pool=pool, seq_id=seq_id))
+        return convert.sequence_from_proto(reply)
 
     def watch(self, pool: str, from_version: int = 0, *, incarnation: str = "",
               timeout_s: float | None = None) -> Generator[Snapshot | VersionDelta, None, None]:
@@ -158,24 +179,30 @@ class BlockdClient:
         when ``incarnation``, the replica's pool incarnation, is set and is no
         longer the pool's: the snapshot names the new one), then new ones as
         they commit; ends when the pool is deleted."""
-        return self._stream(calls.WATCH, pool, from_version, incarnation, timeout_s=timeout_s)
+        request = pb.WatchRequest(pool=pool, from_version=from_version, pool_incarnation=incarnation)
+        return self._stream(self._blocks.Watch, request, convert.watch_item_from_proto, timeout_s)
 
     def events(self, pool: str, from_seq_no: int = 0, *,
                timeout_s: float | None = None) -> Generator[KVEvent, None, None]:
         """KV events with ``seq_no > from_seq_no``, in order, then new ones."""
-        return self._stream(calls.EVENTS, pool, from_seq_no, timeout_s=timeout_s)
+        request = pb.EventsRequest(pool=pool, from_seq_no=from_seq_no)
+        return self._stream(self._blocks.Events, request, messages.event_reply, timeout_s)
 
     def lookup_prefix(self, token_ids: Sequence[int], extra_keys: ExtraKeys | None = None,
                       pools: Sequence[str] = ()) -> dict[str, int]:
         """Cached tokens of this prompt per pool (all pools when none named)."""
-        return self._call(calls.LOOKUP_PREFIX, token_ids, extra_keys, pools)
+        request = messages.lookup_prefix_request(token_ids, extra_keys, pools)
+        return dict(self._unary(self._blocks.LookupPrefix, request).num_cached_tokens)
 
     # --- workers -----------------------------------------------------------------------
     def register_worker(self, info: WorkerInfo, *, request_id: str | None = None) -> WorkerStatus:
-        return self._call(calls.REGISTER_WORKER, info, request_id)
+        reply = self._unary(self._workers.RegisterWorker, messages.register_worker_request(info, request_id))
+        return convert.worker_status_from_proto(reply.status)
 
     def heartbeat(self, worker_id: str, applied_version: int, *, request_id: str | None = None) -> WorkerStatus:
-        return self._call(calls.HEARTBEAT, worker_id, applied_version, request_id)
+        request = messages.heartbeat_request(worker_id, applied_version, request_id)
+        return convert.worker_status_from_proto(self._unary(self._workers.Heartbeat, request).status)
 
     def list_workers(self, pool: str | None = None) -> list[WorkerStatus]:
-        return self._call(calls.LIST_WORKERS, pool)
+        reply = self._unary(self._workers.ListWorkers, pb.ListWorkersRequest(pool=pool or ""))
+        return [convert.worker_status_from_proto(w) for w in reply.workers]

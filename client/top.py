@@ -18,6 +18,7 @@ the calls and their errors.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -123,10 +124,8 @@ def run_top(client, interval: float, once: bool, out: TextIO, *, sleep: Callable
 
 
 def _run(client, args: argparse.Namespace) -> None:
-    try:
+    with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C is how a live view ends: not an error
         run_top(client, args.interval, args.once, sys.stdout)
-    except KeyboardInterrupt:
-        pass  # Ctrl-C is how a live view ends: not an error
 
 
 def add_top(sub: argparse._SubParsersAction) -> None:

@@ -3,7 +3,7 @@ runner in another process calls to write K/V and run attention for a batch at
 a named pool version, and what a scheduler calls to run one model step on a
 worker that runs a model (``model_step``).
 
-Tensors go out as raw bytes (:mod:`worker.tensors`, torch only, no worker
+Tensors go out as raw bytes (:mod:`blockd.rpc.tensors`, torch only, no worker
 state); errors come back as :mod:`client.errors` exceptions, like the blockd
 SDK's. Every call has a deadline.
 
@@ -23,11 +23,11 @@ from typing import TYPE_CHECKING
 import grpc
 import torch
 
+from blockd.rpc.tensors import from_proto, to_proto
 from blockd.v1 import worker_pb2 as pb
 from blockd.v1 import worker_pb2_grpc
-from client import calls
+from client.channel import channel_options
 from client.errors import from_rpc_error
-from worker.tensors import from_proto, to_proto
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -37,9 +37,8 @@ class WorkerClient:
     def __init__(self, target: str, *, timeout_s: float = 30.0) -> None:
         self.target = target
         self.timeout_s = timeout_s
-        options = [*calls.channel_options(), ("grpc.max_receive_message_length", 256 << 20),
-                   ("grpc.max_send_message_length", 256 << 20)]
-        self._channel = grpc.insecure_channel(target, options=options)
+        # tensors travel in messages: a prefill's K/V or logits can be large
+        self._channel = grpc.insecure_channel(target, options=channel_options(max_message_bytes=256 << 20))
         self._stub = worker_pb2_grpc.KVShardServiceStub(self._channel)
         #: the worker incarnation calls are planned against (learned on first use)
         self.incarnation: str | None = None

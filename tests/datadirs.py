@@ -12,6 +12,7 @@ import os
 from blockd.core import Allocate, Append, Commit, Fork, Free, PoolConfig
 from blockd.datadir_lock import LOCK_NAME as DAEMON_LOCK
 from blockd.engine import Engine
+from blockd.engine_config import EngineConfig
 from blockd.idempotency_codec import decode_result
 from blockd.wal import COMPACT_LOCK
 
@@ -42,7 +43,7 @@ def state(engine: Engine, *, requests: bool = True) -> str:
     random incarnations and the wall-clock times of the requests.
     ``requests=False`` leaves the idempotency table out."""
     with engine._lock:
-        captured = engine._capture()
+        captured = engine.capture()
     for pool in captured["pools"]:
         pool["identity"]["incarnation"] = "*"
     requests = captured.pop("requests") if not requests else captured["requests"]
@@ -59,12 +60,12 @@ def state(engine: Engine, *, requests: bool = True) -> str:
 def build(data_dir: str) -> Engine:
     """A data dir holding a snapshot (after part 0) and two segments (parts 1
     and 2, one per engine life); returns the reference engine."""
-    engine = Engine(data_dir, snapshot_every=1 << 30)
+    engine = Engine(EngineConfig(data_dir=data_dir, snapshot_every=1 << 30))
     workload(engine, 0)
     engine.snapshot()
     workload(engine, 1)
     engine.close()
-    engine = Engine(data_dir, snapshot_every=1 << 30)
+    engine = Engine(EngineConfig(data_dir=data_dir, snapshot_every=1 << 30))
     workload(engine, 2)
     engine.close()
     return reference(3)

@@ -17,6 +17,7 @@ why namespaces cannot be made here (not root, no ``ip``, no permission).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import secrets
@@ -48,10 +49,8 @@ def unavailable_reason() -> str | None:
         _ip("netns", "add", probe)
     except (RuntimeError, OSError, subprocess.TimeoutExpired) as err:
         return f"cannot create a network namespace here: {err}"
-    try:
+    with contextlib.suppress(RuntimeError, subprocess.TimeoutExpired):
         _ip("netns", "del", probe)
-    except (RuntimeError, subprocess.TimeoutExpired):
-        pass
     return None
 
 
@@ -105,10 +104,8 @@ class NetnsLab:
     def close(self) -> None:
         """Delete every namespace this lab made (hosts first, then the hub)."""
         for ns in reversed(self.namespaces):
-            try:
+            with contextlib.suppress(RuntimeError, subprocess.TimeoutExpired):  # gone already: the rest must go
                 _ip("netns", "del", ns)
-            except (RuntimeError, subprocess.TimeoutExpired):
-                pass  # already gone; the rest must still go
         self.namespaces.clear()
 
     def existing(self) -> list[str]:

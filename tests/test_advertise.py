@@ -1,4 +1,4 @@
-"""Advertised addresses (:mod:`blockd.addresses`): parsing, the port taken
+"""Advertised addresses (:mod:`blockd.rpc.addresses`): parsing, the port taken
 from the bound address, registration refusing what nobody can dial (over
 real gRPC), and the worker and daemon processes honouring the flag."""
 
@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from blockd.addresses import advertised, split, unroutable_reason
 from blockd.core import InvalidArgument, PoolConfig
+from blockd.core.types import WorkerInfo
 from blockd.engine import Engine
-from blockd.workers import WorkerInfo
+from blockd.rpc.addresses import advertised, split, unroutable_reason
 from client.errors import InvalidArgumentError
 from client.sdk import BlockdClient
 from tests.procs import Proc, start_blockd, start_worker
@@ -17,7 +17,7 @@ from tests.procs import Proc, start_blockd, start_worker
 pytest_plugins = ["tests.grpc_fixtures"]
 
 
-@pytest.mark.parametrize("text,parts", [
+@pytest.mark.parametrize(("text", "parts"), [
     ("10.0.0.7:50061", ("10.0.0.7", 50061)),
     ("worker-0.blockd:50061", ("worker-0.blockd", 50061)),
     ("10.0.0.7", ("10.0.0.7", None)),
@@ -31,7 +31,7 @@ def test_split(text, parts) -> None:
 
 @pytest.mark.parametrize("text", ["host:port", "host:70000", "[fd00::1", "[fd00::1]x"])
 def test_split_refuses_a_bad_address(text) -> None:
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="address"):
         split(text)
 
 
@@ -42,7 +42,7 @@ def test_advertised_takes_the_bound_port_when_only_a_host_is_given() -> None:
     assert advertised(None, "127.0.0.1:41234") == advertised("", "127.0.0.1:41234") == "127.0.0.1:41234"
 
 
-@pytest.mark.parametrize("address,word", [("0.0.0.0:50061", "0.0.0.0"), ("[::]:50061", "::"),
+@pytest.mark.parametrize(("address", "word"), [("0.0.0.0:50061", "0.0.0.0"), ("[::]:50061", "::"),
                                           (":50061", "empty host"), ("10.0.0.7:0", "port 0"),
                                           ("10.0.0.7", "no port")])
 def test_unroutable(address, word) -> None:
@@ -58,19 +58,19 @@ def test_registration_refuses_a_wildcard_address_over_grpc(client) -> None:
     client.create_pool(PoolConfig("m", num_blocks=8, block_size=4))
     for address in ("0.0.0.0:50061", "[::]:50061", "10.0.0.7:0"):
         with pytest.raises(InvalidArgumentError, match="--advertise-address") as refused:
-            client.register_worker(WorkerInfo("w", "m", address, 0, 1, 0, 1, incarnation="i1"))
+            client.register_worker(WorkerInfo("w", "m", address, 0, 1, 0, 1, incarnation="i0"))
         assert address in str(refused.value)
     assert client.list_workers("m") == []
-    client.register_worker(WorkerInfo("w", "m", "10.0.0.7:50061", 0, 1, 0, 1, incarnation="i1"))
-    client.register_worker(WorkerInfo("follower", "m", "", 0, 1, 0, 1, incarnation="i2"))  # serves nothing: allowed
+    client.register_worker(WorkerInfo("w", "m", "10.0.0.7:50061", 0, 1, 0, 1, incarnation="i0"))
+    client.register_worker(WorkerInfo("follower", "m", "", 0, 1, 0, 1, incarnation="i1"))  # serves nothing
     assert sorted(w.info.address for w in client.list_workers("m")) == ["", "10.0.0.7:50061"]
 
 
 def test_the_registry_refuses_it_in_the_engine_too() -> None:
     engine = Engine()
     engine.create_pool(PoolConfig("m", num_blocks=8, block_size=4))
-    with pytest.raises(InvalidArgument, match="0.0.0.0 is not an address another host can dial"):
-        engine.register_worker(WorkerInfo("w", "m", "0.0.0.0:1", 0, 1, 0, 1, incarnation="i1"))
+    with pytest.raises(InvalidArgument, match=r"0\.0\.0\.0 is not an address another host can dial"):
+        engine.register_worker(WorkerInfo("w", "m", "0.0.0.0:1", 0, 1, 0, 1, incarnation="i0"))
 
 
 def test_worker_registers_its_advertised_address() -> None:

@@ -13,7 +13,7 @@ import grpc
 import pytest
 
 from blockd.core import Allocate, Commit, PoolConfig
-from blockd.workers import WorkerInfo
+from blockd.core.types import WorkerInfo
 from client.cli import main as blockctl
 from client.cli_common import EPILOG, EXIT_CODES, Exit
 from client.sdk import BlockdClient
@@ -58,7 +58,7 @@ def test_prefix_cache_reset(target, client, capsys) -> None:
 def test_workers_list(target, client, capsys) -> None:
     client.create_pool(PoolConfig("m", num_blocks=8, block_size=4, num_layers=2, num_kv_heads=4))
     client.register_worker(WorkerInfo("w1", "m", "10.1.2.3:50061", 0, 2, 2, 4, pool_bytes=64, device="cuda:1",
-                                       incarnation="i1"))
+                                      incarnation="i1"))
     client.register_worker(WorkerInfo("w0", "m", "10.1.2.4:50061", 0, 2, 0, 2, pool_bytes=64, incarnation="i0"))
     code, out, _ = run(capsys, "--target", target, "workers", "list")
     lines = out.splitlines()
@@ -119,7 +119,7 @@ def test_pools_apply_reports_a_pool_that_differs_and_changes_nothing(target, cli
     assert client.pool_config("a").num_blocks == 64
 
 
-@pytest.mark.parametrize("text,message", [
+@pytest.mark.parametrize(("text", "message"), [
     ("not json", "is not JSON"),
     ('{"pools": [{"name": "x", "num_blocks": 8}]}', "missing field(s) block_size"),
     ('[{"name": "x", "num_blocks": 8, "block_size": 4, "colour": "red"}]', "unknown field(s) colour"),
@@ -167,10 +167,10 @@ def test_help_documents_the_exit_codes_the_code_uses() -> None:
         number, text = line.split(None, 1) if line[:4].strip().isdigit() else (number, line)
         for name in re.findall(r"\b[A-Z][A-Z_]{3,}\b", text):
             documented[name] = int(number)
-    assert {code.name: int(exit) for code, exit in EXIT_CODES.items()} == \
+    assert {code.name: int(status) for code, status in EXIT_CODES.items()} == \
         {name: n for name, n in documented.items() if name in grpc.StatusCode.__members__}
     assert len({int(e) for e in Exit}) == len(Exit)
-    assert set(documented.values()) - {e for e in Exit} == set()
+    assert set(documented.values()) - set(Exit) == set()
 
 
 def test_blockctl_as_a_command_with_environment_variables(daemon, run_module) -> None:

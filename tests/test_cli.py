@@ -109,7 +109,8 @@ def test_serve_process_blockctl_and_sigterm(daemon, run_module, tmp_path) -> Non
 
 def test_serve_refuses_a_bad_fsync_policy(run_module) -> None:
     proc = run_module("blockd.cli", "serve", "--listen", "127.0.0.1:0", env={"BLOCKD_FSYNC": "sometimes"})
-    assert proc.returncode == 2 and proc.stderr == "blockd: BLOCKD_FSYNC must be one of always, interval, never, got 'sometimes'\n"
+    assert proc.returncode == 2
+    assert proc.stderr == "blockd: BLOCKD_FSYNC must be one of always, interval, never, got 'sometimes'\n"
 
 
 def test_serve_passes_the_metrics_port_through(daemon) -> None:

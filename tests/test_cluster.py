@@ -5,7 +5,7 @@ Greedy generation for a batch of prompts (different lengths, shared long
 prefixes, parallel samples, a pool small enough to force preemption) must
 give exactly the tokens transformers' own ``generate(do_sample=False)`` with
 its contiguous cache gives for the same tiny model: once on one worker, once
-on a tensor-parallel pair. Then ``python -m blockd.cluster_demo`` as a user
+on a tensor-parallel pair. Then ``python -m cluster.demo`` as a user
 runs it: it must succeed, and leave no process behind, also on Ctrl-C.
 """
 
@@ -21,12 +21,12 @@ import time
 
 import pytest
 
-from blockd.local_cluster import ROOT, ClusterSpec, LocalCluster, live_pids
 from client.model_group import WorkerGroup
-from client.reference import ContiguousReference
 from client.scheduler import Scheduler, SchedulerConfig
 from client.sdk import BlockdClient
 from client.serving import GenerationRequest
+from cluster.local import ROOT, ClusterSpec, LocalCluster, live_pids
+from cluster.reference import ContiguousReference
 
 VOCAB = 512  # the tiny models' vocabulary
 
@@ -42,7 +42,7 @@ def workload(seed: int) -> list[GenerationRequest]:
     return requests
 
 
-@pytest.mark.parametrize("model,tp_size", [("tiny-llama", 1), ("tiny-qwen2", 2)])
+@pytest.mark.parametrize(("model", "tp_size"), [("tiny-llama", 1), ("tiny-qwen2", 2)])
 def test_paged_cluster_generates_what_the_contiguous_reference_does(model, tp_size):
     requests = workload(tp_size)
     spec = ClusterSpec(model, tp_size, "m", num_blocks=26, block_size=8, watermark_blocks=1)
@@ -67,7 +67,7 @@ def test_paged_cluster_generates_what_the_contiguous_reference_does(model, tp_si
 
 def _demo(*args: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": ROOT, "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen([sys.executable, "-m", "blockd.cluster_demo", *args], cwd=ROOT, env=env,
+    return subprocess.Popen([sys.executable, "-m", "cluster.demo", *args], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 

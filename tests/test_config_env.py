@@ -51,7 +51,7 @@ def test_flag_then_variable_then_default() -> None:
     assert parse(["--name", "n"], {"P_VERBOSE": "off"}).verbose is False
 
 
-@pytest.mark.parametrize("name,raw,message", [
+@pytest.mark.parametrize(("name", "raw", "message"), [
     ("P_COUNT", "abc", "prog: P_COUNT must be an integer, got 'abc'"),
     ("P_RATE_S", "fast", "prog: P_RATE_S must be a number, got 'fast'"),
     ("P_MODE", "c", "prog: P_MODE must be one of a, b, got 'c'"),
@@ -143,7 +143,7 @@ def _all_parsers(p: argparse.ArgumentParser):
                 yield from _all_parsers(child)
 
 
-@pytest.mark.parametrize("module,args,env,message", [
+@pytest.mark.parametrize(("module", "args", "env", "message"), [
     ("worker.main", [], {"BLOCKD_POOL": "p", "BLOCKD_WORKER_METRICS_PORT": "abc"},
      "blockd-worker: BLOCKD_WORKER_METRICS_PORT must be a port number in 0..65535, got 'abc'"),
     ("worker.main", ["--pool", "p"], {"BLOCKD_WORKER_TP_RANK": "first"},

@@ -17,8 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from blockd import addresses, config_env
+from blockd import config_env
 from blockd.cli import build_parser as blockd_parser
+from blockd.rpc import addresses
 from client.cli import ENV_OVERRIDES as BLOCKCTL_OVERRIDES
 from client.cli import build_parser as blockctl_parser
 from worker.main import ENV_OVERRIDES as WORKER_OVERRIDES

@@ -6,7 +6,7 @@ from blockd.core import locate, num_blocks_for, slot_at, slot_mapping, slot_of, 
 
 
 @pytest.mark.parametrize(
-    "num_tokens, block_size, blocks, unused",
+    ("num_tokens", "block_size", "blocks", "unused"),
     [(0, 4, 0, 0), (8, 4, 2, 0), (10, 4, 3, 2), (1, 4, 1, 3), (1, 1, 1, 0), (17, 16, 2, 15)],
 )
 def test_blocks_and_tail_waste(num_tokens, block_size, blocks, unused):

@@ -195,7 +195,7 @@ def test_failed_batch_leaves_no_trace_and_names_the_op():
     assert state(pool) == before
 
 
-@pytest.mark.parametrize("op, exc", [
+@pytest.mark.parametrize(("op", "exc"), [
     (Allocate("", [1]), InvalidArgument),
     (Allocate("a", [-1]), InvalidArgument),
     (Allocate("a", [2**32]), InvalidArgument),

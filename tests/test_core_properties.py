@@ -3,6 +3,7 @@ memory pressure, with shared prefixes, extra keys and reused sequence ids; the
 invariant checker runs after every step, a model of each sequence's tokens is
 compared, and the prefix index rebuilt from the KV events must match the pool's."""
 
+import contextlib
 import json
 
 from hypothesis import HealthCheck, settings
@@ -132,11 +133,9 @@ class PoolMachine(RuleBasedStateMachine):
         seq_id = data.draw(st.sampled_from(self.freed_ids))
         if fail:
             before = snapshot(self.pool)
-            try:
+            with contextlib.suppress(BlockdError):
                 self.pool.step([Allocate(seq_id, prompt), Free(seq_id), Allocate(seq_id, prompt),
                                 Append("missing", [1])])
-            except BlockdError:
-                pass
             assert snapshot(self.pool) == before
         elif self._run([Allocate(seq_id, prompt)]) is not None:
             self.freed_ids.remove(seq_id)
@@ -150,10 +149,8 @@ class PoolMachine(RuleBasedStateMachine):
         followed by a failing op must leave no trace, block fills included."""
         ids = data.draw(st.lists(st.sampled_from(sorted(self.model)), min_size=1, max_size=6))
         before = snapshot(self.pool)
-        try:
+        with contextlib.suppress(BlockdError):
             self.pool.step([DecodeAppend(ids, [1] * len(ids)), Append("missing", [1])])
-        except BlockdError:
-            pass
         assert snapshot(self.pool) == before
 
     @precondition(lambda self: self.model)

@@ -17,6 +17,7 @@ import threading
 from blockd.core import Allocate, Append, BlockdError, Commit, Fork, Free, PoolConfig
 from blockd.core.state import dump_pool
 from blockd.engine import Engine
+from blockd.engine_config import EngineConfig
 from client.errors import BlockdClientError
 from client.sdk import BlockdClient
 from tests.procs import start_blockd
@@ -108,7 +109,7 @@ def test_sigkill_never_loses_an_acknowledged_step(tmp_path):
         finally:
             client.close()
             proc.kill()
-        recovered = Engine(data_dir)
+        recovered = Engine(EngineConfig(data_dir=data_dir))
         try:
             recovered.check_invariants()
             got = state_of(recovered)

@@ -12,10 +12,12 @@ import sys
 import pytest
 
 from blockd.core import PoolConfig
+from blockd.datadir import DataDirError
 from blockd.datadir_lock import LOCK_NAME, DataDirLock, DataDirLocked
 from blockd.engine import Engine
-from blockd.local_cluster import ROOT, child_env
+from blockd.engine_config import EngineConfig
 from client.sdk import BlockdClient
+from cluster.local import ROOT, child_env
 
 pytest_plugins = ["tests.grpc_fixtures"]
 
@@ -34,8 +36,8 @@ def test_a_second_daemon_on_a_locked_data_dir_is_refused(daemon, tmp_path) -> No
         c.create_pool(PoolConfig("kept", num_blocks=8, block_size=4))
     second = serve_once(data_dir)
     assert second.returncode == 1
-    assert f"data dir {data_dir!r} is in use by another blockd (pid={first.pid} host={socket.gethostname()} " \
-           "started=" in second.stderr
+    assert (f"data dir {data_dir!r} is in use by another blockd (pid={first.pid} host={socket.gethostname()} "
+            "started=") in second.stderr
     assert "blockd listening" not in second.stdout
     with BlockdClient(first.address) as c:  # the first one is untouched
         assert [p.name for p in c.list_pools()] == ["kept"]
@@ -50,17 +52,17 @@ def test_a_second_daemon_on_a_locked_data_dir_is_refused(daemon, tmp_path) -> No
 
 
 def test_the_engine_holds_the_lock_until_closed(tmp_path) -> None:
-    engine = Engine(str(tmp_path))
+    engine = Engine(EngineConfig(data_dir=str(tmp_path)))
     with pytest.raises(DataDirLocked, match=f"pid={os.getpid()} "):
-        Engine(str(tmp_path))  # also within one process: two engines would be two writers
+        Engine(EngineConfig(data_dir=str(tmp_path)))  # also within one process: two engines would be two writers
     engine.close()
-    Engine(str(tmp_path)).close()
+    Engine(EngineConfig(data_dir=str(tmp_path))).close()
 
 
 def test_a_failed_open_releases_the_lock(tmp_path) -> None:
     (tmp_path / "snapshot-000000000001.json").write_text("not a snapshot")
-    with pytest.raises(Exception) as failed:
-        Engine(str(tmp_path))
+    with pytest.raises(DataDirError) as failed:
+        Engine(EngineConfig(data_dir=str(tmp_path)))
     lock = DataDirLock(str(tmp_path))  # free again although `failed` keeps the engine's frame alive
     assert lock.is_held and failed.value is not None
     lock.release()

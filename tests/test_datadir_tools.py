@@ -14,10 +14,11 @@ from blockd.compact import KILL_AT_ENV, CompactionFailed, compact, run_compactor
 from blockd.core import Allocate, PoolConfig
 from blockd.datadir import Reader
 from blockd.engine import Engine
+from blockd.engine_config import EngineConfig
 from blockd.idempotency import IdempotencyLimits
-from blockd.local_cluster import child_env
 from blockd.wal import COMPACT_LOCK, DirLock
 from client.sdk import BlockdClient
+from cluster.local import child_env
 from tests.datadirs import build, data_files, digest, flip, reference, segments, state, workload
 from tests.procs import start_blockd
 
@@ -86,10 +87,9 @@ def test_repair_data_refuses_without_the_flag_then_cuts_keeping_a_copy(built):
     dry = blockd("repair-data", data_dir)
     assert dry.returncode == 2 and "--truncate-at-first-bad" in dry.stdout and digest(data_dir) == before
     reader = Reader(data_dir)
-    lsns = []
+    lsns: list[int] = []
     with pytest.raises(Exception, match="checksum"):
-        for record in reader.records():
-            lsns.append(record.lsn)
+        lsns.extend(record.lsn for record in reader.records())
     done = blockd("repair-data", data_dir, "--truncate-at-first-bad")
     assert done.returncode == 0, done.stdout
     (qdir,) = [n for n in os.listdir(data_dir) if n.startswith("quarantine-")]
@@ -99,8 +99,8 @@ def test_repair_data_refuses_without_the_flag_then_cuts_keeping_a_copy(built):
         k: v for k, v in before.items() if k.startswith("wal-")}
     assert "README.txt" in kept
     assert blockd("check-data", data_dir).returncode == 0
-    engine = Engine(data_dir)
-    assert engine._wal.lsn == lsns[-1]  # everything up to the bad record
+    engine = Engine(EngineConfig(data_dir=data_dir))
+    assert engine._durability._wal.lsn == lsns[-1]  # everything up to the bad record
     assert engine.get_pool("a").version == lsns[-1] - 1  # lsn 1 created the pool
     engine.close()
     assert name in os.listdir(os.path.join(data_dir, qdir))
@@ -154,7 +154,7 @@ def test_snapshots_happen_in_a_crash_loop(tmp_path):
     # threshold: --snapshot-every records, or a quarter of the snapshot's size
     # (--snapshot-log-ratio 0.25)
     assert reader.records_after_snapshot < every or reader.bytes_after_snapshot < 0.25 * reader.snapshot_size
-    engine = Engine(data_dir)
+    engine = Engine(EngineConfig(data_dir=data_dir))
     assert engine.get_pool("p").num_seqs == lives * per_life
     engine.close()
 
@@ -162,7 +162,7 @@ def test_snapshots_happen_in_a_crash_loop(tmp_path):
 @pytest.mark.parametrize("point", ["written", "renamed"])
 def test_a_compaction_killed_part_way_leaves_a_recoverable_dir(built, point, monkeypatch):
     data_dir, ref = built
-    Engine(data_dir).close()  # every segment with records is now closed
+    Engine(EngineConfig(data_dir=data_dir)).close()  # every segment with records is now closed
     before = digest(data_dir)
     monkeypatch.setenv(KILL_AT_ENV, point)
     with pytest.raises(CompactionFailed, match="killed by signal 9"):
@@ -170,7 +170,7 @@ def test_a_compaction_killed_part_way_leaves_a_recoverable_dir(built, point, mon
     monkeypatch.delenv(KILL_AT_ENV)
     leftovers = set(digest(data_dir)) - set(before)
     assert leftovers == ({"snapshot-000000000023.snap.tmp"} if point == "written" else {"snapshot-000000000023.snap"})
-    engine = Engine(data_dir)
+    engine = Engine(EngineConfig(data_dir=data_dir))
     assert state(engine) == state(ref)
     engine.close()
     # recovery removed the leftover, or used the new snapshot and pruned what it replaces
@@ -183,11 +183,11 @@ def test_a_compaction_killed_part_way_leaves_a_recoverable_dir(built, point, mon
 
 def test_a_compaction_killed_at_random_moments(tmp_path):
     data_dir = str(tmp_path / "data")
-    engine = Engine(data_dir, snapshot_every=1 << 30)
+    engine = Engine(EngineConfig(data_dir=data_dir, snapshot_every=1 << 30))
     for part in range(4):
         workload(engine, part)
     engine.close()
-    Engine(data_dir).close()
+    Engine(EngineConfig(data_dir=data_dir)).close()
     ref = state(reference(4))
     for delay in (0.05, 0.2, 0.4, 0.8):
         proc = subprocess.Popen([sys.executable, "-m", "blockd.cli", "compact", data_dir, "--no-prune"],
@@ -195,14 +195,14 @@ def test_a_compaction_killed_at_random_moments(tmp_path):
         time.sleep(delay)
         proc.kill()
         proc.wait()
-        engine = Engine(data_dir)
+        engine = Engine(EngineConfig(data_dir=data_dir))
         assert state(engine) == ref
         engine.close()
 
 
 def test_two_compactions_never_run_at_once(built):
     data_dir, _ = built
-    Engine(data_dir).close()
+    Engine(EngineConfig(data_dir=data_dir)).close()
     lock = DirLock(data_dir, COMPACT_LOCK)
     assert lock.acquire(timeout_s=0)
     proc = subprocess.Popen([sys.executable, "-m", "blockd.cli", "compact", data_dir], env=child_env(),

@@ -1,11 +1,13 @@
-"""The demo runs end to end, and bench/memory.py measures what it claims.
+"""The in-process demo runs end to end, and bench/memory.py measures what it claims.
 
-The memory checks run the benchmark's own functions on short runs and assert
-on the measured numbers: paging admits several times the sequences that
-max-length reservation does, sharing saves blocks, and larger blocks trade
-tail waste for fewer table entries.
+The memory checks run the simulations (:mod:`sim.memory`) and the
+benchmark's own line assembly on short runs and assert on the measured
+numbers: paging admits several times the sequences that max-length
+reservation does, sharing saves blocks, and larger blocks trade tail waste
+for fewer table entries.
 """
 
+import dataclasses
 import importlib.util
 import io
 import os
@@ -15,9 +17,9 @@ import sys
 
 import pytest
 
-from blockd import demo
-from blockd.core import check_invariants
-from blockd.sim import ALPACA, SHAREGPT
+from sim import demo
+from sim import memory as sim_memory
+from sim.workload import ALPACA, SHAREGPT
 from tests.conftest import ROOT
 
 
@@ -37,7 +39,7 @@ def _number(text: str, label: str) -> float:
 
 
 def test_demo_subprocess_reports_and_exits_zero():
-    out = subprocess.run([sys.executable, "-m", "blockd.demo", "--requests", "40", "--seed", "1",
+    out = subprocess.run([sys.executable, "-m", "sim.demo", "--requests", "40", "--seed", "1",
                           "--blocks", "256"],
                          cwd=ROOT, capture_output=True, text=True, timeout=60, check=False)
     assert out.returncode == 0, out.stderr
@@ -53,7 +55,7 @@ def test_demo_subprocess_reports_and_exits_zero():
 
 
 def test_demo_bad_block_size_is_refused_with_a_message():
-    out = subprocess.run([sys.executable, "-m", "blockd.demo", "--block-size", "0", "--requests", "5"],
+    out = subprocess.run([sys.executable, "-m", "sim.demo", "--block-size", "0", "--requests", "5"],
                          cwd=ROOT, capture_output=True, text=True, timeout=60, check=False)
     assert out.returncode == 2
     assert "block_size" in out.stderr
@@ -64,28 +66,32 @@ def test_demo_in_process_is_deterministic_and_exercises_the_pool():
     first = demo.run(cfg, out=io.StringIO())
     second = demo.run(cfg, out=io.StringIO())
     assert first.sched.counters == second.sched.counters
-    assert first.sched.pool.stats() == second.sched.pool.stats()
-    stats, counters = first.sched.pool.stats(), first.sched.counters
-    assert counters.num_served + counters.num_rejected == 60
+    stats = first.blockd.get_pool(demo.POOL)
+    # equal but for the pool's incarnation, a random id made at creation
+    assert dataclasses.replace(stats, incarnation="") == dataclasses.replace(
+        second.blockd.get_pool(demo.POOL), incarnation="")
+    counters = first.sched.counters
+    assert first.num_served + counters.num_rejected == 60
     assert counters.num_forks > 0 and stats.num_copies > 0  # parallel sampling copied on write
+    assert counters.num_preemptions > 0  # the pool is too small for the load
     assert stats.prefix_hit_tokens > 0 and stats.num_evictions > 0
     assert stats.num_seqs == 0 and stats.num_used_blocks == 0  # every request freed its blocks
-    check_invariants(first.sched.pool)
+    first.blockd.check_invariants()
 
 
-def test_reservation_sizes(memory):
-    assert memory.reservation("max", 100, 7, 2048) == 2048
-    assert memory.reservation("pow2", 100, 5, 2048) == 108
-    assert memory.reservation("pow2", 100, 8, 2048) == 108
-    assert memory.reservation("pow2", 2000, 40, 2048) == 2048
-    assert memory.reservation("oracle", 100, 7, 2048) == 107
+def test_reservation_sizes():
+    assert sim_memory.reservation("max", 100, 7, 2048) == 2048
+    assert sim_memory.reservation("pow2", 100, 5, 2048) == 108
+    assert sim_memory.reservation("pow2", 100, 8, 2048) == 108
+    assert sim_memory.reservation("pow2", 2000, 40, 2048) == 2048
+    assert sim_memory.reservation("oracle", 100, 7, 2048) == 107
 
 
-def test_paging_admits_more_than_reservation(memory):
-    paging = memory.run_paging(SHAREGPT, seed=0, warmup=100, steps=300)
-    max_res = memory.run_reservation(SHAREGPT, "max", seed=0, warmup=100, steps=300)
-    oracle = memory.run_reservation(SHAREGPT, "oracle", seed=0, warmup=100, steps=300)
-    assert max_res["admitted"] == memory.BUDGET_SLOTS // 2048  # 16 reservations of 128 blocks
+def test_paging_admits_more_than_reservation():
+    paging = sim_memory.run_paging(SHAREGPT, seed=0, warmup=100, steps=300)
+    max_res = sim_memory.run_reservation(SHAREGPT, "max", seed=0, warmup=100, steps=300)
+    oracle = sim_memory.run_reservation(SHAREGPT, "oracle", seed=0, warmup=100, steps=300)
+    assert max_res["admitted"] == sim_memory.BUDGET_SLOTS // 2048  # 16 reservations of 128 blocks
     assert paging["admitted"] >= 2.5 * max_res["admitted"]
     assert paging["admitted"] > oracle["admitted"]  # even knowing lengths, contiguity wastes more
     assert paging["utilisation"] >= 0.9 > max_res["utilisation"]
@@ -106,16 +112,16 @@ def test_memory_trace_lines_carry_ratio_and_params(memory):
     assert 15 < paging["params"]["empirical_mean_prompt"] < 25
 
 
-def test_sharing_saves_blocks(memory):
+def test_sharing_saves_blocks():
     def saving(measure, spec, n):
         shared = measure(spec, n, seed=0, num_requests=20, share=True)
         private = measure(spec, n, seed=0, num_requests=20, share=False)
         return 1 - shared / private
 
-    parallel = saving(memory.parallel_sampling_block_steps, ALPACA, 4)
+    parallel = saving(sim_memory.parallel_sampling_block_steps, ALPACA, 4)
     # the prompt is shared, the continuations are not: some saving, at most (n-1)/n
     assert 0.01 < parallel < 0.75
-    beam = saving(memory.beam_search_block_steps, ALPACA, 4)
+    beam = saving(sim_memory.beam_search_block_steps, ALPACA, 4)
     assert beam > parallel  # beams also share what they generated
 
 

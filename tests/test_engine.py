@@ -20,9 +20,9 @@ from blockd.core import (
     WrongState,
 )
 from blockd.core.state import dump_pool
-from blockd.core.types import DecodeAppend, VersionDelta
-from blockd.engine import Engine, Snapshot
-from blockd.workers import WorkerInfo
+from blockd.core.types import DecodeAppend, Snapshot, VersionDelta, WorkerInfo
+from blockd.engine import Engine
+from blockd.engine_config import EngineConfig
 
 
 def pool_state(engine: Engine, name: str) -> str:
@@ -51,13 +51,14 @@ def drive(engine: Engine, rounds: int = 6) -> list:
 @pytest.mark.parametrize("snapshot_every", [3, 10_000])
 @pytest.mark.parametrize("fsync", ["always", "interval", "never"])
 def test_restart_restores_everything_exactly(tmp_path, fsync, snapshot_every):
-    engine = Engine(str(tmp_path), fsync=fsync, snapshot_every=snapshot_every, snapshot_log_ratio=0)
+    config = EngineConfig(data_dir=str(tmp_path), fsync=fsync, snapshot_every=snapshot_every, snapshot_log_ratio=0)
+    engine = Engine(config)
     results = drive(engine)
     before = {name: pool_state(engine, name) for name in ("a", "b")}
     events = {name: list(engine._pools[name].events) for name in ("a", "b")}
     engine.close()
 
-    again = Engine(str(tmp_path), fsync=fsync, snapshot_every=snapshot_every)
+    again = Engine(EngineConfig(data_dir=str(tmp_path), fsync=fsync, snapshot_every=snapshot_every))
     assert {name: pool_state(again, name) for name in ("a", "b")} == before
     assert {name: list(again._pools[name].events) for name in ("a", "b")} == events
     again.check_invariants()
@@ -71,7 +72,7 @@ def test_restart_restores_everything_exactly(tmp_path, fsync, snapshot_every):
 
 
 def test_torn_tail_record_is_dropped(tmp_path):
-    engine = Engine(str(tmp_path))
+    engine = Engine(EngineConfig(data_dir=str(tmp_path)))
     engine.create_pool(PoolConfig("p", num_blocks=8, block_size=4), request_id="c")
     engine.step("p", [Allocate("x", [1, 2, 3])], "s1")
     state = pool_state(engine, "p")
@@ -80,18 +81,18 @@ def test_torn_tail_record_is_dropped(tmp_path):
     (wal,) = [n for n in os.listdir(tmp_path) if n.startswith("wal-")]
     path = tmp_path / wal
     path.write_bytes(path.read_bytes()[:-5])  # the last record was cut short by a crash
-    again = Engine(str(tmp_path))
+    again = Engine(EngineConfig(data_dir=str(tmp_path)))
     assert pool_state(again, "p") == state
     again.step("p", [Allocate("y", [4, 5])], "s2-retry")
     again.close()
-    assert "y" in Engine(str(tmp_path)).get_tables("p", [])[1]
+    assert "y" in Engine(EngineConfig(data_dir=str(tmp_path))).get_tables("p", [])[1]
 
 
 def test_a_retried_create_pool_after_restart_gets_its_first_answer(tmp_path):
-    engine = Engine(str(tmp_path))
+    engine = Engine(EngineConfig(data_dir=str(tmp_path)))
     first = engine.create_pool(PoolConfig("p", num_blocks=8, block_size=4), request_id="make-p")
     engine.close()
-    again = Engine(str(tmp_path))
+    again = Engine(EngineConfig(data_dir=str(tmp_path)))
     assert again.create_pool(PoolConfig("p", num_blocks=8, block_size=4), request_id="make-p") == first
     again.close()
 
@@ -106,14 +107,14 @@ def test_request_id_reuse_for_another_request_is_refused():
 
 
 def test_failed_step_is_not_logged(tmp_path):
-    engine = Engine(str(tmp_path))
+    engine = Engine(EngineConfig(data_dir=str(tmp_path)))
     engine.create_pool(PoolConfig("p", num_blocks=2, block_size=4))
     with pytest.raises(NoRoom):
         engine.step("p", [Allocate("x", [1] * 4), Allocate("y", [1] * 9)], "bad")
     with pytest.raises(NotFound):
         engine.step("nope", [Free("x")])
     engine.close()
-    again = Engine(str(tmp_path))
+    again = Engine(EngineConfig(data_dir=str(tmp_path)))
     assert again.get_pool("p").version == 0
     # the failed request id was not remembered: the same id may now succeed
     again.step("p", [Allocate("x", [1] * 4)], "bad")
@@ -165,7 +166,7 @@ def test_events_resume_by_sequence_number():
 
 def test_worker_registry_marks_silent_workers_down():
     now = [100.0]
-    engine = Engine(clock=lambda: now[0], worker_timeout_s=5)
+    engine = Engine(EngineConfig(clock=lambda: now[0], worker_timeout_s=5))
     engine.create_pool(PoolConfig("p", num_blocks=8, block_size=4, num_layers=4, num_kv_heads=8))
     info = WorkerInfo("w0", "p", "127.0.0.1:1", 0, 4, 0, 4, pool_bytes=1024, incarnation="i0")
     assert engine.register_worker(info).is_up
@@ -180,14 +181,14 @@ def test_worker_registry_marks_silent_workers_down():
 
 
 def test_a_failing_log_stops_writes_until_restart(tmp_path):
-    engine = Engine(str(tmp_path))
+    engine = Engine(EngineConfig(data_dir=str(tmp_path)))
     engine.create_pool(PoolConfig("p", num_blocks=8, block_size=4))
-    os.close(engine._wal._fd)  # the disk goes away under the log
+    os.close(engine._durability._wal._fd)  # the disk goes away under the log
     with pytest.raises(InvariantViolation, match="write-ahead log failed"):
         engine.step("p", [Allocate("x", [1])])
     with pytest.raises(WrongState, match="restart blockd"):
         engine.step("p", [Allocate("y", [1])])
-    engine._wal._fd = None
+    engine._durability._wal._fd = None
     engine.close()  # as the daemon's exit would: it releases the data dir's lock
-    again = Engine(str(tmp_path))
+    again = Engine(EngineConfig(data_dir=str(tmp_path)))
     assert again.get_tables("p", []) == (0, {})  # the unlogged batch never happened

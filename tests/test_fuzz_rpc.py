@@ -29,7 +29,7 @@ from blockd.core import Allocate, Append, Commit, ExtraKeys, Fork, Free
 from blockd.core.types import DecodeAppend
 from blockd.core.validate import MAX_ID_LEN
 from blockd.engine import Engine
-from blockd.service import convert
+from blockd.rpc import convert
 from blockd.service.server import BlockdServer
 from blockd.v1 import blockd_pb2 as pb
 from blockd.v1 import blockd_pb2_grpc as pb_grpc

@@ -25,7 +25,7 @@ import pytest
 from blockd.ha.cluster import LeaderPoller, read_leader, read_status
 from blockd.ha.etcd import EtcdClient
 from blockd.ha.keys import LeaderInfo, group_keys
-from blockd.local_cluster import ROOT, child_env
+from cluster.local import ROOT, child_env
 from tests.ha_fixtures import the_leader, wait_for
 
 pytest_plugins = ["tests.etcd", "tests.ha_fixtures"]
@@ -48,7 +48,7 @@ def test_etcd_client_leases_and_transactions(etcd_server):
     with pytest.raises(ValueError, match="HOST:PORT"):
         parse_endpoints("http://nohost")
     dead = EtcdClient("http://127.0.0.1:1", timeout_s=1.0)
-    with pytest.raises(EtcdUnavailable, match="127.0.0.1:1"):
+    with pytest.raises(EtcdUnavailable, match=r"127\.0\.0\.1:1"):
         dead.get("/t/k")
 
 

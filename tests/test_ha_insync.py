@@ -46,7 +46,7 @@ def test_a_deposed_leader_cannot_change_the_set(etcd_server, replicas):
     old_term = wait_for(a.leads, "a to lead").term
     insync.add(old_term, "b", lsn=0)
     b = replicas(url, "fenced", "b", require_in_sync=True)
-    wait_for(lambda: b.election.leader(), "b to see a lead")
+    wait_for(b.election.leader, "b to see a lead")
     a.election.resign()
     new_term = wait_for(b.leads, "b to lead").term
     before = insync.members()

@@ -34,7 +34,7 @@ def test_values_round_trip_and_garbage_is_refused() -> None:
         MemberInfo.decode(b'{"replica_id": "r", "address": "a", "role": "king"}')
 
 
-@pytest.mark.parametrize("field, value, message", [
+@pytest.mark.parametrize(("field", "value", "message"), [
     ("ttl_s", 0, "ttl_s must be a whole number"),
     ("ttl_s", 1.5, "ttl_s must be a whole number"),
     ("margin_s", 0, "margin_s must be in"),

@@ -71,7 +71,7 @@ def test_election_metrics(etcd_server, replicas) -> None:
     first = replicas(etcd_server.url, "metrics", "a")
     won = wait_for(first.leads, "a to lead")
     second = replicas(etcd_server.url, "metrics", "b")
-    wait_for(lambda: second.election.leader(), "b to see a lead")
+    wait_for(second.election.leader, "b to see a lead")
     leader_metrics, follower_metrics = CollectorRegistry(), CollectorRegistry()
     leader_metrics.register(ElectionCollector(first.election))
     follower_metrics.register(ElectionCollector(second.election))

@@ -25,6 +25,7 @@ from blockd.core import (
 from blockd.core.state import op_to_json
 from blockd.core.types import DecodeAppend, OpResult, PoolStats, StepResult
 from blockd.engine import Engine
+from blockd.engine_config import EngineConfig
 from blockd.idempotency import IdempotencyLimits, IdempotencyTable
 from blockd.idempotency_codec import decode_result, encode_result, fingerprint
 from client import errors as ce
@@ -43,7 +44,7 @@ class Clock:
 
 
 def small_engine(limits: IdempotencyLimits | None = None, clock: Clock | None = None, **kwargs) -> Engine:
-    engine = Engine(idempotency=limits, wall_clock=clock or Clock(), **kwargs)
+    engine = Engine(EngineConfig(idempotency=limits or IdempotencyLimits(), wall_clock=clock or Clock(), **kwargs))
     engine.create_pool(PoolConfig("p", num_blocks=4096, block_size=4), request_id="create-p")
     return engine
 
@@ -178,7 +179,7 @@ def test_table_stays_under_its_byte_cap_and_drops_oldest_answers_first():
     # the newest ids still get their first answer
     assert engine.step("p", [DecodeAppend(seqs, [199 % 50] * 64)], "r199") == results[199]
     # the oldest were applied but lost their answer: refused, never applied twice
-    with pytest.raises(WrongState, match="'r0' was applied .* answer is no longer kept"):
+    with pytest.raises(WrongState, match=r"'r0' was applied .* answer is no longer kept"):
         engine.step("p", [DecodeAppend(seqs, [0] * 64)], "r0")
     # a different request under a dropped answer's id is still caught
     with pytest.raises(InvalidArgument, match="different content"):
@@ -242,7 +243,7 @@ def test_estimated_bytes_cover_the_real_memory():
 
 def test_limits_are_checked():
     for bad in ({"max_entries": 0}, {"max_bytes": -1}, {"ttl_s": 0}, {"max_entries": 1.5}):
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError, match="must be a positive"):
             IdempotencyLimits(**bad)
 
 

@@ -8,10 +8,11 @@ import json
 import pytest
 
 from blockd.core import ALL_BLOCKS_CLEARED, Allocate, Append, Commit, DecodeAppend, Fork, Free, PoolConfig
-from blockd.engine import Engine, Snapshot
-from blockd.identity import KVLost, PoolIncarnationMismatch
-from blockd.service.errors import blockd_status
-from blockd.workers import WorkerInfo
+from blockd.core.incarnations import KVLost, PoolIncarnationMismatch
+from blockd.core.types import Snapshot, WorkerInfo
+from blockd.engine import Engine
+from blockd.engine_config import EngineConfig
+from blockd.rpc.errors import blockd_status
 
 CONFIG = PoolConfig("p", num_blocks=16, block_size=2)
 
@@ -98,7 +99,7 @@ def test_lost_listing_is_capped_to_fit_the_trailers():
 
 @pytest.mark.parametrize("snapshot", [False, True])
 def test_identity_and_lost_kv_survive_a_restart(tmp_path, snapshot):
-    engine = Engine(str(tmp_path))
+    engine = Engine(EngineConfig(data_dir=str(tmp_path)))
     incarnation = engine.create_pool(CONFIG).incarnation
     engine.register_worker(worker("life-1"))
     engine.step("p", [Allocate("a", [1, 2, 3, 4]), Commit("a", 4)])
@@ -108,7 +109,7 @@ def test_identity_and_lost_kv_survive_a_restart(tmp_path, snapshot):
         engine.snapshot()
     engine.close()
 
-    again = Engine(str(tmp_path))
+    again = Engine(EngineConfig(data_dir=str(tmp_path)))
     stats = again.get_pool("p")
     assert stats.incarnation == incarnation and stats.num_kv_lost_seqs == 1
     with pytest.raises(KVLost, match="'a'"):
@@ -117,4 +118,4 @@ def test_identity_and_lost_kv_survive_a_restart(tmp_path, snapshot):
     assert again.get_pool("p").num_kv_lost_seqs == 1 and not again.sequence_info("p", "b").kv_lost
     again.step("p", [Free("a")])
     again.close()
-    assert Engine(str(tmp_path)).get_pool("p").num_kv_lost_seqs == 0
+    assert Engine(EngineConfig(data_dir=str(tmp_path))).get_pool("p").num_kv_lost_seqs == 0

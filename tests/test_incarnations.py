@@ -25,14 +25,14 @@ import pytest
 import torch
 
 from blockd.core import ALL_BLOCKS_CLEARED, BLOCK_STORED, Allocate, Append, Commit, Free, PoolConfig
-from blockd.local_cluster import ClusterSpec, LocalCluster
-from blockd.workers import WorkerInfo
+from blockd.core.types import WorkerInfo
 from client.errors import BlockdClientError, FailedPreconditionError, NotFoundError
 from client.model_group import WorkerGroup
-from client.reference import ContiguousReference
 from client.scheduler import Scheduler, SchedulerConfig
 from client.sdk import BlockdClient
 from client.worker import WorkerClient
+from cluster.local import ClusterSpec, LocalCluster
+from cluster.reference import ContiguousReference
 from tests.dense import dense_attention
 from tests.procs import start_blockd, start_worker
 from tests.test_cluster import workload

@@ -206,7 +206,7 @@ def test_mixed_prefill_and_decode_match_dense(block_size, head_dim, ratio, dtype
     run_attention(ctx, q_lens, block_size, head_dim, ratio, dtype, backend=backend)
 
 
-@pytest.mark.parametrize("backend, tile_bytes", [("torch", 16 << 10), ("torch", None), ("native", None),
+@pytest.mark.parametrize(("backend", "tile_bytes"), [("torch", 16 << 10), ("torch", None), ("native", None),
                                                  ("flashinfer", None)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_long_prefill_and_extend(dtype, backend, tile_bytes):
@@ -287,7 +287,7 @@ def test_native_every_code_path_matches_dense(dtype, head_dim):
     """Each vector width of the compiled kernel (forced through its ``isa`` argument) on a
     mixed batch: decode, full and chunked prefill, GQA; head sizes that rule out wider vectors."""
     ctx, q_lens = mixed_batch(16)
-    ctx, q_lens = ctx + [700], q_lens + [70]  # several 32-key chunks and 64-row items
+    ctx, q_lens = [*ctx, 700], [*q_lens, 70]  # several 32-key chunks and 64-row items
     kv, tables = make_batch(ctx, 16, NUM_KV_HEADS, head_dim, dtype)
     query = torch.randn(sum(q_lens), 4 * NUM_KV_HEADS, head_dim).to(dtype)
     starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()])
@@ -394,7 +394,7 @@ def test_plan_rejects_inconsistent_batches():
     wrapper = PagedAttention(device="cpu")
     with pytest.raises(ValueError, match="multiple of num_kv_heads"):
         wrapper.plan(tables, torch.tensor([3, 3]), **{**kwargs, "num_q_heads": 3})
-    with pytest.raises(ValueError, match="need 2 blocks, table has 2|need 3 blocks"):
+    with pytest.raises(ValueError, match=r"need 2 blocks, table has 2|need 3 blocks"):
         wrapper.plan(tables, torch.tensor([9, 3]), **kwargs)
     with pytest.raises(ValueError, match="negative block id"):
         wrapper.plan(tables, torch.tensor([3, 5]), **kwargs)
@@ -435,7 +435,7 @@ def test_write_kv_skips_padding_slots(device, dtype):
     kv = allocate_kv_pool(geometry, dtype, device)
     table = [5, 2, 0]
     slots = slot_mapping(table, 0, 10, 4)
-    padded = torch.tensor(slots[:4] + [-1, -1] + slots[4:] + [-1], dtype=torch.int32, device=device)
+    padded = torch.tensor([*slots[:4], -1, -1, *slots[4:], -1], dtype=torch.int32, device=device)
     key = torch.randn(len(padded), 2, 8, device=device).to(dtype)
     value = torch.randn(len(padded), 2, 8, device=device).to(dtype)
     write_kv(kv[0], key, value, padded)

@@ -17,17 +17,17 @@ from pathlib import Path
 
 import pytest
 
-yaml = pytest.importorskip("yaml", reason="the deploy extra is not installed: pip install -e '.[deploy]'")
-pytest.importorskip("kubernetes_validate", reason="the deploy extra is not installed: pip install -e '.[deploy]'")
-
 from blockd import config_env
 from blockd.cli import build_parser as blockd_parser
-from blockd.local_cluster import model_config
 from client import pool_apply
 from client.cli import ENV_OVERRIDES as BLOCKCTL_OVERRIDES
 from client.cli import build_parser as blockctl_parser
+from cluster.local import model_config
 from worker.main import ENV_OVERRIDES as WORKER_OVERRIDES
 from worker.main import build_parser as worker_parser
+
+yaml = pytest.importorskip("yaml", reason="the deploy extra is not installed: pip install -e '.[deploy]'")
+pytest.importorskip("kubernetes_validate", reason="the deploy extra is not installed: pip install -e '.[deploy]'")
 
 ROOT = Path(__file__).resolve().parent.parent
 K8S = ROOT / "deploy" / "kubernetes"

@@ -22,10 +22,10 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from blockd.core.errors import InvalidArgument, NoRoom, NotFound
-from blockd.core.types import Allocate, Append, Commit, DecodeAppend, Fork, Free, PoolConfig
+from blockd.core.types import Allocate, Append, Commit, DecodeAppend, Fork, Free, PoolConfig, WorkerInfo
 from blockd.engine import Engine
+from blockd.engine_config import EngineConfig
 from blockd.metrics import BlockdMetrics, EngineCollector, outcome_of, start_metrics_server
-from blockd.workers import WorkerInfo
 from worker.metrics import WorkerMetrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -59,7 +59,7 @@ def run_workload(engine: Engine, pool: str) -> None:
 
 def engine_with_workload(clock: FakeClock | None = None) -> Engine:
     clock = clock or FakeClock()
-    engine = Engine(clock=clock, worker_timeout_s=10.0)
+    engine = Engine(EngineConfig(clock=clock, worker_timeout_s=10.0))
     engine.create_pool(PoolConfig("alpha", num_blocks=16, block_size=4, num_layers=2, num_kv_heads=2,
                                   head_dim=8))
     engine.create_pool(PoolConfig("beta", num_blocks=8, block_size=16))
@@ -173,7 +173,7 @@ def test_outcome_is_ok_or_the_lowercase_status_name():
 
 def test_wal_sync_is_observed_through_the_engine_hook(tmp_path):
     metrics = BlockdMetrics()
-    engine = Engine(data_dir=str(tmp_path), fsync="always", observe_wal_sync=metrics.observe_wal_sync)
+    engine = Engine(EngineConfig(data_dir=str(tmp_path), fsync="always", observe_wal_sync=metrics.observe_wal_sync))
     try:
         engine.create_pool(PoolConfig("p", num_blocks=4, block_size=4))
         engine.step("p", [Allocate("a", [1, 2])])
@@ -289,9 +289,9 @@ def test_two_metrics_servers_in_one_process_do_not_collide():
         server_b.close()
     metrics = BlockdMetrics()
     metrics.attach(first)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="already attached"):
         metrics.attach(second)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="metrics port"):
         start_metrics_server(first, -1)
 
 
@@ -331,7 +331,7 @@ def test_worker_metrics_output():
     assert value("blockd_worker_pool_bytes", pool) == 1 << 20
     with pytest.raises(ValueError, match="unknown kernel"):
         metrics.observe_kernel("flash_attention_9000", 0.1)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="pool must be"):
         WorkerMetrics("")
     text = worker_scrape(metrics)
     for family in text_string_to_metric_families(text):

@@ -23,7 +23,7 @@ import torch
 
 from blockd.core import Allocate, Commit, DecodeAppend, Fork, Pool
 from blockd.core.errors import InvalidArgument, NotFound, WrongState
-from blockd.identity import KVNotWritten
+from blockd.core.incarnations import KVNotWritten
 from client.errors import FailedPreconditionError, InvalidArgumentError
 from client.sdk import BlockdClient
 from client.worker import WorkerClient
@@ -96,7 +96,7 @@ class Scenario:
         assert r.copy_ops, "appending to a shared, partly filled block must copy it"
         self.run(r.version, [*self.decode_batch(r, ["a", "a2", "b"], 2), ("c", 17, 8, slots["c"][9:])])
         # d shares a's first two (committed, full) blocks: a prefix-cache hit.
-        d_prompt = prompts["a"][:8] + [1, 2, 3]
+        d_prompt = [*prompts["a"][:8], 1, 2, 3]
         self.seqs["d"] = list(d_prompt)
         running = ["a", "a2", "b", "c"]
         r = self.step_pool([self.decode_ops(running), Allocate("d", d_prompt)])

@@ -25,8 +25,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from blockd.local_cluster import ROOT, ChildProcess, child_env, model_config
-from client.reference import ContiguousReference
+from cluster.local import ROOT, ChildProcess, child_env, model_config
+from cluster.reference import ContiguousReference
 from tests.netns import NetnsLab, sweep_stale, unavailable_reason
 from tests.netns_scheduler import workload
 from worker.model import pool_config_for

@@ -176,7 +176,7 @@ def run_workload(stack: Stack, seconds: float) -> None:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         seq = f"s{i}"
-        client.step(POOL, [Allocate(seq, prefix + [1000 + i, 2000 + i])])
+        client.step(POOL, [Allocate(seq, [*prefix, 1000 + i, 2000 + i])])
         if i % 3 == 0:  # the child shares a partly filled block: its append copies it
             client.step(POOL, [Fork(seq, f"{seq}c"), Append(f"{seq}c", [5000 + i])])
             live.append(f"{seq}c")

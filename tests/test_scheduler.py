@@ -22,9 +22,9 @@ import pytest
 from google.rpc import error_details_pb2
 
 from blockd.core import PoolConfig
-from blockd.workers import WorkerInfo
+from blockd.core.types import WorkerInfo
+from client.backends import ModelBatch
 from client.errors import FailedPreconditionError
-from client.model_group import ModelBatch
 from client.scheduler import Scheduler, SchedulerConfig
 from client.serving import GenerationRequest, ReservationAdmission, percentile
 
@@ -111,7 +111,7 @@ def workload(seed: int, count: int) -> list[GenerationRequest]:
     shared = [tuple(rng.randrange(VOCAB) for _ in range(rng.randint(9, 23))) for _ in range(2)]
     requests = []
     for i in range(count):
-        prefix = rng.choice(shared + [()])
+        prefix = rng.choice([*shared, ()])
         prompt = prefix + tuple(rng.randrange(VOCAB) for _ in range(rng.randint(1, 12)))
         requests.append(GenerationRequest(f"r{i}", prompt, rng.randint(1, 14), n=rng.choice((1, 1, 2, 3))))
     return requests
@@ -214,13 +214,13 @@ def test_validation():
         GenerationRequest("a", (1,), 0)
     with pytest.raises(ValueError, match="prompt"):
         GenerationRequest("a", (), 1)
-    with pytest.raises(ValueError, match="without '.'"):
+    with pytest.raises(ValueError, match=r"without '\.'"):
         GenerationRequest("a.b", (1,), 1)
     with pytest.raises(ValueError, match="n must"):
         GenerationRequest("a", (1,), 1, n=0)
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         SchedulerConfig(max_num_batched_tokens=4, max_num_seqs=8)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="ReservationAdmission needs"):
         ReservationAdmission(0, 16, 100)
     assert percentile([3.0, 1.0, 2.0], 50) == 2.0 and percentile([], 99) == 0.0
 
@@ -243,7 +243,7 @@ def test_tensor_parallel_ranks_must_agree(monkeypatch):
         monkeypatch.setattr(group, "_step", lambda worker, version, b, incarnation: answers[worker.target])
         assert group.run(3, batch) == [7, 8]
         answers[group.workers[1].target] = [7, 9]
-        with pytest.raises(TensorParallelMismatch, match="rank 1 .* sequence 'b'"):
+        with pytest.raises(TensorParallelMismatch, match=r"rank 1 .* sequence 'b'"):
             group.run(3, batch)
     with pytest.raises(ValueError, match="one slot each"):
         batch.add("c", 4, [1, 2], [3])

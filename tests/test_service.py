@@ -1,5 +1,5 @@
 """blockd over real gRPC on loopback: every RPC through the SDK (sync and
-asyncio), the status code of each error case of DESIGN.md with its
+asyncio), the status code of each error case of docs/protocol.md with its
 google.rpc details, atomicity and idempotency over the wire, health and
 reflection, streams that end, retries and graceful shutdown."""
 
@@ -20,11 +20,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from blockd.core import Allocate, Append, BlockdError, Commit, ExtraKeys, Fork, Free, PoolConfig
-from blockd.core.types import DecodeAppend, VersionDelta
-from blockd.engine import Snapshot
+from blockd.core.types import DecodeAppend, Snapshot, VersionDelta, WorkerInfo
 from blockd.v1 import blockd_pb2 as pb
 from blockd.v1 import blockd_pb2_grpc as pb_grpc
-from blockd.workers import WorkerInfo
 from client import AsyncBlockdClient, BlockdClient
 from client import errors as ce
 

@@ -6,9 +6,8 @@ import io
 
 import pytest
 
-from blockd.core.types import Allocate, Commit, Free, PoolConfig
+from blockd.core.types import Allocate, Commit, Free, PoolConfig, WorkerInfo
 from blockd.engine import Engine
-from blockd.workers import WorkerInfo
 from client.top import add_top, prefix_hit_cell, render_frame, run_top, utilisation_bar
 
 pytest_plugins = ["tests.grpc_fixtures"]
@@ -77,7 +76,7 @@ def test_no_pools_and_orphan_workers():
 
 
 def test_interval_must_be_positive():
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="interval"):
         run_top(Engine(), 0, False, io.StringIO())
 
 

@@ -17,6 +17,7 @@ import pytest
 from blockd.core import Allocate
 from blockd.datadir import DataDirError, Reader
 from blockd.engine import Engine
+from blockd.engine_config import EngineConfig
 from blockd.wal import FRAME, SEGMENT_HEADER, encode_frame
 from tests.datadirs import build, data_files, digest, flip, reference, segments, state, workload
 
@@ -32,7 +33,7 @@ def built(tmp_path):
 def refuses_unchanged(data_dir: str, *match: str) -> DataDirError:
     before = digest(data_dir)
     with pytest.raises(DataDirError) as info:
-        Engine(data_dir)
+        Engine(EngineConfig(data_dir=data_dir))
     assert digest(data_dir) == before, "a refused start changed files"
     for text in match:
         assert text in str(info.value), str(info.value)
@@ -52,7 +53,7 @@ def frame_offsets(path: str) -> list[int]:
 def test_the_built_dir_recovers_exactly(built):
     data_dir, ref = built
     assert len(segments(data_dir)) == 2 and data_files(data_dir)[0].startswith("snapshot-")
-    engine = Engine(data_dir)
+    engine = Engine(EngineConfig(data_dir=data_dir))
     assert state(engine) == state(ref)
     engine.close()
 
@@ -68,7 +69,7 @@ def test_a_flipped_byte_in_any_segment_refuses_and_changes_nothing(built, segmen
     flip(path, offset)
     err = refuses_unchanged(data_dir, name)
     # the error points at the frame that holds the flipped byte (or the segment header)
-    starts = [0] + frame_offsets(path) if where != "head" else [0]
+    starts = [0, *frame_offsets(path)] if where != "head" else [0]
     assert err.offset == max(s for s in starts if s <= offset)
 
 
@@ -121,7 +122,7 @@ def test_a_record_that_does_not_apply_refuses(built):
 @pytest.mark.parametrize("damage", ["cut-mid-record", "cut-mid-header", "zeros", "zeroed-page"])
 def test_a_torn_tail_of_the_last_segment_recovers(built, damage):
     data_dir, ref = built
-    engine = Engine(data_dir)
+    engine = Engine(EngineConfig(data_dir=data_dir))
     engine.step("a", [Allocate("torn", [1, 2, 3])], "torn-step")  # logged, its answer lost in the crash
     engine.close()
     path = os.path.join(data_dir, segments(data_dir)[-1])
@@ -138,12 +139,12 @@ def test_a_torn_tail_of_the_last_segment_recovers(built, damage):
         else:  # the header made it, the end of the body is an unwritten page
             f.seek(len(data) - 20)
             f.write(bytes(20))
-    engine = Engine(data_dir)
+    engine = Engine(EngineConfig(data_dir=data_dir))
     assert state(engine) == state(ref)
     assert os.path.getsize(path) == last  # the torn tail is gone from disk
     engine.step("a", [Allocate("torn", [1, 2, 3])], "torn-step")  # the retry applies now
     engine.close()
-    again = Engine(data_dir)
+    again = Engine(EngineConfig(data_dir=data_dir))
     assert "torn" in again.get_tables("a", [])[1]
     again.close()
 
@@ -158,11 +159,11 @@ def test_a_torn_tail_of_an_older_segment_refuses(built):
 
 def test_a_last_segment_whose_header_never_reached_the_disk(built):
     data_dir, ref = built
-    Engine(data_dir).close()  # a new life opens a new (empty) segment
+    Engine(EngineConfig(data_dir=data_dir)).close()  # a new life opens a new (empty) segment
     path = os.path.join(data_dir, segments(data_dir)[-1])
     with open(path, "r+b") as f:
         f.write(bytes(SEGMENT_HEADER.size))
-    engine = Engine(data_dir)
+    engine = Engine(EngineConfig(data_dir=data_dir))
     assert state(engine) == state(ref)
     engine.close()
 
@@ -177,7 +178,7 @@ def test_stray_tmp_files_are_removed_only_after_verification(built):
     refuses_unchanged(data_dir)
     assert os.path.exists(tmp)
     flip(path, os.path.getsize(path) // 2)  # undo the damage
-    engine = Engine(data_dir)
+    engine = Engine(EngineConfig(data_dir=data_dir))
     assert not os.path.exists(tmp) and state(engine) == state(ref)
     engine.close()
 
@@ -195,17 +196,17 @@ def test_fault_injection_random_bytes(tmp_path):
         data_dir = str(tmp_path / f"case{i}")
         shutil.copytree(pristine, data_dir)
         pos = rng.randrange(total)
-        for name, size in files:
+        for name, size in files:  # noqa: B007 - the loop finds the file the byte falls in
             if pos < size:
                 break
             pos -= size
         flip(os.path.join(data_dir, name), pos)
         before = digest(data_dir)
         try:
-            engine = Engine(data_dir)
+            engine = Engine(EngineConfig(data_dir=data_dir))
         except DataDirError as err:
             assert digest(data_dir) == before, f"case {i} ({name} byte {pos}): a refusal changed files"
-            assert name in str(err) and "byte" in str(err) or "snapshot" in str(err), str(err)
+            assert (name in str(err) and "byte" in str(err)) or "snapshot" in str(err), str(err)
             outcomes["refused"] += 1
             continue
         assert state(engine) == ref, f"case {i} ({name} byte {pos}): started with a state never acknowledged"
@@ -220,7 +221,7 @@ def test_format_1_dirs_are_read_and_upgraded(tmp_path):
     versions): a JSON snapshot and headerless segments."""
     data_dir = str(tmp_path / "legacy")
     shutil.copytree(LEGACY, data_dir)
-    engine = Engine(data_dir, snapshot_every=1 << 30)
+    engine = Engine(EngineConfig(data_dir=data_dir, snapshot_every=1 << 30))
     # the format-1 snapshot's request ids are forgotten (their fingerprints did
     # not cover the requests' content; blockd logs a warning): compare the rest
     assert state(engine, requests=False) == state(reference(3), requests=False)
@@ -231,6 +232,6 @@ def test_format_1_dirs_are_read_and_upgraded(tmp_path):
     reader = Reader(data_dir)
     reader.load_snapshot()
     assert reader.snapshot_format == 2
-    again = Engine(data_dir)
+    again = Engine(EngineConfig(data_dir=data_dir))
     assert state(again, requests=False) == state(reference(4), requests=False)
     again.close()

@@ -5,7 +5,7 @@ import socket
 import time
 
 from blockd.core import Allocate, Append, Fork, Free, PoolConfig
-from blockd.workers import WorkerInfo
+from blockd.core.types import WorkerInfo
 from client.errors import BlockdClientError
 from client.sdk import BlockdClient
 from tests.procs import start_blockd
@@ -55,7 +55,8 @@ def test_watch_resumes_after_restart_without_gap_or_duplicate(tmp_path):
             original_push(delta)
 
         runtime.replica.push = recording_push
-        follower = Follower(client, runtime, WorkerInfo("w", "m", "", 0, 1, 0, 1, incarnation=runtime.incarnation), heartbeat_interval_s=0.1)
+        info = WorkerInfo("w", "m", "", 0, 1, 0, 1, incarnation=runtime.incarnation)
+        follower = Follower(client, runtime, info, heartbeat_interval_s=0.1)
         follower.start()
         for i in range(5):
             client.step("m", [Allocate(f"s{i}", [i] * 3)])

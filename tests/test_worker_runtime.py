@@ -6,7 +6,7 @@ import torch
 
 from blockd.core import Allocate, Append, BlockdError, Fork, Free, NotFound, Pool, PoolConfig
 from blockd.core.errors import InvalidArgument
-from blockd.identity import KVNotWritten, PoolIncarnationMismatch, PoolIncarnationUnavailable
+from blockd.core.incarnations import KVNotWritten, PoolIncarnationMismatch, PoolIncarnationUnavailable
 from tests.dense import dense_attention
 from worker.replica import StaleVersion, TableReplica, VersionUnavailable
 from worker.runtime import ShardSpec, WorkerRuntime
@@ -139,7 +139,7 @@ def test_attention_over_slots_not_written_in_this_incarnation_is_refused():
     with pytest.raises(KVNotWritten, match=r"sequence .a. reads .*positions 4..6 of its 7") as err:
         h.runtime.attention(r.version, 0, ["a"], [1], [7], q)
     assert err.value.code == "FAILED_PRECONDITION" and err.value.metadata["seq_ids"] == '["a"]'
-    with pytest.raises(KVNotWritten, match="positions 0..3 of"):  # written in layer 0 is not layer 1
+    with pytest.raises(KVNotWritten, match=r"positions 0\.\.3 of"):  # written in layer 0 is not layer 1
         h.runtime.attention(r.version, 1, ["a"], [1], [4], q)
     # a write with a gap leaves the slots after it unwritten
     h.runtime.write_kv(r.version, 0, h.rand(2, HEADS, DIM), h.rand(2, HEADS, DIM), [slots[4], slots[6]])

@@ -25,8 +25,7 @@ import threading
 from dataclasses import replace
 
 from blockd.core.errors import BlockdError
-from blockd.engine import Snapshot
-from blockd.workers import WorkerInfo
+from blockd.core.types import Snapshot, WorkerInfo
 from client.errors import BlockdClientError, NotFoundError
 from client.sdk import BlockdClient
 from worker.runtime import WorkerRuntime

@@ -16,8 +16,9 @@ import signal
 import socket
 import threading
 
-from blockd import addresses, config_env
-from blockd.workers import WorkerInfo
+from blockd import config_env
+from blockd.core.types import WorkerInfo
+from blockd.rpc import addresses
 from client.sdk import BlockdClient
 from worker.follower import Follower
 from worker.runtime import ShardSpec, WorkerRuntime
@@ -55,6 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "(e.g. the pod IP); the port defaults to the bound one. Default: the listen "
                         "address, which must then not be 0.0.0.0 or ::")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
+    p.add_argument("--ipc-handle", metavar="PATH",
+                   help="allocate the pool through CuPy and write its CUDA IPC handle to PATH, so another "
+                        "process on the node can map it without a copy (worker.ipc.open_handle; CUDA only, "
+                        "needs the cuda extra)")
     p.add_argument("--metrics-port", type=config_env.port, default=0, help="Prometheus metrics port; 0 = off")
     p.add_argument("--heartbeat-s", type=float, default=1.0, help="seconds between heartbeats")
     p.add_argument("--log-level", type=config_env.log_level, default="INFO")
@@ -74,6 +79,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--tp-world-size > 1 needs --model and --tp-init")
     if not 0 <= args.tp_rank < args.tp_world_size:
         p.error(f"--tp-rank must be in [0, {args.tp_world_size})")
+    if args.ipc_handle and args.device == "cpu":
+        p.error("--ipc-handle shares CUDA memory: it needs a CUDA --device (auto or cuda[:N])")
     if not args.heartbeat_s > 0:
         p.error(f"--heartbeat-s must be a positive number of seconds, got {args.heartbeat_s}")
     # refused before the model loads: the port may still be unknown (:0), the host is not
@@ -144,6 +151,23 @@ def _load_model(args: argparse.Namespace, config):
     return tp.shard(model), tp
 
 
+def _runtime(args: argparse.Namespace, config, shard: ShardSpec, metrics) -> WorkerRuntime:
+    """The shard's runtime; with ``--ipc-handle`` its pool is CuPy memory whose handle is written out."""
+    device = None if args.device == "auto" else args.device
+    if not args.ipc_handle:
+        return WorkerRuntime(config, shard, device=device, metrics=metrics)
+    from worker.ipc import SharedPool
+
+    shared = SharedPool()
+    try:
+        runtime = WorkerRuntime(config, shard, device=device, metrics=metrics, allocate=shared.allocate)
+        shared.write_handle(args.ipc_handle)
+    except (ValueError, RuntimeError, OSError) as err:
+        raise SystemExit(f"blockd-worker: --ipc-handle: {err}") from None
+    log.info("pool memory shared over CUDA IPC: handle in %s", args.ipc_handle)
+    return runtime
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -153,8 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     heads = _kv_heads(args, config)
     model, tp = _load_model(args, config)
     metrics = _metrics(config.name, args.metrics_port)
-    runtime = WorkerRuntime(config, ShardSpec(*layers, *heads),
-                            device=None if args.device == "auto" else args.device, metrics=metrics)
+    runtime = _runtime(args, config, ShardSpec(*layers, *heads), metrics)
     if metrics is not None:
         metrics.set_pool_bytes(runtime.pool_bytes)
     runner = None

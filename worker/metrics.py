@@ -13,12 +13,11 @@ so this module needs no view into worker state. It must stay free of torch:
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from blockd.metrics import DEFAULT_METRICS_ADDR, MetricsServer
+from blockd.rpc.metrics_http import MetricsServer, serve_metrics
 
 #: kernel label values; a kernel outside this list is a programming error
 #: "attention" is a planned mixed batch (decode and prefill together)
@@ -87,8 +86,4 @@ class WorkerMetrics:
         ``addr`` defaults to ``$BLOCKD_METRICS_ADDR`` or 127.0.0.1, as for
         blockd itself: loopback unless a deployment (a container) opens it.
         """
-        if type(port) is not int or not 0 <= port <= 65535:
-            raise ValueError(f"metrics port must be an int in 0..65535, got {port!r}")
-        host = addr if addr is not None else os.environ.get("BLOCKD_METRICS_ADDR", DEFAULT_METRICS_ADDR)
-        server, thread = start_http_server(port, addr=host, registry=self.registry)
-        return MetricsServer(server, thread)
+        return serve_metrics(self.registry, port, addr)

@@ -13,9 +13,9 @@ Versions are comparable only within one pool incarnation. The replica knows
 the incarnation its tables belong to; a snapshot of another incarnation (the
 pool was re-created, or blockd restarted without its data) replaces
 everything, and the old incarnation is remembered as replaced: work naming it
-is refused at once (:class:`~blockd.identity.PoolIncarnationMismatch`), work
+is refused at once (:class:`~blockd.core.incarnations.PoolIncarnationMismatch`), work
 naming one not loaded yet waits for it, bounded
-(:class:`~blockd.identity.PoolIncarnationUnavailable`).
+(:class:`~blockd.core.incarnations.PoolIncarnationUnavailable`).
 
 :meth:`trim` applies the oldest pending deltas once more than ``max_pending``
 pile up, so an idle worker's memory stays bounded. Pure Python, thread-safe; the copy op
@@ -30,8 +30,8 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 
 from blockd.core.errors import InvalidArgument, NotFound, WrongState, shown
+from blockd.core.incarnations import PoolIncarnationMismatch, PoolIncarnationUnavailable, short
 from blockd.core.types import VersionDelta
-from blockd.identity import PoolIncarnationMismatch, PoolIncarnationUnavailable, short
 
 CopyFn = Callable[[Sequence[tuple[int, int]]], None]
 #: replaced pool incarnations remembered (to refuse work naming them at once)

@@ -31,14 +31,16 @@ from dataclasses import dataclass
 import torch
 
 from blockd.core.errors import InvalidArgument, WrongState, shown
+from blockd.core.incarnations import new_incarnation
 from blockd.core.types import PoolConfig
-from blockd.identity import new_incarnation
 from worker.kernels import PagedAttention, copy_blocks, select_device, write_kv
 from worker.layout import KVGeometry, allocate_kv_pool
 from worker.replica import TableReplica
 from worker.written import ContextBlocks, WrittenSlots
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+#: makes a zeroed pool shard: (geometry, dtype, device) -> tensor of ``geometry.shape``
+Allocator = Callable[[KVGeometry, torch.dtype, torch.device], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -89,7 +91,10 @@ def _padded(tables: list[list[int]]) -> torch.Tensor:
 class WorkerRuntime:
     def __init__(self, config: PoolConfig, shard: ShardSpec | None = None, *, device: str | None = None,
                  version_timeout_s: float = 5.0, latest_committed: Callable[[], int] | None = None,
-                 metrics=None) -> None:
+                 metrics=None, allocate: Allocator = allocate_kv_pool) -> None:
+        """``allocate`` makes the zeroed pool tensor (torch's allocator by
+        default; :meth:`worker.ipc.SharedPool.allocate` for a pool other
+        processes map over CUDA IPC)."""
         if config.dtype not in TORCH_DTYPES:
             raise InvalidArgument(f"workers hold float32, float16 or bfloat16 pools, not {config.dtype}")
         self.config = config
@@ -101,7 +106,10 @@ class WorkerRuntime:
             num_layers=self.shard.layer_end - self.shard.layer_start, num_blocks=config.num_blocks,
             num_kv_heads=self.shard.kv_head_end - self.shard.kv_head_start, block_size=config.block_size,
             head_dim=config.head_dim)
-        self.kv = allocate_kv_pool(self.geometry, self.dtype, self.device)
+        self.kv = allocate(self.geometry, self.dtype, self.device)
+        if tuple(self.kv.shape) != self.geometry.shape or self.kv.dtype != self.dtype:
+            raise ValueError(f"the allocator made a {self.kv.dtype} pool of shape {tuple(self.kv.shape)}, "
+                             f"not {self.dtype} {self.geometry.shape}")
         self.replica = TableReplica(self._copy_blocks)
         #: this process's worker incarnation: KV written by an earlier one is gone
         self.incarnation = new_incarnation()
@@ -129,9 +137,9 @@ class WorkerRuntime:
         with self._lock:
             self.replica.trim()
 
-    def _copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
+    def _copy_blocks(self, copy_ops: Sequence[tuple[int, int]]) -> None:
         start = time.perf_counter()
-        pairs = torch.tensor(pairs, dtype=torch.int64).view(-1, 2)
+        pairs = torch.tensor(copy_ops, dtype=torch.int64).view(-1, 2)
         copy_blocks(self.kv, pairs.to(self.device))
         self.written.copy(pairs)
         self.metrics.observe_kernel("copy_blocks", time.perf_counter() - start)
@@ -184,7 +192,7 @@ class WorkerRuntime:
             return self._advance(version, pool_incarnation)
 
     def check_written(self, seq_ids: Sequence[str], tables: list[list[int]], lengths: Sequence[int]) -> None:
-        """Refuse (:class:`~blockd.identity.KVNotWritten`) unless the first
+        """Refuse (:class:`~blockd.core.incarnations.KVNotWritten`) unless the first
         ``lengths[i]`` tokens of each sequence are written in every layer of
         this shard in this incarnation (a model step checks its cached context
         once, before the forward)."""
@@ -245,8 +253,8 @@ class WorkerRuntime:
                 write_kv(self.kv[local], key, value, slots.to(self.device))
                 self.written.mark(local, slots)
                 self.metrics.observe_kernel("write_kv", time.perf_counter() - start)
-            self._plan(version, incarnation, seq_ids, q_lens, ctx, heads, scale)
-            self.written.check(local, self._context, seq_ids, ctx)
+            context = self._plan(version, incarnation, seq_ids, q_lens, ctx, heads, scale)
+            self.written.check(local, context, seq_ids, ctx)
             start = time.perf_counter()
             out = self._attention.run(query, self.kv[local])
             self.metrics.observe_kernel("attention", time.perf_counter() - start)
@@ -254,11 +262,12 @@ class WorkerRuntime:
         self.metrics.add_tokens(total)
         return out
 
-    def _plan(self, version, incarnation, seq_ids, q_lens, ctx, heads, scale) -> None:
-        """Plan once per batch: every layer of a forward pass reuses it."""
+    def _plan(self, version, incarnation, seq_ids, q_lens, ctx, heads, scale) -> ContextBlocks:
+        """Plan once per batch: every layer of a forward pass reuses it. Returns
+        the batch's context blocks (for the written-slot check)."""
         key = (version, incarnation, tuple(seq_ids), tuple(q_lens.tolist()), tuple(ctx.tolist()), heads, scale)
-        if key == self._plan_key:
-            return
+        if key == self._plan_key and self._context is not None:
+            return self._context
         tables = self.replica.tables_of(seq_ids, version, incarnation)
         b = self.config.block_size
         for seq_id, table, n in zip(seq_ids, tables, ctx.tolist()):
@@ -274,6 +283,7 @@ class WorkerRuntime:
                              num_kv_heads=self.geometry.num_kv_heads, head_dim=self.geometry.head_dim,
                              block_size=b, kv_dtype=self.dtype, scale=scale)
         self._plan_key = key
+        return self._context
 
     def stats(self) -> dict:
         return {

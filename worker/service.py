@@ -1,12 +1,12 @@
 """The worker's gRPC server: ``blockd.v1.KVShardService`` over a
 :class:`~worker.runtime.WorkerRuntime` (and, when the worker runs a model, a
 :class:`~worker.model.ModelRunner` for ``ModelStep``), plus the stock health
-and reflection services (:mod:`blockd.service.stock`: malformed requests are
+and reflection services (:mod:`blockd.rpc.stock`: malformed requests are
 INVALID_ARGUMENT there too, without a logged traceback).
 
-The servicer is a thin adapter: decode tensors (:mod:`worker.tensors`), call
+The servicer is a thin adapter: decode tensors (:mod:`blockd.rpc.tensors`), call
 the runtime, encode the result. Failures leave through blockd's one error
-mapping (:mod:`blockd.service.errors`): bad shapes or dtypes are
+mapping (:mod:`blockd.rpc.errors`): bad shapes or dtypes are
 INVALID_ARGUMENT, unknown sequences NOT_FOUND, stale or never-arriving
 versions FAILED_PRECONDITION; nothing leaks as UNKNOWN. Every data-plane call
 must name the worker incarnation it planned against (another one means this
@@ -17,24 +17,21 @@ incarnation of its version.
 from __future__ import annotations
 
 import logging
-from concurrent import futures
-
-import grpc
-from grpc_health.v1 import health_pb2
 
 from blockd.core.errors import InvalidArgument, NotFound, WrongState, shown
-from blockd.identity import WorkerIncarnationMismatch, short
-from blockd.service.convert import require_id, require_ids
-from blockd.service.errors import BadField, method_handlers, unary
-from blockd.service.server import split_address
-from blockd.service.stock import add_stock_services
+from blockd.core.incarnations import WorkerIncarnationMismatch, short
+from blockd.rpc.convert import require_id, require_ids
+from blockd.rpc.errors import BadField, unary
+from blockd.rpc.server import GrpcEndpoint
+from blockd.rpc.tensors import from_proto, to_proto
 from blockd.v1 import worker_pb2 as pb
 from worker.runtime import WorkerRuntime
-from worker.tensors import from_proto, to_proto
 
 log = logging.getLogger("blockd.worker")
 
 SERVICE = pb.DESCRIPTOR.services_by_name["KVShardService"]
+#: tensors travel in messages: a prefill's K/V or logits can be large
+MAX_MESSAGE_BYTES = 256 << 20
 
 
 class KVShardServicer:
@@ -84,23 +81,25 @@ class KVShardServicer:
 
     @unary
     def WriteKV(self, request, context):
+        # malformed tensors are the caller's mistake whatever incarnation it names
+        key, value = from_proto(request.key, "key"), from_proto(request.value, "value")
         incarnation = self._check_call(request)
-        self.runtime.write_kv(request.version, request.layer, from_proto(request.key, "key"),
-                              from_proto(request.value, "value"), list(request.slot_mapping),
+        self.runtime.write_kv(request.version, request.layer, key, value, list(request.slot_mapping),
                               pool_incarnation=incarnation)
         return pb.WriteKVResponse(version=request.version)
 
     @unary
     def Attention(self, request, context):
-        incarnation = self._check_call(request)
         has_kv = request.HasField("key") or request.HasField("value")
         if has_kv and not (request.HasField("key") and request.HasField("value")):
             raise InvalidArgument("key and value go together")
+        query = from_proto(request.query, "query")
+        key = from_proto(request.key, "key") if has_kv else None
+        value = from_proto(request.value, "value") if has_kv else None
+        incarnation = self._check_call(request)
         out = self.runtime.attention(
             request.version, request.layer, list(request.seq_ids), list(request.query_lens),
-            list(request.context_lens), from_proto(request.query, "query"),
-            key=from_proto(request.key, "key") if has_kv else None,
-            value=from_proto(request.value, "value") if has_kv else None,
+            list(request.context_lens), query, key=key, value=value,
             slot_mapping=list(request.slot_mapping) if has_kv else None,
             scale=request.scale or None, pool_incarnation=incarnation)
         return pb.AttentionResponse(output=to_proto(out), version=request.version)
@@ -125,23 +124,15 @@ class WorkerServer:
 
     def __init__(self, runtime: WorkerRuntime, worker_id: str, listen: str = "127.0.0.1:0",
                  max_workers: int = 8, runner=None) -> None:
-        host, _ = split_address(listen)
-        options = [("grpc.max_receive_message_length", 256 << 20), ("grpc.max_send_message_length", 256 << 20)]
-        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers, thread_name_prefix="worker-rpc"),
-                                   options=options)
         servicer = KVShardServicer(runtime, worker_id, str(runtime.device), runner)
-        self._server.add_registered_method_handlers(SERVICE.full_name, method_handlers(servicer, SERVICE))
-        self.health = add_stock_services(self._server, (SERVICE.full_name,))
-        self.port = self._server.add_insecure_port(listen)
-        if self.port == 0:
-            raise OSError(f"cannot listen on {listen!r}")
-        self.address = f"{host}:{self.port}"
+        self._endpoint = GrpcEndpoint([(servicer, SERVICE)], listen, max_workers=max_workers,
+                                      max_message_bytes=MAX_MESSAGE_BYTES, thread_name_prefix="worker-rpc")
+        self.health = self._endpoint.health
+        self.port = self._endpoint.port
+        self.address = self._endpoint.address
 
     def start(self) -> None:
-        self._server.start()
-        for name in ("", SERVICE.full_name):
-            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self._endpoint.start()
 
     def stop(self, grace_s: float = 2.0) -> None:
-        self.health.enter_graceful_shutdown()
-        self._server.stop(grace_s).wait()
+        self._endpoint.stop(grace_s)

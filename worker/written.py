@@ -6,7 +6,7 @@ the old pool's data under the new pool's block ids. So the runtime records,
 per layer, every slot that ``write_kv`` stored, carries the record along with
 ``copy_blocks``, and clears it when the pool incarnation changes; attention
 whose context reaches a slot not recorded is refused
-(:class:`~blockd.identity.KVNotWritten`) instead of computed.
+(:class:`~blockd.core.incarnations.KVNotWritten`) instead of computed.
 
 Kept as a bitmap ``[layers, blocks, block_size]`` (one byte per slot and
 layer: next to ``2 * heads * head_dim`` elements of KV, noise) plus, per layer
@@ -16,7 +16,7 @@ one gather over the blocks it reads (vectorised, on the CPU: no device sync)::
     block 7, block_size 4:  written  1 1 0 1   -> leading 2
     a sequence whose context ends 3 slots into block 7 needs leading >= 3: refused
 
-Imports torch and :mod:`blockd.identity` only.
+Imports torch and :mod:`blockd.core.incarnations` only.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from blockd.identity import KVNotWritten, listed
+from blockd.core.incarnations import KVNotWritten, listed
 
 
 @dataclass(frozen=True)
@@ -87,7 +87,7 @@ class WrittenSlots:
         self.lead[:, dst] = self.lead[:, src]
 
     def check(self, layers: int | slice, context: ContextBlocks, seq_ids: Sequence[str],
-              lengths: Sequence[int]) -> None:
+              lengths: Sequence[int] | torch.Tensor) -> None:
         """Raise :class:`KVNotWritten` unless every slot ``context`` reads is
         written in ``layers`` (local indices)."""
         if not context.blocks.numel():

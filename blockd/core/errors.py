@@ -53,8 +53,7 @@ class BlockdError(Exception):
 
     def at_op(self, op_index: int, what: str) -> BlockdError:
         """The same error, re-worded to name the failing operation of a batch."""
-        err = type(self)(f"operation {op_index} ({what}): {self.message}", op_index=op_index)
-        return err
+        return type(self)(f"operation {op_index} ({what}): {self.message}", op_index=op_index)
 
 
 class InvalidArgument(BlockdError):

@@ -1,4 +1,4 @@
-"""The invariant checker: DESIGN.md's invariants, recomputed from scratch.
+"""The invariant checker: the invariants of docs/protocol.md, recomputed from scratch.
 
 :func:`check_invariants` walks every block and every table (O(blocks +
 table entries)), so it is for tests and debugging, never the hot path. It

@@ -94,7 +94,7 @@ class Pool:
         results = []
         index = 0
         try:
-            for index, op in enumerate(ops):
+            for index, op in enumerate(ops):  # noqa: B007 - the except clauses name the failing op
                 results.append(apply(batch, op))
         except BlockdError as err:
             batch.rollback()

@@ -2,7 +2,9 @@
 
 These small frozen dataclasses are the whole interface between a caller (the
 gRPC service, a scheduler, a test) and :class:`blockd.core.pool.Pool`; they
-carry plain ints, strings and bytes, never internal block objects.
+carry plain ints, strings and bytes, never internal block objects. The last
+section holds what the daemon reports besides allocation (table snapshots,
+sequences, workers), so the SDK and the workers read it without the daemon.
 Imports only the standard library.
 """
 
@@ -182,7 +184,7 @@ class KVEvent:
 
 @dataclass(frozen=True)
 class PoolStats:
-    """Counts read in O(1); ``tail_waste_slots`` = used blocks × b − distinct
+    """Counts read in O(1); ``tail_waste_slots`` = used blocks * b - distinct
     token slots in use."""
 
     name: str
@@ -213,3 +215,57 @@ class PoolStats:
     @property
     def prefix_hit_ratio(self) -> float:
         return self.prefix_hit_tokens / self.prefix_queried_tokens if self.prefix_queried_tokens else 0.0
+
+
+# --- what the daemon reports besides allocation (shared with the SDK) --------------
+#: longest device name a worker may report
+MAX_DEVICE_LEN = 64
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """All tables of a pool at ``version`` of ``incarnation`` (for a follower
+    that fell behind, or whose replica belongs to another incarnation)."""
+
+    version: int
+    tables: dict[str, list[int]]
+    incarnation: str = ""
+
+
+@dataclass(frozen=True)
+class SequenceInfo:
+    """One sequence as the daemon holds it; ``kv_lost`` when a worker restart
+    lost its KV (it must be freed and computed again)."""
+
+    seq_id: str
+    num_tokens: int
+    num_committed: int
+    block_table: list[int]
+    kv_lost: bool = False
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """A worker's registration: the shard of the pool it holds and where to dial it."""
+
+    worker_id: str
+    pool: str
+    address: str = ""
+    layer_start: int = 0
+    layer_end: int = 0
+    kv_head_start: int = 0
+    kv_head_end: int = 0
+    pool_bytes: int = 0
+    device: str = "cpu"
+    #: a random id the worker process made when it started (required to register)
+    incarnation: str = ""
+
+
+@dataclass(frozen=True)
+class WorkerStatus:
+    """A registered worker and whether its heartbeats are recent."""
+
+    info: WorkerInfo
+    is_up: bool
+    last_heartbeat_age_s: float
+    applied_version: int

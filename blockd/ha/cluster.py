@@ -135,7 +135,8 @@ class LeaderPoller:
         self._kv.close()
 
     def __enter__(self) -> Self:
-        return self.start()
+        self.start()
+        return self
 
     def __exit__(self, *exc) -> None:
         self.close()

@@ -223,7 +223,8 @@ class Election:
     close = resign
 
     def __enter__(self) -> Self:
-        return self.start()
+        self.start()
+        return self
 
     def __exit__(self, *exc) -> None:
         self.resign()
@@ -299,7 +300,7 @@ class Election:
     # the key --------------------------------------------------------------------------------------
 
     def _me(self) -> LeaderInfo:
-        return LeaderInfo(self.config.replica_id, self.config.address, self._lease.lease_id)
+        return LeaderInfo(self.config.replica_id, self.config.address, self._lease.lease_id or 0)
 
     def _campaign(self) -> None:
         me, keys = self._me(), self.keys
@@ -350,6 +351,8 @@ class Election:
 
     def _advance_pending(self) -> None:
         pending = self._pending
+        if pending is None:
+            return
         if not self._holds_key(pending.term):
             log.warning("replica %s lost the leader key of %s before serving (term %d)",
                         self.config.replica_id, self.config.group, pending.term)
@@ -374,6 +377,8 @@ class Election:
         self._call(self._on_elected, leadership)
 
     def _check_key(self) -> None:
+        if self._leadership is None:
+            return
         term = self._leadership.term
         found = self._kv.get(self.keys.leader, self._timeout())
         if found is None:
@@ -404,7 +409,10 @@ class Election:
     def _publish_member(self) -> None:
         with self._lock:
             term = self._observed.term if self._observed else 0
-        self._member.publish(self._kv, self._lease.lease_id, self._role(), term, self._timeout())
+        lease_id = self._lease.lease_id
+        if lease_id is None:  # between leases: the member key lapsed with the old one
+            return
+        self._member.publish(self._kv, lease_id, self._role(), term, self._timeout())
 
     def _call(self, callback, *args) -> None:
         if callback is None:

@@ -136,6 +136,7 @@ class EtcdClient:
     @staticmethod
     def _client(url: str) -> etcd3gw.Etcd3Client:
         parts = urlsplit(url)
+        assert parts.hostname and parts.port, url  # parse_endpoints checked both
         return etcd3gw.Etcd3Client(host=parts.hostname, port=parts.port, protocol=parts.scheme, api_path="/v3/")
 
     def close(self) -> None:
@@ -205,7 +206,7 @@ class EtcdClient:
         reply = self.post("/kv/deleterange", {"key": _b64(key)}, timeout_s)
         return int(reply.get("deleted", 0)) > 0
 
-    def txn(self, compare: list[dict], success: list[dict], failure: list[dict] = (),
+    def txn(self, compare: list[dict], success: list[dict], failure: Sequence[dict] = (),
             timeout_s: float | None = None) -> TxnResult:
         """If every ``compare`` holds run ``success``, else ``failure``, atomically."""
         reply = self.post("/kv/txn", {"compare": compare, "success": success, "failure": list(failure)},

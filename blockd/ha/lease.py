@@ -6,9 +6,9 @@ host's monotonic time taken *before* the request was sent. Why that is
 safe: etcd's lessor (on the etcd leader) sets the lease's expiry to *its*
 receipt time + TTL, and it received the request after we sent it, so in
 real time the lease cannot end before ``t_send + TTL`` - up to the rate
-difference ρ between the two clocks (no absolute synchronisation is needed,
-only bounded drift: ρ ≈ 1e-4 with NTP, 5e-4 for free-running quartz). The
-``margin`` covers ρ·TTL and the time between a check of the validity and
+difference rho between the two clocks (no absolute synchronisation is needed,
+only bounded drift: rho ~ 1e-4 with NTP, 5e-4 for free-running quartz). The
+``margin`` covers rho*TTL and the time between a check of the validity and
 the acknowledgement leaving the process. Measuring from the *reply* would
 be unsafe: a reply delayed in the network would stretch our belief past the
 real expiry. etcd never ends a lease early: expiry is checked by the etcd
@@ -62,6 +62,8 @@ class LeaseKeeper:
         On EtcdUnavailable (raised) the next attempt is due in ``retry_s``.
         """
         sent = self._clock()
+        if self.lease_id is None:
+            return False
         try:
             ttl = self._kv.keepalive(self.lease_id, timeout_s)
         except Exception:

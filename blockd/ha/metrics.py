@@ -29,7 +29,7 @@ class ElectionCollector(Collector):
     def describe(self) -> Iterable[Metric]:
         return self._families()
 
-    def _families(self) -> list[Metric]:
+    def _families(self) -> list[GaugeMetricFamily | CounterMetricFamily]:
         labels = ["group"]
         return [
             GaugeMetricFamily("blockd_ha_term", "Newest leader term this replica knows (0: none yet).",

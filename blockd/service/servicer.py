@@ -1,8 +1,8 @@
 """Thin gRPC adapters over :class:`blockd.engine.Engine`.
 
-Each method converts the request (:mod:`blockd.service.convert`), calls one
+Each method converts the request (:mod:`blockd.rpc.convert`), calls one
 engine method, and converts the result back; every failure leaves through
-:mod:`blockd.service.errors`. No allocation logic lives here.
+:mod:`blockd.rpc.errors`. No allocation logic lives here.
 
 Streaming methods hand the engine a ``should_stop`` that turns true when the
 client goes away (``context.is_active()``) or the server begins shutting down,
@@ -17,10 +17,11 @@ from collections.abc import Callable, Iterator
 
 import grpc
 
-from blockd.engine import Engine, Snapshot
-from blockd.service import convert
-from blockd.service.convert import optional_id, require_id, require_ids
-from blockd.service.errors import BadField, server_stream, unary
+from blockd.core.types import Snapshot
+from blockd.engine import Engine
+from blockd.rpc import convert
+from blockd.rpc.convert import optional_id, require_id, require_ids
+from blockd.rpc.errors import BadField, server_stream, unary
 from blockd.v1 import blockd_pb2 as pb
 from blockd.v1 import blockd_pb2_grpc as pb_grpc
 
@@ -76,8 +77,9 @@ class BlockServicer(pb_grpc.BlockServiceServicer):
     def Step(self, request: pb.StepRequest, context) -> pb.StepResponse:
         pool = require_id(request.pool, "pool")
         request_id = optional_id(request.request_id, "request_id")
+        incarnation = optional_id(request.pool_incarnation, "pool_incarnation")
         result = self._engine.step(pool, convert.ops_from_proto(request.ops), request_id, dry_run=request.dry_run,
-                                   incarnation=optional_id(request.pool_incarnation, "pool_incarnation"))
+                                   incarnation=incarnation)
         return convert.step_result_to_proto(result)
 
     @unary

@@ -6,7 +6,7 @@ Watch stream workers follow, KV events for routers, and worker membership.
 
 Conventions:
 * Every mutating request carries `request_id`; a retried request id returns
-  the first result and changes nothing (see DESIGN.md, Idempotency). The
+  the first result and changes nothing (see docs/protocol.md, Idempotency). The
   same id with a different request (another kind, pool, or content, e.g.
   other ops) is INVALID_ARGUMENT. The window is bounded (blockd serve
   --max-request-ids, --max-request-bytes, --request-ttl-s; defaults 16384
@@ -25,7 +25,7 @@ Conventions:
   field), never as a success flag in a response.
 * Hot fields are packed repeated uint32/uint64, so a 256-sequence decode
   step is two packed arrays in and one packed array out.
-* Identity (see DESIGN.md, incarnations): a pool incarnation is a random id
+* Identity (see docs/protocol.md, Incarnations): a pool incarnation is a random id
   made when a pool is created and kept across daemon restarts; versions are
   comparable only within one incarnation. A worker incarnation is a random
   id made when a worker process starts; KV written by an earlier one is
@@ -749,7 +749,7 @@ class StepRequest(_message.Message):
     dry_run: _builtins.bool
     """Check the batch and answer what it would do (the same results or the
     same error) without changing anything: no new version, nothing logged,
-    request_id not remembered. The can_* query of DESIGN.md.
+    request_id not remembered. The can_* query of docs/protocol.md (dry_run).
     """
     pool_incarnation: _builtins.str
     """The pool incarnation the caller planned against (from an earlier

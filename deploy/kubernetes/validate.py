@@ -119,7 +119,7 @@ def _container_problems(where: str, pod: dict, container: dict, long_running: bo
         yield f"{where}: readOnlyRootFilesystem must be true"
     if "ALL" not in sc.get("capabilities", {}).get("drop", []) or sc.get("capabilities", {}).get("add"):
         yield f"{where}: must drop ALL capabilities and add none"
-    if not (sc.get("runAsNonRoot", pod.get("securityContext", {}).get("runAsNonRoot")) is True):
+    if sc.get("runAsNonRoot", pod.get("securityContext", {}).get("runAsNonRoot")) is not True:
         yield f"{where}: runAsNonRoot must be true"
     if container.get("image", "").endswith(":latest") or ":" not in container.get("image", ""):
         yield f"{where}: image {container.get('image')!r} needs a tag other than latest"

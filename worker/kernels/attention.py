@@ -43,6 +43,8 @@ worker's layout and plan modules only.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
@@ -161,7 +163,7 @@ class PagedAttention:
 
         Raises ``ValueError`` naming the offending sequence for an inconsistent batch.
         """
-        shape = {"num_q_heads": num_q_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim,
+        shape: dict[str, Any] = {"num_q_heads": num_q_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim,
                  "block_size": block_size, "kv_dtype": kv_dtype}
         check_geometry(**shape)
         batch = validate_batch(block_tables, context_lens, query_start_loc, block_size)

@@ -136,7 +136,7 @@ def load(required: bool = False) -> bool:
     On failure returns ``False`` (logging the reason once), or raises
     :class:`KernelUnavailable` when ``required``.
     """
-    global _loaded, _failure
+    global _loaded, _failure  # noqa: PLW0603 - the build is loaded once per process
     with _lock:
         if _loaded is None:
             try:

@@ -102,13 +102,14 @@ def _reason(err: BlockdError) -> str:
     return re.sub(r"(?<!^)(?=[A-Z])", "_", type(err).__name__).upper()
 
 
-def blockd_status(err: BlockdError, rpc: str) -> grpc.Status:
-    """The status a core error leaves as (see the module docstring)."""
-    code = getattr(code_pb2, err.code, code_pb2.INTERNAL)
+def error_parts(err: BlockdError, rpc: str) -> tuple[str, str, list[Message]]:
+    """``(code name, message, details)`` a core error leaves as (see the module
+    docstring); an in-process backend raises the SDK's error from these, so it
+    fails exactly as a call over gRPC would."""
     metadata = {**getattr(err, "metadata", {}), "rpc": rpc}
     if err.op_index is not None:
         metadata["op_index"] = str(err.op_index)
-    details = [error_details_pb2.ErrorInfo(reason=_reason(err), domain=DOMAIN, metadata=metadata)]
+    details: list[Message] = [error_details_pb2.ErrorInfo(reason=_reason(err), domain=DOMAIN, metadata=metadata)]
     if err.code == "INVALID_ARGUMENT":
         field = getattr(err, "field", None)
         if field is None and err.op_index is not None:
@@ -117,7 +118,14 @@ def blockd_status(err: BlockdError, rpc: str) -> grpc.Status:
         violation = error_details_pb2.BadRequest.FieldViolation(field=bounded(field or "", _MAX_FIELD_BYTES),
                                                                 description=description)
         details.append(error_details_pb2.BadRequest(field_violations=[violation]))
-    return _status(code, bounded(err.message, MAX_MESSAGE_BYTES), details)
+    code = err.code if hasattr(code_pb2, err.code) else "INTERNAL"
+    return code, bounded(err.message, MAX_MESSAGE_BYTES), details
+
+
+def blockd_status(err: BlockdError, rpc: str) -> grpc.Status:
+    """The status a core error leaves as (see the module docstring)."""
+    code, message, details = error_parts(err, rpc)
+    return _status(getattr(code_pb2, code), message, details)
 
 
 def internal_status(rpc: str, err: BaseException) -> grpc.Status:
@@ -164,6 +172,7 @@ def unary(method: Callable) -> Callable:
             status = status_for(err, rpc)
         # abort raises, so it must run outside the try above
         context.abort_with_status(status)
+        return None
 
     return handler
 

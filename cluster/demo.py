@@ -1,9 +1,10 @@
-"""``python -m blockd.cluster_demo``: a tiny model served by a real cluster.
+"""``python -m cluster.demo`` (``make demo``): a tiny model served by a real cluster.
 
 Owns the demo's workload and its report. It starts ``blockd serve`` and two
 ``blockd-worker --model`` processes (a tensor-parallel pair, each holding
-half the KV heads) on loopback (:mod:`blockd.local_cluster`), then serves a
-few dozen chat-like requests with :class:`client.scheduler.Scheduler`:
+half the KV heads) on loopback (:mod:`cluster.local`), then serves a
+few dozen chat-like requests (drawn by :mod:`sim.workload`) with
+:class:`client.scheduler.Scheduler`:
 requests arrive over time, most prompts start with one of a few shared
 system prompts (prefix cache hits), some ask for 2 or 3 samples (forks and
 copy-on-write), and the pool is small enough that the scheduler preempts.
@@ -26,15 +27,18 @@ import sys
 import time
 from dataclasses import dataclass
 
-from blockd.local_cluster import ClusterSpec, LocalCluster, live_pids, model_config
-from blockd.sim import Meter
-from client.serving import GenerationRequest, RequestOutput, percentile
+from blockd.core.types import PoolStats
+from client.scheduler import SchedulerCounters
+from client.serving import RequestOutput, percentile
+from cluster.local import ClusterSpec, LocalCluster, live_pids, model_config
+from sim.meter import Meter
+from sim.workload import TimedRequest, TraceSpec, UniformDist, request_stream, system_prompts, with_bare
 
 NUM_SYSTEM_PROMPTS = 3
 SYSTEM_PROMPT_TOKENS = (24, 64)
 SHARE_OF_PREFIXED = 0.8
-USER_TOKENS = (4, 48)
-NEW_TOKENS = (8, 40)
+#: the user's part of a prompt and the answer: short, so a CPU serves them in seconds
+CHAT = TraceSpec("tiny_chat", UniformDist(4, 48), UniformDist(8, 40), max_len=256)
 N_CHOICES = ((1, 0.7), (2, 0.15), (3, 0.15))
 PROGRESS_EVERY_S = 0.5
 
@@ -55,7 +59,7 @@ class DemoConfig:
 
 def parse_args(argv: list[str] | None) -> DemoConfig:
     d = DemoConfig()
-    p = argparse.ArgumentParser(prog="python -m blockd.cluster_demo", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m cluster.demo", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--requests", type=int, default=d.num_requests, help="requests to serve")
     p.add_argument("--model", default=d.model, help="tiny-llama, tiny-qwen2, tiny-gpt2 or a local model dir")
@@ -70,21 +74,13 @@ def parse_args(argv: list[str] | None) -> DemoConfig:
     return DemoConfig(args.requests, args.model, args.tp, args.blocks, args.block_size, args.seed, args.rate)
 
 
-def make_requests(cfg: DemoConfig, vocab_size: int) -> list[tuple[int, GenerationRequest]]:
-    """``(arrival step, request)`` pairs, deterministic for ``cfg.seed``."""
+def make_requests(cfg: DemoConfig, vocab_size: int) -> list[TimedRequest]:
+    """The requests and their arrival steps, deterministic for ``cfg.seed``."""
     rng = random.Random(cfg.seed)
-    systems = [tuple(rng.randrange(vocab_size) for _ in range(rng.randint(*SYSTEM_PROMPT_TOKENS)))
-               for _ in range(NUM_SYSTEM_PROMPTS)]
-    ns, weights = zip(*N_CHOICES)
-    clock, requests = 0.0, []
-    for index in range(cfg.num_requests):
-        prefix = rng.choice(systems) if rng.random() < SHARE_OF_PREFIXED else ()
-        user = tuple(rng.randrange(vocab_size) for _ in range(rng.randint(*USER_TOKENS)))
-        request = GenerationRequest(f"req{index}", prefix + user, rng.randint(*NEW_TOKENS),
-                                    n=rng.choices(ns, weights)[0])
-        requests.append((int(clock), request))
-        clock += rng.expovariate(cfg.arrival_rate)
-    return requests
+    prefixes = with_bare(system_prompts(rng, NUM_SYSTEM_PROMPTS, SYSTEM_PROMPT_TOKENS, vocab_size),
+                         SHARE_OF_PREFIXED)
+    return list(request_stream(CHAT, rng, prefixes=prefixes, n_choices=N_CHOICES, rate=cfg.arrival_rate,
+                               limit=cfg.num_requests, vocab_size=vocab_size, id_prefix="req"))
 
 
 @dataclass
@@ -92,8 +88,8 @@ class DemoRun:
     outputs: list[RequestOutput]
     seconds: float
     busy: Meter
-    final_stats: object
-    counters: object
+    final_stats: PoolStats
+    counters: SchedulerCounters
 
 
 class _Progress:
@@ -130,9 +126,9 @@ def serve(cfg: DemoConfig, cluster: LocalCluster, requests, out) -> DemoRun:
         tick = 0  # arrivals are counted in scheduler steps
         while pending or not sched.is_idle:
             if sched.is_idle:  # nothing to do until the next arrival: skip ahead to it
-                tick = max(tick, pending[0][0])
-            while pending and pending[0][0] <= tick:
-                sched.add_request(pending.pop(0)[1])
+                tick = max(tick, pending[0].arrival)
+            while pending and pending[0].arrival <= tick:
+                sched.add_request(pending.pop(0).request)
             sched.step()
             tick += 1
             outputs += sched.take_finished()
@@ -192,14 +188,14 @@ def main(argv: list[str] | None = None) -> int:
                                        watermark_blocks=max(1, cfg.num_blocks // 40)))
     try:
         cluster.start()
-        print(f"started blockd at {cluster.blockd_address} (pid {cluster.blockd.pid}) and workers at "
+        print(f"started blockd at {cluster.blockd_address} (pid {cluster.pids[-1]}) and workers at "
               + ", ".join(f"{w.address} (pid {w.pid})" for w in cluster.workers), file=out, flush=True)
-        from client.reference import ContiguousReference
+        from cluster.reference import ContiguousReference
 
         requests = make_requests(cfg, model_config(cfg.model).vocab_size)
         run = serve(cfg, cluster, requests, out)
         report(cfg, run, out)
-        problems = ContiguousReference(cfg.model).mismatches([r for _, r in requests], run.outputs)
+        problems = ContiguousReference(cfg.model).mismatches([r.request for r in requests], run.outputs)
         return _verdict(problems, len(requests), out)
     except KeyboardInterrupt:
         print("\ninterrupted: stopping the cluster", file=out, flush=True)

@@ -12,6 +12,7 @@ Imports torch, transformers and :mod:`worker.model`.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 
@@ -24,7 +25,8 @@ class ContiguousReference:
     """Greedy continuations of prompts by ``model_spec`` (weights from ``seed``)."""
 
     def __init__(self, model_spec: str, *, seed: int = 0, dtype: str = "float32") -> None:
-        self.model = build_model(model_spec, seed=seed, dtype=dtype)
+        # Any: transformers' generate() reaches mypy through nn.Module.__getattr__ (a Tensor)
+        self.model: Any = build_model(model_spec, seed=seed, dtype=dtype)
         self.model.set_attn_implementation(REFERENCE_ATTENTION)
         self._cache: dict[tuple[tuple[int, ...], int], tuple[int, ...]] = {}
 

@@ -1,19 +1,19 @@
 """Protobuf messages <-> blockd's plain dataclasses, in both directions.
 
-The servicer reads requests with the ``*_from_proto`` functions and writes
-responses with the ``*_to_proto`` ones; the client SDK does the reverse with
-the same functions, so each mapping exists once. Reading a request validates
-what the wire types cannot express (a missing oneof or sub-message, an empty
-id, an id longer than :data:`~blockd.core.validate.MAX_ID_LEN`) and raises
-:class:`~blockd.service.errors.BadField` naming the field, before anything
-echoes the value; the
-range checks of sizes and counts stay in the core (one place for each rule),
-which raises InvalidArgument naming the failing operation.
+The daemon's servicer reads requests with the ``*_from_proto`` functions and
+writes responses with the ``*_to_proto`` ones; the client SDK does the
+reverse with the same functions, so each mapping exists once. Reading a
+request validates what the wire types cannot express (a missing oneof or
+sub-message, an empty id, an id longer than
+:data:`~blockd.core.validate.MAX_ID_LEN`) and raises
+:class:`~blockd.rpc.errors.BadField` naming the field, before anything echoes
+the value; the range checks of sizes and counts stay in the core (one place
+for each rule), which raises InvalidArgument naming the failing operation.
 
 Repeated ints are copied with ``list()`` (a C-level copy of a packed array):
 the core requires real lists, and this is the whole per-step parsing cost of
-a decode step. Imports protobuf and the core; never grpc, never the engine's
-internals.
+a decode step. Imports protobuf, the core and :mod:`blockd.rpc.errors`;
+never the daemon.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from blockd.core.types import (
     ALL_BLOCKS_CLEARED,
     BLOCK_REMOVED,
     BLOCK_STORED,
+    MAX_DEVICE_LEN,
     Allocate,
     Append,
     Commit,
@@ -36,15 +37,17 @@ from blockd.core.types import (
     OpResult,
     PoolConfig,
     PoolStats,
+    SequenceInfo,
+    Snapshot,
     StepResult,
     TableUpdate,
     VersionDelta,
+    WorkerInfo,
+    WorkerStatus,
 )
 from blockd.core.validate import MAX_EXTRA_KEY_LEN, MAX_ID_LEN
-from blockd.engine import SequenceInfo, Snapshot
-from blockd.service.errors import BadField
+from blockd.rpc.errors import BadField
 from blockd.v1 import blockd_pb2 as pb
-from blockd.workers import MAX_DEVICE_LEN, WorkerInfo, WorkerStatus
 
 _OP_KINDS = "allocate, append, decode_append, commit, fork, free"
 _STATS_FIELDS = tuple(PoolStats.__dataclass_fields__)
@@ -200,12 +203,6 @@ def op_into_proto(op: Op, out: pb.Op) -> None:
         out.free.seq_id = op.seq_id
     else:
         raise TypeError(f"not a blockd operation: {type(op).__name__}")
-
-
-def op_to_proto(op: Op) -> pb.Op:
-    out = pb.Op()
-    op_into_proto(op, out)
-    return out
 
 
 def step_request_to_proto(pool: str, ops, request_id: str, incarnation: str = "") -> pb.StepRequest:

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from typing_extensions import Self
+    from blockd.core.types import PoolConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 START_TIMEOUT_S = 120.0
@@ -68,6 +68,7 @@ class ChildProcess:
         return self.popen.pid
 
     def _read(self, prefix: str) -> None:
+        assert self.popen.stdout is not None, "started with stdout=PIPE"
         for line in self.popen.stdout:
             self.lines.append(line.rstrip())
             if line.startswith(prefix):
@@ -140,7 +141,7 @@ class LocalCluster:
         self.blockd: ChildProcess | None = None
         self.workers: list[ChildProcess] = []
         self._worker_args: list[list[str]] = []
-        self.pool_config = None
+        self.pool_config: PoolConfig | None = None
 
     @property
     def blockd_address(self) -> str:
@@ -157,7 +158,7 @@ class LocalCluster:
     def _children(self) -> list[ChildProcess]:
         return [*self.workers, *([self.blockd] if self.blockd else [])]
 
-    def __enter__(self) -> Self:
+    def __enter__(self) -> LocalCluster:
         return self.start()
 
     def __exit__(self, *exc) -> None:
@@ -180,10 +181,11 @@ class LocalCluster:
         self.blockd = ChildProcess("blockd", ["-m", "blockd.cli", "serve", "--listen", "127.0.0.1:0",
                                               "--fsync", "never"], "blockd listening on")
         self.blockd.wait_ready(time.monotonic() + START_TIMEOUT_S)
-        self.pool_config = pool_config_for(model_config(spec.model), spec.pool, spec.num_blocks, spec.block_size,
-                                           dtype="float32", watermark_blocks=spec.watermark_blocks)
+        config = pool_config_for(model_config(spec.model), spec.pool, spec.num_blocks, spec.block_size,
+                                 dtype="float32", watermark_blocks=spec.watermark_blocks)
         with BlockdClient(self.blockd.address) as client:
-            client.create_pool(self.pool_config)
+            client.create_pool(config)
+        self.pool_config = config
         tp_init = f"tcp://127.0.0.1:{free_port()}"
         for rank in range(spec.tp_size):
             args = ["-m", "worker.main", "--blockd", self.blockd.address, "--pool", spec.pool,

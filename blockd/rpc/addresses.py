@@ -13,7 +13,8 @@ port 0. Loopback is accepted: it is right for a cluster on one machine.
 
 Address syntax: ``HOST:PORT``; IPv6 hosts in brackets (``[fd00::1]:50061``).
 A host alone may be a name, an IPv4 address or an IPv6 address with or
-without brackets. Standard library only (the worker registry imports it).
+without brackets; a listen address (:func:`split_listen`) needs its port.
+Standard library only (the worker registry imports it).
 """
 
 from __future__ import annotations
@@ -40,6 +41,15 @@ def split(address: str) -> tuple[str, int | None]:
     if not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
         raise ValueError(f"address {address!r}: the port must be a number in 0..65535, got {port_text!r}")
     return host, int(port_text)
+
+
+def split_listen(address: str) -> tuple[str, int]:
+    """A listen address, ``HOST:PORT`` (port 0: any free one) -> ``(host, port)``;
+    ``ValueError`` when it has no port."""
+    host, port = split(address)
+    if port is None:
+        raise ValueError(f"listen address must be HOST:PORT, got {address!r}")
+    return host, port
 
 
 def join(host: str, port: int) -> str:
@@ -76,4 +86,4 @@ def unroutable_reason(address: str) -> str | None:
     return None
 
 
-__all__ = ["WILDCARD_HOSTS", "advertised", "join", "split", "unroutable_reason"]
+__all__ = ["WILDCARD_HOSTS", "advertised", "join", "split", "split_listen", "unroutable_reason"]

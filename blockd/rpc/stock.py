@@ -5,7 +5,7 @@ The state and the answers stay the stock ones (grpcio-health-checking,
 grpcio-reflection); only the way they are registered differs from the
 generated ``add_*_to_server`` helpers:
 
-* requests are read with :func:`~blockd.service.errors.lenient_parser`: bytes
+* requests are read with :func:`~blockd.rpc.errors.lenient_parser`: bytes
   that do not parse get INVALID_ARGUMENT through the one error mapping, where
   the stock registration answers INTERNAL and gRPC logs "Exception
   deserializing message!" with a traceback for every such call;
@@ -27,7 +27,7 @@ from grpc_health.v1 import health, health_pb2
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from blockd.core.validate import MAX_ID_LEN
-from blockd.service.errors import (
+from blockd.rpc.errors import (
     BadField,
     MalformedRequest,
     method_handlers,
@@ -44,11 +44,11 @@ class HealthServicer(health.HealthServicer):
     """The stock servicer (``set``, ``enter_graceful_shutdown``, ``Check``,
     non-blocking ``Watch``) plus ``List``."""
 
-    def List(self, request, context) -> health_pb2.HealthListResponse:
-        # the parent keeps the statuses in _server_status under _lock
-        with self._lock:
-            statuses = dict(self._server_status)
-        return health_pb2.HealthListResponse(
+    def List(self, request, context):  # -> health_pb2.HealthListResponse (newer than the stubs)
+        # the parent keeps the statuses in _server_status under _lock (not in its stubs)
+        with self._lock:  # type: ignore[attr-defined]
+            statuses = dict(self._server_status)  # type: ignore[attr-defined]
+        return health_pb2.HealthListResponse(  # type: ignore[attr-defined]
             statuses={name: health_pb2.HealthCheckResponse(status=status) for name, status in statuses.items()})
 
 
@@ -60,7 +60,7 @@ def _service_name(request) -> str:
 
 
 class _Health:
-    """Adapter: every failure leaves through :mod:`blockd.service.errors`."""
+    """Adapter: every failure leaves through :mod:`blockd.rpc.errors`."""
 
     def __init__(self, servicer: HealthServicer) -> None:
         self._servicer = servicer
@@ -84,7 +84,7 @@ class _Health:
             context.abort_with_status(status_for(err, "Watch"))
         return self._servicer.Watch(request, context, send_response_callback)
 
-    Watch.experimental_non_blocking = True
+    Watch.experimental_non_blocking = True  # type: ignore[attr-defined]  # gRPC reads this marker
 
 
 def _parsed(requests: Iterable) -> Iterator:

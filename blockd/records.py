@@ -1,0 +1,122 @@
+"""The daemon's mutations as typed records, and their form in the write-ahead log.
+
+Every change to the daemon's state is one of five records. The engine
+applies a record the same way whether a caller asked for it or recovery
+replays it (:meth:`blockd.engine.Engine.apply`), so the log holds exactly
+what the engine ran: a batch is applied in memory, logged, then
+acknowledged; a batch that fails is never logged.
+
+In the log a record is a JSON object: its fields (below), then ``kind``, and
+for a request that carried an id its ``rid`` and the wall-clock time ``t``
+it was stamped with (so replay rebuilds the idempotency table exactly)::
+
+    create_pool         {"config": {...}, "incarnation": "..."}
+    delete_pool         {"pool": "..."}
+    step                {"pool": "...", "ops": [[kind, ...], ...]}   (ops: blockd.core.state)
+    reset_prefix_cache  {"pool": "..."}
+    worker_joined       {"pool": "...", "worker_id": "...", "incarnation": "..."}
+
+A create record written before incarnations existed has none; its pool gets
+a stable one derived from its name and LSN (:func:`blockd.identity.legacy_incarnation`).
+Imports the core and :mod:`blockd.identity`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from blockd.core.state import config_to_json, op_from_json, op_to_json
+from blockd.core.types import Op, PoolConfig
+from blockd.identity import legacy_incarnation
+
+
+@dataclass(frozen=True)
+class CreatePool:
+    config: PoolConfig
+    incarnation: str
+    kind = "create_pool"
+
+    @property
+    def pool(self) -> str:
+        return self.config.name
+
+    @property
+    def subject(self) -> object:
+        """What the request's fingerprint covers besides its kind and pool."""
+        return self.config
+
+
+@dataclass(frozen=True)
+class DeletePool:
+    pool: str
+    kind = "delete_pool"
+    subject = None
+
+
+@dataclass(frozen=True)
+class Step:
+    pool: str
+    ops: list[Op]
+    kind = "step"
+
+    @property
+    def subject(self) -> object:
+        return self.ops
+
+
+@dataclass(frozen=True)
+class ResetPrefixCache:
+    pool: str
+    kind = "reset_prefix_cache"
+    subject = None
+
+
+@dataclass(frozen=True)
+class WorkerJoined:
+    """A worker incarnation the pool had not seen registered (:mod:`blockd.identity`)."""
+
+    pool: str
+    worker_id: str
+    incarnation: str
+    kind = "worker_joined"
+    subject = None
+
+
+Record = CreatePool | DeletePool | Step | ResetPrefixCache | WorkerJoined
+
+
+def encode(record: Record, rid: str = "", t: float = 0.0) -> dict:
+    """The log's JSON object for ``record`` (see the module docstring)."""
+    if isinstance(record, CreatePool):
+        body: dict = {"config": config_to_json(record.config), "incarnation": record.incarnation}
+    elif isinstance(record, Step):
+        body = {"pool": record.pool, "ops": [op_to_json(op) for op in record.ops]}
+    elif isinstance(record, WorkerJoined):
+        body = {"pool": record.pool, "worker_id": record.worker_id, "incarnation": record.incarnation}
+    else:
+        body = {"pool": record.pool}
+    body["kind"] = record.kind
+    if rid:
+        body["rid"], body["t"] = rid, t
+    return body
+
+
+def decode(body: dict) -> tuple[Record, str, float]:
+    """``(record, request id or "", its time)`` of a log body; ``ValueError``
+    (or ``KeyError``) for one that is not a record."""
+    kind = body["kind"]
+    record: Record
+    if kind == "create_pool":
+        config = PoolConfig(**body["config"])
+        record = CreatePool(config, body.get("incarnation") or legacy_incarnation(config.name, body.get("lsn", 0)))
+    elif kind == "delete_pool":
+        record = DeletePool(body["pool"])
+    elif kind == "step":
+        record = Step(body["pool"], [op_from_json(o) for o in body["ops"]])
+    elif kind == "reset_prefix_cache":
+        record = ResetPrefixCache(body["pool"])
+    elif kind == "worker_joined":
+        record = WorkerJoined(body["pool"], body["worker_id"], body["incarnation"])
+    else:
+        raise ValueError(f"unknown log record kind {kind!r}")
+    return record, body.get("rid", ""), body.get("t", 0.0)

@@ -1,0 +1,87 @@
+"""What the scheduler drives, as protocols: blockd and a model replica.
+
+:class:`client.scheduler.Scheduler` needs two collaborators and names them
+only through these protocols, so it imports neither the workers nor a
+transport:
+
+* a :class:`BlockdBackend` takes each step's batch: :class:`client.sdk.BlockdClient`
+  over gRPC, or the allocator in process (:class:`sim.backend.InProcessBlockd`,
+  the same engine without the network). Both fail with the SDK's exceptions
+  (:mod:`client.errors`), so the scheduler handles one set of errors;
+* a :class:`ModelExecutor` computes one step of the model for a
+  :class:`ModelBatch`: the workers of a replica over gRPC
+  (:class:`client.model_group.WorkerGroup`) or a stub that makes up tokens
+  (:class:`sim.model.StubModel`).
+
+:class:`ModelBatch` is the step contract of the workers' ``ModelStep`` RPC
+(see :meth:`client.worker.WorkerClient.model_step`)::
+
+    seq i:  |<------------- context_lens[i] ------------->|
+            |  already in the pool (cached)  | query_lens[i] new tokens |
+
+``token_ids`` and ``slot_mapping`` hold the sequences' new tokens, packed in
+batch order. Plain data and protocols: no grpc, no torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from blockd.core.types import Op, StepResult
+
+
+@dataclass
+class ModelBatch:
+    """One step's sequences and their new tokens, in batch order."""
+
+    seq_ids: list[str] = field(default_factory=list)
+    query_lens: list[int] = field(default_factory=list)
+    context_lens: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    slot_mapping: list[int] = field(default_factory=list)
+
+    def add(self, seq_id: str, context_len: int, token_ids: Sequence[int], slots: Sequence[int]) -> None:
+        """Sequence ``seq_id`` computes ``token_ids`` at positions
+        ``context_len - len(token_ids) .. context_len - 1`` into ``slots``."""
+        if not token_ids or len(token_ids) != len(slots) or context_len < len(token_ids):
+            raise ValueError(f"sequence {seq_id!r}: need 1 <= {len(token_ids)} new tokens <= context "
+                             f"{context_len}, one slot each (got {len(slots)})")
+        self.seq_ids.append(seq_id)
+        self.query_lens.append(len(token_ids))
+        self.context_lens.append(context_len)
+        self.token_ids.extend(token_ids)
+        self.slot_mapping.extend(slots)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+class ModelExecutor(Protocol):
+    """What the scheduler needs from a model replica."""
+
+    def run(self, version: int, batch: ModelBatch, *, pool_incarnation: str = "") -> list[int]:
+        """Greedy next token of each sequence of ``batch``, at pool ``version``
+        of ``pool_incarnation``. May also have ``reconnect(timeout_s)``, which
+        the scheduler calls after a worker fault (see
+        :class:`client.model_group.WorkerGroup`)."""
+        ...
+
+
+class BlockdBackend(Protocol):
+    """What the scheduler needs from blockd (a subset of :class:`client.sdk.BlockdClient`)."""
+
+    def step(self, pool: str, ops: Sequence[Op], *, request_id: str | None = None,
+             timeout_s: float | None = None, dry_run: bool = False, incarnation: str = "") -> StepResult:
+        """Apply ``ops`` atomically (see :meth:`client.sdk.BlockdClient.step`)."""
+        ...
+
+    def reset_prefix_cache(self, pool: str, *, request_id: str | None = None) -> None:
+        """Drop every cached prefix block of ``pool``."""
+        ...

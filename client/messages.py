@@ -1,0 +1,71 @@
+"""The requests the SDK sends and how it reads the replies: plain functions
+shared by :class:`~client.sdk.BlockdClient` and :class:`~client.aio.AsyncBlockdClient`.
+
+The clients differ only in how they wait; each of their methods builds its
+request here, calls its stub method, and reads the reply here. The message
+<-> dataclass mapping itself is :mod:`blockd.rpc.convert`, the one the
+daemon uses. A mutation's request id is the caller's or a fresh one
+(:func:`client.channel.new_request_id`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from blockd.core.hashing import NO_EXTRA_KEYS, ExtraKeys
+from blockd.core.types import KVEvent, Op, PoolConfig, WorkerInfo
+from blockd.rpc import convert
+from blockd.v1 import blockd_pb2 as pb
+from client.channel import new_request_id
+
+
+def _rid(request_id: str | None) -> str:
+    return request_id if request_id else new_request_id()
+
+
+def extra_or_none(extra_keys: ExtraKeys | None) -> ExtraKeys:
+    return extra_keys if extra_keys is not None else NO_EXTRA_KEYS
+
+
+# --- pools --------------------------------------------------------------------------
+def create_pool_request(config: PoolConfig, request_id: str | None) -> pb.CreatePoolRequest:
+    return pb.CreatePoolRequest(config=convert.pool_config_to_proto(config), request_id=_rid(request_id))
+
+
+def delete_pool_request(pool: str, request_id: str | None) -> pb.DeletePoolRequest:
+    return pb.DeletePoolRequest(pool=pool, request_id=_rid(request_id))
+
+
+def reset_prefix_cache_request(pool: str, request_id: str | None) -> pb.ResetPrefixCacheRequest:
+    return pb.ResetPrefixCacheRequest(pool=pool, request_id=_rid(request_id))
+
+
+# --- steps and reads ------------------------------------------------------------------
+def step_request(pool: str, ops: Sequence[Op], request_id: str | None, dry_run: bool = False,
+                 incarnation: str = "") -> pb.StepRequest:
+    request = convert.step_request_to_proto(pool, ops, _rid(request_id), incarnation)
+    request.dry_run = dry_run
+    return request
+
+
+def tables_reply(reply: pb.GetTablesResponse) -> tuple[int, dict[str, list[int]]]:
+    return reply.version, convert.tables_from_proto(reply.tables)
+
+
+def lookup_prefix_request(token_ids: Sequence[int], extra_keys: ExtraKeys | None,
+                          pools: Sequence[str]) -> pb.LookupPrefixRequest:
+    return pb.LookupPrefixRequest(token_ids=list(token_ids), pools=list(pools),
+                                  extra_keys=convert.extra_keys_to_proto(extra_or_none(extra_keys)))
+
+
+def event_reply(reply: pb.EventsResponse) -> KVEvent:
+    return convert.event_from_proto(reply.event)
+
+
+# --- workers --------------------------------------------------------------------------
+def register_worker_request(info: WorkerInfo, request_id: str | None) -> pb.RegisterWorkerRequest:
+    return pb.RegisterWorkerRequest(info=convert.worker_info_to_proto(info), request_id=_rid(request_id))
+
+
+def heartbeat_request(worker_id: str, applied_version: int, request_id: str | None) -> pb.HeartbeatRequest:
+    return pb.HeartbeatRequest(worker_id=worker_id, applied_version=applied_version, request_id=_rid(request_id))

@@ -1,0 +1,73 @@
+"""The documentation of the layout matches the tree, and the import contract covers it.
+
+* README's layout table and docs/architecture.md name every module of the
+  packages (a row naming ``dir/`` and ```file.py``` counts for
+  ``dir/file.py``), and every path either of them names exists;
+* every top-level module of the daemon is in the layers contract of
+  ``pyproject.toml`` and in the contract that keeps the SDK and the workers
+  off the daemon (a new module there is unconstrained until it is).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT
+
+PACKAGES = ("blockd", "client", "worker", "sim", "cluster")
+#: stdlib-only or protocol modules of the blockd package that are not the daemon
+NOT_DAEMON = {"blockd.config_env", "blockd.ha"}  # shared layer-2 packages
+PATH = re.compile(r"`((?:blockd|client|worker|sim|cluster|bench|tests|docs|deploy|scripts|proto)/[\w/.-]*)`")
+
+
+def modules() -> list[str]:
+    root = Path(ROOT)
+    found = []
+    for package in PACKAGES:
+        for path in sorted((root / package).rglob("*.py")):
+            rel = path.relative_to(root).as_posix()
+            if path.name == "__init__.py" or rel.startswith("blockd/v1/"):
+                continue
+            found.append(rel)
+    return found
+
+
+def rows(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith("|")]
+
+
+def named(module: str, table: list[str]) -> bool:
+    directory, name = module.rsplit("/", 1)
+    return any(f"`{module}`" in row or (f"`{directory}/`" in row and f"`{name}`" in row) for row in table)
+
+
+def test_readme_and_architecture_name_every_module() -> None:
+    for doc in ("README.md", "docs/architecture.md"):
+        table = rows((Path(ROOT) / doc).read_text())
+        missing = [m for m in modules() if not named(m, table)]
+        assert not missing, f"{doc} does not describe {missing}"
+
+
+def test_every_path_the_docs_name_exists() -> None:
+    root = Path(ROOT)
+    for doc in ("README.md", *(p.relative_to(root).as_posix() for p in (root / "docs").glob("*.md"))):
+        gone = [p for p in PATH.findall((root / doc).read_text()) if not (root / p.rstrip("/")).exists()]
+        assert not gone, f"{doc} names paths that do not exist: {gone}"
+
+
+def test_the_import_contract_covers_every_daemon_module() -> None:
+    tomllib = pytest.importorskip("tomllib", reason="Python 3.11 reads TOML")
+    config = tomllib.loads((Path(ROOT) / "pyproject.toml").read_text())["tool"]["importlinter"]
+    contracts = {c["name"]: c for c in config["contracts"]}
+    layered = {m.strip() for layer in next(c for c in contracts.values() if c["type"] == "layers")["layers"]
+               for m in re.split(r"[|:]", layer)}
+    forbidden = set(contracts["The SDK and the workers never import the daemon"]["forbidden_modules"])
+    daemon = {f"blockd.{p.stem}" for p in (Path(ROOT) / "blockd").glob("*.py") if p.stem != "__init__"}
+    daemon |= {f"blockd.{p.name}" for p in (Path(ROOT) / "blockd").iterdir()
+               if p.is_dir() and (p / "__init__.py").exists() and p.name not in ("core", "rpc", "v1")}
+    assert daemon - NOT_DAEMON - layered == set(), "daemon modules outside the layers contract"
+    assert daemon - NOT_DAEMON - forbidden == set(), "daemon modules the SDK and workers could import"
+    assert layered >= NOT_DAEMON
