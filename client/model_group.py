@@ -1,5 +1,5 @@
 """One model replica's workers as the scheduler sees them: a packed batch in,
-one greedy next token per sequence out.
+the next token(s) of each sequence out.
 
 :class:`ModelBatch` is the step contract of the workers' ``ModelStep`` RPC
 (see :meth:`client.worker.WorkerClient.model_step`)::
@@ -8,7 +8,9 @@ one greedy next token per sequence out.
             |  already in the pool (cached)  | query_lens[i] new tokens |
 
 ``token_ids`` and ``slot_mapping`` hold the sequences' new tokens, packed in
-batch order. :class:`WorkerGroup` sends it to every worker of the replica: one
+batch order; ``sampling`` says how each sequence chooses its next token
+(:class:`~client.serving.SeqSampling`: greedy, or seeded draws, several where
+a prompt ends and its samples fork), and the answer has ``num_draws`` tokens. :class:`WorkerGroup` sends it to every worker of the replica: one
 worker holding the whole model, or a tensor-parallel group whose ranks each
 hold a share of the KV heads and must all run the same step at once (their
 collectives wait for each other). Rank 0's tokens are the answer; every other
@@ -31,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from client.errors import BlockdClientError, UnavailableError
+from client.serving import PLAIN_GREEDY, SeqSampling
 from client.worker import WorkerClient
 
 if TYPE_CHECKING:
@@ -46,10 +49,13 @@ class ModelBatch:
     context_lens: list[int] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     slot_mapping: list[int] = field(default_factory=list)
+    sampling: list[SeqSampling] = field(default_factory=list)
 
-    def add(self, seq_id: str, context_len: int, token_ids: Sequence[int], slots: Sequence[int]) -> None:
+    def add(self, seq_id: str, context_len: int, token_ids: Sequence[int], slots: Sequence[int],
+            sampling: SeqSampling | None = None) -> None:
         """Sequence ``seq_id`` computes ``token_ids`` at positions
-        ``context_len - len(token_ids) .. context_len - 1`` into ``slots``."""
+        ``context_len - len(token_ids) .. context_len - 1`` into ``slots``
+        and chooses its next token(s) as ``sampling`` says (default: one, greedy)."""
         if not token_ids or len(token_ids) != len(slots) or context_len < len(token_ids):
             raise ValueError(f"sequence {seq_id!r}: need 1 <= {len(token_ids)} new tokens <= context "
                              f"{context_len}, one slot each (got {len(slots)})")
@@ -58,6 +64,7 @@ class ModelBatch:
         self.context_lens.append(context_len)
         self.token_ids.extend(token_ids)
         self.slot_mapping.extend(slots)
+        self.sampling.append(sampling or PLAIN_GREEDY)
 
     @property
     def num_seqs(self) -> int:
@@ -67,14 +74,25 @@ class ModelBatch:
     def num_tokens(self) -> int:
         return len(self.token_ids)
 
+    @property
+    def num_draws(self) -> int:
+        """Tokens the workers answer: one per sequence, more where several are drawn."""
+        return sum(s.num_samples for s in self.sampling)
+
+    @property
+    def wire_sampling(self) -> list[SeqSampling]:
+        """What ModelStep's ``sampling`` carries: nothing when every sequence is plain greedy."""
+        return [] if all(s.is_plain_greedy for s in self.sampling) else list(self.sampling)
+
 
 class ModelExecutor(Protocol):
     """What the scheduler needs from a model replica."""
 
     def run(self, version: int, batch: ModelBatch, *, pool_incarnation: str = "") -> list[int]:
-        """Greedy next token of each sequence of ``batch``, at pool ``version``
-        of ``pool_incarnation``. May also have ``reconnect(timeout_s)``, which
-        the scheduler calls after a worker fault (see :class:`WorkerGroup`)."""
+        """The ``batch.num_draws`` next tokens of ``batch`` (in batch order, a
+        sequence's draws together), at pool ``version`` of ``pool_incarnation``.
+        May also have ``reconnect(timeout_s)``, which the scheduler calls
+        after a worker fault (see :class:`WorkerGroup`)."""
         ...
 
 
@@ -125,7 +143,8 @@ class WorkerGroup:
 
     def _step(self, worker: WorkerClient, version: int, batch: ModelBatch, incarnation: str) -> list[int]:
         tokens, _ = worker.model_step(self.pool, version, batch.seq_ids, batch.query_lens, batch.context_lens,
-                                      batch.token_ids, batch.slot_mapping, pool_incarnation=incarnation)
+                                      batch.token_ids, batch.slot_mapping, pool_incarnation=incarnation,
+                                      sampling=batch.wire_sampling)
         return tokens
 
     def _group_error(self, failed: list[tuple[int, BaseException]]) -> BaseException:

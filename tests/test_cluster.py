@@ -58,7 +58,8 @@ def test_paged_cluster_generates_what_the_contiguous_reference_does(model, tp_si
     assert ContiguousReference(model).mismatches(requests, outputs) == []
     c = sched.counters
     assert c.num_preemptions > 0, "the pool is small enough to force preemption"
-    assert c.num_forks == sum(req.n - 1 for req in requests)
+    # a request preempted between its prompt's end and the fork allocates its samples instead
+    assert 0 < c.num_forks <= sum(req.n - 1 for req in requests)
     assert stats.prefix_hit_tokens > 0 and stats.num_copies > 0
     assert stats.num_seqs == 0 and stats.num_used_blocks == 0
     assert sorted(w.info.kv_head_end - w.info.kv_head_start for w in workers) == [2 // tp_size] * tp_size
