@@ -19,7 +19,8 @@ behind :class:`client.model_group.ModelExecutor`. One scheduler step::
              plan again and resend
     model    ONE ModelStep at the version blockd returned: one token per decoding
              sequence, a prompt chunk per prefilling one, within
-             ``max_num_batched_tokens`` tokens in all
+             ``max_num_batched_tokens`` tokens in all; back come the next tokens,
+             drawn as each request's sampling says
     apply    the tokens extend the sequences (and feed their requests' streams);
              a sample that drew an end token or reached max_new_tokens is
              released in the next step's batch
@@ -113,6 +114,11 @@ class SchedulerCounters:
     num_failed: int = 0
 
 
+def _check_request(request) -> None:
+    if not isinstance(request, GenerationRequest):
+        raise TypeError(f"the scheduler takes GenerationRequest s, got {type(request).__name__}")
+
+
 class Scheduler(FaultRecovery, StepPlanner):
     """Serves :class:`GenerationRequest` s on ``pool`` through ``client`` and ``executor``.
 
@@ -153,14 +159,13 @@ class Scheduler(FaultRecovery, StepPlanner):
 
     def submit(self, request: GenerationRequest) -> RequestStream:
         """Queue ``request`` and return the stream of its tokens (see :mod:`client.streaming`)."""
-        stream = RequestStream(request.request_id if isinstance(request, GenerationRequest) else "",
-                               None if self._loop is not None else self.step)
+        _check_request(request)
+        stream = RequestStream(request.request_id, None if self._loop is not None else self.step)
         self._add(request, stream)
         return stream
 
     def _add(self, request: GenerationRequest, stream: RequestStream | None) -> None:
-        if not isinstance(request, GenerationRequest):
-            raise TypeError("the scheduler takes GenerationRequest s")
+        _check_request(request)
         with self._lock:
             if request.request_id in self._known_ids:
                 raise ValueError(f"request id {request.request_id!r} was already given to this scheduler")

@@ -42,7 +42,6 @@ class StepPlan:
     admit_at: dict[int, int] = field(default_factory=dict)  # Allocate op index -> admitted position
 
 
-
 class StepPlanner:
     """The scheduler's planning (see the module docstring)."""
 

@@ -19,11 +19,11 @@ from worker.model.build import TINY_MODELS
 
 SYSTEM_PROMPTS = (
     "You are a helpful assistant. Answer in one short sentence, plainly, without lists.",
-    "You are a patient teacher for curious children. Explain things simply and kindly, with one everyday "
-    "example, and never use words a ten-year-old would not know. Keep every answer short.",
-    "You are a travel guide who has visited every continent. You answer questions with a vivid detail or "
+    ("You are a patient teacher for curious children. Explain things simply and kindly, with one everyday "
+    "example, and never use words a ten-year-old would not know. Keep every answer short."),
+    ("You are a travel guide who has visited every continent. You answer questions with a vivid detail or "
     "two from your trips, stay friendly and upbeat, and keep each answer to a few sentences so that the "
-    "traveller can read it on a phone while walking.",
+    "traveller can read it on a phone while walking."),
 )
 QUESTIONS = (
     "What is the capital of France?",
