@@ -53,18 +53,19 @@ def test_uniform_is_a_function_of_its_key_alone():
 
 def test_draws_follow_the_filtered_distribution():
     logits = torch.tensor([[0.0, 1.0, 2.0, 3.0]])
-    trials = 20000
+    trials = 8000  # one row per seed, drawn as one batch
 
     def freqs(spec_of_seed):
-        drawn = Counter(next_tokens(logits, [spec_of_seed(seed)], [5])[0] for seed in range(trials))
+        specs = [spec_of_seed(seed) for seed in range(trials)]
+        drawn = Counter(next_tokens(logits.expand(trials, 4), specs, [5] * trials))
         return {token: count / trials for token, count in drawn.items()}
 
     want = torch.softmax(logits[0], 0).tolist()
     got = freqs(lambda seed: SamplingSpec(1.0, seed=seed))
-    assert all(abs(got.get(t, 0.0) - want[t]) < 0.01 for t in range(4)), got
+    assert all(abs(got.get(t, 0.0) - want[t]) < 0.015 for t in range(4)), got
     # top-p 0.7: token 3 (0.64) and token 2 (mass before it 0.64 < 0.7) stay, renormalised
     got = freqs(lambda seed: SamplingSpec(1.0, top_p=0.7, seed=seed))
-    assert set(got) == {2, 3} and abs(got[3] - want[3] / (want[2] + want[3])) < 0.01, got
+    assert set(got) == {2, 3} and abs(got[3] - want[3] / (want[2] + want[3])) < 0.015, got
     got = freqs(lambda seed: SamplingSpec(1.0, top_k=2, seed=seed))
     assert set(got) == {2, 3}
     # a low temperature sharpens the distribution
