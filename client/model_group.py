@@ -1,6 +1,6 @@
 """One model replica's workers over gRPC, as the scheduler's
-:class:`~client.backends.ModelExecutor`: a packed batch in, one greedy next
-token per sequence out.
+:class:`~client.backends.ModelExecutor`: a packed batch in, the next token(s)
+of each sequence out.
 
 :class:`WorkerGroup` sends a :class:`~client.backends.ModelBatch` to every
 worker of the replica: one
@@ -80,7 +80,8 @@ class WorkerGroup:
 
     def _step(self, worker: WorkerClient, version: int, batch: ModelBatch, incarnation: str) -> list[int]:
         tokens, _ = worker.model_step(self.pool, version, batch.seq_ids, batch.query_lens, batch.context_lens,
-                                      batch.token_ids, batch.slot_mapping, pool_incarnation=incarnation)
+                                      batch.token_ids, batch.slot_mapping, pool_incarnation=incarnation,
+                                      sampling=batch.wire_sampling)
         return tokens
 
     def _group_error(self, failed: list[tuple[int, BaseException]]) -> BaseException:

@@ -6,9 +6,9 @@ results. Request and sequence state is :mod:`client.serving`; blockd and the
 workers are behind the protocols of :mod:`client.backends` (over gRPC, or in
 process for simulations). One scheduler step::
 
-    plan     Commit + Free of sequences finished (or preempted) since the last step
+    plan     Fork the samples drawn when their request's prompt ended (n > 1)
+             Commit + Free of sequences finished (or preempted) since the last step
              Commit of the prompt tokens the last step computed (chunked prefill)
-             Fork the samples of requests whose prompt is done (n > 1)
              DecodeAppend the last sampled token of every decoding sequence
              Allocate waiting requests, FCFS, while the token budget lasts
              (prefix reuse: the pool says how many leading tokens are cached)
@@ -20,12 +20,23 @@ process for simulations). One scheduler step::
              plan again and resend
     model    ONE ModelStep at the version blockd returned: one token per decoding
              sequence, a prompt chunk per prefilling one, within
-             ``max_num_batched_tokens`` tokens in all
-    apply    the greedy tokens extend the sequences; finished ones are released
-             in the next step's batch
+             ``max_num_batched_tokens`` tokens in all; back come the next tokens,
+             drawn as each request's sampling says
+    apply    the tokens extend the sequences (and feed their requests' streams);
+             a sample that drew an end token or reached max_new_tokens is
+             released in the next step's batch
 
-Sampling is greedy, so forked samples (which copy sample 0's tokens) and
-recomputed sequences continue exactly as an uninterrupted run would.
+The workers choose the tokens (:mod:`worker.sampling`): greedy, or seeded
+draws keyed by (request seed, sample index, position), so recomputed
+sequences continue exactly as an uninterrupted run would. The step that
+computes a prompt's last token draws the first token of all ``n`` samples;
+the samples then fork from sample 0 (forks go before the releases in the
+batch, so sample 0 may end at its first token and still be forked from).
+
+Outputs are had two ways: :meth:`Scheduler.run` returns every request's
+:class:`~client.serving.RequestOutput` at the end; :meth:`Scheduler.submit`
+returns a :class:`~client.streaming.RequestStream` of tokens as they are
+applied (stepped by its consumer, or by a :class:`~client.streaming.ServingLoop`).
 
 Faults (a worker restarted, the pool re-created) are dealt with as
 :mod:`client.faults` says.
@@ -33,12 +44,14 @@ Faults (a worker restarted, the pool re-created) are dealt with as
 
 from __future__ import annotations
 
+import random
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from blockd.core.types import Allocate, Commit, DecodeAppend, Fork, Free, Op, StepResult
+from blockd.core.types import Commit, Free, Op, StepResult
 from client.backends import BlockdBackend, ModelBatch, ModelExecutor
 from client.errors import BlockdClientError, FailedPreconditionError, NotFoundError, ResourceExhaustedError
 from client.faults import FaultRecovery, PoolGone
@@ -50,7 +63,10 @@ from client.serving import (
     ReservationAdmission,
     SeqState,
     finish,
+    new_state,
 )
+from client.step_plan import StepPlan, StepPlanner
+from client.streaming import RequestStream, StreamToken
 
 
 @dataclass(frozen=True)
@@ -61,8 +77,13 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     #: how long to wait for unreachable or restarted workers before giving up
     worker_restart_timeout_s: float = 120.0
+    #: the model's end-of-sequence tokens (its generation config's eos_token_id):
+    #: a sample that draws one ends, unless its request ignores EOS
+    eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        if not all(type(t) is int and t >= 0 for t in self.eos_token_ids):
+            raise ValueError(f"eos_token_ids must be token ids >= 0, got {self.eos_token_ids!r}")
         if type(self.max_num_seqs) is not int or self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs!r}")
         if type(self.max_num_batched_tokens) is not int or self.max_num_batched_tokens < self.max_num_seqs:
@@ -93,23 +114,12 @@ class SchedulerCounters:
     num_failed: int = 0
 
 
-@dataclass
-class _Plan:
-    """One step's batch and what each of its parts stands for."""
-
-    ops: list[Op]
-    has_frees: bool
-    commits: list[SeqState] = field(default_factory=list)
-    forks: list[tuple[RequestState, list[SeqState]]] = field(default_factory=list)
-    decode: list[SeqState] = field(default_factory=list)
-    decode_op: int = -1
-    prefill: list[tuple[SeqState, int]] = field(default_factory=list)
-    #: admitted requests with each live sequence's Allocate op index and token budget
-    admitted: list[tuple[RequestState, list[tuple[int, int]]]] = field(default_factory=list)
-    admit_at: dict[int, int] = field(default_factory=dict)  # Allocate op index -> admitted position
+def _check_request(request) -> None:
+    if not isinstance(request, GenerationRequest):
+        raise TypeError(f"the scheduler takes GenerationRequest s, got {type(request).__name__}")
 
 
-class Scheduler(FaultRecovery):
+class Scheduler(FaultRecovery, StepPlanner):
     """Serves :class:`GenerationRequest` s on ``pool`` through ``client`` and ``executor``.
 
     ``admission`` decides who may start besides the pool's room:
@@ -136,15 +146,39 @@ class Scheduler(FaultRecovery):
         self._admission_blocked = False
         #: the pool incarnation of the last step ("" before the first)
         self.pool_incarnation = ""
+        self._streams: dict[str, RequestStream] = {}
+        self._loop = None  # a ServingLoop stepping this scheduler, if any
+        # steps and submissions may come from different threads (ServingLoop)
+        self._lock = threading.RLock()
+        self._seeds = random.SystemRandom()  # seeds of requests that name none
 
     # --- public ------------------------------------------------------------------
     def add_request(self, request: GenerationRequest) -> None:
-        if not isinstance(request, GenerationRequest):
-            raise TypeError("add_request takes a GenerationRequest")
-        if request.request_id in self._known_ids:
-            raise ValueError(f"request id {request.request_id!r} was already given to this scheduler")
-        self._known_ids.add(request.request_id)
-        self.waiting.append(RequestState(request, self.clock()))
+        """Queue ``request``; its output comes from :meth:`run` or :meth:`take_finished`."""
+        self._add(request, None)
+
+    def submit(self, request: GenerationRequest) -> RequestStream:
+        """Queue ``request`` and return the stream of its tokens (see :mod:`client.streaming`)."""
+        _check_request(request)
+        stream = RequestStream(request.request_id, None if self._loop is not None else self.step)
+        self._add(request, stream)
+        return stream
+
+    def _add(self, request: GenerationRequest, stream: RequestStream | None) -> None:
+        _check_request(request)
+        with self._lock:
+            if request.request_id in self._known_ids:
+                raise ValueError(f"request id {request.request_id!r} was already given to this scheduler")
+            self._known_ids.add(request.request_id)
+            self.waiting.append(new_state(request, self.clock(), self.config.eos_token_ids, self._seeds))
+            if stream is not None:
+                self._streams[request.request_id] = stream
+        if self._loop is not None:
+            self._loop.notify()
+
+    def attach_loop(self, loop) -> None:
+        """Streams submitted from now on wait for ``loop`` (a ServingLoop; None: their consumers step)."""
+        self._loop = loop
 
     @property
     def is_idle(self) -> bool:
@@ -172,30 +206,42 @@ class Scheduler(FaultRecovery):
 
     def step(self) -> bool:
         """One scheduler step (see the module docstring); False if there was nothing to send."""
+        with self._lock:
+            try:
+                sent = self._send()
+                if sent is None:
+                    return False
+                self._run_model(*sent)
+            except PoolGone:
+                pass
+            self.counters.num_steps += 1
+            return True
+
+    def _run_model(self, plan: StepPlan, result: StepResult) -> None:
+        self.pool_incarnation = result.incarnation
+        entries, batch = self._apply_result(plan, result)
+        if not batch.num_seqs:
+            return
         try:
-            sent = self._send()
-            if sent is None:
-                return False
-            plan, result = sent
-            self.pool_incarnation = result.incarnation
-            entries, batch = self._apply_result(plan, result)
-            if batch.num_seqs:
-                try:
-                    tokens = self.executor.run(result.version, batch, pool_incarnation=result.incarnation)
-                except BlockdClientError as err:
-                    self._on_model_fault(err, entries)
-                else:
-                    if len(tokens) != batch.num_seqs:
-                        raise RuntimeError(f"the model returned {len(tokens)} tokens for {batch.num_seqs} "
-                                           "sequences")
-                    self._apply_tokens(entries, tokens)
-        except PoolGone:
-            pass
-        self.counters.num_steps += 1
-        return True
+            tokens = self.executor.run(result.version, batch, pool_incarnation=result.incarnation)
+        except BlockdClientError as err:
+            self._on_model_fault(err, entries)
+            return
+        if len(tokens) != batch.num_draws:
+            raise RuntimeError(f"the model returned {len(tokens)} tokens for {batch.num_draws} draws of "
+                               f"{batch.num_seqs} sequences")
+        self._apply_tokens(entries, tokens)
+
+    def fail_streams(self, error: str) -> None:
+        """End every open stream with ``error`` (the loop that stepped them died)."""
+        now = self.clock()
+        for state in [*self.running, *self.waiting]:
+            stream = self._streams.pop(state.request.request_id, None)
+            if stream is not None:
+                stream._close(finish(state, now, error=error))
 
     # --- blockd --------------------------------------------------------------------
-    def _send(self) -> tuple[_Plan, StepResult] | None:
+    def _send(self) -> tuple[StepPlan, StepResult] | None:
         admit_limit: int | None = None
         refused_admission = False
         while True:
@@ -229,7 +275,7 @@ class Scheduler(FaultRecovery):
             self._release.clear()
             return plan, result
 
-    def _on_refused(self, plan: _Plan, err: ResourceExhaustedError) -> tuple[int | None, bool]:
+    def _on_refused(self, plan: StepPlan, err: ResourceExhaustedError) -> tuple[int | None, bool]:
         """Change the plan's inputs after a refused batch: ``(admit_limit, an admission was refused)``."""
         index = err.op_index
         if index is None:
@@ -252,6 +298,7 @@ class Scheduler(FaultRecovery):
         they computed, so the prefix cache may keep it, unless their KV was
         lost) and requeue it first."""
         self.running.remove(state)
+        state.release_pending()
         for seq in state.live:
             self._release_seq(seq, commit=not kv_lost)
             seq.evict()
@@ -268,83 +315,18 @@ class Scheduler(FaultRecovery):
             self._release.append(Commit(seq.seq_id, seq.num_computed))
         self._release.append(Free(seq.seq_id))
 
-    # --- planning -------------------------------------------------------------------
-    def _plan(self, admit_limit: int | None) -> _Plan:
-        """This step's batch from the current state; changes nothing, so a
-        refused batch is planned again after the refusal is dealt with."""
-        plan = _Plan(list(self._release), has_frees=bool(self._release))
-        ops = plan.ops
-        for state in self.running:
-            plan.decode += [seq for seq in state.live if seq.is_decoding]
-            parent = state.samples[0]
-            if state.needs_fork and parent.is_decoding:
-                children = [parent.fork(f"{state.request.request_id}.{i}")
-                            for i in range(len(state.samples), state.request.n)]
-                plan.forks.append((state, children))
-                plan.decode += children
-        for seq in self._prefilling():
-            if seq.num_computed > seq.num_committed:
-                ops.append(Commit(seq.seq_id, seq.num_computed))
-                plan.commits.append(seq)
-        for state, children in plan.forks:
-            ops += [Fork(state.samples[0].seq_id, child.seq_id) for child in children]
-        if plan.decode:
-            plan.decode_op = len(ops)
-            ops.append(DecodeAppend([s.seq_id for s in plan.decode], [s.token_ids[-1] for s in plan.decode]))
-        budget = self.config.max_num_batched_tokens - len(plan.decode)
-        for seq in self._prefilling():
-            chunk = min(budget, seq.num_to_prefill)
-            if chunk > 0:
-                plan.prefill.append((seq, chunk))
-                budget -= chunk
-        self._plan_admissions(plan, budget, admit_limit)
-        return plan
-
-    def _prefilling(self) -> list[SeqState]:
-        return [seq for state in self.running for seq in state.live if seq.num_to_prefill > 0]
-
-    def _plan_admissions(self, plan: _Plan, budget: int, admit_limit: int | None) -> None:
-        """FCFS: stop at the first request that does not fit, so a long prompt
-        is not starved by short ones behind it."""
-        while self.waiting and not self.running:
-            # with nothing running nothing will ever make room: it would wait forever
-            head = self.waiting[0]
-            if head.num_seqs_when_running > self.config.max_num_seqs:
-                reason = f"its {head.num_seqs_when_running} sequences exceed max_num_seqs"
-            elif not self.admission.can_admit(head):
-                reason = f"the {self.admission.name} admission policy can never admit it"
-            else:
-                break
-            self._reject(self.waiting.popleft(), reason)
-        num_seqs = sum(state.num_seqs_when_running for state in self.running)
-        for state in self.waiting:
-            if budget <= 0 or self._admission_blocked or admit_limit == len(plan.admitted):
-                return
-            if num_seqs + state.num_seqs_when_running > self.config.max_num_seqs:
-                return
-            if not self.admission.can_admit(state, [admitted for admitted, _ in plan.admitted]):
-                return
-            allocations = []
-            for seq in state.live:
-                plan.admit_at[len(plan.ops)] = len(plan.admitted)
-                chunk = min(budget, len(seq.token_ids))
-                allocations.append((len(plan.ops), chunk))
-                plan.ops.append(Allocate(seq.seq_id, list(seq.token_ids), state.request.extra_keys))
-                budget -= chunk
-            plan.admitted.append((state, allocations))
-            num_seqs += state.num_seqs_when_running
-
     # --- applying -------------------------------------------------------------------
-    def _apply_result(self, plan: _Plan, result: StepResult):
+    def _apply_result(self, plan: StepPlan, result: StepResult):
         """Bring the states to the committed batch; return the model batch and,
-        per batch entry, ``(request, sequence, new tokens)``."""
-        entries: list[tuple[RequestState, SeqState, int]] = []
+        per batch entry, ``(request, sequence, new tokens, tokens drawn)``."""
+        entries: list[tuple[RequestState, SeqState, int, int]] = []
         batch = ModelBatch()
         owner = {id(seq): state for state in self.running for seq in state.live}
         for seq in plan.commits:
             seq.num_committed = seq.num_computed
         for state, children in plan.forks:
             state.samples += children
+            state.pending = []
             owner.update((id(child), state) for child in children)
             self.counters.num_forks += len(children)
         if plan.decode:
@@ -352,8 +334,9 @@ class Scheduler(FaultRecovery):
             for seq, slot in zip(plan.decode, slots):
                 seq.num_committed = seq.num_computed  # DecodeAppend implies it
                 seq.num_in_pool += 1
-                batch.add(seq.seq_id, seq.num_in_pool, [seq.token_ids[-1]], [slot])
-                entries.append((owner[id(seq)], seq, 1))
+                state = owner[id(seq)]
+                batch.add(seq.seq_id, seq.num_in_pool, [seq.token_ids[-1]], [slot], state.sampling_for(seq))
+                entries.append((state, seq, 1, 1))
         for seq, chunk in plan.prefill:
             self._add_prefill(batch, entries, owner[id(seq)], seq, chunk)
         for state, allocations in plan.admitted:
@@ -377,28 +360,49 @@ class Scheduler(FaultRecovery):
         if chunk <= 0:
             return
         end = seq.num_computed + chunk
-        batch.add(seq.seq_id, end, seq.token_ids[seq.num_computed : end], seq.prefill_slots(chunk))
-        entries.append((state, seq, chunk))
+        # a chunk short of the end draws nothing that counts: plain greedy, no sampling cost
+        draws = state.draws_at(seq, end) if end == len(seq.token_ids) else 1
+        sampling = state.sampling_for(seq, draws) if end == len(seq.token_ids) else None
+        batch.add(seq.seq_id, end, seq.token_ids[seq.num_computed : end], seq.prefill_slots(chunk), sampling)
+        entries.append((state, seq, chunk, draws))
         self.counters.num_prefill_tokens += chunk
 
-    def _apply_tokens(self, entries: list[tuple[RequestState, SeqState, int]], tokens: list[int]) -> None:
+    def _apply_tokens(self, entries: list[tuple[RequestState, SeqState, int, int]], tokens: list[int]) -> None:
         now = self.clock()
-        for (state, seq, num_new), token in zip(entries, tokens):
+        at = 0
+        for state, seq, num_new, num_draws in entries:
+            drawn, at = tokens[at : at + num_draws], at + num_draws
             seq.num_computed += num_new
             if seq.num_computed < len(seq.token_ids):
                 continue  # a prompt chunk short of the prompt's end: its token means nothing
-            seq.token_ids.append(token)
-            self.counters.num_output_tokens += 1
+            if num_draws > 1:
+                extended = state.draw_samples(seq, drawn)
+            else:
+                state.add_token(seq, drawn[0])
+                extended = [seq]
             if state.first_token_s is None:
                 state.first_token_s = now
-            if state.is_done(seq):
+            self.counters.num_output_tokens += len(extended)
+            stream = self._streams.get(state.request.request_id)
+            for sample in extended:
+                if stream is not None:
+                    stream._push(StreamToken(sample.sample_index, sample.token_ids[-1], sample.finish_reason))
+            if seq.finish_reason is not None:
                 self._release_seq(seq)
         for state in [state for state in self.running if state.is_finished]:
             self.running.remove(state)
             self.admission.on_release(state)
-            self._finished.append(finish(state, now))
+            self._complete(state, finish(state, now))
             self.counters.num_finished += 1
 
+    def _complete(self, state: RequestState, output: RequestOutput) -> None:
+        """Hand ``output`` to the request's stream, or to :meth:`take_finished`."""
+        stream = self._streams.pop(state.request.request_id, None)
+        if stream is not None:
+            stream._close(output)
+        else:
+            self._finished.append(output)
+
     def _reject(self, state: RequestState, reason: str) -> None:
-        self._finished.append(finish(state, self.clock(), error=reason))
+        self._complete(state, finish(state, self.clock(), error=reason))
         self.counters.num_rejected += 1

@@ -1,9 +1,13 @@
-"""What :mod:`client.scheduler` serves and reports: requests, their sequences,
-their outputs and timings, and the admission policies.
+"""What :mod:`client.scheduler` serves and reports: requests, their sampling
+and stop rules, their sequences, their outputs and timings, and the
+admission policies.
 
 A :class:`GenerationRequest` becomes a :class:`RequestState` holding one
 :class:`SeqState` per sample. Sample 0 (``"<request_id>.0"``) holds the
-prompt; samples ``1 .. n-1`` are forked from it once its prompt is computed.
+prompt. The step that computes the prompt's last token draws the first token
+of every sample from those logits (sample indices 0 .. n-1); samples
+``1 .. n-1`` wait in ``pending`` until the next batch forks them from sample
+0, so they share its blocks, and from then on each draws its own tokens.
 Each sequence's tokens are split into three ranges the scheduler moves
 forward every step::
 
@@ -17,7 +21,10 @@ forward every step::
 A decoding sequence holds every token but the last sampled one in the pool
 (``num_in_pool == len(token_ids) - 1``); its next step appends that token.
 Preemption by recompute resets the three counters to 0: the tokens so far
-(prompt + generated) become the new prompt.
+(prompt + generated) become the new prompt. A sample stops at an end token
+(the model's EOS unless ``ignore_eos``, or one of ``stop_token_ids``; the
+token is kept in its output, as transformers' ``generate`` does) or after
+``max_new_tokens``.
 
 Plain data and arithmetic: no grpc, no torch.
 """
@@ -25,16 +32,69 @@ Plain data and arithmetic: no grpc, no torch.
 from __future__ import annotations
 
 import math
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from blockd.core.arith import num_blocks_for
 from blockd.core.hashing import NO_EXTRA_KEYS, ExtraKeys
 
+#: the largest seed the workers take (uint64)
+MAX_SEED = (1 << 64) - 1
+FINISH_STOP = "stop"  #: ended at an end token (EOS or a stop token id)
+FINISH_LENGTH = "length"  #: ended after max_new_tokens
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How a request's tokens are chosen, and which tokens end a sample.
+
+    ``temperature`` 0 is greedy (argmax, token-exact with transformers'
+    ``generate(do_sample=False)``); above 0 the workers draw from
+    ``softmax(logits / temperature)`` cut to the ``top_k`` most likely tokens
+    (0: no cut) and to the nucleus of mass ``top_p`` (1: no cut). A draw is a
+    pure function of the logits and ``(seed, sample index, position)``, so a
+    request with a ``seed`` gets the same tokens on every run, after
+    preemption and on a tensor-parallel group; without one the scheduler
+    picks a seed per request (samples still differ from each other).
+    ``stop_token_ids`` end a sample like EOS does; ``ignore_eos`` lets the
+    model's EOS pass (benchmarks with a fixed output length).
+    """
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
+                or not 0.0 <= self.temperature < math.inf:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if type(self.top_k) is not int or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0: no cut), got {self.top_k!r}")
+        if self.seed is not None and (type(self.seed) is not int or not 0 <= self.seed <= MAX_SEED):
+            raise ValueError(f"seed must be None or an integer in [0, 2**64), got {self.seed!r}")
+        stops = tuple(self.stop_token_ids)
+        if not all(type(t) is int and t >= 0 for t in stops):
+            raise ValueError(f"stop_token_ids must be token ids >= 0, got {self.stop_token_ids!r}")
+        object.__setattr__(self, "stop_token_ids", stops)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+GREEDY = SamplingParams()
+
 
 @dataclass(frozen=True)
 class GenerationRequest:
-    """Greedy generation of ``max_new_tokens`` tokens for ``n`` samples."""
+    """Up to ``max_new_tokens`` tokens for each of ``n`` samples, chosen and
+    stopped as ``sampling`` says (greedy by default)."""
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
@@ -42,6 +102,7 @@ class GenerationRequest:
     n: int = 1
     #: what besides the tokens changes the KV (model, adapter, tenant): prefix reuse respects it
     extra_keys: ExtraKeys = NO_EXTRA_KEYS
+    sampling: SamplingParams = GREEDY
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id or "." in self.request_id:
@@ -56,10 +117,35 @@ class GenerationRequest:
             raise ValueError(f"request {self.request_id}: n must be >= 1, got {self.n!r}")
         if not isinstance(self.extra_keys, ExtraKeys):
             raise TypeError(f"request {self.request_id}: extra_keys must be an ExtraKeys")
+        if not isinstance(self.sampling, SamplingParams):
+            raise TypeError(f"request {self.request_id}: sampling must be a SamplingParams")
 
     @property
     def max_len(self) -> int:
         return len(self.prompt_token_ids) + self.max_new_tokens
+
+
+@dataclass(frozen=True)
+class SeqSampling:
+    """How one sequence of a model step chooses its next token(s): the
+    ``SamplingParams`` message of ``ModelStep`` (see worker.proto). The
+    workers draw ``num_samples`` tokens, for sample indices ``sample_index``
+    onwards (more than one only where a prompt ends and its samples fork)."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    sample_index: int = 0
+    num_samples: int = 1
+
+    @property
+    def is_plain_greedy(self) -> bool:
+        """One argmax token: what a ModelStep without sampling answers."""
+        return self.temperature == 0.0 and self.num_samples == 1
+
+
+PLAIN_GREEDY = SeqSampling()
 
 
 @dataclass
@@ -75,6 +161,10 @@ class SeqState:
     #: physical slots of the tokens from ``slot_start`` on (from Allocate)
     slots: tuple[int, ...] = ()
     slot_start: int = 0
+    #: which of the request's samples (the sampling key's sample index)
+    sample_index: int = 0
+    #: FINISH_STOP or FINISH_LENGTH once the sample has ended
+    finish_reason: str | None = None
 
     @property
     def num_generated(self) -> int:
@@ -93,9 +183,11 @@ class SeqState:
         start = self.num_computed - self.slot_start
         return self.slots[start : start + num_tokens]
 
-    def fork(self, seq_id: str) -> SeqState:
-        return SeqState(seq_id, list(self.token_ids), self.num_prompt_tokens, self.num_in_pool,
-                        self.num_computed, self.num_committed)
+    def forked_from(self, parent: SeqState) -> SeqState:
+        """This pending sample as a child of ``parent``: its blocks (the
+        prompt's), its own first token."""
+        return SeqState(self.seq_id, list(self.token_ids), self.num_prompt_tokens, parent.num_in_pool,
+                        parent.num_computed, parent.num_committed, sample_index=self.sample_index)
 
     def evict(self) -> None:
         """Preempted: nothing of it is in the pool any more."""
@@ -105,13 +197,22 @@ class SeqState:
 
 @dataclass
 class RequestState:
-    """A request while the scheduler holds it (waiting or running)."""
+    """A request while the scheduler holds it (waiting or running).
+
+    ``stop_token_ids``: the tokens that end a sample (the request's stop ids,
+    and the model's EOS ids unless it ignores them); ``seed``: the request's
+    seed, or one picked for it.
+    """
 
     request: GenerationRequest
     arrival_s: float
     samples: list[SeqState] = field(default_factory=list)
     first_token_s: float | None = None
     num_preemptions: int = 0
+    stop_token_ids: frozenset[int] = frozenset()
+    seed: int = 0
+    #: samples 1 .. n-1 drawn when the prompt ended, waiting to be forked from sample 0
+    pending: list[SeqState] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.samples:
@@ -120,33 +221,75 @@ class RequestState:
                                      len(req.prompt_token_ids))]
 
     @property
-    def needs_fork(self) -> bool:
-        return len(self.samples) < self.request.n
+    def has_drawn(self) -> bool:
+        """Whether every sample has its first token (the prompt was computed)."""
+        return len(self.samples) + len(self.pending) == self.request.n
 
-    def is_done(self, seq: SeqState) -> bool:
-        return seq.num_generated >= self.request.max_new_tokens
+    def add_token(self, seq: SeqState, token: int) -> None:
+        """Extend ``seq`` by ``token`` and end it if that token ends it."""
+        seq.token_ids.append(token)
+        if token in self.stop_token_ids:
+            seq.finish_reason = FINISH_STOP
+        elif seq.num_generated >= self.request.max_new_tokens:
+            seq.finish_reason = FINISH_LENGTH
+
+    def draw_samples(self, parent: SeqState, tokens: Sequence[int]) -> list[SeqState]:
+        """The prompt ended: sample 0 takes ``tokens[0]``, samples 1.. are born
+        with ``tokens[1:]`` (the live ones wait to be forked); all of them, in
+        sample order."""
+        self.add_token(parent, tokens[0])
+        born = [parent]
+        for index, token in enumerate(tokens[1:], start=1):
+            child = SeqState(f"{self.request.request_id}.{index}", parent.token_ids[:-1],
+                             parent.num_prompt_tokens, sample_index=index)
+            self.add_token(child, token)
+            (self.samples if child.finish_reason else self.pending).append(child)
+            born.append(child)
+        return born
+
+    def release_pending(self) -> None:
+        """Preempted before the fork: the pending samples become ordinary
+        sequences, each allocated on its own when the request runs again."""
+        self.samples += self.pending
+        self.pending = []
+
+    def sampling_for(self, seq: SeqState, num_samples: int = 1) -> SeqSampling:
+        sp = self.request.sampling
+        if sp.is_greedy and num_samples == 1:
+            return PLAIN_GREEDY
+        return SeqSampling(sp.temperature, sp.top_p, sp.top_k, self.seed, seq.sample_index, num_samples)
+
+    def draws_at(self, seq: SeqState, end: int) -> int:
+        """How many tokens the model draws for ``seq`` when its computed tokens
+        reach ``end``: every sample's first one where sample 0's prompt ends."""
+        if seq.sample_index == 0 and not self.has_drawn and end == len(seq.token_ids):
+            return self.request.n
+        return 1
 
     @property
     def live(self) -> list[SeqState]:
-        return [seq for seq in self.samples if not self.is_done(seq)]
+        return [seq for seq in self.samples if seq.finish_reason is None]
 
     @property
     def is_finished(self) -> bool:
-        return not self.live
+        return self.has_drawn and not self.live and not self.pending
 
     @property
     def num_seqs_when_running(self) -> int:
-        return self.request.n if self.needs_fork else len(self.live)
+        return len(self.live) + len(self.pending) if self.has_drawn else self.request.n
 
 
 @dataclass(frozen=True)
 class RequestOutput:
     """A finished (or rejected) request: its samples' tokens and timings.
 
-    ``ttft_s``: arrival to first generated token; ``tpot_s``: mean time per
-    output token after the first; ``tokens_per_s``: output tokens of all
-    samples over arrival-to-finish. ``error`` is set when the pool could
-    never hold the request (the tokens are what it had got so far).
+    ``output_token_ids[i]`` is sample ``i``'s tokens (an end token that
+    stopped it included) and ``finish_reasons[i]`` why it ended
+    (``"stop"``: an end token; ``"length"``: max_new_tokens). ``ttft_s``:
+    arrival to first generated token; ``tpot_s``: mean time per output token
+    after the first (of the longest sample); ``tokens_per_s``: output tokens
+    of all samples over arrival-to-finish. ``error`` is set when the request
+    failed (the tokens are what it had got so far).
     """
 
     request_id: str
@@ -158,23 +301,31 @@ class RequestOutput:
     tokens_per_s: float
     num_preemptions: int
     error: str | None = None
+    finish_reasons: tuple[str | None, ...] = ()
 
 
 def finish(state: RequestState, now_s: float, error: str | None = None) -> RequestOutput:
     req = state.request
-    outputs = [tuple(seq.token_ids[seq.num_prompt_tokens:]) for seq in state.samples]
-    if error is None and len(outputs) < req.n:
-        # every token came with the first one (max_new_tokens == 1): greedy
-        # samples are equal, so the unforked samples copy sample 0
-        outputs += [outputs[0]] * (req.n - len(outputs))
+    samples = sorted(state.samples + state.pending, key=lambda seq: seq.sample_index)
+    outputs = [tuple(seq.token_ids[seq.num_prompt_tokens:]) for seq in samples]
     first = state.first_token_s if state.first_token_s is not None else now_s
-    num_out = len(outputs[0])
+    num_out = max(map(len, outputs))
     e2e = now_s - state.arrival_s
     return RequestOutput(
         req.request_id, req.prompt_token_ids, tuple(outputs), ttft_s=first - state.arrival_s,
         tpot_s=(now_s - first) / (num_out - 1) if num_out > 1 else 0.0, e2e_s=e2e,
         tokens_per_s=sum(map(len, outputs)) / e2e if e2e > 0 else 0.0,
-        num_preemptions=state.num_preemptions, error=error)
+        num_preemptions=state.num_preemptions, error=error,
+        finish_reasons=tuple(seq.finish_reason for seq in samples))
+
+
+def new_state(request: GenerationRequest, arrival_s: float, eos_token_ids: Sequence[int],
+              rng: random.Random) -> RequestState:
+    """The state of a request just given to the scheduler: its end tokens and its seed."""
+    sp = request.sampling
+    stops = frozenset(sp.stop_token_ids) | (frozenset() if sp.ignore_eos else frozenset(eos_token_ids))
+    seed = sp.seed if sp.seed is not None else rng.getrandbits(64)
+    return RequestState(request, arrival_s, stop_token_ids=stops, seed=seed)
 
 
 class PagingAdmission:

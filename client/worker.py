@@ -28,6 +28,7 @@ from blockd.v1 import worker_pb2 as pb
 from blockd.v1 import worker_pb2_grpc
 from client.channel import channel_options
 from client.errors import from_rpc_error
+from client.serving import SeqSampling
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -94,19 +95,25 @@ class WorkerClient:
 
     def model_step(self, pool: str, version: int, seq_ids: Sequence[str], query_lens: Sequence[int],
                    context_lens: Sequence[int], token_ids: Sequence[int], slot_mapping: Sequence[int],
-                   return_logits: bool = False, *, pool_incarnation: str) -> tuple[list[int], torch.Tensor | None]:
+                   return_logits: bool = False, *, pool_incarnation: str,
+                   sampling: Sequence[SeqSampling] = ()) -> tuple[list[int], torch.Tensor | None]:
         """One forward step of the worker's model (see ``ModelStepRequest``).
 
         ``token_ids`` and ``slot_mapping`` hold ``sum(query_lens)`` entries, the
-        sequences' new tokens concatenated. Returns each sequence's greedy next
-        token and, with ``return_logits``, the ``[batch, vocab]`` float32 logits
-        of its last new token (else None).
+        sequences' new tokens concatenated; ``sampling`` is empty (every
+        sequence greedy) or has one entry per sequence. Returns the next
+        tokens (one per sequence, ``num_samples`` where a sequence asks for
+        more) and, with ``return_logits``, the ``[batch, vocab]`` float32
+        logits of each sequence's last new token (else None).
         """
         request = pb.ModelStepRequest(
             pool=pool, version=version, seq_ids=list(seq_ids), query_lens=list(query_lens),
             context_lens=list(context_lens), token_ids=list(token_ids), slot_mapping=list(slot_mapping),
             return_logits=return_logits, pool_incarnation=pool_incarnation,
-            worker_incarnation=self._worker_incarnation())
+            worker_incarnation=self._worker_incarnation(),
+            sampling=[pb.SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed,
+                                        sample_index=s.sample_index, num_samples=s.num_samples)
+                      for s in sampling])
         response = self._call(self._stub.ModelStep, request)
         logits = from_proto(response.logits, "logits") if response.HasField("logits") else None
         return list(response.next_token_ids), logits

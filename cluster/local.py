@@ -230,16 +230,10 @@ class LocalCluster:
 
 
 def model_config(model: str):
-    """The Hugging Face config of a worker's ``--model`` (tiny name or local directory)."""
-    from transformers import AutoConfig
+    """The Hugging Face config of a worker's ``--model`` (see :func:`worker.model.build_model`)."""
+    from worker.model import load_config
 
-    from worker.model import TINY_MODELS, tiny_config
-
-    if model in TINY_MODELS:
-        return tiny_config(model.removeprefix("tiny-"))
-    if os.path.isdir(model):
-        return AutoConfig.from_pretrained(model, local_files_only=True)
-    raise ValueError(f"model must be one of {', '.join(TINY_MODELS)} or a local model directory, got {model!r}")
+    return load_config(model)
 
 
 def live_pids(pids: list[int]) -> list[int]:

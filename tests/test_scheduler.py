@@ -1,109 +1,21 @@
 """The continuous-batching scheduler against a real in-process blockd and a fake
-model that computes on what the pool's slots hold.
-
-:class:`SlotModel` stands in for the workers: it writes every new token id into
-the slot the step names (after checking that slot against the sequence's
-table), runs the step's copy-on-write copies, and answers with a hash of the
-sequence's whole context *as read back through its block table*. So a wrong
-slot, a missed copy, a prefix hit on blocks that were never written or a
-recompute that lost a token all change the generated tokens, and the tests
-compare them with the same hash over the plain token list. Like a worker, it
-refuses (``KV_NOT_WRITTEN``) to compute over a slot it holds nothing for, so a
-"restart" (its slots cleared, a new worker incarnation registered) must be
-recovered by recomputing.
+model that computes on what the pool's slots hold (:mod:`tests.slot_model`).
 """
 
 from __future__ import annotations
 
-import json
 import random
 
 import pytest
-from google.rpc import error_details_pb2
 
 from blockd.core import PoolConfig
 from blockd.core.types import WorkerInfo
 from client.backends import ModelBatch
-from client.errors import FailedPreconditionError
 from client.scheduler import Scheduler, SchedulerConfig
 from client.serving import GenerationRequest, ReservationAdmission, percentile
+from tests.slot_model import BLOCK, VOCAB, SlotModel, StepThrough, make, reference
 
 pytest_plugins = ["tests.grpc_fixtures"]
-
-VOCAB = 1000
-BLOCK = 4
-
-
-def next_token(context: list[int]) -> int:
-    acc = len(context)
-    for token in context:
-        acc = (acc * 131 + token + 7) % 1_000_003
-    return acc % VOCAB
-
-
-def reference(prompt: tuple[int, ...], max_new_tokens: int) -> tuple[int, ...]:
-    tokens = list(prompt)
-    for _ in range(max_new_tokens):
-        tokens.append(next_token(tokens))
-    return tuple(tokens[len(prompt):])
-
-
-class SlotModel:
-    """The fake model; ``step`` wraps the client's so it sees each version's copy ops."""
-
-    def __init__(self, client, pool: str) -> None:
-        self.client, self.pool = client, pool
-        self.slots: dict[int, int] = {}
-        self.num_steps = 0
-
-    def step(self, pool, ops, **kwargs):
-        result = self.client.step(pool, ops, **kwargs)
-        for src, dst in result.copy_ops:
-            for offset in range(BLOCK):
-                if src * BLOCK + offset in self.slots:
-                    self.slots[dst * BLOCK + offset] = self.slots[src * BLOCK + offset]
-        return result
-
-    def run(self, version: int, batch: ModelBatch, *, pool_incarnation: str = "") -> list[int]:
-        self.num_steps += 1
-        _, tables = self.client.get_tables(self.pool, batch.seq_ids)
-        out, row = [], 0
-        for seq_id, q, n in zip(batch.seq_ids, batch.query_lens, batch.context_lens):
-            table = tables[seq_id]
-            for pos in range(n - q, n):
-                slot = table[pos // BLOCK] * BLOCK + pos % BLOCK
-                assert batch.slot_mapping[row] == slot, f"{seq_id} token {pos}: wrong slot"
-                self.slots[slot] = batch.token_ids[row]
-                row += 1
-            context = [self.slots.get(table[pos // BLOCK] * BLOCK + pos % BLOCK) for pos in range(n)]
-            if None in context:
-                raise _not_written(seq_id)
-            out.append(next_token(context))
-        return out
-
-
-def _not_written(seq_id: str) -> FailedPreconditionError:
-    info = error_details_pb2.ErrorInfo(reason="KV_NOT_WRITTEN", metadata={"seq_ids": json.dumps([seq_id])})
-    return FailedPreconditionError(f"{seq_id}: KV not written", details=(info,))
-
-
-class _StepThrough:
-    """The client as the scheduler sees it, with ``step`` going through the model."""
-
-    def __init__(self, client, model: SlotModel) -> None:
-        self._client, self._model = client, model
-
-    def step(self, pool, ops, **kwargs):
-        return self._model.step(pool, ops, **kwargs)
-
-    def __getattr__(self, name):
-        return getattr(self._client, name)
-
-
-def make(client, num_blocks: int, config: SchedulerConfig, *, watermark: int = 0, admission=None):
-    client.create_pool(PoolConfig("p", num_blocks, BLOCK, watermark_blocks=watermark))
-    model = SlotModel(client, "p")
-    return Scheduler(_StepThrough(client, model), "p", model, config, admission=admission), model
 
 
 def workload(seed: int, count: int) -> list[GenerationRequest]:
@@ -135,7 +47,8 @@ def test_greedy_tokens_survive_chunking_prefix_reuse_forks_and_preemption(client
     check_outputs(sched.run(), requests)
     c = sched.counters
     assert c.num_preemptions > 0 and c.num_refused_batches > 0, "the small pool must force preemption"
-    assert c.num_forks == sum(req.n - 1 for req in requests if req.max_new_tokens > 1)
+    # a request preempted between its prompt's end and the fork allocates its samples instead
+    assert 0 < c.num_forks <= sum(req.n - 1 for req in requests if req.max_new_tokens > 1)
     assert c.num_cached_tokens > 0, "shared prefixes must hit the prefix cache"
     stats = client.get_pool("p")
     assert stats.num_seqs == 0 and stats.num_used_blocks == 0, "every sequence is freed at the end"
@@ -202,7 +115,7 @@ def test_timings_come_from_the_injected_clock(client):
     ticks = iter(range(1000))
     client.create_pool(PoolConfig("p", 50, BLOCK))
     model = SlotModel(client, "p")
-    sched = Scheduler(_StepThrough(client, model), "p", model, SchedulerConfig(16, 4),
+    sched = Scheduler(StepThrough(client, model), "p", model, SchedulerConfig(16, 4),
                       clock=lambda: float(next(ticks)))
     sched.add_request(GenerationRequest("a", (1, 2, 3), 4))
     (out,) = sched.run()

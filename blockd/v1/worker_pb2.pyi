@@ -346,6 +346,7 @@ class ModelStepRequest(_message.Message):
     RETURN_LOGITS_FIELD_NUMBER: _builtins.int
     POOL_INCARNATION_FIELD_NUMBER: _builtins.int
     WORKER_INCARNATION_FIELD_NUMBER: _builtins.int
+    SAMPLING_FIELD_NUMBER: _builtins.int
     pool: _builtins.str
     version: _builtins.int
     return_logits: _builtins.bool
@@ -370,6 +371,12 @@ class ModelStepRequest(_message.Message):
     def slot_mapping(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """One physical slot per new token (same order as token_ids)."""
 
+    @_builtins.property
+    def sampling(self) -> _containers.RepeatedCompositeFieldContainer[Global___SamplingParams]:
+        """How each sequence chooses its next token: empty means greedy (one argmax
+        token each); otherwise exactly one entry per sequence, in batch order.
+        """
+
     def __init__(
         self,
         *,
@@ -383,14 +390,69 @@ class ModelStepRequest(_message.Message):
         return_logits: _builtins.bool = ...,
         pool_incarnation: _builtins.str = ...,
         worker_incarnation: _builtins.str = ...,
+        sampling: _abc.Iterable[Global___SamplingParams] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["context_lens", b"context_lens", "pool", b"pool", "pool_incarnation", b"pool_incarnation", "query_lens", b"query_lens", "return_logits", b"return_logits", "seq_ids", b"seq_ids", "slot_mapping", b"slot_mapping", "token_ids", b"token_ids", "version", b"version", "worker_incarnation", b"worker_incarnation"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["context_lens", b"context_lens", "pool", b"pool", "pool_incarnation", b"pool_incarnation", "query_lens", b"query_lens", "return_logits", b"return_logits", "sampling", b"sampling", "seq_ids", b"seq_ids", "slot_mapping", b"slot_mapping", "token_ids", b"token_ids", "version", b"version", "worker_incarnation", b"worker_incarnation"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ModelStepRequest: _TypeAlias = ModelStepRequest  # noqa: Y015
+
+@_typing.final
+class SamplingParams(_message.Message):
+    """How one sequence's next token is chosen from the logits of its last new
+    token. Greedy when temperature is 0: the argmax, one token, whatever the
+    other fields say. Otherwise logits / temperature, then the top_k most likely
+    tokens, then the smallest set of those whose probability reaches top_p, then
+    one draw by inverse CDF with a uniform number that depends only on (seed,
+    sample index, position) -- not on the batch, the rank or the worker -- so a
+    seeded sequence draws the same tokens when recomputed, preempted or served
+    by a tensor-parallel group (position = context_len, the index the new token
+    takes in the sequence).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TEMPERATURE_FIELD_NUMBER: _builtins.int
+    TOP_P_FIELD_NUMBER: _builtins.int
+    TOP_K_FIELD_NUMBER: _builtins.int
+    SEED_FIELD_NUMBER: _builtins.int
+    SAMPLE_INDEX_FIELD_NUMBER: _builtins.int
+    NUM_SAMPLES_FIELD_NUMBER: _builtins.int
+    temperature: _builtins.float
+    """>= 0 and finite; 0 = greedy."""
+    top_p: _builtins.float
+    """In [0, 1]; 0 and 1 both mean no nucleus cut."""
+    top_k: _builtins.int
+    """0 = no top-k cut."""
+    seed: _builtins.int
+    """The request's seed (the caller picks one when the user gave none)."""
+    sample_index: _builtins.int
+    """Which of the request's samples this sequence is (0 .. n-1)."""
+    num_samples: _builtins.int
+    """How many tokens to draw from these logits, for sample indices
+    sample_index .. sample_index + num_samples - 1 (the first tokens of the
+    samples that will be forked from this sequence); 0 means 1. At most 1024.
+    """
+    def __init__(
+        self,
+        *,
+        temperature: _builtins.float = ...,
+        top_p: _builtins.float = ...,
+        top_k: _builtins.int = ...,
+        seed: _builtins.int = ...,
+        sample_index: _builtins.int = ...,
+        num_samples: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["num_samples", b"num_samples", "sample_index", b"sample_index", "seed", b"seed", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SamplingParams: _TypeAlias = SamplingParams  # noqa: Y015
 
 @_typing.final
 class ModelStepResponse(_message.Message):
@@ -404,7 +466,10 @@ class ModelStepResponse(_message.Message):
     version: _builtins.int
     @_builtins.property
     def next_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """Greedy (argmax) next token of each sequence's last new token."""
+        """The next token of each sequence's last new token, in batch order; a
+        sequence whose sampling asked for num_samples = k > 1 has k consecutive
+        entries (sample indices sample_index .. sample_index + k - 1).
+        """
 
     @_builtins.property
     def logits(self) -> Global___Tensor:

@@ -86,9 +86,10 @@ class KVShardServiceServicer:
     def ModelStep(self, request, context):
         """Runs one forward step of the worker's model over a packed batch: writes
         every layer's new keys/values into their slots, runs paged attention, and
-        returns each sequence's greedy next token (and optionally its logits). In
-        a tensor-parallel group every rank gets the same request and answers the
-        same result. FAILED_PRECONDITION when the worker runs no model.
+        returns each sequence's next token -- greedy, or drawn as its sampling
+        parameters say -- (and optionally its logits). In a tensor-parallel group
+        every rank gets the same request and answers the same result.
+        FAILED_PRECONDITION when the worker runs no model.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -67,9 +67,10 @@ class KVShardServiceStub:
     ModelStep: _grpc.UnaryUnaryMultiCallable[_worker_pb2.ModelStepRequest, _worker_pb2.ModelStepResponse]
     """Runs one forward step of the worker's model over a packed batch: writes
     every layer's new keys/values into their slots, runs paged attention, and
-    returns each sequence's greedy next token (and optionally its logits). In
-    a tensor-parallel group every rank gets the same request and answers the
-    same result. FAILED_PRECONDITION when the worker runs no model.
+    returns each sequence's next token -- greedy, or drawn as its sampling
+    parameters say -- (and optionally its logits). In a tensor-parallel group
+    every rank gets the same request and answers the same result.
+    FAILED_PRECONDITION when the worker runs no model.
     """
 
 @_typing.type_check_only
@@ -88,9 +89,10 @@ class KVShardServiceAsyncStub(KVShardServiceStub):
     ModelStep: _aio.UnaryUnaryMultiCallable[_worker_pb2.ModelStepRequest, _worker_pb2.ModelStepResponse]  # type: ignore[assignment]
     """Runs one forward step of the worker's model over a packed batch: writes
     every layer's new keys/values into their slots, runs paged attention, and
-    returns each sequence's greedy next token (and optionally its logits). In
-    a tensor-parallel group every rank gets the same request and answers the
-    same result. FAILED_PRECONDITION when the worker runs no model.
+    returns each sequence's next token -- greedy, or drawn as its sampling
+    parameters say -- (and optionally its logits). In a tensor-parallel group
+    every rank gets the same request and answers the same result.
+    FAILED_PRECONDITION when the worker runs no model.
     """
 
 class KVShardServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -130,9 +132,10 @@ class KVShardServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_worker_pb2.ModelStepResponse, _abc.Awaitable[_worker_pb2.ModelStepResponse]]:
         """Runs one forward step of the worker's model over a packed batch: writes
         every layer's new keys/values into their slots, runs paged attention, and
-        returns each sequence's greedy next token (and optionally its logits). In
-        a tensor-parallel group every rank gets the same request and answers the
-        same result. FAILED_PRECONDITION when the worker runs no model.
+        returns each sequence's next token -- greedy, or drawn as its sampling
+        parameters say -- (and optionally its logits). In a tensor-parallel group
+        every rank gets the same request and answers the same result.
+        FAILED_PRECONDITION when the worker runs no model.
         """
 
 def add_KVShardServiceServicer_to_server(servicer: KVShardServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

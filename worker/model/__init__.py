@@ -4,10 +4,11 @@ the worker's paged KV pool shard, whole or tensor-parallel.
 * :mod:`worker.model.paged`: the attention implementation registered with
   transformers, and the batch it reads;
 * :mod:`worker.model.build`: tiny configs, local loading, pool geometry;
+* :mod:`worker.model.source`: ``--model`` specs to local files (GGUF conversion cache);
 * :mod:`worker.model.runner`: :class:`ModelRunner`, one step over a packed batch;
 * :mod:`worker.model.tp`: Megatron-style sharding over a gloo process group.
 
-``python -m worker.model pool-config --model tiny-llama`` prints the matching
+``python -m worker.model pool-config --model smollm2-135m`` prints the matching
 pool as JSON.
 """
 
@@ -16,6 +17,7 @@ from worker.model.build import (
     ModelGeometry,
     build_model,
     check_pool,
+    load_config,
     model_geometry,
     pool_config_for,
     tiny_config,
@@ -24,4 +26,4 @@ from worker.model.paged import ATTN_IMPLEMENTATION, PagedBatch
 from worker.model.runner import ModelRunner
 
 __all__ = ["ATTN_IMPLEMENTATION", "TINY_MODELS", "ModelGeometry", "ModelRunner", "PagedBatch", "build_model",
-           "check_pool", "model_geometry", "pool_config_for", "tiny_config"]
+           "check_pool", "load_config", "model_geometry", "pool_config_for", "tiny_config"]

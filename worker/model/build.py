@@ -1,6 +1,7 @@
 """Which models a worker can run, and how they are made: tiny random-weight
-configs built in code (fixed seed, never downloaded) or a Hugging Face model
-loaded from a local directory, always with attention going through the paged
+configs built in code (fixed seed, never downloaded) or a trained model from
+local files (a Hugging Face directory or a GGUF file, see
+:mod:`worker.model.source`), always with attention going through the paged
 pool (:data:`~worker.model.paged.ATTN_IMPLEMENTATION`).
 
 Also the one place that derives a pool's geometry from a model config
@@ -11,11 +12,11 @@ Imports torch, transformers and :mod:`blockd.core.types`; no worker state.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
     GPT2Config,
     LlamaConfig,
@@ -25,6 +26,7 @@ from transformers import (
 )
 
 from blockd.core.types import PoolConfig
+from worker.model import source
 from worker.model.paged import ATTN_IMPLEMENTATION
 
 #: architectures whose attention module and tensor-parallel layout are known
@@ -68,9 +70,11 @@ def tiny_config(arch: str, *, num_layers: int = 2, vocab_size: int = 512,
 
 
 def build_model(spec: str, *, seed: int = 0, dtype: str = "float32") -> PreTrainedModel:
-    """``tiny-llama|tiny-qwen2|tiny-gpt2`` (random weights from ``seed``) or a
-    local model directory. The model is in eval mode on CPU, in ``dtype``, with
-    the paged attention implementation selected."""
+    """``tiny-llama|tiny-qwen2|tiny-gpt2`` (random weights from ``seed``), or a
+    trained model from local files (:mod:`worker.model.source`: a short name
+    such as ``smollm2-135m``, a GGUF file, a model directory). The model is in
+    eval mode on CPU, in ``dtype``, with the paged attention implementation
+    selected."""
     if dtype not in TORCH_DTYPES:
         raise ValueError(f"model dtype must be one of {sorted(TORCH_DTYPES)}, got {dtype!r}")
     torch_dtype = TORCH_DTYPES[dtype]
@@ -83,14 +87,37 @@ def build_model(spec: str, *, seed: int = 0, dtype: str = "float32") -> PreTrain
             torch.manual_seed(seed)
             model = AutoModelForCausalLM.from_config(config, attn_implementation=ATTN_IMPLEMENTATION,
                                                      dtype=torch_dtype)
-    elif os.path.isdir(spec):
-        model = AutoModelForCausalLM.from_pretrained(spec, local_files_only=True, dtype=torch_dtype,
-                                                     attn_implementation=ATTN_IMPLEMENTATION)
-        check_supported(model.config)
     else:
-        raise ValueError(f"--model must be one of {', '.join(TINY_MODELS)} or a local model directory, "
-                         f"got {spec!r}")
+        quiet_progress()
+        model = AutoModelForCausalLM.from_pretrained(str(_local_dir(spec)), local_files_only=True,
+                                                     dtype=torch_dtype, attn_implementation=ATTN_IMPLEMENTATION)
+        check_supported(model.config)
     return model.eval()
+
+
+def quiet_progress() -> None:
+    """No progress bars from transformers in this process: a worker's log and
+    the demo's output are read by people, and a 0.2 s load needs no bar."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+
+def load_config(spec: str) -> PretrainedConfig:
+    """The config of ``spec`` (see :func:`build_model`) without loading weights."""
+    if spec in TINY_MODELS:
+        return tiny_config(spec.removeprefix("tiny-"))
+    return AutoConfig.from_pretrained(str(_local_dir(spec)), local_files_only=True)
+
+
+def _local_dir(spec: str):
+    quiet_progress()
+    try:
+        return source.model_dir(spec)
+    except ValueError as err:
+        raise ValueError(f"--model must be one of {', '.join(TINY_MODELS)}, a short name "
+                         f"({', '.join(source.PACKAGED_MODELS)}), a GGUF file or a local model directory: "
+                         f"{err}") from None
 
 
 def check_supported(config: PretrainedConfig) -> None:
