@@ -1,7 +1,8 @@
 """A model replica that makes up its tokens: the simulations' :class:`~client.backends.ModelExecutor`.
 
 :class:`StubModel` answers a :class:`~client.backends.ModelBatch` with one
-token per sequence, a function of the sequence id and its context length
+token per draw (one per sequence; more where a prompt ends and its samples
+take their first tokens), a function of the sequence id and its context length
 only (CRC-32, never Python's salted ``hash()``): the same in every run and
 process, the same for a sequence recomputed after a preemption, different
 for forked samples (so they diverge and copy on write as real samples do).
@@ -33,4 +34,9 @@ class StubModel:
     def run(self, version: int, batch: ModelBatch, *, pool_incarnation: str = "") -> list[int]:
         self.num_steps += 1
         self.num_tokens += batch.num_tokens
-        return [stub_token(seq_id, n, self.vocab_size) for seq_id, n in zip(batch.seq_ids, batch.context_lens)]
+        tokens = []
+        for seq_id, n, sampling in zip(batch.seq_ids, batch.context_lens, batch.sampling):
+            # a prompt's end draws the first token of each of its samples: draw j is sample j's
+            tokens.append(stub_token(seq_id, n, self.vocab_size))
+            tokens += [stub_token(f"{seq_id}/{j}", n, self.vocab_size) for j in range(1, sampling.num_samples)]
+        return tokens
