@@ -231,6 +231,94 @@ def compare_with_vllm(args, python: str) -> dict:
     }
 
 
+class _Timed:
+    """Wraps a callable and adds up its calls' wall time (profiling only)."""
+
+    def __init__(self, fn) -> None:
+        self.fn, self.seconds, self.calls = fn, 0.0, 0
+
+    def __call__(self, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return self.fn(*args, **kwargs)
+        finally:
+            self.seconds += time.perf_counter() - start
+            self.calls += 1
+
+
+def _worker_phase_seconds(url: str) -> dict[str, float]:
+    """The worker's ``blockd_worker_kernel_duration_seconds`` sums by kernel."""
+    from urllib.request import urlopen
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urlopen(url, timeout=10) as response:
+        text = response.read().decode()
+    sums: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "blockd_worker_kernel_duration_seconds_sum":
+                sums[sample.labels["kernel"]] = sums.get(sample.labels["kernel"], 0.0) + sample.value
+    return sums
+
+
+def profile_decode(args) -> dict:
+    """The ``serve_profile`` row: where a decode step of the anchor's work
+    spends its time, per step in ms. The scheduler's process times its
+    blockd ``Step`` and worker ``ModelStep`` round trips; the worker's own
+    metrics split a ModelStep into forward (attention and write_kv inside)
+    and sampling. Steps after the first (the whole prompt batch) are decode."""
+    from client.model_group import WorkerGroup
+    from client.scheduler import Scheduler, SchedulerConfig
+    from client.sdk import BlockdClient
+    from client.serving import GenerationRequest, SamplingParams
+
+    prompts = vllm_prompts(args.model)
+    fixed = SamplingParams(ignore_eos=True)
+    requests = [GenerationRequest(f"p{i}", p, VLLM_NEW_TOKENS, sampling=fixed) for i, p in enumerate(prompts)]
+    config = SchedulerConfig(max_num_batched_tokens=8192, max_num_seqs=256)
+    spec = ClusterSpec(args.model, 1, "profile", VLLM_NUM_BLOCKS, VLLM_BLOCK_SIZE, WATERMARK_BLOCKS,
+                       worker_metrics=True)
+    with LocalCluster(spec) as cluster:
+        run_scheme("paging", cluster, requests[:2], config)  # warm-up
+        url = cluster.worker_metrics_urls[0]
+        with BlockdClient(cluster.blockd_address) as client, \
+                WorkerGroup(spec.pool, cluster.worker_addresses) as group:
+            client.reset_prefix_cache(spec.pool)
+            blockd_rpc, worker_rpc = _Timed(client.step), _Timed(group.run)
+            client.step, group.run = blockd_rpc, worker_rpc  # type: ignore[method-assign]
+            sched = Scheduler(client, spec.pool, group, config)
+            for request in requests:
+                sched.add_request(request)
+            sched.step()  # the prompts
+            before = _worker_phase_seconds(url)
+            blockd_rpc.seconds = worker_rpc.seconds = 0.0
+            steps, tokens, start = 0, 0, time.perf_counter()
+            while not sched.is_idle:
+                tokens += sched.num_running_seqs
+                sched.step()
+                steps += 1
+                sched.take_finished()
+            total = time.perf_counter() - start
+            after = _worker_phase_seconds(url)
+    worker = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    attention = sum(worker.get(k, 0.0) for k in ("attention", "decode_attention", "prefill_attention"))
+    forward, sampling, write_kv = worker.get("model_forward", 0.0), worker.get("sampling", 0.0), \
+        worker.get("write_kv", 0.0)
+    phases = {
+        "scheduler_python": total - blockd_rpc.seconds - worker_rpc.seconds,
+        "blockd_step_rpc": blockd_rpc.seconds,
+        "worker_rpc_overhead": worker_rpc.seconds - forward - sampling,
+        "model_forward_without_attention": forward - attention - write_kv,
+        "attention": attention, "write_kv": write_kv, "sampling": sampling,
+    }
+    return {"name": "serve_profile", "model": args.model, "precision": "float32", "decode_steps": steps,
+            "batch": len(requests), "block_size": VLLM_BLOCK_SIZE, "step_ms": round(total / steps * 1e3, 2),
+            "decode_tokens_per_s": round(tokens / total, 1),
+            "per_step_ms": {k: round(v / steps * 1e3, 2) for k, v in phases.items()},
+            "share": {k: round(v / total, 3) for k, v in phases.items()}}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seed", type=int, default=0)
@@ -241,6 +329,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vllm-python", default=os.environ.get("BLOCKD_VLLM_PYTHON"),
                         help="a vLLM venv's python: add the serve_vs_vllm row (env BLOCKD_VLLM_PYTHON)")
     parser.add_argument("--only-vllm", action="store_true", help="only the serve_vs_vllm row")
+    parser.add_argument("--profile", action="store_true",
+                        help="only the serve_profile row: where a decode step of the anchor's work spends its time")
     args = parser.parse_args(argv)
     if args.only_vllm and not args.vllm_python:
         parser.error("--only-vllm needs --vllm-python")
@@ -248,6 +338,9 @@ def main(argv: list[str] | None = None) -> int:
     if num_requests < 1:
         parser.error("--requests must be >= 1")
     start = time.perf_counter()
+    if args.profile:
+        print(json.dumps(profile_decode(args)), flush=True)
+        return 0
     if not args.only_vllm:
         serve_rows(args, num_requests)
     if args.vllm_python:
