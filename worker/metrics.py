@@ -20,8 +20,11 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from blockd.rpc.metrics_http import MetricsServer, serve_metrics
 
 #: kernel label values; a kernel outside this list is a programming error
-#: "attention" is a planned mixed batch (decode and prefill together)
-KERNELS = ("write_kv", "copy_blocks", "attention", "decode_attention", "prefill_attention")
+#: "attention" is a planned mixed batch (decode and prefill together); "model_forward"
+#: is a whole ModelStep forward (attention and write_kv included) and "sampling" its
+#: token choice, so a step's time splits into model, attention and sampling
+KERNELS = ("write_kv", "copy_blocks", "attention", "decode_attention", "prefill_attention", "model_forward",
+           "sampling")
 #: kernels run from a few µs (a small copy on CPU) to seconds (long CPU prefill)
 KERNEL_BUCKETS = (0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01,
                   0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)

