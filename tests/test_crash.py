@@ -82,7 +82,8 @@ def test_sigkill_never_loses_an_acknowledged_step(tmp_path):
     kills_in_flight = 0
     for kill in range(KILLS):
         proc = start_blockd("--data-dir", data_dir, "--fsync", "always", "--snapshot-every", "9")
-        client = BlockdClient(proc.address, timeout_s=30, max_attempts=1)  # generous: a loaded machine is slow, not wrong
+        # a generous deadline: a loaded machine is slow, not wrong
+        client = BlockdClient(proc.address, timeout_s=30, max_attempts=1)
         try:
             if not created:
                 for name in ("p0", "p1"):
