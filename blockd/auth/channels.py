@@ -28,7 +28,6 @@ Imports the standard library and grpc.
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import threading
 import time
@@ -37,29 +36,13 @@ from typing import Any
 
 import grpc
 
-from blockd.auth.tls import TlsConfig, TlsError, files_fingerprint, read_pem
+from blockd.auth.config import TlsConfig, TlsError, is_loopback_target
+from blockd.auth.tls import files_fingerprint, read_pem
 
 log = logging.getLogger("blockd.auth")
 
 DEFAULT_CHECK_INTERVAL_S = 5.0
 DEFAULT_GRACE_S = 30.0
-
-
-def is_loopback_target(target: str) -> bool:
-    """``localhost:P``, ``127.x.y.z:P``, ``[::1]:P`` (a ``dns:``/``ipv4:``
-    scheme prefix allowed); anything else, including a bare host name, is not."""
-    for scheme in ("dns:///", "dns:", "ipv4:", "ipv6:"):
-        if target.startswith(scheme):
-            target = target[len(scheme):]
-            break
-    host = target.rpartition(":")[0] if ":" in target else target
-    host = host.strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def channel_credentials(target: str, tls: TlsConfig | None = None,

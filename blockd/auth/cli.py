@@ -24,7 +24,6 @@ import json
 import sys
 
 from blockd.auth.identity import DEFAULT_TRUST_DOMAIN, ROLES, BadIdentity, Identity
-from blockd.auth.metrics_endpoint import add_user
 from blockd.auth.tokens import IdentitiesFileError, add_token, read_for_edit, remove_token
 
 #: leaf certificates' default validity (the CA's: ten years)
@@ -44,6 +43,8 @@ def _tokens(args: argparse.Namespace) -> int:
                 return 3
             print(f"removed {args.name!r}; send blockd SIGHUP to revoke it now", file=sys.stderr)
         elif args.tokens_command == "metrics-user":
+            from blockd.auth.metrics_endpoint import add_user
+
             print(add_user(args.file, args.user))
             print(f"password for {args.user!r} stored (hashed) in {args.file}; it is shown only now",
                   file=sys.stderr)

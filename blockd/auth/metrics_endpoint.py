@@ -29,7 +29,7 @@ import threading
 from socketserver import ThreadingMixIn
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from blockd.auth.tls import TlsConfig, TlsError
+from blockd.auth.config import TlsConfig, TlsError
 from blockd.auth.tokens import new_token, token_digest
 
 log = logging.getLogger("blockd.auth")

@@ -35,39 +35,14 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from dataclasses import dataclass
 
 import grpc
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
+from blockd.auth.config import TlsConfig, TlsError
+
 log = logging.getLogger("blockd.auth")
-
-
-class TlsError(ValueError):
-    """TLS settings or files that cannot work; the message names the file and the fix."""
-
-
-@dataclass(frozen=True)
-class TlsConfig:
-    """Paths of PEM files (see the module docstring for each side's meaning)."""
-
-    cert: str | None = None
-    key: str | None = None
-    ca: str | None = None
-    server_name: str | None = None
-
-    def __post_init__(self) -> None:
-        if (self.cert is None) != (self.key is None):
-            raise TlsError("a TLS certificate and its key go together: give both or neither")
-
-    @property
-    def mutual(self) -> bool:
-        """As a server: whether clients must present a certificate."""
-        return self.ca is not None
-
-    def files(self) -> tuple[str, ...]:
-        return tuple(p for p in (self.cert, self.key, self.ca) if p is not None)
 
 
 def read_pem(path: str, what: str) -> bytes:
