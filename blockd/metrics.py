@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterable, Sequence
 from wsgiref.simple_server import WSGIServer
 
 import grpc
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram, make_wsgi_app, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -254,6 +254,9 @@ class MetricsServer:
         self._thread = thread
         self.addr, self.port = server.server_address[:2]
 
+    def reload(self) -> None:
+        """Nothing to re-read without TLS or basic auth (SIGHUP calls it)."""
+
     def close(self) -> None:
         self._server.shutdown()
         self._server.server_close()
@@ -261,12 +264,14 @@ class MetricsServer:
 
 
 def start_metrics_server(engine, port: int, metrics: BlockdMetrics | None = None,
-                         addr: str | None = None) -> tuple[BlockdMetrics, MetricsServer]:
+                         addr: str | None = None, *, tls=None, users_file: str | None = None):
     """Serve ``engine``'s metrics on ``addr:port`` (port 0 picks a free one).
 
     ``addr`` defaults to ``$BLOCKD_METRICS_ADDR`` or 127.0.0.1: metrics stay
     on loopback unless an operator (or a container) opens them up. ``metrics``
-    is attached to ``engine`` here unless it already is.
+    is attached to ``engine`` here unless it already is. ``tls`` (a
+    :class:`blockd.auth.TlsConfig`) and ``users_file`` (basic auth) serve it
+    through :mod:`blockd.auth.metrics_endpoint` instead.
     """
     if type(port) is not int or not 0 <= port <= 65535:
         raise ValueError(f"metrics port must be an int in 0..65535, got {port!r}")
@@ -276,5 +281,9 @@ def start_metrics_server(engine, port: int, metrics: BlockdMetrics | None = None
     elif metrics.engine is not engine:
         raise ValueError("metrics is attached to another engine")
     host = addr if addr is not None else os.environ.get("BLOCKD_METRICS_ADDR", DEFAULT_METRICS_ADDR)
+    if tls is not None or users_file is not None:
+        from blockd.auth.metrics_endpoint import serve
+
+        return metrics, serve(make_wsgi_app(metrics.registry), host, port, tls, users_file)
     server, thread = start_http_server(port, addr=host, registry=metrics.registry)
     return metrics, MetricsServer(server, thread)

@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING
 import grpc
 import grpc.aio
 
+from blockd.auth.channels import open_channel
+from blockd.auth.config import TlsConfig
 from blockd.core.hashing import ExtraKeys
 from blockd.core.types import (
     Allocate,
@@ -48,10 +50,12 @@ class AsyncBlockdClient:
     """A connection to one blockd daemon for one event loop."""
 
     def __init__(self, target: str = calls.DEFAULT_TARGET, *, timeout_s: float = calls.DEFAULT_TIMEOUT_S,
-                 max_attempts: int = calls.DEFAULT_MAX_ATTEMPTS) -> None:
+                 max_attempts: int = calls.DEFAULT_MAX_ATTEMPTS, tls: TlsConfig | None = None,
+                 token: str | None = None) -> None:
         self.target = target
         self.timeout_s = timeout_s
-        self._channel = grpc.aio.insecure_channel(target, options=calls.channel_options(max_attempts))
+        self.tls, self.token = tls, token
+        self._channel = open_channel(target, tls, token, options=calls.channel_options(max_attempts), aio=True)
         self._rpc = calls.bind(self._channel)
 
     async def close(self) -> None:

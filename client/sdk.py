@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from blockd.auth.channels import open_channel
+from blockd.auth.config import TlsConfig
 from blockd.core.hashing import ExtraKeys
 from blockd.core.types import (
     Allocate,
@@ -55,10 +57,15 @@ class BlockdClient:
     """A connection to one blockd daemon. Thread-safe; share one per process."""
 
     def __init__(self, target: str = calls.DEFAULT_TARGET, *, timeout_s: float = calls.DEFAULT_TIMEOUT_S,
-                 max_attempts: int = calls.DEFAULT_MAX_ATTEMPTS) -> None:
+                 max_attempts: int = calls.DEFAULT_MAX_ATTEMPTS, tls: TlsConfig | None = None,
+                 token: str | None = None) -> None:
+        """``tls``: verify the server (and present a client certificate for
+        mutual TLS); ``token``: a bearer token for every call. Neither: plain
+        text (loopback). See :func:`blockd.auth.open_channel`."""
         self.target = target
         self.timeout_s = timeout_s
-        self._channel = grpc.insecure_channel(target, options=calls.channel_options(max_attempts))
+        self.tls, self.token = tls, token
+        self._channel = open_channel(target, tls, token, options=calls.channel_options(max_attempts))
         self._rpc = calls.bind(self._channel)
 
     def close(self) -> None:

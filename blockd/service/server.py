@@ -58,13 +58,16 @@ def split_address(address: str) -> tuple[str, int]:
 class BlockdServer:
     """One engine served over gRPC on one address (port 0 picks a free port).
 
-    ``interceptors`` wrap every handler (e.g. :mod:`blockd.metrics`' RPC timer).
+    ``interceptors`` wrap every handler (e.g. :mod:`blockd.metrics`' RPC timer,
+    :mod:`blockd.auth`'s interceptor); ``credentials`` (from
+    :func:`blockd.auth.server_security`) serve TLS instead of plain text.
     """
 
     def __init__(self, engine: Engine, listen: str = "127.0.0.1:0", *,
                  max_workers: int = DEFAULT_MAX_WORKERS, grace_s: float = DEFAULT_GRACE_S,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-                 interceptors: Sequence[grpc.ServerInterceptor] = ()) -> None:
+                 interceptors: Sequence[grpc.ServerInterceptor] = (),
+                 credentials: grpc.ServerCredentials | None = None) -> None:
         host, _ = split_address(listen)
         self.engine = engine
         self.grace_s = grace_s
@@ -87,7 +90,10 @@ class BlockdServer:
             descriptor = pb.DESCRIPTOR.services_by_name[name.rsplit(".", 1)[1]]
             self._server.add_registered_method_handlers(name, method_handlers(servicer, descriptor))
         self.health = add_stock_services(self._server, SERVICE_NAMES)
-        self.port = self._server.add_insecure_port(listen)
+        if credentials is not None:
+            self.port = self._server.add_secure_port(listen, credentials)
+        else:
+            self.port = self._server.add_insecure_port(listen)
         if self.port == 0:
             raise OSError(f"cannot listen on {listen!r} (address in use or not local?)")
         self.address = f"{host}:{self.port}"
