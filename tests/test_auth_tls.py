@@ -293,3 +293,42 @@ def test_the_asyncio_client_speaks_mutual_tls_and_tokens(pki, token_server, mtls
         return [[s.name for s in mtls.engine.list_pools()], [s.name for s in server.engine.list_pools()]]
 
     assert asyncio.run(scenario()) == [["p"], ["q"]]
+
+
+def test_a_tenant_refusal_in_the_handler_is_permission_denied_and_audited(pki, caplog) -> None:
+    """The hook the engine uses: the interceptor binds the identity, the handler calls
+    require_tenant, the refusal leaves through blockd's one error mapping and is audited."""
+    from concurrent import futures
+
+    from blockd.auth import current_identity, require_tenant, server_security
+    from blockd.service.errors import unary
+    from blockd.v1 import blockd_pb2 as pb
+
+    class Pools:
+        @unary
+        def GetPool(self, request, context):
+            require_tenant("globex", f"pool {request.pool!r}")
+            return pb.GetPoolResponse(stats=pb.PoolStats(name=current_identity().name))
+
+    security = server_security("127.0.0.1:0", pki.server_tls(mutual=True))
+    server = grpc.server(futures.ThreadPoolExecutor(2), interceptors=security.interceptors)
+    handler = grpc.unary_unary_rpc_method_handler(Pools().GetPool, request_deserializer=pb.GetPoolRequest.FromString,
+                                                  response_serializer=pb.GetPoolResponse.SerializeToString)
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("blockd.v1.PoolService",
+                                                                          {"GetPool": handler})])
+    port = server.add_secure_port("127.0.0.1:0", security.credentials)
+    server.start()
+    caplog.set_level(logging.INFO, logger=AUDIT_LOGGER)
+    try:
+        address = f"127.0.0.1:{port}"
+        with BlockdClient(address, max_attempts=1, tls=pki.tls("other-tenant")) as c:
+            assert c.get_pool("g").name == "sched-g"
+        with BlockdClient(address, max_attempts=1, tls=pki.tls("scheduler")) as c, \
+                pytest.raises(PermissionDeniedError, match="does not belong to tenant 'acme'"):
+            c.get_pool("g")
+    finally:
+        server.stop(0)
+    (line,) = [json.loads(r.getMessage()) for r in caplog.records if r.name == AUDIT_LOGGER]
+    assert (line["event"], line["outcome"], line["identity"], line["tenant"]) == \
+        ("denied", "PERMISSION_DENIED", "scheduler-0", TENANT)
+    assert "does not belong to tenant 'acme'" in line["reason"]

@@ -139,7 +139,7 @@ class Authenticator:
             f"spiffe://{identities.trust_domain}/tenant/T/role/R/id/NAME, or map its CN in the identities file")
 
 
-def _status(code: grpc.StatusCode, rpc_code: int, reason: str, message: str, method: str) -> grpc.Status:
+def _status(rpc_code: int, reason: str, message: str, method: str) -> grpc.Status:
     info = any_pb2.Any()
     info.Pack(error_details_pb2.ErrorInfo(reason=reason, domain="blockd",
                                           metadata={"rpc": method.rsplit("/", 1)[-1]}))
@@ -194,7 +194,7 @@ class AuthInterceptor(grpc.ServerInterceptor):
         audit.write("denied", method, code.name, identity, context.peer(), message)
         rpc_code = code_pb2.UNAUTHENTICATED if code is grpc.StatusCode.UNAUTHENTICATED \
             else code_pb2.PERMISSION_DENIED
-        context.abort_with_status(_status(code, rpc_code, reason, message, method))
+        context.abort_with_status(_status(rpc_code, reason, message, method))
 
     @staticmethod
     def _after(context, method: str, identity: Identity, is_admin: bool, failed: bool) -> None:
