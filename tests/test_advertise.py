@@ -96,7 +96,7 @@ def test_worker_bound_to_a_wildcard_without_advertise_address_exits_with_one_lin
 
 
 def test_blockd_prints_the_address_it_advertises() -> None:
-    d = Proc(["-m", "blockd.cli", "serve", "--listen", "0.0.0.0:0", "--advertise-address", "127.0.0.1"],
+    d = Proc(["-m", "blockd.cli", "serve", "--listen", "0.0.0.0:0", "--insecure", "--advertise-address", "127.0.0.1"],
              "blockd advertising")
     try:
         assert d.address.startswith("127.0.0.1:")

@@ -86,7 +86,7 @@ def start_cluster(lab: NetnsLab, tmp_path) -> str:
     """blockd, the pool, the TP pair; blockd's advertised address."""
     ip = lab.addresses
     d = start(lab, "blockd", "blockd", ["-m", "blockd.cli", "serve", "--listen", f"0.0.0.0:{BLOCKD_PORT}",
-                                        "--advertise-address", ip["blockd"], "--fsync", "never",
+                                        "--insecure", "--advertise-address", ip["blockd"], "--fsync", "never",
                                         "--worker-timeout-s", "2"], "blockd advertising")
     target = d.wait_ready(time.monotonic() + START_TIMEOUT_S)
     config = pool_config_for(model_config(MODEL), POOL, 26, 8, dtype="float32", watermark_blocks=1)
