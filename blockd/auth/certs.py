@@ -113,8 +113,8 @@ def make_leaf(ca: CertKey, common_name: str, *, hosts=(), uris=(), server: bool,
                .issuer_name(ca_cert.subject).not_valid_before(start).not_valid_after(end)
                .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
                .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
-               .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_cert.public_key()),
-                              critical=False))
+               .add_extension(x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(
+                   ca_cert.extensions.get_extension_for_class(x509.SubjectKeyIdentifier).value), critical=False))
     if sans:
         builder = builder.add_extension(x509.SubjectAlternativeName(sans), critical=False)
     return _sign(builder, ca.key, key)

@@ -238,6 +238,5 @@ class RotatingChannel(grpc.Channel):
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc) -> bool:
+    def __exit__(self, *exc) -> None:
         self.close()
-        return False

@@ -36,6 +36,7 @@ details); never the engine or the service layer.
 from __future__ import annotations
 
 import logging
+from typing import NoReturn
 
 import grpc
 from google.protobuf import any_pb2
@@ -176,7 +177,6 @@ class AuthInterceptor(grpc.ServerInterceptor):
             identity = self.authenticator.authenticate(context.invocation_metadata(), context.auth_context)
         except Unauthenticated as err:
             self._refuse(context, method, None, grpc.StatusCode.UNAUTHENTICATED, "UNAUTHENTICATED", err.message)
-            raise  # not reached: abort raises
         if permission is None:
             log.error("no permission is defined for %s: refused (add it to blockd.auth.policy)", method)
             self._refuse(context, method, identity, grpc.StatusCode.PERMISSION_DENIED, "ACCESS_DENIED",
@@ -190,11 +190,12 @@ class AuthInterceptor(grpc.ServerInterceptor):
         return identity
 
     def _refuse(self, context, method: str, identity: Identity | None, code: grpc.StatusCode, reason: str,
-                message: str) -> None:
+                message: str) -> NoReturn:
         audit.write("denied", method, code.name, identity, context.peer(), message)
         rpc_code = code_pb2.UNAUTHENTICATED if code is grpc.StatusCode.UNAUTHENTICATED \
             else code_pb2.PERMISSION_DENIED
         context.abort_with_status(_status(rpc_code, reason, message, method))
+        raise AssertionError("abort_with_status returned")  # gRPC's abort raises
 
     @staticmethod
     def _after(context, method: str, identity: Identity, is_admin: bool, failed: bool) -> None:
@@ -216,6 +217,7 @@ class AuthInterceptor(grpc.ServerInterceptor):
         behavior = {(False, False): handler.unary_unary, (False, True): handler.unary_stream,
                     (True, False): handler.stream_unary, (True, True): handler.stream_stream}[
             (handler.request_streaming, streaming_response)]
+        assert behavior is not None  # gRPC sets the one matching the handler's kind
 
         def unary_response(request, context):
             identity = admit(method, permission, context)

@@ -41,8 +41,8 @@ def load_users(path: str) -> dict[str, str]:
     """``user -> sha256 hex`` from a users file; :class:`ValueError` naming the line."""
     users: dict[str, str] = {}
     with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            line = line.strip()
+        for number, raw in enumerate(f, 1):
+            line = raw.strip()
             if not line or line.startswith("#"):
                 continue
             user, sep, digest = line.partition(":")
@@ -103,7 +103,7 @@ class _Server(ThreadingMixIn, WSGIServer):
 
 
 class _QuietHandler(WSGIRequestHandler):
-    def log_message(self, format, *args) -> None:  # scrapes every few seconds would flood the log
+    def log_message(self, format, *args) -> None:  # noqa: A002 - the base class names it so  # scrapes every few seconds would flood the log
         pass
 
 
@@ -138,7 +138,7 @@ class MetricsEndpoint:
         """Re-read the users file, and the certificate and key for new connections."""
         if self.auth is not None:
             self.auth.reload()
-        if self._context is not None and self.tls is not None:
+        if self._context is not None and self.tls is not None and self.tls.cert is not None:
             try:
                 self._context.load_cert_chain(self.tls.cert, self.tls.key)
             except (OSError, ssl.SSLError) as err:

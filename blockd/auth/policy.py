@@ -113,6 +113,6 @@ def permissions_of(roles) -> frozenset[str]:
 
 
 def allows(roles, permission: str) -> bool:
-    if permission == OPEN or permission == AUTHENTICATED:
+    if permission in (OPEN, AUTHENTICATED):
         return True
     return any(permission in ROLE_PERMISSIONS.get(role, ()) for role in roles)

@@ -89,7 +89,8 @@ def describe(cert: x509.Certificate) -> str:
 
 
 def files_fingerprint(paths: tuple[str, ...]) -> tuple:
-    out = []
+    """``(mtime_ns, size, inode)`` of each file, None for one that cannot be stat'ed."""
+    out: list[tuple[int, int, int] | None] = []
     for path in paths:
         try:
             st = os.stat(path)
@@ -118,13 +119,15 @@ class ReloadingCertificates:
 
     def _load(self) -> grpc.ServerCertificateConfiguration:
         tls = self.tls
-        cert_pem, key_pem = read_pem(tls.cert, "certificate"), read_pem(tls.key, "key")
-        leaf = _check_pair(cert_pem, key_pem, tls.cert, tls.key)
+        cert, key = tls.cert, tls.key
+        assert cert is not None and key is not None  # checked in __init__
+        cert_pem, key_pem = read_pem(cert, "certificate"), read_pem(key, "key")
+        leaf = _check_pair(cert_pem, key_pem, cert, key)
         ca_pem = None
         if tls.ca is not None:
             ca_pem = read_pem(tls.ca, "client CA bundle")
             _check_ca(ca_pem, tls.ca)
-        log.info("TLS certificate %s from %s%s", describe(leaf), tls.cert,
+        log.info("TLS certificate %s from %s%s", describe(leaf), cert,
                  f"; client certificates must chain to {tls.ca}" if ca_pem else "")
         return grpc.ssl_server_certificate_configuration([(key_pem, cert_pem)], root_certificates=ca_pem)
 
@@ -154,6 +157,7 @@ def server_credentials(tls: TlsConfig) -> tuple[grpc.ServerCredentials, Reloadin
     ``tls.ca`` is set, reloading the files on change (module docstring).
     :class:`TlsError` when the files cannot be used now."""
     certificates = ReloadingCertificates(tls)
-    credentials = grpc.dynamic_ssl_server_credentials(certificates.initial, certificates.fetch,
+    # the stubs type the fetcher as never returning None, which gRPC documents as "no change"
+    credentials = grpc.dynamic_ssl_server_credentials(certificates.initial, certificates.fetch,  # type: ignore[arg-type]
                                                       require_client_authentication=tls.mutual)
     return credentials, certificates

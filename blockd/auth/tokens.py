@@ -107,7 +107,7 @@ def _entry_identity(entry, where: str, source: str) -> Identity:
     if not isinstance(roles, list) or not all(isinstance(r, str) for r in roles):
         raise IdentitiesFileError(f"{where}: 'roles' must be a list of role names")
     try:
-        return Identity(entry.get("name"), entry.get("tenant"), frozenset(roles), source)
+        return Identity(str(entry.get("name")), str(entry.get("tenant")), frozenset(roles), source)
     except BadIdentity as err:
         raise IdentitiesFileError(f"{where}: {err}") from None
 
@@ -125,7 +125,7 @@ def parse_identities(data: object, path: str = "<identities>") -> Identities:
     except BadIdentity as err:
         raise IdentitiesFileError(f"{path}: {err}") from None
     tokens: dict[str, tuple[str, Identity]] = {}
-    entries = []
+    entries: list[dict] = []
     for i, entry in enumerate(data.get("tokens", [])):
         where = f"{path}: tokens[{i}]"
         identity = _entry_identity(entry, where, "token")
