@@ -23,23 +23,23 @@ the server runs without authentication), :func:`require_tenant` is the check
 the engine makes once it knows a pool's owner, raising :class:`AccessDenied`
 (PERMISSION_DENIED through the one error mapping, like every core error).
 
-Imports the standard library and :mod:`blockd.core.errors` only.
+Imports the standard library and the core (its errors and its name rule) only.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
-import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 from blockd.core.errors import BlockdError
+from blockd.core.validate import SAFE_NAME_RE
 
 #: the roles there are; :mod:`blockd.auth.policy` gives each its permissions
 ROLES = ("admin", "scheduler", "worker", "reader")
-#: tenant and identity names: short, printable, safe in a SPIFFE path and in a log line
-NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+#: tenant and identity names: short, printable, safe in a SPIFFE path and in a log line (the core's rule)
+NAME_RE = SAFE_NAME_RE
 DEFAULT_TRUST_DOMAIN = "blockd"
 _SCHEME = "spiffe://"
 
