@@ -234,6 +234,7 @@ def serve(args: argparse.Namespace) -> int:
             data_dir=args.data_dir, fsync=args.fsync, fsync_interval_s=args.fsync_interval_s,
             snapshot_every=args.snapshot_every, snapshot_log_ratio=args.snapshot_log_ratio,
             idempotency=limits, worker_timeout_s=args.worker_timeout_s,
+            quotas=security.quota_source(),
             observe_wal_sync=metrics.observe_wal_sync if metrics is not None else None,
             observe_step=metrics.observe_step if metrics is not None else None))
     except DataDirError as err:

@@ -15,12 +15,14 @@ anything, which is logged as a warning. Imports grpc and :mod:`blockd.auth`.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
 
 from blockd.auth.config import TlsConfig, check_listen, is_loopback_target
 from blockd.auth.interceptor import Authenticator, AuthInterceptor
+from blockd.auth.quotas import Quota
 from blockd.auth.tls import ReloadingCertificates, server_credentials
 from blockd.auth.tokens import IdentityRegistry
 
@@ -40,6 +42,17 @@ class ServerSecurity:
     @property
     def authenticates(self) -> bool:
         return bool(self.interceptors)
+
+    def quota_source(self) -> Callable[[str], Quota] | None:
+        """Each tenant's quota as the identities file says it now (None without a file)."""
+        registry = self.registry
+        if registry is None:
+            return None
+
+        def quota(tenant: str) -> Quota:  # read at each call: a reload swaps ``current``
+            return registry.current.quota_for(tenant)
+
+        return quota
 
     def reload(self) -> None:
         """SIGHUP: re-read the identities file (certificates reload by themselves)."""

@@ -12,7 +12,8 @@ One JSON file, read by ``blockd serve --tokens-file`` and re-read on SIGHUP
       ],
       "subjects": [
         {"cn": "kv-worker-3.acme.internal", "name": "worker-3", "tenant": "acme", "roles": ["worker"]}
-      ]
+      ],
+      "quotas": {"*": {"pools": 4, "blocks": 65536}, "acme": {"pools": 16, "steps_per_s": 1000}}
     }
 
 ``tokens``: what a bearer token proves. Tokens are 256 random bits
@@ -27,6 +28,9 @@ of what the caller sent, which it knows already. Names are unique.
 
 ``subjects``: identities of client certificates that carry no blockd URI
 SAN (a corporate CA's certificates, say), by their subject CN.
+
+``quotas``: per-tenant limits (:mod:`blockd.auth.quotas`), reloaded with
+the rest.
 
 ``trust_domain``: the SPIFFE trust domain of blockd URI SANs (default
 ``blockd``).
@@ -52,6 +56,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from blockd.auth.identity import DEFAULT_TRUST_DOMAIN, BadIdentity, Identity, check_name
+from blockd.auth.quotas import Quota, QuotaFileError, parse_quotas, quota_for
 
 log = logging.getLogger("blockd.auth")
 
@@ -83,6 +88,11 @@ class Identities:
     subjects: MappingProxyType = field(default_factory=lambda: MappingProxyType({}))  # cn -> Identity
     trust_domain: str = DEFAULT_TRUST_DOMAIN
     entries: tuple = ()  # the raw token entries, for listing and rewriting
+    quotas: MappingProxyType = field(default_factory=lambda: MappingProxyType({}))  # tenant -> Quota
+
+    def quota_for(self, tenant: str) -> Quota:
+        """``tenant``'s limits (:func:`blockd.auth.quotas.quota_for`)."""
+        return quota_for(self.quotas, tenant)
 
     def identity_for_token(self, token: str) -> Identity | None:
         if len(token) > MAX_TOKEN_CHARS:
@@ -116,7 +126,7 @@ def parse_identities(data: object, path: str = "<identities>") -> Identities:
     """Validate a decoded identities file; :class:`IdentitiesFileError` names what is wrong."""
     if not isinstance(data, dict) or data.get("version") != FORMAT_VERSION:
         raise IdentitiesFileError(f"{path}: must be a JSON object with \"version\": {FORMAT_VERSION}")
-    unknown = sorted(set(data) - {"version", "trust_domain", "tokens", "subjects"})
+    unknown = sorted(set(data) - {"version", "trust_domain", "tokens", "subjects", "quotas"})
     if unknown:
         raise IdentitiesFileError(f"{path}: unknown keys {unknown}")
     trust_domain = data.get("trust_domain", DEFAULT_TRUST_DOMAIN)
@@ -143,7 +153,11 @@ def parse_identities(data: object, path: str = "<identities>") -> Identities:
         if not isinstance(cn, str) or not cn or cn in subjects:
             raise IdentitiesFileError(f"{where}: 'cn' must be a non-empty string, unique in the file")
         subjects[cn] = _entry_identity(entry, where, "cert")
-    return Identities(MappingProxyType(tokens), MappingProxyType(subjects), trust_domain, tuple(entries))
+    try:
+        quotas = parse_quotas(data.get("quotas"), path)
+    except QuotaFileError as err:
+        raise IdentitiesFileError(str(err)) from None
+    return Identities(MappingProxyType(tokens), MappingProxyType(subjects), trust_domain, tuple(entries), quotas)
 
 
 def load_identities(path: str) -> Identities:
@@ -182,8 +196,8 @@ class IdentityRegistry:
                 return False
             self.current = fresh
             self.generation += 1
-        log.info("identities file %s reloaded: %d tokens, %d certificate subjects", self.path,
-                 len(fresh.tokens), len(fresh.subjects))
+        log.info("identities file %s reloaded: %d tokens, %d certificate subjects, %d quotas", self.path,
+                 len(fresh.tokens), len(fresh.subjects), len(fresh.quotas))
         return True
 
 
