@@ -12,7 +12,8 @@ Load with ``pytest_plugins = ["tests.auth_fixtures"]``.
   not key/value pairs). ``pki.tls(name)`` is the client's :class:`TlsConfig`.
 * ``secure_server`` - a factory for an in-process :class:`BlockdServer` on
   loopback with the given TLS settings and identities file, through
-  :func:`blockd.auth.server_security` exactly as ``blockd serve`` builds it.
+  :func:`blockd.auth.server_security` exactly as ``blockd serve`` builds it
+  (the engine takes its quotas from the identities file).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from blockd.auth import TlsConfig, server_security
 from blockd.auth.certs import make_ca, make_client_cert, make_leaf, make_server_cert, write_pair
 from blockd.auth.identity import spiffe_uri
 from blockd.engine import Engine
+from blockd.engine_config import EngineConfig
 from blockd.service.server import BlockdServer
 
 TENANT = "acme"
@@ -85,7 +87,8 @@ def secure_server() -> Iterator:
 
     def factory(tls: TlsConfig | None, tokens_file: str | None = None, engine: Engine | None = None):
         security = server_security("127.0.0.1:0", tls, tokens_file)
-        server = BlockdServer(engine or Engine(), "127.0.0.1:0", max_workers=8, grace_s=1.0,
+        engine = engine or Engine(EngineConfig(quotas=security.quota_source()))
+        server = BlockdServer(engine, "127.0.0.1:0", max_workers=8, grace_s=1.0,
                               interceptors=security.interceptors, credentials=security.credentials)
         server.start()
         server.security = security
