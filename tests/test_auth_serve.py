@@ -133,3 +133,49 @@ def test_metrics_over_tls_with_basic_auth(daemon, pki, tmp_path) -> None:
     with pytest.raises((OSError, http.client.HTTPException)):  # plain HTTP is not served
         urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10)
     assert d.stop() == 0
+
+
+def test_a_worker_process_speaks_mutual_tls_both_ways_and_serves_only_its_tenant(daemon, tmp_path) -> None:
+    """blockd-worker with one certificate (role worker, tenant acme, SAN
+    127.0.0.1): it reads the pool from an mTLS blockd, registers, serves
+    mutual TLS; acme's scheduler may use it, globex's may not, nobody without
+    a certificate gets a connection."""
+    from blockd.auth import TlsConfig
+    from blockd.auth.certs import make_ca, make_client_cert, make_server_cert, write_pair
+    from client.errors import PermissionDeniedError, UnavailableError
+    from client.worker import WorkerClient
+    from tests.procs import start_worker
+
+    ca, d_ = make_ca(), str(tmp_path)
+    write_pair(d_, "ca", ca)
+    write_pair(d_, "server", make_server_cert(ca))
+    for stem, tenant, role, hosts in [("admin", "ops", "admin", ()), ("worker", "acme", "worker", ("127.0.0.1",)),
+                                      ("sched-a", "acme", "scheduler", ()), ("sched-g", "globex", "scheduler", ())]:
+        write_pair(d_, stem, make_client_cert(ca, stem, tenant, (role,), hosts=hosts))
+
+    def tls(stem: str | None) -> TlsConfig:
+        ca_path = os.path.join(d_, "ca.pem")
+        if stem is None:
+            return TlsConfig(ca=ca_path)
+        return TlsConfig(cert=os.path.join(d_, f"{stem}.pem"), key=os.path.join(d_, f"{stem}-key.pem"), ca=ca_path)
+
+    server = tls("server")
+    d = daemon("--tls-cert", server.cert, "--tls-key", server.key, "--tls-client-ca", server.ca)
+    with BlockdClient(d.address, tls=tls("admin"), timeout_s=10) as admin:
+        admin.create_pool(PoolConfig("p", num_blocks=8, block_size=4, num_layers=1, num_kv_heads=1, head_dim=4,
+                                     dtype="float32", tenant="acme"))
+        mine = tls("worker")
+        worker = start_worker(d.address, "p", "--device", "cpu", "--worker-id", "w0", "--tls-cert", mine.cert,
+                              "--tls-key", mine.key, "--tls-ca", mine.ca, "--tls-client-ca", mine.ca)
+        try:
+            with WorkerClient(worker.address, tls=tls("sched-a"), timeout_s=10) as client:
+                assert client.stats().pool == "p"
+            with WorkerClient(worker.address, tls=tls("sched-g"), timeout_s=10) as client, \
+                    pytest.raises(PermissionDeniedError):
+                client.stats()
+            with WorkerClient(worker.address, tls=tls(None), timeout_s=10) as client, \
+                    pytest.raises(UnavailableError):
+                client.stats()
+            assert [w.info.worker_id for w in admin.list_workers("p")] == ["w0"]
+        finally:
+            worker.kill()

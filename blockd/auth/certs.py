@@ -6,6 +6,7 @@ certificates that carry a blockd identity (:mod:`blockd.auth.identity`).
     python -m blockd.auth.certs ca DIR
     python -m blockd.auth.certs server DIR --host blockd.example --host 10.0.0.5
     python -m blockd.auth.certs client DIR --name router-0 --tenant acme --role scheduler
+    python -m blockd.auth.certs client DIR --name worker-0 --tenant acme --role worker --host 10.0.0.9
 
 (also ``blockd certs ...``). Files are ``NAME.pem`` (certificate) and
 ``NAME-key.pem`` (private key, mode 0600) in DIR; ``ca.pem`` is the bundle
@@ -128,12 +129,13 @@ def make_server_cert(ca: CertKey, hosts=("localhost", "127.0.0.1", "::1"), *, na
 
 def make_client_cert(ca: CertKey, name: str, tenant: str, roles=("scheduler",), *,
                      trust_domain: str = DEFAULT_TRUST_DOMAIN, days: float = DEFAULT_DAYS,
-                     not_after: dt.datetime | None = None) -> CertKey:
+                     not_after: dt.datetime | None = None, hosts=()) -> CertKey:
     """A client certificate naming ``name@tenant`` with ``roles`` in its URI
     SAN (and ``name`` as its CN). Also usable as a server certificate of a
-    worker (both usages), so one certificate serves a worker both ways."""
+    worker (both usages; ``hosts``: the addresses schedulers dial it at), so
+    one certificate serves a worker both ways."""
     uri = spiffe_uri(tenant, roles, name, trust_domain)
-    return make_leaf(ca, name, uris=(uri,), server=True, client=True, days=days, not_after=not_after)
+    return make_leaf(ca, name, hosts=hosts, uris=(uri,), server=True, client=True, days=days, not_after=not_after)
 
 
 def write_pair(directory: str, stem: str, pair: CertKey) -> tuple[str, str]:
@@ -156,7 +158,8 @@ def read_ca(directory: str) -> CertKey:
 
 
 def run(args: argparse.Namespace, out=sys.stdout) -> int:
-    hosts = tuple(getattr(args, "host", None) or ("localhost", "127.0.0.1", "::1"))
+    hosts = tuple(getattr(args, "host", None) or (() if args.certs_command == "client"
+                                                   else ("localhost", "127.0.0.1", "::1")))
     if args.certs_command in ("ca", "dev"):
         ca = make_ca(days=args.days if args.certs_command == "ca" else 3650)
         written = [*write_pair(args.dir, "ca", ca)]
@@ -170,7 +173,7 @@ def run(args: argparse.Namespace, out=sys.stdout) -> int:
         written += write_pair(args.dir, args.name, make_server_cert(ca, hosts, name=args.name, days=args.days))
     elif args.certs_command == "client":
         pair = make_client_cert(ca, args.name, args.tenant, args.role, trust_domain=args.trust_domain,
-                                days=args.days)
+                                days=args.days, hosts=hosts)
         written += write_pair(args.dir, args.name, pair)
     for path in written:
         print(path, file=out)

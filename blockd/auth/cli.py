@@ -108,6 +108,10 @@ def add_cert_commands(sub: argparse._SubParsersAction) -> None:
             cmd.add_argument("--host", action="append", default=None,
                              help="a DNS name or IP address clients dial (repeat; default localhost, "
                                   "127.0.0.1, ::1)")
+        if name == "client":
+            cmd.add_argument("--host", action="append", default=None,
+                             help="for a worker, which serves with the same certificate: a DNS name or IP "
+                                  "address schedulers dial it at (repeat)")
         if name in ("server", "client"):
             cmd.add_argument("--name", default="blockd" if name == "server" else None, required=name == "client",
                              help="the certificate's CN and file name")
