@@ -80,7 +80,7 @@ def test_worker_registers_its_advertised_address() -> None:
         with BlockdClient(d.address) as c:
             c.create_pool(PoolConfig("m", num_blocks=8, block_size=4, num_layers=1, num_kv_heads=2, head_dim=4))
             procs.append(start_worker(d.address, "m", "--worker-id", "w-adv", "--device", "cpu",
-                                      "--listen", "0.0.0.0:0", "--advertise-address", "127.0.0.1"))
+                                      "--listen", "0.0.0.0:0", "--advertise-address", "127.0.0.1", "--insecure"))
             bound_port = procs[1].address.rsplit(":", 1)[1]
             (status,) = c.list_workers("m")
             assert status.info.address == f"127.0.0.1:{bound_port}"

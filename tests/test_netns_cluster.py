@@ -99,7 +99,7 @@ def start_cluster(lab: NetnsLab, tmp_path) -> str:
         # rank 0 hosts the TP rendezvous; gloo must use the veth, not what the hostname resolves to
         workers.append(start(lab, host, f"worker {rank}", [
             "-m", "worker.main", "--blockd", target, "--pool", POOL, "--model", MODEL, "--device", "cpu",
-            "--worker-id", host, "--heartbeat-s", "0.5", "--listen", f"0.0.0.0:{WORKER_PORT}",
+            "--worker-id", host, "--heartbeat-s", "0.5", "--listen", f"0.0.0.0:{WORKER_PORT}", "--insecure",
             "--advertise-address", ip[host], "--tp-rank", str(rank), "--tp-world-size", "2",
             "--tp-init", f"tcp://{ip['w0']}:{TP_PORT}", "--tp-timeout-s", "20"],
             "blockd-worker listening on", GLOO_SOCKET_IFNAME="eth0"))
