@@ -58,6 +58,8 @@ import sys
 import threading
 
 from blockd import config_env
+from blockd.auth.cli import add_commands as add_auth_commands
+from blockd.auth.config import add_tls_flags
 from blockd.core.errors import BlockdError
 from blockd.idempotency import IdempotencyLimits
 from blockd.rpc import addresses
@@ -116,6 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "so a full collection never walks the whole state (0: leave the collector alone)")
     serve.add_argument("--log-level", type=config_env.log_level, default="INFO",
                        help="DEBUG, INFO, WARNING or ERROR")
+    add_tls_flags(serve, server=True)
+    _add_metrics_security(serve)
     check = sub.add_parser("check-data", help="verify a data directory offline (exit 0: blockd would start)")
     check.add_argument("data_dir")
     repair = sub.add_parser("repair-data", help="cut a damaged log at its first bad record, keeping a copy")
@@ -132,7 +136,18 @@ def build_parser() -> argparse.ArgumentParser:
     for p in (check, repair, compact):
         p.add_argument("--log-level", type=config_env.log_level, default="WARNING",
                        help="DEBUG, INFO, WARNING or ERROR")
+    add_auth_commands(sub)
     return parser
+
+
+def _add_metrics_security(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("metrics endpoint security")
+    group.add_argument("--metrics-tls-cert", default=None, help="serve /metrics over TLS with this certificate")
+    group.add_argument("--metrics-tls-key", default=None, help="the key of --metrics-tls-cert")
+    group.add_argument("--metrics-tls-client-ca", default=None,
+                       help="require scrapers' client certificates signed by this CA")
+    group.add_argument("--metrics-basic-auth-file", default=None,
+                       help="require basic auth: user:sha256 lines (blockd tokens metrics-user); reloaded on SIGHUP")
 
 
 def _load_metrics(port: int):
@@ -146,11 +161,17 @@ def _load_metrics(port: int):
     return importlib.import_module("blockd.metrics").BlockdMetrics()
 
 
-def _start_metrics(engine, port: int, metrics):
+def _start_metrics(engine, port: int, metrics, args: argparse.Namespace):
     """Serve ``/metrics``; returns the HTTP server (``close()``), or None."""
     if metrics is None:
         return None
-    _, http = importlib.import_module("blockd.metrics").start_metrics_server(engine, port, metrics)
+    from blockd.auth import TlsConfig
+
+    tls = None
+    if args.metrics_tls_cert or args.metrics_tls_key or args.metrics_tls_client_ca:
+        tls = TlsConfig(args.metrics_tls_cert, args.metrics_tls_key, args.metrics_tls_client_ca)
+    _, http = importlib.import_module("blockd.metrics").start_metrics_server(
+        engine, port, metrics, tls=tls, users_file=args.metrics_basic_auth_file)
     log.info("metrics on http://%s:%d/metrics", http.addr, http.port)
     return http
 
@@ -188,14 +209,20 @@ def _freeze_gc(stop: threading.Event, interval_s: float) -> None:
         gc.freeze()
 
 
-
 def serve(args: argparse.Namespace) -> int:
     # imported here so `blockd --help` stays fast and grpc-free
+    from blockd.auth import server_security
+    from blockd.auth.config import server_tls
     from blockd.datadir import DataDirError, advice
     from blockd.engine import Engine
     from blockd.engine_config import EngineConfig
     from blockd.service.server import BlockdServer
 
+    try:  # before the data dir is touched: a refusal changes nothing
+        security = server_security(args.listen, server_tls(args), args.tokens_file, args.insecure)
+    except ValueError as err:  # InsecureListen, TlsError, IdentitiesFileError
+        log.error("cannot serve: %s", err)
+        return 2
     log.info("data dir: %s; fsync: %s", args.data_dir or "none (in memory)", args.fsync)
     try:
         limits = IdempotencyLimits(args.max_request_ids, args.max_request_bytes, args.request_ttl_s)
@@ -207,6 +234,7 @@ def serve(args: argparse.Namespace) -> int:
             data_dir=args.data_dir, fsync=args.fsync, fsync_interval_s=args.fsync_interval_s,
             snapshot_every=args.snapshot_every, snapshot_log_ratio=args.snapshot_log_ratio,
             idempotency=limits, worker_timeout_s=args.worker_timeout_s,
+            quotas=security.quota_source(),
             observe_wal_sync=metrics.observe_wal_sync if metrics is not None else None,
             observe_step=metrics.observe_step if metrics is not None else None))
     except DataDirError as err:
@@ -220,9 +248,10 @@ def serve(args: argparse.Namespace) -> int:
                  stats.block_size, stats.num_seqs, stats.version)
     try:
         server = BlockdServer(engine, args.listen, max_workers=args.max_workers, grace_s=args.grace_s,
-                              interceptors=[metrics.interceptor()] if metrics is not None else [])
+                              interceptors=[*([metrics.interceptor()] if metrics is not None else []),
+                                            *security.interceptors], credentials=security.credentials)
         advertise = _advertise_address(args.advertise_address, server.address)
-        http = _start_metrics(engine, args.metrics_port, metrics)
+        http = _start_metrics(engine, args.metrics_port, metrics, args)
     except (OSError, ValueError, RuntimeError) as err:
         log.error("cannot serve on %s (metrics port %d): %s", args.listen, args.metrics_port, err)
         engine.close()
@@ -236,6 +265,8 @@ def serve(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    reload = threading.Event()  # SIGHUP: the identities file (and metrics users and certificate)
+    signal.signal(signal.SIGHUP, lambda signum, frame: reload.set())
     if args.gc_freeze_interval_s > 0:
         threading.Thread(target=_freeze_gc, args=(stop, args.gc_freeze_interval_s), name="blockd-gc",
                          daemon=True).start()
@@ -243,8 +274,12 @@ def serve(args: argparse.Namespace) -> int:
     print(f"blockd listening on {server.address}", flush=True)
     print(f"blockd advertising {advertise}", flush=True)
     # wait in short slices so the signal handler runs promptly
-    while not stop.wait(0.5):
-        pass
+    while not stop.wait(0.2):
+        if reload.is_set():
+            reload.clear()
+            security.reload()
+            if http is not None:
+                http.reload()
     server.stop()
     if http is not None:
         http.close()
@@ -253,6 +288,8 @@ def serve(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = config_env.parse_args(build_parser(), argv, "BLOCKD_")
+    if args.command in ("tokens", "certs"):  # print their results on stdout; no log set-up
+        return args.run(args)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "serve":

@@ -15,6 +15,9 @@ for a caller's request and for recovery's replay:
   that fails is never logged, so it leaves no trace;
 * followers (:mod:`blockd.followers`): Watch and Events streams, woken after
   every change;
+* tenants (:mod:`blockd.tenants`): every pool has an owner; a call naming
+  another tenant's pool is refused, listings show the caller's tenant only,
+  and the tenant's quotas are checked before a change is applied;
 * the worker registry (:mod:`blockd.workers`; in memory: workers re-register)
   and each pool's identity (:mod:`blockd.identity`: a worker incarnation the
   pool has not seen is a logged change, the KV of its sequences is lost).
@@ -60,6 +63,7 @@ from blockd.followers import Followers
 from blockd.idempotency import MISSING, IdempotencyTable, IdempotencyUsage, fingerprint
 from blockd.identity import PoolIdentity
 from blockd.pool_entry import PoolEntry
+from blockd.tenants import Tenancy, check_access, owner_of, visible, with_owner
 from blockd.workers import WorkerRegistry
 
 log = logging.getLogger("blockd.engine")
@@ -75,6 +79,7 @@ class Engine:
         self._pools: dict[str, PoolEntry] = {}
         self._requests = IdempotencyTable(config.idempotency, config.wall_clock)
         self.workers = WorkerRegistry(config.clock, config.worker_timeout_s)
+        self._tenancy = Tenancy(config.quotas, config.clock)
         self._closed = False
         self._durability: Durability | None = None
         if config.data_dir is not None:
@@ -187,6 +192,14 @@ class Engine:
             self._followers.notify()
             return result
 
+    def _guard(self, name: object) -> None:
+        """Refuse another tenant's caller before the request table is read (a
+        retried request id must not hand another tenant the first answer)."""
+        with self._lock:
+            entry = self._pools.get(name) if type(name) is str else None
+            if entry is not None:
+                check_access(entry.pool.config)
+
     def _block_size(self, name: str) -> int:
         entry = self._pools.get(name) if type(name) is str else None
         return entry.pool.block_size if entry is not None else 0
@@ -202,12 +215,15 @@ class Engine:
         if entry is None:
             check_name(name, "pool")  # a name no pool can have is the caller's mistake
             raise NotFound(f"no pool named {shown(name)}; list pools to see which exist")
+        check_access(entry.pool.config)  # another tenant's pool: PERMISSION_DENIED (nobody's during replay)
         return entry
 
     def _create_pool(self, config: PoolConfig, incarnation: str) -> PoolStats:
         check_config(config)  # a malformed config is INVALID_ARGUMENT whether or not the name is taken
         if config.name in self._pools:
             raise AlreadyExists(f"pool {shown(config.name)} already exists")
+        if not config.tenant:  # a create record written before tenants: the default tenant's
+            config = replace(config, tenant=owner_of(config))
         entry = PoolEntry(Pool(config), PoolIdentity(incarnation))
         self._pools[config.name] = entry
         return entry.stats()
@@ -215,7 +231,13 @@ class Engine:
     def create_pool(self, config: PoolConfig, request_id: str = "") -> PoolStats:
         if not isinstance(config, PoolConfig):
             raise InvalidArgument("create_pool takes a PoolConfig")
-        return self._mutate(records.CreatePool(config, new_incarnation()), request_id)
+        config = with_owner(config)
+
+        def check() -> None:  # before the pool is built: a pool over quota costs no memory
+            check_config(config)
+            self._tenancy.check_create(config, [entry.pool.config for entry in self._pools.values()])
+
+        return self._mutate(records.CreatePool(config, new_incarnation()), request_id, check)
 
     def _delete_pool(self, name: str) -> None:
         entry = self._entry(name)
@@ -224,9 +246,11 @@ class Engine:
         self.workers.forget_pool(name)
 
     def delete_pool(self, name: str, request_id: str = "") -> None:
+        self._guard(name)
         self._mutate(records.DeletePool(name), request_id)
 
     def reset_prefix_cache(self, pool: str, request_id: str = "") -> None:
+        self._guard(pool)
         self._mutate(records.ResetPrefixCache(pool), request_id)
 
     def _read(self, read: Callable[[], T]) -> T:
@@ -243,7 +267,7 @@ class Engine:
         return self._read(lambda: self._entry(name).identity.incarnation)
 
     def list_pools(self) -> list[PoolStats]:
-        return self._read(lambda: [entry.stats() for entry in self._pools.values()])
+        return self._read(lambda: [entry.stats() for entry in self._pools.values() if visible(entry.pool.config)])
 
     # --- steps ---------------------------------------------------------------------------
     def _run_step(self, entry: PoolEntry, ops: list[Op]) -> StepResult:
@@ -252,13 +276,18 @@ class Engine:
         entry.drain_events()
         return entry.identity.result(result)
 
-    def _checked_entry(self, pool: str, ops: list[Op], planned: str) -> PoolEntry:
+    def _checked_entry(self, pool: str, ops: list[Op], planned: str, dry_run: bool = False) -> PoolEntry:
         entry = self._entry(pool)
         if planned and planned != entry.identity.incarnation:
             _refuse_malformed(entry.pool, ops)  # the caller's mistake comes before the pool's history
         entry.identity.check_planned(pool, planned)
         entry.identity.check_step(pool, ops)
+        config = entry.pool.config
+        self._tenancy.check_step(config, ops, lambda: self._live_seqs(owner_of(config)), consume=not dry_run)
         return entry
+
+    def _live_seqs(self, tenant: str) -> int:
+        return sum(len(e.pool.seqs) for e in self._pools.values() if owner_of(e.pool.config) == tenant)
 
     def step(self, pool: str, ops: list[Op], request_id: str = "", *, dry_run: bool = False,
              incarnation: str = "") -> StepResult:
@@ -266,10 +295,11 @@ class Engine:
         (refused when it is not the current one); empty: not checked."""
         if dry_run:  # answers what the batch would do; nothing is remembered or logged
             with self._lock:
-                entry = self._checked_entry(pool, ops, incarnation)
+                entry = self._checked_entry(pool, ops, incarnation, dry_run=True)
                 return entry.identity.result(entry.pool.step(ops, dry_run=True))
         start, outcome = time.perf_counter(), "ok"
         try:
+            self._guard(pool)
             return self._mutate(records.Step(pool, ops), request_id,
                                 lambda: self._checked_entry(pool, ops, incarnation))
         except BlockdError as err:
@@ -301,7 +331,7 @@ class Engine:
 
     def lookup_prefix(self, token_ids: list[int], extra_keys: ExtraKeys, pools: list[str]) -> dict[str, int]:
         with self._lock:
-            names = pools or list(self._pools)
+            names = pools or [name for name, entry in self._pools.items() if visible(entry.pool.config)]
             return {name: self._entry(name).pool.lookup_prefix(token_ids, extra_keys) for name in names}
 
     def check_invariants(self) -> None:
@@ -340,13 +370,18 @@ class Engine:
             return self.workers.register(info, entry.pool.config)
 
     def heartbeat(self, worker_id: str, applied_version: int) -> WorkerStatus:
-        return self._read(lambda: self.workers.heartbeat(worker_id, applied_version))
+        with self._lock:
+            pool = self.workers.pool_of(worker_id)
+            if pool is not None and pool in self._pools:
+                self._entry(pool)  # only the pool's tenant (or an admin) speaks for its workers
+            return self.workers.heartbeat(worker_id, applied_version)
 
     def list_workers(self, pool: str | None = None) -> list[WorkerStatus]:
         with self._lock:
             if pool:
                 self._entry(pool)
-            return self.workers.list(pool or None)
+            return [status for status in self.workers.list(pool or None)
+                    if status.info.pool not in self._pools or visible(self._pools[status.info.pool].pool.config)]
 
 
 def _refuse_malformed(pool: Pool, ops: list[Op]) -> None:

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from blockd.auth.quotas import Quota
 from blockd.idempotency import IdempotencyLimits
 
 
@@ -38,6 +39,9 @@ class EngineConfig:
     #: seconds since the epoch, stamped on request ids (logged: they must mean
     #: something after a restart)
     wall_clock: Callable[[], float] = time.time
+    #: each tenant's quota (:mod:`blockd.auth.quotas`; ``blockd serve`` reads
+    #: them from the identities file); None: no quotas
+    quotas: Callable[[str], Quota] | None = None
     #: called with the seconds each WAL fsync took
     observe_wal_sync: Callable[[float], None] | None = None
     #: called as (pool, ops, outcome, seconds) after every step; outcome is

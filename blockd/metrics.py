@@ -37,8 +37,9 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from blockd.auth.config import TlsConfig
 from blockd.core.types import Allocate, Append, Commit, DecodeAppend, Fork, Free, PoolStats
-from blockd.rpc.metrics_http import MetricsServer, serve_metrics
+from blockd.rpc.metrics_http import ServedMetrics, serve_metrics
 
 #: operation kinds, as ``kind`` label values; DecodeAppend counts once per op
 OP_KINDS = {Allocate: "allocate", Append: "append", DecodeAppend: "decode_append",
@@ -249,16 +250,19 @@ def rpc_interceptor(metrics: BlockdMetrics) -> grpc.ServerInterceptor:
 
 
 def start_metrics_server(engine, port: int, metrics: BlockdMetrics | None = None,
-                         addr: str | None = None) -> tuple[BlockdMetrics, MetricsServer]:
+                         addr: str | None = None, *, tls: TlsConfig | None = None,
+                         users_file: str | None = None) -> tuple[BlockdMetrics, ServedMetrics]:
     """Serve ``engine``'s metrics on ``addr:port`` (port 0 picks a free one).
 
     ``addr`` defaults to ``$BLOCKD_METRICS_ADDR`` or 127.0.0.1: metrics stay
     on loopback unless an operator (or a container) opens them up. ``metrics``
-    is attached to ``engine`` here unless it already is.
+    is attached to ``engine`` here unless it already is. ``tls`` (a
+    :class:`blockd.auth.config.TlsConfig`) and ``users_file`` (basic auth):
+    :func:`blockd.rpc.metrics_http.serve_metrics`.
     """
     metrics = metrics if metrics is not None else BlockdMetrics()
     if metrics.engine is None:
         metrics.attach(engine)
     elif metrics.engine is not engine:
         raise ValueError("metrics is attached to another engine")
-    return metrics, serve_metrics(metrics.registry, port, addr)
+    return metrics, serve_metrics(metrics.registry, port, addr, tls=tls, users_file=users_file)

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections import deque
 
 from blockd.core import KVEvent, Pool, PoolStats
+from blockd.core.hashing import DEFAULT_TENANT
 from blockd.core.state import dump_pool, load_pool
 from blockd.core.types import Snapshot
 from blockd.identity import PoolIdentity, legacy_incarnation
@@ -66,6 +67,8 @@ class PoolEntry:
         identity predates incarnations: its pool gets a stable legacy one)."""
         identity = (PoolIdentity.load(data["identity"]) if "identity" in data
                     else PoolIdentity(legacy_incarnation(data["config"]["name"], lsn)))
+        if not data["config"].get("tenant"):  # written before tenants: the default tenant's
+            data = {**data, "config": {**data["config"], "tenant": DEFAULT_TENANT}}
         entry = cls(load_pool(data), identity)
         entry.events.extend(event_from_json(e) for e in data.get("events", []))
         return entry

@@ -69,6 +69,11 @@ class WorkerRegistry:
         record[2] = applied_version
         return self._status(worker_id)
 
+    def pool_of(self, worker_id: str) -> str | None:
+        """The pool a registered worker serves; None for an unknown worker."""
+        record = self._workers.get(worker_id)
+        return record[0].pool if record is not None else None
+
     def _status(self, worker_id: str) -> WorkerStatus:
         info, last, applied = self._workers[worker_id]
         age = self._clock() - last

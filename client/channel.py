@@ -1,4 +1,5 @@
-"""How the SDK's clients reach blockd: the channel settings they share.
+"""How the SDK's clients reach blockd: the channel settings they share and
+:func:`dial`, the one place a client channel is made.
 
 Retries of UNAVAILABLE are left to gRPC's own retry policy in the channel's
 service config (exponential backoff, at most 5 attempts), and every mutation
@@ -7,6 +8,13 @@ carries a request id (a fresh uuid4 unless the caller gives one:
 result and changes nothing. Used by :class:`~client.sdk.BlockdClient`,
 :class:`~client.aio.AsyncBlockdClient` and
 :class:`~client.worker.WorkerClient`.
+
+Security (:func:`dial`): ``tls`` (a :class:`blockd.auth.config.TlsConfig`:
+the CA bundle that verifies the server, and a client certificate for mutual
+TLS) and ``token`` (a bearer token sent with every call) are handed to
+:func:`blockd.auth.channels.open_channel`, which refuses to send a token in
+plain text beyond loopback and remakes a sync channel when its TLS files
+rotate. Neither: a plain channel (loopback development).
 """
 
 from __future__ import annotations
@@ -15,6 +23,8 @@ import json
 import uuid
 from typing import Any
 
+from blockd.auth.channels import open_channel
+from blockd.auth.config import TlsConfig
 from blockd.v1 import blockd_pb2 as pb
 
 DEFAULT_TARGET = "127.0.0.1:50051"
@@ -49,3 +59,13 @@ def channel_options(max_attempts: int = DEFAULT_MAX_ATTEMPTS,
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", max_message_bytes),
     ]
+
+
+def dial(target: str, *, tls: TlsConfig | None = None, token: str | None = None,
+         max_attempts: int = DEFAULT_MAX_ATTEMPTS, max_message_bytes: int = MAX_MESSAGE_BYTES,
+         aio: bool = False) -> Any:
+    """A channel to ``target`` with :func:`channel_options` and the credentials
+    above (``aio``: a ``grpc.aio`` channel). :class:`blockd.auth.config.TlsError`
+    for settings that cannot work (unreadable files, a token in plain text to
+    another host)."""
+    return open_channel(target, tls, token, options=channel_options(max_attempts, max_message_bytes), aio=aio)

@@ -16,7 +16,10 @@ per line, so a tail can be piped). The three global flags may also follow
 the command (``blockctl pools list --json``). Every flag has an environment
 variable, ``BLOCKCTL_<FLAG>`` (:mod:`blockd.config_env`), except ``--target``,
 which reads ``BLOCKD_TARGET`` like ``blockd-worker``; the target defaults to
-``127.0.0.1:50051``. The exit status tells the failure class (0 ok, 2 usage,
+``127.0.0.1:50051``. Security flags go before the command: ``--tls-ca``
+(verify blockd), ``--tls-cert``/``--tls-key`` (mutual TLS),
+``--tls-server-name``, ``--token`` or ``--token-file`` (a bearer token;
+``BLOCKCTL_TOKEN`` keeps it out of ``ps``). The exit status tells the failure class (0 ok, 2 usage,
 3 not found, 4 conflict, 5 wrong state, 6 no room, 7 not allowed, 69
 unavailable, 1 other: :mod:`client.cli_common`); the status and blockd's
 message go to stderr as one line.
@@ -36,6 +39,7 @@ from collections.abc import Callable
 from typing import Any
 
 from blockd import config_env
+from blockd.auth.config import add_tls_flags, client_security
 from client.channel import DEFAULT_TARGET
 from client.cli_cluster import add_health, add_workers
 from client.cli_common import EPILOG, EXIT_CODES, CommandFailed, Exit, emit, jsonable, render_table
@@ -149,6 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="blockctl", description="inspect and manage a blockd daemon",
                                      epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_global_flags(parser, after_command=False)
+    add_tls_flags(parser, client=True)  # before the command only: BLOCKCTL_TLS_CA, BLOCKCTL_TOKEN, ...
     sub = parser.add_subparsers(dest="command", required=True)
     for add in COMMANDS:
         add(sub)
@@ -165,8 +170,12 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return Exit.USAGE
     try:
-        with BlockdClient(args.target, timeout_s=args.timeout_s) as client:
+        tls, token = client_security(args)
+        with BlockdClient(args.target, timeout_s=args.timeout_s, tls=tls, token=token) as client:
             args.run(client, args)
+    except ValueError as err:  # TlsError: flags or files that cannot work
+        print(f"blockctl: {err}", file=sys.stderr)
+        return Exit.USAGE
     except BlockdClientError as err:
         code = EXIT_CODES.get(err.code, Exit.FAILED)
         hint = f" (is blockd serving at {args.target}?)" if code == Exit.UNAVAILABLE else ""

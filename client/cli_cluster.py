@@ -18,6 +18,7 @@ import argparse
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from client.channel import dial
 from client.cli_common import CommandFailed, Exit, emit, render_table
 from client.errors import from_rpc_error
 from client.sdk import BlockdClient
@@ -38,10 +39,12 @@ def _workers_list(client: BlockdClient, args: argparse.Namespace) -> None:
     emit(args, workers, lambda: render_table(_WORKER_COLUMNS, [row(w) for w in workers]))
 
 
-def check_health(target: str, service: str = "", timeout_s: float = 5.0) -> str:
+def check_health(target: str, service: str = "", timeout_s: float = 5.0, tls=None, token=None) -> str:
     """The health status name of ``service`` at ``target`` (``SERVING``, ...);
-    the SDK's exceptions when the call fails (NOT_FOUND: unknown service)."""
-    with grpc.insecure_channel(target) as channel:
+    the SDK's exceptions when the call fails (NOT_FOUND: unknown service).
+    ``tls``/``token`` as for :class:`~client.sdk.BlockdClient` (health needs
+    no token, but a mutual-TLS server needs the client certificate)."""
+    with dial(target, tls=tls, token=token, max_attempts=1) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
             # the stubs declare HealthStub's methods on a generic base mypy does not see through
@@ -53,7 +56,7 @@ def check_health(target: str, service: str = "", timeout_s: float = 5.0) -> str:
 
 
 def _health(client: BlockdClient, args: argparse.Namespace) -> None:
-    status = check_health(client.target, args.service, client.timeout_s)
+    status = check_health(client.target, args.service, client.timeout_s, client.tls, client.token)
     emit(args, {"target": client.target, "service": args.service, "status": status},
          lambda: f"{client.target} {args.service or '(server)'}: {status}")
     if status != "SERVING":

@@ -23,13 +23,13 @@ from client.cli_common import CommandFailed, Exit, emit, render_table
 from client.sdk import BlockdClient
 
 _POOL_COLUMNS = ("name", "num_blocks", "block_size", "num_free_blocks", "num_used_blocks",
-                 "num_evictable_blocks", "num_seqs", "num_tokens", "version")
+                 "num_evictable_blocks", "num_seqs", "num_tokens", "version", "tenant")
 
 
 def _pools_create(client: BlockdClient, args: argparse.Namespace) -> None:
     config = PoolConfig(name=args.name, num_blocks=args.num_blocks, block_size=args.block_size,
                         num_layers=args.num_layers, num_kv_heads=args.num_kv_heads, head_dim=args.head_dim,
-                        dtype=args.dtype, watermark_blocks=args.watermark_blocks)
+                        dtype=args.dtype, watermark_blocks=args.watermark_blocks, tenant=args.tenant)
     stats = client.create_pool(config)
     emit(args, stats, lambda: f"created pool {stats.name}: {stats.num_blocks} blocks of {stats.block_size}")
 
@@ -88,6 +88,8 @@ def add_pools(sub: argparse._SubParsersAction) -> None:
     create.add_argument("--dtype", default="float16", help="KV element type")
     create.add_argument("--watermark-blocks", type=int, default=0,
                         help="blocks kept back from new sequences so running ones can append")
+    create.add_argument("--tenant", default="",
+                        help="the tenant that owns the pool (default: the caller's; only an admin names another)")
     create.set_defaults(run=_pools_create)
     pools.add_parser("list", help="every pool's counters").set_defaults(run=_pools_list)
     show = pools.add_parser("show", help="one pool's config and counters")

@@ -78,6 +78,18 @@ class BlockdClientError(Exception):
         return [(v.field, v.description) for d in self.details
                 if isinstance(d, error_details_pb2.BadRequest) for v in d.field_violations]
 
+    @property
+    def quota_violations(self) -> list[tuple[str, str]]:
+        """``(subject, description)`` of each exceeded quota (``google.rpc.QuotaFailure``)."""
+        return [(v.subject, v.description) for d in self.details
+                if isinstance(d, error_details_pb2.QuotaFailure) for v in d.violations]
+
+    @property
+    def retry_after_s(self) -> float | None:
+        """How long the server asks the caller to wait (``google.rpc.RetryInfo``; rate limits)."""
+        info = next((d for d in self.details if isinstance(d, error_details_pb2.RetryInfo)), None)
+        return info.retry_delay.ToNanoseconds() / 1e9 if info is not None else None
+
     def __str__(self) -> str:
         return f"{self.code.name}: {self.message}"
 

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING
 
+from blockd.auth.config import TlsConfig
 from client.backends import ModelBatch
 from client.errors import BlockdClientError, UnavailableError
 from client.worker import WorkerClient
@@ -39,11 +40,12 @@ class TensorParallelMismatch(RuntimeError):
 class WorkerGroup:
     """The workers of one model replica (rank order), as one :class:`~client.backends.ModelExecutor`."""
 
-    def __init__(self, pool: str, targets: Sequence[str], *, timeout_s: float = 60.0) -> None:
+    def __init__(self, pool: str, targets: Sequence[str], *, timeout_s: float = 60.0,
+                 tls: TlsConfig | None = None, token: str | None = None) -> None:
         if not targets:
             raise ValueError("a worker group needs at least one worker address")
         self.pool = pool
-        self.workers = [WorkerClient(target, timeout_s=timeout_s) for target in targets]
+        self.workers = [WorkerClient(target, timeout_s=timeout_s, tls=tls, token=token) for target in targets]
         # one thread per rank: every rank must be inside its step at once
         self._threads = ThreadPoolExecutor(len(self.workers), thread_name_prefix="model-step") \
             if len(self.workers) > 1 else None

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 
+from blockd.auth.config import TlsConfig
 from blockd.core.hashing import ExtraKeys
 from blockd.core.types import (
     Allocate,
@@ -50,7 +51,7 @@ from blockd.rpc import convert
 from blockd.v1 import blockd_pb2 as pb
 from blockd.v1 import blockd_pb2_grpc as pb_grpc
 from client import messages
-from client.channel import DEFAULT_MAX_ATTEMPTS, DEFAULT_TARGET, DEFAULT_TIMEOUT_S, channel_options
+from client.channel import DEFAULT_MAX_ATTEMPTS, DEFAULT_TARGET, DEFAULT_TIMEOUT_S, dial
 from client.errors import from_rpc_error
 
 if TYPE_CHECKING:
@@ -63,10 +64,15 @@ class BlockdClient:
     """A connection to one blockd daemon. Thread-safe; share one per process."""
 
     def __init__(self, target: str = DEFAULT_TARGET, *, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 max_attempts: int = DEFAULT_MAX_ATTEMPTS) -> None:
+                 max_attempts: int = DEFAULT_MAX_ATTEMPTS, tls: TlsConfig | None = None,
+                 token: str | None = None) -> None:
+        """``tls``: verify the server (and present a client certificate for
+        mutual TLS); ``token``: a bearer token for every call. Neither: plain
+        text (loopback only for a token). See :func:`client.channel.dial`."""
         self.target = target
         self.timeout_s = timeout_s
-        self._channel = grpc.insecure_channel(target, options=channel_options(max_attempts))
+        self.tls, self.token = tls, token
+        self._channel = dial(target, tls=tls, token=token, max_attempts=max_attempts)
         self._pools = pb_grpc.PoolServiceStub(self._channel)
         self._blocks = pb_grpc.BlockServiceStub(self._channel)
         self._workers = pb_grpc.WorkerServiceStub(self._channel)

@@ -23,10 +23,11 @@ from typing import TYPE_CHECKING
 import grpc
 import torch
 
+from blockd.auth.config import TlsConfig
 from blockd.rpc.tensors import from_proto, to_proto
 from blockd.v1 import worker_pb2 as pb
 from blockd.v1 import worker_pb2_grpc
-from client.channel import channel_options
+from client.channel import dial
 from client.errors import from_rpc_error
 from client.serving import SeqSampling
 
@@ -35,11 +36,15 @@ if TYPE_CHECKING:
 
 
 class WorkerClient:
-    def __init__(self, target: str, *, timeout_s: float = 30.0) -> None:
+    def __init__(self, target: str, *, timeout_s: float = 30.0, tls: TlsConfig | None = None,
+                 token: str | None = None) -> None:
+        """``tls``/``token``: the scheduler's credentials, as for
+        :class:`client.sdk.BlockdClient` (the worker admits only its pool's
+        tenant's schedulers, and admins)."""
         self.target = target
         self.timeout_s = timeout_s
         # tensors travel in messages: a prefill's K/V or logits can be large
-        self._channel = grpc.insecure_channel(target, options=channel_options(max_message_bytes=256 << 20))
+        self._channel = dial(target, tls=tls, token=token, max_message_bytes=256 << 20)
         self._stub = worker_pb2_grpc.KVShardServiceStub(self._channel)
         #: the worker incarnation calls are planned against (learned on first use)
         self.incarnation: str | None = None

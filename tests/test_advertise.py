@@ -80,7 +80,7 @@ def test_worker_registers_its_advertised_address() -> None:
         with BlockdClient(d.address) as c:
             c.create_pool(PoolConfig("m", num_blocks=8, block_size=4, num_layers=1, num_kv_heads=2, head_dim=4))
             procs.append(start_worker(d.address, "m", "--worker-id", "w-adv", "--device", "cpu",
-                                      "--listen", "0.0.0.0:0", "--advertise-address", "127.0.0.1"))
+                                      "--listen", "0.0.0.0:0", "--advertise-address", "127.0.0.1", "--insecure"))
             bound_port = procs[1].address.rsplit(":", 1)[1]
             (status,) = c.list_workers("m")
             assert status.info.address == f"127.0.0.1:{bound_port}"
@@ -96,7 +96,7 @@ def test_worker_bound_to_a_wildcard_without_advertise_address_exits_with_one_lin
 
 
 def test_blockd_prints_the_address_it_advertises() -> None:
-    d = Proc(["-m", "blockd.cli", "serve", "--listen", "0.0.0.0:0", "--advertise-address", "127.0.0.1"],
+    d = Proc(["-m", "blockd.cli", "serve", "--listen", "0.0.0.0:0", "--insecure", "--advertise-address", "127.0.0.1"],
              "blockd advertising")
     try:
         assert d.address.startswith("127.0.0.1:")

@@ -100,7 +100,7 @@ def test_pools_apply_creates_what_is_missing_and_is_idempotent(target, client, c
     path.write_text(json.dumps(POOLS))
     code, out, _ = run(capsys, "--target", target, "pools", "apply", str(path))
     assert code == 0 and out.splitlines() == ["created pool a", "unchanged pool b"]
-    assert client.pool_config("a") == PoolConfig("a", num_blocks=32, block_size=8, num_layers=2)
+    assert client.pool_config("a") == PoolConfig("a", num_blocks=32, block_size=8, num_layers=2, tenant="default")
     versions = {p.name: p.version for p in client.list_pools()}
     code, out, _ = run(capsys, "--target", target, "pools", "apply", str(path), "--json")
     assert code == 0 and [o["action"] for o in json.loads(out)] == ["unchanged", "unchanged"]

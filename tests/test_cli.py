@@ -31,11 +31,13 @@ def test_pools_create_list_show(target, capsys) -> None:
     code, out, _ = run(capsys, "--target", target, "pools", "create", "llama", "--num-blocks", "64",
                        "--block-size", "16", "--num-layers", "4")
     assert code == 0 and "created pool llama: 64 blocks of 16" in out
-    run(capsys, "--target", target, "pools", "create", "tiny", "--num-blocks", "8", "--block-size", "4")
+    run(capsys, "--target", target, "pools", "create", "tiny", "--num-blocks", "8", "--block-size", "4",
+        "--tenant", "acme")
     code, out, _ = run(capsys, "--target", target, "pools", "list")
     lines = out.splitlines()
     assert code == 0 and lines[0].split()[:3] == ["NAME", "NUM_BLOCKS", "BLOCK_SIZE"]
     assert [line.split()[0] for line in lines[1:]] == ["llama", "tiny"]
+    assert [line.split()[-1] for line in lines] == ["TENANT", "default", "acme"]  # no auth: anyone names one
     assert lines[1].split()[1:3] == ["64", "16"]
     code, out, _ = run(capsys, "--target", target, "--json", "pools", "list")
     assert [p["name"] for p in json.loads(out)] == ["llama", "tiny"]

@@ -19,7 +19,7 @@ from tests.conftest import ROOT
 
 PACKAGES = ("blockd", "client", "worker", "sim", "cluster")
 #: stdlib-only or protocol modules of the blockd package that are not the daemon
-NOT_DAEMON = {"blockd.config_env", "blockd.ha"}  # shared layer-2 packages
+NOT_DAEMON = {"blockd.config_env", "blockd.ha", "blockd.auth"}  # shared layer-2 packages
 PATH = re.compile(r"`((?:blockd|client|worker|sim|cluster|bench|tests|docs|deploy|scripts|proto)/[\w/.-]*)`")
 
 

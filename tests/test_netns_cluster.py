@@ -86,7 +86,7 @@ def start_cluster(lab: NetnsLab, tmp_path) -> str:
     """blockd, the pool, the TP pair; blockd's advertised address."""
     ip = lab.addresses
     d = start(lab, "blockd", "blockd", ["-m", "blockd.cli", "serve", "--listen", f"0.0.0.0:{BLOCKD_PORT}",
-                                        "--advertise-address", ip["blockd"], "--fsync", "never",
+                                        "--insecure", "--advertise-address", ip["blockd"], "--fsync", "never",
                                         "--worker-timeout-s", "2"], "blockd advertising")
     target = d.wait_ready(time.monotonic() + START_TIMEOUT_S)
     config = pool_config_for(model_config(MODEL), POOL, 26, 8, dtype="float32", watermark_blocks=1)
@@ -99,7 +99,7 @@ def start_cluster(lab: NetnsLab, tmp_path) -> str:
         # rank 0 hosts the TP rendezvous; gloo must use the veth, not what the hostname resolves to
         workers.append(start(lab, host, f"worker {rank}", [
             "-m", "worker.main", "--blockd", target, "--pool", POOL, "--model", MODEL, "--device", "cpu",
-            "--worker-id", host, "--heartbeat-s", "0.5", "--listen", f"0.0.0.0:{WORKER_PORT}",
+            "--worker-id", host, "--heartbeat-s", "0.5", "--listen", f"0.0.0.0:{WORKER_PORT}", "--insecure",
             "--advertise-address", ip[host], "--tp-rank", str(rank), "--tp-world-size", "2",
             "--tp-init", f"tcp://{ip['w0']}:{TP_PORT}", "--tp-timeout-s", "20"],
             "blockd-worker listening on", GLOO_SOCKET_IFNAME="eth0"))

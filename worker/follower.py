@@ -25,7 +25,8 @@ import threading
 from dataclasses import replace
 
 from blockd.core.errors import BlockdError
-from blockd.core.types import Snapshot, WorkerInfo
+from blockd.core.hashing import DEFAULT_TENANT
+from blockd.core.types import PoolConfig, Snapshot, WorkerInfo
 from client.errors import BlockdClientError, NotFoundError
 from client.sdk import BlockdClient
 from worker.runtime import WorkerRuntime
@@ -46,7 +47,8 @@ class Follower:
         # the stream gets its own channel: closing it is the one way to end a
         # blocked stream from another thread (a generator cannot be closed
         # while it runs)
-        self._watch_client = BlockdClient(client.target, timeout_s=client.timeout_s)
+        self._watch_client = BlockdClient(client.target, timeout_s=client.timeout_s, tls=client.tls,
+                                          token=client.token)
         self._threads = [
             threading.Thread(target=self._follow, name="blockd-worker-watch", daemon=True),
             threading.Thread(target=self._heartbeat, name="blockd-worker-heartbeat", daemon=True),
@@ -111,10 +113,13 @@ class Follower:
                     "loading the snapshot of version %d", name, snapshot.incarnation,
                     runtime.replica.incarnation or "none", snapshot.version)
         config, held = self.client.pool_config(name), runtime.config
-        if replace(config, watermark_blocks=0, max_retained_versions=1) != replace(
-                held, watermark_blocks=0, max_retained_versions=1):
-            runtime.unusable = (f"pool {name!r} was re-created with another geometry ({config}) than this worker "
-                                f"holds ({held}); restart the worker")
+
+        def shape(c: PoolConfig) -> PoolConfig:  # geometry and owner ("" was the default tenant)
+            return replace(c, watermark_blocks=0, max_retained_versions=1, tenant=c.tenant or DEFAULT_TENANT)
+
+        if shape(config) != shape(held):
+            runtime.unusable = (f"pool {name!r} was re-created with another geometry or tenant ({config}) than "
+                                f"this worker holds ({held}); restart the worker")
             log.error("%s", runtime.unusable)
             return False
         runtime.replica.load_snapshot(snapshot.version, snapshot.tables, snapshot.incarnation)

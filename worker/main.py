@@ -5,6 +5,15 @@ memory (torch on CUDA when a GPU is present, else CPU), registers with its
 layer and KV-head ranges and its bytes, follows the Watch stream, heartbeats,
 and serves ``KVShardService``. Prints ``blockd-worker listening on HOST:PORT``
 when ready. SIGTERM/SIGINT: stop serving, stop following, exit.
+
+Security (:mod:`blockd.auth.config`, the same flags as ``blockd serve`` and
+``blockctl``): ``--tls-cert``/``--tls-key`` are the worker's certificate,
+served to schedulers and presented to blockd (issue it for both server and
+client use, with the worker's URI SAN); ``--tls-ca`` verifies blockd,
+``--tls-client-ca`` turns on mutual TLS for the worker's own port,
+``--tokens-file`` names the identities it admits (reloaded on SIGHUP), and
+``--token``/``--token-file`` is its bearer token towards blockd. Only the
+pool's tenant's schedulers (and admins) may call the data plane.
 """
 
 from __future__ import annotations
@@ -17,6 +26,8 @@ import socket
 import threading
 
 from blockd import config_env
+from blockd.auth.config import add_tls_flags, client_security, server_tls
+from blockd.auth.security import ServerSecurity, server_security
 from blockd.core.types import WorkerInfo
 from blockd.rpc import addresses
 from client.sdk import BlockdClient
@@ -71,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp-world-size", type=int, default=1, help="workers in the tensor-parallel group")
     p.add_argument("--tp-init", help="tcp://HOST:PORT where the tensor-parallel group meets (rank 0 listens)")
     p.add_argument("--tp-timeout-s", type=float, default=60.0, help="bound on joining and on each collective")
+    add_tls_flags(p, server=True, client=True)
     return p
 
 
@@ -95,6 +107,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                 "an address blockd can hand to schedulers; set --advertise-address HOST[:PORT] "
                 "(env BLOCKD_WORKER_ADVERTISE_ADDRESS), e.g. the pod IP")
     return args
+
+
+def _secured(args: argparse.Namespace) -> tuple[ServerSecurity, BlockdClient]:
+    """The worker's server security and its blockd client, from the flags;
+    exits with one line for settings that cannot work."""
+    try:
+        tls, token = client_security(args)
+        security = server_security(args.listen, server_tls(args), args.tokens_file, args.insecure)
+        return security, BlockdClient(args.blockd, tls=tls, token=token)
+    except ValueError as err:  # InsecureListen, TlsError, IdentitiesFileError
+        raise SystemExit(f"blockd-worker: {err}") from None
 
 
 def advertised_address(args: argparse.Namespace, bound: str) -> str:
@@ -173,7 +196,7 @@ def _runtime(args: argparse.Namespace, config, shard: ShardSpec, metrics) -> Wor
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    client = BlockdClient(args.blockd)
+    security, client = _secured(args)
     config = client.pool_config(args.pool)
     layers = _range(args.layers, config.num_layers, "layers")
     heads = _kv_heads(args, config)
@@ -191,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as err:
             raise SystemExit(f"cannot run model {args.model!r} on this shard: {err}") from None
         log.info("running model %s (TP rank %d of %d)", args.model, args.tp_rank, args.tp_world_size)
-    server = WorkerServer(runtime, args.worker_id, args.listen, runner=runner)
+    server = WorkerServer(runtime, args.worker_id, args.listen, runner=runner, security=security)
     info = WorkerInfo(args.worker_id, config.name, advertised_address(args, server.address), *layers, *heads,
                       pool_bytes=runtime.pool_bytes, device=str(runtime.device), incarnation=runtime.incarnation)
     follower = Follower(client, runtime, info, args.heartbeat_s, metrics)
@@ -204,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     done = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: done.set())
+    signal.signal(signal.SIGHUP, lambda *_: security.reload())
     done.wait()
     log.info("shutting down")
     server.stop()

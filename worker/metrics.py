@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from blockd.rpc.metrics_http import MetricsServer, serve_metrics
+from blockd.rpc.metrics_http import ServedMetrics, serve_metrics
 
 #: kernel label values; a kernel outside this list is a programming error
 #: "attention" is a planned mixed batch (decode and prefill together); "model_forward"
@@ -83,7 +83,7 @@ class WorkerMetrics:
     def set_pool_bytes(self, num_bytes: int) -> None:
         self._pool_bytes.set(num_bytes)
 
-    def start_http(self, port: int, addr: str | None = None) -> MetricsServer:
+    def start_http(self, port: int, addr: str | None = None) -> ServedMetrics:
         """Serve ``/metrics`` on ``addr:port`` (port 0 picks one; see ``.port``).
 
         ``addr`` defaults to ``$BLOCKD_METRICS_ADDR`` or 127.0.0.1, as for

@@ -20,7 +20,10 @@ from __future__ import annotations
 import logging
 import time
 
+from blockd.auth.identity import require_tenant
+from blockd.auth.security import ServerSecurity
 from blockd.core.errors import InvalidArgument, NotFound, WrongState, shown
+from blockd.core.hashing import DEFAULT_TENANT
 from blockd.core.incarnations import WorkerIncarnationMismatch, short
 from blockd.rpc.convert import require_id, require_ids
 from blockd.rpc.errors import BadField, unary
@@ -43,6 +46,11 @@ class KVShardServicer:
         self.runner = runner
         self.worker_id = worker_id
         self.device = device
+
+    def _check_tenant(self) -> None:
+        """Only the pool's tenant (or an admin) may use this worker: its KV is
+        that tenant's prompts (PERMISSION_DENIED; no identity: auth is off)."""
+        require_tenant(self.runtime.config.tenant or DEFAULT_TENANT, "this worker's pool")
 
     def _check_pool(self, pool: str, seq_ids=()) -> None:
         """The ids of a request, checked before anything echoes them: the pool
@@ -76,6 +84,7 @@ class KVShardServicer:
 
     @unary
     def GetWorkerStats(self, request, context):
+        self._check_tenant()
         shard, stats = self.runtime.shard, self.runtime.stats()
         return pb.GetWorkerStatsResponse(
             worker_id=self.worker_id, pool=self.runtime.config.name, layer_start=shard.layer_start,
@@ -84,6 +93,7 @@ class KVShardServicer:
 
     @unary
     def WriteKV(self, request, context):
+        self._check_tenant()
         # malformed tensors are the caller's mistake whatever incarnation it names
         key, value = from_proto(request.key, "key"), from_proto(request.value, "value")
         incarnation = self._check_call(request)
@@ -93,6 +103,7 @@ class KVShardServicer:
 
     @unary
     def Attention(self, request, context):
+        self._check_tenant()
         has_kv = request.HasField("key") or request.HasField("value")
         if has_kv and not (request.HasField("key") and request.HasField("value")):
             raise InvalidArgument("key and value go together")
@@ -109,6 +120,7 @@ class KVShardServicer:
 
     @unary
     def ModelStep(self, request, context):
+        self._check_tenant()
         incarnation = self._check_call(request)
         if self.runner is None:
             raise WrongState("this worker runs no model (start blockd-worker with --model)")
@@ -139,13 +151,17 @@ def _sampling_specs(request) -> list[SamplingSpec]:
 
 
 class WorkerServer:
-    """The worker's gRPC endpoint (port 0 picks a free port)."""
+    """The worker's gRPC endpoint (port 0 picks a free port). ``security``
+    (:func:`blockd.auth.server_security`, as blockd's): TLS credentials and
+    the auth interceptor; None serves plain text to anyone (loopback)."""
 
     def __init__(self, runtime: WorkerRuntime, worker_id: str, listen: str = "127.0.0.1:0",
-                 max_workers: int = 8, runner=None) -> None:
+                 max_workers: int = 8, runner=None, security: ServerSecurity | None = None) -> None:
         servicer = KVShardServicer(runtime, worker_id, str(runtime.device), runner)
         self._endpoint = GrpcEndpoint([(servicer, SERVICE)], listen, max_workers=max_workers,
-                                      max_message_bytes=MAX_MESSAGE_BYTES, thread_name_prefix="worker-rpc")
+                                      max_message_bytes=MAX_MESSAGE_BYTES, thread_name_prefix="worker-rpc",
+                                      interceptors=security.interceptors if security is not None else (),
+                                      credentials=security.credentials if security is not None else None)
         self.health = self._endpoint.health
         self.port = self._endpoint.port
         self.address = self._endpoint.address

@@ -80,6 +80,22 @@ class NoRoom(BlockdError):
     code = "RESOURCE_EXHAUSTED"
 
 
+class QuotaExceeded(BlockdError):
+    """A tenant's quota (:mod:`blockd.auth.quotas`) would be exceeded.
+
+    ``violations`` are ``(subject, description)`` pairs (the service layer
+    sends them as a ``google.rpc.QuotaFailure``); ``retry_after_s`` is set
+    for a rate limit (sent as a ``google.rpc.RetryInfo``)."""
+
+    code = "RESOURCE_EXHAUSTED"
+
+    def __init__(self, message: str, violations: tuple[tuple[str, str], ...] = (),
+                 retry_after_s: float | None = None, *, op_index: int | None = None) -> None:
+        super().__init__(message, op_index=op_index)
+        self.violations = violations
+        self.retry_after_s = retry_after_s
+
+
 class WrongState(BlockdError):
     """The request is well formed but the current state forbids it."""
 

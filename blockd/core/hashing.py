@@ -11,6 +11,13 @@ holds: model id and revision, LoRA adapter name and id, a cache salt (tenant),
 and the hashes of multimodal inputs. They are folded into *every* block's hash,
 so equal tokens under different extra keys never share a block.
 
+The pool's **tenant** is folded in too (:func:`tenant_digest`), by the
+allocator rather than by the caller: a caller's ``cache_salt`` cannot undo
+it, and equal prompts of two tenants hash differently everywhere (prefix
+index, KV events, lookups), as vLLM's per-request ``cache_salt`` does. The
+default tenant (``""`` or :data:`DEFAULT_TENANT`) folds nothing, so pools
+made before tenants existed keep their hashes.
+
 Imports only the standard library.
 """
 
@@ -27,6 +34,8 @@ from blockd.core.errors import InvalidArgument, shown
 HASH_BYTES = 16
 MAX_TOKEN_ID = 2**32 - 1
 _DOMAIN = b"blockd.block.v1"
+#: the tenant of pools nobody assigned one (no authentication, or data from before tenants)
+DEFAULT_TENANT = "default"
 
 
 @dataclass(frozen=True)
@@ -57,6 +66,18 @@ class ExtraKeys:
 
 NO_EXTRA_KEYS = ExtraKeys()
 NO_EXTRA_DIGEST = NO_EXTRA_KEYS.digest()
+
+
+def tenant_digest(extra_digest: bytes, tenant: str) -> bytes:
+    """``extra_digest`` with ``tenant`` folded in; unchanged for the default tenant."""
+    if not tenant or tenant == DEFAULT_TENANT:
+        return extra_digest
+    raw = tenant.encode()
+    h = hashlib.blake2b(digest_size=HASH_BYTES, person=b"blockd.tenant")
+    h.update(struct.pack("<I", len(raw)))
+    h.update(raw)
+    h.update(extra_digest)
+    return h.digest()
 
 
 def hash_block(parent: bytes | None, token_ids: Sequence[int], extra_digest: bytes) -> bytes:

@@ -23,7 +23,14 @@ from blockd.core.batch import Batch
 from blockd.core.blocks import BlockSpace
 from blockd.core.decode import apply_decode
 from blockd.core.errors import AlreadyExists, InvalidArgument, shown
-from blockd.core.hashing import NO_EXTRA_DIGEST, NO_EXTRA_KEYS, ExtraKeys, check_token_ids, hash_block
+from blockd.core.hashing import (
+    NO_EXTRA_DIGEST,
+    NO_EXTRA_KEYS,
+    ExtraKeys,
+    check_token_ids,
+    hash_block,
+    tenant_digest,
+)
 from blockd.core.sequence import Sequence
 from blockd.core.types import Allocate, Append, Commit, DecodeAppend, Fork, Free, OpResult, TableUpdate
 from blockd.core.validate import check_extra_keys, check_int, check_name
@@ -48,8 +55,10 @@ def apply(batch: Batch, op: object) -> OpResult:
     return handler(batch, op)
 
 
-def _digest(extra: ExtraKeys) -> bytes:
-    return NO_EXTRA_DIGEST if extra is NO_EXTRA_KEYS or extra == NO_EXTRA_KEYS else extra.digest()
+def _digest(extra: ExtraKeys, tenant: str) -> bytes:
+    """The digest a sequence's block hashes chain on: its extra keys and the pool's tenant."""
+    digest = NO_EXTRA_DIGEST if extra is NO_EXTRA_KEYS or extra == NO_EXTRA_KEYS else extra.digest()
+    return tenant_digest(digest, tenant)
 
 
 def _check_tokens(token_ids: object, what: str) -> list[int] | tuple[int, ...]:
@@ -65,11 +74,11 @@ def _check_tokens(token_ids: object, what: str) -> list[int] | tuple[int, ...]:
 
 
 def cached_prefix(blocks: BlockSpace, token_ids: object, extra: ExtraKeys | None,
-                  max_blocks: int) -> tuple[list[int], list[bytes]]:
+                  max_blocks: int, tenant: str = "") -> tuple[list[int], list[bytes]]:
     """Longest run of indexed full blocks of ``token_ids``: (blocks, hashes)."""
     tokens = _check_tokens(token_ids, "token_ids")
     extra = check_extra_keys(extra if extra is not None else NO_EXTRA_KEYS)
-    b, index, digest = blocks.block_size, blocks.index, _digest(extra)
+    b, index, digest = blocks.block_size, blocks.index, _digest(extra, tenant)
     hits: list[int] = []
     hashes: list[bytes] = []
     parent = None
@@ -84,12 +93,12 @@ def cached_prefix(blocks: BlockSpace, token_ids: object, extra: ExtraKeys | None
 
 
 def allocation_need(blocks: BlockSpace, watermark: int, token_ids: object,
-                    extra: ExtraKeys | None) -> tuple[list[int], list[bytes]] | None:
+                    extra: ExtraKeys | None, tenant: str = "") -> tuple[list[int], list[bytes]] | None:
     """``(hit blocks, hashes)`` if an allocation of this prompt is admitted now,
     else None. At least the last prompt token is always left to compute."""
     num_tokens = len(token_ids) if isinstance(token_ids, (list, tuple)) else 0
     max_hit = (num_tokens - 1) // blocks.block_size if num_tokens else 0
-    hits, hashes = cached_prefix(blocks, token_ids, extra, max_hit)
+    hits, hashes = cached_prefix(blocks, token_ids, extra, max_hit, tenant)
     ref = blocks.ref
     revived = sum(1 for block in hits if ref[block] == 0)
     need = num_blocks_for(num_tokens, blocks.block_size) - len(hits) + revived
@@ -116,12 +125,12 @@ def _apply_allocate(batch: Batch, op: Allocate) -> OpResult:
         raise AlreadyExists(f"sequence {shown(seq_id)} already exists in pool {shown(batch.config.name)}")
     tokens = _check_tokens(op.prompt_token_ids, "prompt_token_ids")
     blocks = batch.blocks
-    need = allocation_need(blocks, batch.config.watermark_blocks, tokens, op.extra_keys)
+    need = allocation_need(blocks, batch.config.watermark_blocks, tokens, op.extra_keys, batch.config.tenant)
     if need is None:
         raise batch.no_room(f"admitting {len(tokens)} prompt tokens", watermark=True)
     hits, hashes = need
     b = batch.block_size
-    seq = Sequence(seq_id, op.extra_keys, _digest(op.extra_keys))
+    seq = Sequence(seq_id, op.extra_keys, _digest(op.extra_keys, batch.config.tenant))
     for block in hits:
         blocks.acquire(block)
     seq.table = list(hits)

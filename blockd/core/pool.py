@@ -152,7 +152,8 @@ class Pool:
     # --- queries (never change state) -------------------------------------
     def can_allocate(self, prompt_token_ids: object, extra_keys: ExtraKeys | None = None) -> bool:
         """Whether :class:`Allocate` of this prompt would be admitted now."""
-        return allocation_need(self.blocks, self.config.watermark_blocks, prompt_token_ids, extra_keys) is not None
+        return allocation_need(self.blocks, self.config.watermark_blocks, prompt_token_ids, extra_keys,
+                               self.config.tenant) is not None
 
     def can_append(self, seq_id: str, num_new_tokens: int) -> bool:
         """Whether appending ``num_new_tokens`` tokens to ``seq_id`` would fit."""
@@ -162,7 +163,8 @@ class Pool:
 
     def lookup_prefix(self, token_ids: list[int] | tuple[int, ...], extra_keys: ExtraKeys | None = None) -> int:
         """Tokens of ``token_ids`` whose full blocks are cached (no allocation)."""
-        return len(cached_prefix(self.blocks, token_ids, extra_keys, len(token_ids))[0]) * self.block_size
+        hits = cached_prefix(self.blocks, token_ids, extra_keys, len(token_ids), self.config.tenant)[0]
+        return len(hits) * self.block_size
 
     def block_table(self, seq_id: str) -> list[int]:
         return list(self.get_seq(seq_id).table)
@@ -204,7 +206,7 @@ class Pool:
             prefix_queried_tokens=self.prefix_queried_tokens,
             prefix_hit_tokens=self.prefix_hit_tokens, num_evictions=blocks.num_evictions,
             num_copies=self.num_copies, version=self.version,
-            last_event_seq_no=self.last_event_seq_no,
+            last_event_seq_no=self.last_event_seq_no, tenant=cfg.tenant,
         )
 
     # --- operator actions ---------------------------------------------------

@@ -20,7 +20,7 @@ from collections import deque
 from collections.abc import Iterable
 from typing import Any
 
-from blockd.core.hashing import HASH_BYTES, ExtraKeys
+from blockd.core.hashing import HASH_BYTES, ExtraKeys, tenant_digest
 from blockd.core.pool import Pool
 from blockd.core.sequence import Sequence
 from blockd.core.types import (
@@ -101,7 +101,7 @@ def _dump_seqs(pool: Pool) -> dict[str, Any]:
 
 def _load_seqs(pool: Pool, data: dict[str, Any]) -> None:
     extras = [extra_from_json(e) for e in data["extras"]]
-    digests = [(e, e.digest()) for e in extras]
+    digests = [(e, tenant_digest(e.digest(), pool.config.tenant)) for e in extras]
     tokens, tables = unpack(data["tokens"]), unpack(data["tables"])
     hashes = base64.b64decode(data["hashes"])
     tok = blk = hsh = 0

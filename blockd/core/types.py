@@ -41,6 +41,11 @@ class PoolConfig:
     watermark_blocks: int = 0
     #: how many past versions' deltas a follower can catch up from
     max_retained_versions: int = 1024
+    #: who owns the pool (:data:`~blockd.core.hashing.DEFAULT_TENANT` when nobody
+    #: assigned one); folded into every block hash. ``""`` in a request means
+    #: "the caller's tenant" (the daemon fills it in); the allocator treats it
+    #: as the default tenant
+    tenant: str = ""
 
     @property
     def bytes_per_slot(self) -> int:
@@ -207,6 +212,8 @@ class PoolStats:
     #: how many sequences lost their KV in a worker restart (:mod:`blockd.identity`)
     incarnation: str = ""
     num_kv_lost_seqs: int = 0
+    #: the pool's tenant (its config's)
+    tenant: str = ""
 
     @property
     def utilisation_ratio(self) -> float:

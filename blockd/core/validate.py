@@ -7,6 +7,8 @@ Imports only the standard library.
 
 from __future__ import annotations
 
+import re
+
 from blockd.core.errors import InvalidArgument, shown
 from blockd.core.hashing import ExtraKeys
 from blockd.core.types import DTYPE_BYTES, MAX_BLOCK_SIZE, MAX_NUM_BLOCKS, PoolConfig
@@ -16,6 +18,8 @@ MAX_ID_LEN = 256
 #: longest extra-key string (model id, adapter name, cache salt, mm hash)
 MAX_EXTRA_KEY_LEN = 1024
 MAX_GEOMETRY = 1 << 20
+#: tenant (and caller identity) names: short, printable, safe in a SPIFFE URI path and in a log line
+SAFE_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
 def check_name(value: object, what: str) -> str:
@@ -53,5 +57,8 @@ def check_config(cfg: PoolConfig) -> None:
     check_int(cfg.head_dim, "head_dim", 1, MAX_GEOMETRY)
     check_int(cfg.watermark_blocks, "watermark_blocks", 0, cfg.num_blocks)
     check_int(cfg.max_retained_versions, "max_retained_versions", 1, 1 << 20)
+    if cfg.tenant != "" and (type(cfg.tenant) is not str or not SAFE_NAME_RE.match(cfg.tenant)):
+        raise InvalidArgument(f"tenant must be 1-128 of letters, digits, '.', '-', '_' (starting with a letter or "
+                              f"digit), got {shown(cfg.tenant)}")
     if cfg.dtype not in DTYPE_BYTES:
         raise InvalidArgument(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {shown(cfg.dtype)}")

@@ -102,15 +102,17 @@ def pool_config_from_proto(msg: pb.PoolConfig, field: str = "config") -> PoolCon
     (and refused by the core's checks)."""
     require_id(msg.name, f"{field}.name")
     optional = {name: getattr(msg, name) for name in _OPTIONAL_CONFIG if msg.HasField(name)}
+    if len(msg.tenant) > MAX_ID_LEN:
+        raise BadField(f"{field}.tenant", f"is {len(msg.tenant)} characters long; tenants are at most 128")
     return PoolConfig(name=msg.name, num_blocks=msg.num_blocks, block_size=msg.block_size,
-                      watermark_blocks=msg.watermark_blocks, **optional)
+                      watermark_blocks=msg.watermark_blocks, tenant=msg.tenant, **optional)
 
 
 def pool_config_to_proto(cfg: PoolConfig) -> pb.PoolConfig:
     return pb.PoolConfig(
         name=cfg.name, num_blocks=cfg.num_blocks, block_size=cfg.block_size, num_layers=cfg.num_layers,
         num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, dtype=cfg.dtype,
-        watermark_blocks=cfg.watermark_blocks, max_retained_versions=cfg.max_retained_versions)
+        watermark_blocks=cfg.watermark_blocks, max_retained_versions=cfg.max_retained_versions, tenant=cfg.tenant)
 
 
 def pool_config_from_reply(msg: pb.PoolConfig) -> PoolConfig:

@@ -9,7 +9,8 @@ Every servicer method is wrapped by :func:`unary` or :func:`server_stream`:
   ``rpc`` for the method, plus the error's own ``metadata`` if it has one,
   e.g. the ``seq_ids`` of KV_LOST) and, for INVALID_ARGUMENT, a ``google.rpc.BadRequest``
   whose field violation names the offending field (``ops[3]``,
-  ``config.block_size``, ...);
+  ``config.block_size``, ...); for a tenant's quota (QUOTA_EXCEEDED) a
+  ``google.rpc.QuotaFailure``, plus a ``google.rpc.RetryInfo`` for a rate;
 * anything else is a bug: it leaves as INTERNAL with an incident id, and the
   traceback is logged under the same id. Nothing ever leaves as UNKNOWN.
 
@@ -37,12 +38,12 @@ import uuid
 from collections.abc import Callable, Iterator
 
 import grpc
-from google.protobuf import any_pb2, message_factory
+from google.protobuf import any_pb2, duration_pb2, message_factory
 from google.protobuf.message import DecodeError, Message
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
-from blockd.core.errors import BlockdError, InvalidArgument, InvariantViolation
+from blockd.core.errors import BlockdError, InvalidArgument, InvariantViolation, QuotaExceeded
 
 log = logging.getLogger("blockd.service")
 
@@ -118,8 +119,24 @@ def error_parts(err: BlockdError, rpc: str) -> tuple[str, str, list[Message]]:
         violation = error_details_pb2.BadRequest.FieldViolation(field=bounded(field or "", _MAX_FIELD_BYTES),
                                                                 description=description)
         details.append(error_details_pb2.BadRequest(field_violations=[violation]))
+    details.extend(_quota_details(err))
     code = err.code if hasattr(code_pb2, err.code) else "INTERNAL"
     return code, bounded(err.message, MAX_MESSAGE_BYTES), details
+
+
+def _quota_details(err: BlockdError) -> list[Message]:
+    """``QuotaFailure`` (and ``RetryInfo`` for a rate) of a :class:`QuotaExceeded`."""
+    if not isinstance(err, QuotaExceeded):
+        return []
+    violations = [error_details_pb2.QuotaFailure.Violation(subject=bounded(subject, _MAX_FIELD_BYTES),
+                                                           description=bounded(text, MAX_DESCRIPTION_BYTES))
+                  for subject, text in err.violations]
+    details: list[Message] = [error_details_pb2.QuotaFailure(violations=violations)]
+    if err.retry_after_s is not None:
+        delay = duration_pb2.Duration()
+        delay.FromNanoseconds(max(1, int(err.retry_after_s * 1e9)))
+        details.append(error_details_pb2.RetryInfo(retry_delay=delay))
+    return details
 
 
 def blockd_status(err: BlockdError, rpc: str) -> grpc.Status:

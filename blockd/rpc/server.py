@@ -37,13 +37,16 @@ class GrpcEndpoint:
     ``max_workers`` bounds the RPC threads (created on demand; every open
     stream holds one for its lifetime); ``max_message_bytes`` caps messages
     both ways; ``interceptors`` wrap every handler; ``options`` are extra
-    ``grpc.server`` channel arguments.
+    ``grpc.server`` channel arguments; ``credentials`` (TLS, from
+    :func:`blockd.auth.security.server_security`) serve a secure port instead
+    of plain text.
     """
 
     def __init__(self, services: Iterable[tuple[object, ServiceDescriptor]], listen: str, *, max_workers: int,
                  max_message_bytes: int, thread_name_prefix: str,
                  interceptors: Sequence[grpc.ServerInterceptor] = (),
-                 options: Sequence[tuple[str, object]] = ()) -> None:
+                 options: Sequence[tuple[str, object]] = (),
+                 credentials: grpc.ServerCredentials | None = None) -> None:
         host, _ = split_listen(listen)
         executor = futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=thread_name_prefix)
         self.server = grpc.server(executor, interceptors=list(interceptors), options=[
@@ -55,7 +58,10 @@ class GrpcEndpoint:
             names.append(descriptor.full_name)
         self.service_names = tuple(names)
         self.health = add_stock_services(self.server, self.service_names)
-        self.port = self.server.add_insecure_port(listen)
+        if credentials is not None:
+            self.port = self.server.add_secure_port(listen, credentials)
+        else:
+            self.port = self.server.add_insecure_port(listen)
         if self.port == 0:
             raise OSError(f"cannot listen on {listen!r} (address in use or not local?)")
         self.address = join(host, self.port)

@@ -39,13 +39,16 @@ DEFAULT_MAX_MESSAGE_BYTES = 64 << 20
 class BlockdServer:
     """One engine served over gRPC on one address (port 0 picks a free port).
 
-    ``interceptors`` wrap every handler (e.g. :mod:`blockd.metrics`' RPC timer).
+    ``interceptors`` wrap every handler (e.g. :mod:`blockd.metrics`' RPC timer,
+    :mod:`blockd.auth`'s interceptor); ``credentials`` (from
+    :func:`blockd.auth.server_security`) serve TLS instead of plain text.
     """
 
     def __init__(self, engine: Engine, listen: str = "127.0.0.1:0", *,
                  max_workers: int = DEFAULT_MAX_WORKERS, grace_s: float = DEFAULT_GRACE_S,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-                 interceptors: Sequence[grpc.ServerInterceptor] = ()) -> None:
+                 interceptors: Sequence[grpc.ServerInterceptor] = (),
+                 credentials: grpc.ServerCredentials | None = None) -> None:
         self.engine = engine
         self.grace_s = grace_s
         self._shutdown = threading.Event()
@@ -58,7 +61,7 @@ class BlockdServer:
             listen, max_workers=max_workers, max_message_bytes=max_message_bytes,
             thread_name_prefix="blockd-rpc", interceptors=interceptors,
             # two daemons on one port would split the pools' writers
-            options=[("grpc.so_reuseport", 0)])
+            options=[("grpc.so_reuseport", 0)], credentials=credentials)
         self.health = self._endpoint.health
         self.port = self._endpoint.port
         self.address = self._endpoint.address

@@ -86,6 +86,7 @@ class PoolConfig(_message.Message):
     DTYPE_FIELD_NUMBER: _builtins.int
     WATERMARK_BLOCKS_FIELD_NUMBER: _builtins.int
     MAX_RETAINED_VERSIONS_FIELD_NUMBER: _builtins.int
+    TENANT_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     num_blocks: _builtins.int
     block_size: _builtins.int
@@ -98,6 +99,12 @@ class PoolConfig(_message.Message):
     """Blocks kept back from new sequences so running ones can still append."""
     max_retained_versions: _builtins.int
     """How many past versions' deltas a Watch follower can catch up from."""
+    tenant: _builtins.str
+    """The tenant that owns the pool (docs/protocol.md, Tenants). In CreatePool,
+    empty means the caller's own tenant; only an admin may name another.
+    Always set in replies ("default" when blockd authenticates nobody). The
+    tenant is folded into every block hash of the pool.
+    """
     def __init__(
         self,
         *,
@@ -110,10 +117,11 @@ class PoolConfig(_message.Message):
         dtype: _builtins.str | None = ...,
         watermark_blocks: _builtins.int = ...,
         max_retained_versions: _builtins.int | None = ...,
+        tenant: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_dtype", b"_dtype", "_head_dim", b"_head_dim", "_max_retained_versions", b"_max_retained_versions", "_num_kv_heads", b"_num_kv_heads", "_num_layers", b"_num_layers", "dtype", b"dtype", "head_dim", b"head_dim", "max_retained_versions", b"max_retained_versions", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_dtype", b"_dtype", "_head_dim", b"_head_dim", "_max_retained_versions", b"_max_retained_versions", "_num_kv_heads", b"_num_kv_heads", "_num_layers", b"_num_layers", "block_size", b"block_size", "dtype", b"dtype", "head_dim", b"head_dim", "max_retained_versions", b"max_retained_versions", "name", b"name", "num_blocks", b"num_blocks", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers", "watermark_blocks", b"watermark_blocks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_dtype", b"_dtype", "_head_dim", b"_head_dim", "_max_retained_versions", b"_max_retained_versions", "_num_kv_heads", b"_num_kv_heads", "_num_layers", b"_num_layers", "block_size", b"block_size", "dtype", b"dtype", "head_dim", b"head_dim", "max_retained_versions", b"max_retained_versions", "name", b"name", "num_blocks", b"num_blocks", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers", "tenant", b"tenant", "watermark_blocks", b"watermark_blocks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__dtype: _TypeAlias = _typing.Literal["dtype"]  # noqa: Y015
     _WhichOneofArgType__dtype: _TypeAlias = _typing.Literal["_dtype", b"_dtype"]  # noqa: Y015
@@ -162,6 +170,7 @@ class PoolStats(_message.Message):
     LAST_EVENT_SEQ_NO_FIELD_NUMBER: _builtins.int
     INCARNATION_FIELD_NUMBER: _builtins.int
     NUM_KV_LOST_SEQS_FIELD_NUMBER: _builtins.int
+    TENANT_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     num_blocks: _builtins.int
     block_size: _builtins.int
@@ -186,6 +195,8 @@ class PoolStats(_message.Message):
     """Sequences whose KV was lost when a worker of the pool restarted and that
     are not freed yet; steps that extend, commit or fork them fail (KV_LOST).
     """
+    tenant: _builtins.str
+    """The tenant that owns the pool (its config's)."""
     def __init__(
         self,
         *,
@@ -207,10 +218,11 @@ class PoolStats(_message.Message):
         last_event_seq_no: _builtins.int = ...,
         incarnation: _builtins.str = ...,
         num_kv_lost_seqs: _builtins.int = ...,
+        tenant: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "incarnation", b"incarnation", "last_event_seq_no", b"last_event_seq_no", "name", b"name", "num_blocks", b"num_blocks", "num_copies", b"num_copies", "num_evictable_blocks", b"num_evictable_blocks", "num_evictions", b"num_evictions", "num_free_blocks", b"num_free_blocks", "num_kv_lost_seqs", b"num_kv_lost_seqs", "num_seqs", b"num_seqs", "num_tokens", b"num_tokens", "num_used_blocks", b"num_used_blocks", "prefix_hit_tokens", b"prefix_hit_tokens", "prefix_queried_tokens", b"prefix_queried_tokens", "tail_waste_bytes", b"tail_waste_bytes", "tail_waste_slots", b"tail_waste_slots", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "incarnation", b"incarnation", "last_event_seq_no", b"last_event_seq_no", "name", b"name", "num_blocks", b"num_blocks", "num_copies", b"num_copies", "num_evictable_blocks", b"num_evictable_blocks", "num_evictions", b"num_evictions", "num_free_blocks", b"num_free_blocks", "num_kv_lost_seqs", b"num_kv_lost_seqs", "num_seqs", b"num_seqs", "num_tokens", b"num_tokens", "num_used_blocks", b"num_used_blocks", "prefix_hit_tokens", b"prefix_hit_tokens", "prefix_queried_tokens", b"prefix_queried_tokens", "tail_waste_bytes", b"tail_waste_bytes", "tail_waste_slots", b"tail_waste_slots", "tenant", b"tenant", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
