@@ -20,6 +20,10 @@ does not serialise them. Fields:
   (median; ``inprocess_mean_us`` includes the block-boundary steps);
 * ``cpus``: cores of this machine, shared by daemon and schedulers.
 
+``security``: the cost of TLS, mutual TLS, bearer tokens and the auth
+interceptor on the same step (rows of :mod:`bench.auth`: ``interceptor`` and
+``step_security`` with ``p50_ratio`` / ``p99_ratio`` against plain text).
+
 ``idempotency``: two rows, in process (no gRPC).
 
 * ``idempotency_memory``: 20k steps of 2,048 new tokens each (free the last
@@ -455,9 +459,21 @@ def _step_through_snapshot(address: str, data_dir: str, records_before: int) -> 
 
 
 #: part name -> generator of result lines; add new parts here
+def security(args: argparse.Namespace) -> Iterator[dict]:
+    """What TLS, mutual TLS, tokens and the auth interceptor add to this
+    benchmark's step (``bench/auth.py`` has the rows and their fields)."""
+    import tempfile
+
+    from bench.auth import interceptor, step_security  # bench.auth imports this module
+
+    with tempfile.TemporaryDirectory(prefix="blockd-bench-auth-") as directory:
+        yield from interceptor(directory)
+        yield from step_security(directory, args.seconds, rounds=3)
+
+
 PARTS: dict[str, Callable[[argparse.Namespace], Iterator[dict]]] = {
     "step_rpc": step_rpc, "recovery": recovery, "crash_loop_restart": crash_loop_restart,
-    "snapshot_stall": snapshot_stall, "idempotency": idempotency}
+    "snapshot_stall": snapshot_stall, "idempotency": idempotency, "security": security}
 
 
 def main(argv: list[str] | None = None) -> int:
