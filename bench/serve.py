@@ -157,11 +157,13 @@ def setup_record(args, config, num_requests: int) -> dict:
     }
 
 
-def verify(model: str, requests, outputs) -> bool:
+def verify(model: str, requests, outputs) -> dict:
+    """Whether the first requests' tokens equal transformers' contiguous-cache
+    ``generate`` (and the first differences when they do not)."""
     from cluster.reference import ContiguousReference
 
-    sample = requests[:NUM_VERIFIED]
-    return not ContiguousReference(model).mismatches(sample, outputs)
+    problems = ContiguousReference(model).mismatches(requests[:NUM_VERIFIED], outputs)
+    return {"outputs_match_reference": not problems, **({"reference_problems": problems[:3]} if problems else {})}
 
 
 def vllm_prompts(model: str) -> list[tuple[int, ...]]:
@@ -226,7 +228,7 @@ def compare_with_vllm(args, python: str) -> dict:
         "blockd": {k: blockd[k] for k in keys}, "vllm": {k: vllm[k] for k in keys},
         "ratio_tokens_per_s_vs_vllm": round(blockd["tokens_per_s"] / vllm["tokens_per_s"], 3),
         "outputs_identical_to_vllm": f"{same}/{len(prompts)}",
-        "outputs_match_reference": verify(args.model, requests, outputs),
+        **verify(args.model, requests, outputs),
         "hardware": {"cpu_count": os.cpu_count(), "platform": platform.platform()},
     }
 
@@ -361,7 +363,7 @@ def serve_rows(args, num_requests: int) -> None:
     with LocalCluster(spec) as cluster:
         for scheme in ("paging", "max_reservation"):
             result, outputs = run_scheme(scheme, cluster, requests)
-            result["outputs_match_reference"] = verify(args.model, requests, outputs)
+            result.update(verify(args.model, requests, outputs))
             results[scheme] = result
     paging, reserved = results["paging"], results["max_reservation"]
     ratios = {"ratio_concurrency": round(paging["max_concurrency"] / reserved["max_concurrency"], 2),

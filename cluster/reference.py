@@ -64,8 +64,11 @@ class ContiguousReference:
         key = (prompt, max_new_tokens, tuple(stops), None if sampling.is_greedy else sampling)
         cached = self._cache.get(key, [])
         if len(cached) < rows:
+            # No stops: an end token must neither end the row nor be masked (min_new_tokens
+            # would mask it, unlike the workers), and generate fills in the model's own EOS
+            # for None, so the row ends only at an id no model produces.
             kwargs = {"eos_token_id": stops, "pad_token_id": stops[0]} if stops else \
-                {"min_new_tokens": max_new_tokens}
+                {"eos_token_id": self.model.config.vocab_size, "pad_token_id": 0}
             processors = [] if sampling.is_greedy else [_ForceDraw(sampling, rows)]
             inputs = torch.tensor([prompt] * rows)
             with torch.inference_mode():

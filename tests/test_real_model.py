@@ -67,7 +67,9 @@ def test_chat_prompts_through_blockd_and_a_worker_match_transformers():
     capital = tokenizer.apply_chat_template(
         [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True,
         tokenize=True)["input_ids"]
-    greedy = [GenerationRequest("capital", capital, 24)]
+    greedy = [GenerationRequest("capital", capital, 24),
+              # the same answer with EOS ignored: the model's EOS is a token like any other
+              GenerationRequest("ignoring", capital, 24, sampling=SamplingParams(ignore_eos=True))]
     greedy += [GenerationRequest(f"chat{i}", chat.token_ids, 16) for i, chat in enumerate(chats[:4])]
     sampled = GenerationRequest("sampled", chats[4].token_ids, 16, n=2,
                                 sampling=SamplingParams(temperature=0.8, top_p=0.95, seed=7))
@@ -87,6 +89,9 @@ def test_chat_prompts_through_blockd_and_a_worker_match_transformers():
     answer = tokenizer.decode(by_id["capital"].output_token_ids[0], skip_special_tokens=True)
     assert "Paris" in answer and by_id["capital"].finish_reasons == (FINISH_STOP,)
     assert by_id["capital"].output_token_ids[0][-1] in eos
+    ignoring = by_id["ignoring"].output_token_ids[0]
+    assert len(ignoring) == 24 and ignoring[:len(by_id["capital"].output_token_ids[0])] == \
+        by_id["capital"].output_token_ids[0], "ignoring EOS goes on past it, with the same tokens up to it"
     samples = by_id["sampled"].output_token_ids
     assert samples[0] != samples[1]
     assert [tuple(t.token_id for t in streamed if t.sample_index == i) for i in (0, 1)] == list(samples)
