@@ -282,7 +282,11 @@ class Engine:
     def pool_incarnation(self, name: str) -> str:
         return self._read(lambda: self._entry(name).identity.incarnation)
 
-    def list_pools(self) -> list[PoolStats]:
+    def list_pools(self, *, local: bool = False) -> list[PoolStats]:
+        """``local``: this replica's own state, whatever its role (metrics, logs)."""
+        if local:
+            with self._lock:
+                return [entry.stats() for entry in self._pools.values()]
         return self._read(lambda: [entry.stats() for entry in self._pools.values()])
 
     # --- steps ---------------------------------------------------------------------------
@@ -396,12 +400,16 @@ class Engine:
     def heartbeat(self, worker_id: str, applied_version: int) -> WorkerStatus:
         return self._read(lambda: self.workers.heartbeat(worker_id, applied_version))
 
-    def list_workers(self, pool: str | None = None) -> list[WorkerStatus]:
+    def list_workers(self, pool: str | None = None, *, local: bool = False) -> list[WorkerStatus]:
+        """``local``: as :meth:`list_pools`."""
         def read() -> list[WorkerStatus]:
             if pool:
                 self._entry(pool)
             return self.workers.list(pool or None)
 
+        if local:
+            with self._lock:
+                return read()
         return self._read(read)
 
     # --- replication (docs/ha.md) ----------------------------------------------------------
