@@ -231,3 +231,23 @@ def test_a_follower_behind_the_retained_log_catches_up_from_a_snapshot(group):
     finally:
         for engine in engines:
             engine.close()
+
+
+def test_the_sdk_follows_the_leader_across_a_failover(group):
+    """One client given every replica's address steps through a SIGKILL of
+    the leader without an error: each call follows NOT_LEADER or moves to
+    the next replica and resends the same request (so the same request id:
+    a step applied twice would fail, its sequence already existing)."""
+    g = group()
+    leader = ready(g)
+    client = BlockdClient(",".join(p.address for p in g.procs.values()), timeout_s=60, max_attempts=1)
+    try:
+        for i in range(120):
+            if i == 40:
+                g.kill(leader)
+            client.step("p", [Allocate(f"f{i}", [i, i + 1])], request_id=f"f-{i}")
+        tables = client.get_tables("p")[1]
+        assert all(f"f{i}" in tables for i in range(120))
+        assert g.leader() != leader
+    finally:
+        client.close()
