@@ -69,11 +69,14 @@ class BlockdClient:
     """A connection to one blockd daemon. Thread-safe; share one per process."""
 
     def __init__(self, target: str = DEFAULT_TARGET, *, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 max_attempts: int = DEFAULT_MAX_ATTEMPTS) -> None:
+                 max_attempts: int = DEFAULT_MAX_ATTEMPTS, follow_leader: bool = True) -> None:
+        """``follow_leader=False``: a refusal by a replica that does not lead
+        is raised, not followed (to talk to one replica, whatever its role)."""
         self.target = target
         self.timeout_s = timeout_s
         self._options = channel_options(max_attempts)
         self._targets = Targets(target)
+        self._follow = follow_leader
         #: address -> (channel, pool, block and worker stubs); one per replica of a group
         self._stubs: dict[str, tuple[grpc.Channel, pb_grpc.PoolServiceStub, pb_grpc.BlockServiceStub,
                                      pb_grpc.WorkerServiceStub]] = {}
@@ -122,7 +125,7 @@ class BlockdClient:
                 return method(request, timeout=max(0.001, deadline - time.monotonic()))
             except grpc.RpcError as err:
                 error = from_rpc_error(err)
-            where = self._locate(method)
+            where = self._locate(method) if self._follow else None
             step = self._targets.next_attempt(error, where[0], attempt) if where is not None else None
             if step is None or time.monotonic() + step[1] >= deadline:
                 raise error from None

@@ -2,7 +2,7 @@
 
 Three replicas of one group in ``sync`` mode: followers refuse calls with
 NOT_LEADER naming the leader; the leader is killed (SIGKILL) under load
-``BLOCKD_HA_KILLS`` times (default 2) and after each failover every
+``BLOCKD_HA_KILLS`` times (default 5; 20 on request) and after each failover every
 acknowledged step is on the new leader, the step in flight at the kill,
 retried there with its request id, is applied at most once; a leader paused
 past its lease acknowledges nothing once resumed and steps down; a follower
@@ -31,7 +31,7 @@ from tests.procs import Proc, start_blockd
 
 pytest_plugins = ["tests.etcd"]
 
-KILLS = int(os.environ.get("BLOCKD_HA_KILLS", "2"))
+KILLS = int(os.environ.get("BLOCKD_HA_KILLS", "5"))
 #: a loaded test machine must not make a healthy leader miss its keepalives
 TTL_S = "4"
 
@@ -43,18 +43,24 @@ class Group:
         self.etcd_url, self.root, self.extra = etcd_url, root, extra
         self.procs: dict[str, Proc] = {}
         self.clients: dict[str, BlockdClient] = {}
+        self.dead: list[BlockdClient] = []
 
     def start(self, rid: str) -> None:
-        proc = start_blockd("--data-dir", os.path.join(self.root, rid), "--etcd", self.etcd_url, "--replica-id", rid,
-                            "--group", "g", "--lease-ttl-s", TTL_S, "--ack-timeout-s", "2", *self.extra)
+        """Start (or restart, on its old address) replica ``rid``."""
+        old = self.procs.get(rid)
+        args = ["--data-dir", os.path.join(self.root, rid), "--etcd", self.etcd_url, "--replica-id", rid,
+                "--group", "g", "--lease-ttl-s", TTL_S, "--ack-timeout-s", "2", *self.extra]
+        proc = start_blockd(*args) if old is None else Proc(["-m", "blockd.cli", "serve", "--listen", old.address,
+                                                             *args], "blockd listening on")
         self.procs[rid] = proc
-        self.clients[rid] = BlockdClient(proc.address, timeout_s=10, max_attempts=1)
+        # each talks to its own replica: a refusal is raised, not followed to the leader
+        self.clients[rid] = BlockdClient(proc.address, timeout_s=10, max_attempts=1, follow_leader=False)
 
     def kill(self, rid: str, sig: int = signal.SIGKILL) -> None:
         os.kill(self.procs[rid].pid, sig)
         if sig == signal.SIGKILL:
             self.procs[rid].popen.wait()
-            self.clients.pop(rid).close()
+            self.dead.append(self.clients.pop(rid))  # closed at the end: a load thread may still hold it
 
     def leader(self) -> str | None:
         for rid, client in list(self.clients.items()):
@@ -66,7 +72,7 @@ class Group:
         return None
 
     def close(self) -> None:
-        for client in self.clients.values():
+        for client in [*self.clients.values(), *self.dead]:
             client.close()
         for proc in self.procs.values():
             proc.kill()
