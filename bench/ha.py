@@ -7,9 +7,10 @@ dir under one temp dir, ``--fsync always``.
 * ``steps``: one scheduler thread sends decode steps (one ``decode_append``
   over ``--seqs`` sequences) through the sync SDK for ``--seconds``, first
   to a single daemon (no ``--etcd``), then to the leader of a three-replica
-  ``sync`` group, in the same run. Fields: ``mode``, ``steps_per_s``,
-  ``p50_ms``, ``p99_ms``; the group's row adds ``ratio_steps_per_s`` and
-  ``added_p50_ms`` against the single daemon.
+  ``sync`` group, then of an ``async`` one (what three daemons on one
+  machine cost without waiting for the followers), in the same run. Fields:
+  ``mode``, ``steps_per_s``, ``p50_ms``, ``p99_ms``; the groups' rows add
+  ``ratio_steps_per_s`` and ``added_p50_ms`` against the single daemon.
 * ``failover``: a three-replica ``sync`` group under the same load from a
   client given every replica's address (it follows the leader); the leader
   is SIGKILLed ``--kills`` times (restarted as a follower after each).
@@ -58,14 +59,14 @@ def daemon(data_dir: str, *flags: str, listen: str = "127.0.0.1:0") -> ChildProc
 
 
 class Group:
-    def __init__(self, root: str, etcd_url: str, ttl_s: int) -> None:
-        self.root, self.etcd_url, self.ttl_s = root, etcd_url, ttl_s
+    def __init__(self, root: str, etcd_url: str, ttl_s: int, *flags: str, name: str = "bench") -> None:
+        self.root, self.etcd_url, self.ttl_s, self.flags, self.name = root, etcd_url, ttl_s, flags, name
         self.procs: dict[str, ChildProcess] = {}
 
     def start(self, rid: str, listen: str = "127.0.0.1:0") -> None:
         """A restart takes the replica's old address (``listen``): clients list stable addresses."""
         self.procs[rid] = daemon(os.path.join(self.root, rid), "--etcd", self.etcd_url, "--replica-id", rid,
-                                 "--group", "bench", "--lease-ttl-s", str(self.ttl_s), listen=listen)
+                                 "--group", self.name, "--lease-ttl-s", str(self.ttl_s), *self.flags, listen=listen)
 
     def client(self) -> BlockdClient:
         return BlockdClient(",".join(p.address for p in self.procs.values()), timeout_s=60, max_attempts=1)
@@ -115,18 +116,20 @@ def part_steps(args, root: str, etcd: EtcdServer) -> None:
     finally:
         single.stop()
     print(json.dumps(base), flush=True)
-    group = Group(os.path.join(root, "steps"), etcd.url, args.ttl_s)
-    try:
-        for rid in ("r0", "r1", "r2"):
-            group.start(rid)
-        with group.client() as client:
-            setup_pool(client, args.seqs, args.seconds)
-            synced = row("sync", load(client, args.seqs, args.seconds), args.seconds)
-    finally:
-        group.close()
-    synced["ratio_steps_per_s"] = round(synced["steps_per_s"] / base["steps_per_s"], 3)
-    synced["added_p50_ms"] = round(synced["p50_ms"] - base["p50_ms"], 3)
-    print(json.dumps(synced), flush=True)
+    for mode in ("sync", "async"):
+        group = Group(os.path.join(root, f"steps-{mode}"), etcd.url, args.ttl_s, "--replication", mode,
+                      name=f"steps-{mode}")
+        try:
+            for rid in ("r0", "r1", "r2"):
+                group.start(rid)
+            with group.client() as client:
+                setup_pool(client, args.seqs, args.seconds)
+                result = row(mode, load(client, args.seqs, args.seconds), args.seconds)
+        finally:
+            group.close()
+        result["ratio_steps_per_s"] = round(result["steps_per_s"] / base["steps_per_s"], 3)
+        result["added_p50_ms"] = round(result["p50_ms"] - base["p50_ms"], 3)
+        print(json.dumps(result), flush=True)
 
 
 def part_failover(args, root: str, etcd: EtcdServer) -> None:

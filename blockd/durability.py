@@ -151,13 +151,17 @@ class Durability:
         this returns); its LSN."""
         assert self._wal is not None and self._snapshots is not None, "log() before open()"
         data = json.dumps(body, separators=(",", ":")).encode()
+        observer = self._observer
+        # followers get the record while this log fsyncs it: nothing is
+        # acknowledged before both are durable (a step waits for this call,
+        # then for the commit), and a record only the followers kept is one
+        # a crash of this leader left unacknowledged, retried by request id
+        written = None if observer is None else lambda lsn: observer.record(lsn, term, data)
         try:
-            lsn = self._wal.append(data, term)
+            lsn = self._wal.append(data, term, written)
         except OSError as err:
             raise self._break(err) from err
         self.terms.observe(term, lsn)
-        if self._observer is not None:
-            self._observer.record(lsn, term, data)
         self._snapshots.logged()
         return lsn
 

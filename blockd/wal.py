@@ -238,13 +238,18 @@ class WriteAheadLog:
         assert self._fd is not None, "the log is not open"
         return self._fd
 
-    def append(self, body: bytes, term: int = 0) -> int:
-        """Write one record of ``term`` (durable per the fsync policy) and return its LSN."""
+    def append(self, body: bytes, term: int = 0, written: Callable[[int], None] | None = None) -> int:
+        """Write one record of ``term`` (durable per the fsync policy) and
+        return its LSN. ``written(lsn)`` runs once the record is written,
+        before its fsync (replication sends it on meanwhile: a leader's and
+        its followers' fsyncs overlap)."""
         self.lsn += 1
         frame = encode_frame(self.lsn, body, term)
         with self._io_lock:
             os.write(self._open_fd, frame)
             self.bytes_since_snapshot += len(frame)
+            if written is not None:
+                written(self.lsn)
             if self.fsync == "always":
                 self._sync_locked()
             else:
