@@ -16,8 +16,10 @@ dir under one temp dir, ``--fsync always``.
   is SIGKILLed ``--kills`` times (restarted as a follower after each).
   Failover time: from the kill to the first step the new leader
   acknowledges. ``lost_acks``: acknowledged steps missing on the new leader
-  (must be 0). Fields: ``kills``, ``failover_p50_s``, ``failover_p99_s``,
-  ``failover_max_s``, ``lost_acks``, ``lease_ttl_s``.
+  after each failover, ``lost_acks_at_end``: any acknowledged step missing
+  once the load stopped (both must be 0). Fields: ``kills``,
+  ``failover_p50_s``, ``failover_p99_s``, ``failover_max_s``, ``lost_acks``,
+  ``lost_acks_at_end``, ``acknowledged``, ``lease_ttl_s``.
 
 Run: ``python bench/ha.py [--part steps|failover] [--seconds 5] [--kills 10]``.
 """
@@ -165,18 +167,22 @@ def part_failover(args, root: str, etcd: EtcdServer) -> None:
                     raise RuntimeError("the load stopped: a step failed")
                 time.sleep(0.005)
             times.append(acked[-1][2] - killed_at)
+            known = list(acked)  # acknowledged before the read below began: each must be in its answer
             tables = client.get_tables("bench")[1]
-            lost += sum(1 for seq, _, _ in list(acked) if seq not in tables)
+            lost += sum(1 for seq, _, _ in known if seq not in tables)
             group.start(leader, group.procs.pop(leader).address)
         stop.set()
         loader.join(60)
+        tables = client.get_tables("bench")[1]  # and once more, the load stopped: every step ever acknowledged
+        lost_at_end = sum(1 for seq, _, _ in acked if seq not in tables)
         client.close()
     finally:
         group.close()
     print(json.dumps({"name": "ha_failover", "kills": args.kills, "lease_ttl_s": args.ttl_s,
                       "failover_p50_s": round(percentile(times, 0.5), 3),
                       "failover_p99_s": round(percentile(times, 0.99), 3),
-                      "failover_max_s": round(max(times), 3), "lost_acks": lost}), flush=True)
+                      "failover_max_s": round(max(times), 3), "lost_acks": lost,
+                      "lost_acks_at_end": lost_at_end, "acknowledged": len(acked)}), flush=True)
 
 
 PARTS = {"steps": part_steps, "failover": part_failover}
