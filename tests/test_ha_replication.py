@@ -15,6 +15,7 @@ import os
 import signal
 import tempfile
 import threading
+import uuid
 from collections.abc import Iterator
 
 import pytest
@@ -37,10 +38,12 @@ TTL_S = "4"
 
 
 class Group:
-    """Three replicas of group ``g``, each with its own data dir; restartable."""
+    """Three replicas of a new group, each with its own data dir; restartable."""
 
     def __init__(self, etcd_url: str, root: str, *extra: str) -> None:
         self.etcd_url, self.root, self.extra = etcd_url, root, extra
+        # one etcd serves the module: each test's group must not inherit another's in-sync set
+        self.name = f"g-{uuid.uuid4().hex[:8]}"
         self.procs: dict[str, Proc] = {}
         self.clients: dict[str, BlockdClient] = {}
         self.dead: list[BlockdClient] = []
@@ -49,7 +52,7 @@ class Group:
         """Start (or restart, on its old address) replica ``rid``."""
         old = self.procs.get(rid)
         args = ["--data-dir", os.path.join(self.root, rid), "--etcd", self.etcd_url, "--replica-id", rid,
-                "--group", "g", "--lease-ttl-s", TTL_S, "--ack-timeout-s", "2", *self.extra]
+                "--group", self.name, "--lease-ttl-s", TTL_S, "--ack-timeout-s", "2", *self.extra]
         proc = start_blockd(*args) if old is None else Proc(["-m", "blockd.cli", "serve", "--listen", old.address,
                                                              *args], "blockd listening on")
         self.procs[rid] = proc
@@ -225,7 +228,7 @@ def test_a_follower_behind_the_retained_log_catches_up_from_a_snapshot(group):
     data_dir = os.path.join(g.root, lagging)
     wait_for(lambda: any(n.startswith("quarantine-") and n.endswith("replaced") for n in os.listdir(data_dir)),
              "the lagging replica installing the leader's snapshot", timeout_s=60)
-    in_sync = InSyncSet(EtcdClient(g.etcd_url), "g")
+    in_sync = InSyncSet(EtcdClient(g.etcd_url), g.name)
     wait_for(lambda: in_sync.contains(lagging), "the lagging replica back in the in-sync set", timeout_s=60)
     client.step("p", [Allocate("after", [7])], request_id="after")  # so it must hold this one too
     for rid in list(g.procs):
