@@ -69,6 +69,24 @@ log = logging.getLogger("blockd")
 FSYNC_POLICIES = ("always", "interval", "never")
 
 
+def _add_replication(serve: argparse.ArgumentParser) -> None:
+    """The flags of a replicated group (docs/ha.md); without --etcd none applies."""
+    serve.add_argument("--etcd", default="",
+                       help="etcd endpoints (http://HOST:PORT,...): run as one replica of a group, with leader "
+                            "election and log replication; needs --data-dir and --replica-id")
+    serve.add_argument("--replica-id", default="", help="this replica's name in its group (with --etcd)")
+    serve.add_argument("--group", default="main", help="the replica group (with --etcd)")
+    serve.add_argument("--replication", default="sync", choices=("sync", "async"),
+                       help="sync: a step is acknowledged once an in-sync follower persisted it; async: once "
+                            "the leader logged it (followers trail)")
+    serve.add_argument("--min-in-sync", type=int, default=2,
+                       help="replicas (the leader included) that must hold a step before it is acknowledged")
+    serve.add_argument("--ack-timeout-s", type=float, default=1.0,
+                       help="how long a step waits for the in-sync followers before they are dropped from the set")
+    serve.add_argument("--lease-ttl-s", type=int, default=2,
+                       help="the leader's etcd lease; failover takes about this plus 1 s")
+
+
 def _add_request_limits(parser: argparse.ArgumentParser, note: str = "") -> None:
     """The idempotency table's three bounds (:class:`IdempotencyLimits`)."""
     parser.add_argument("--max-request-ids", type=int, default=IdempotencyLimits.max_entries,
@@ -116,6 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--gc-freeze-interval-s", type=float, default=1.0,
                        help="move surviving objects out of the cyclic garbage collector's reach this often, "
                             "so a full collection never walks the whole state (0: leave the collector alone)")
+    _add_replication(serve)
     serve.add_argument("--log-level", type=config_env.log_level, default="INFO",
                        help="DEBUG, INFO, WARNING or ERROR")
     add_tls_flags(serve, server=True)
@@ -209,6 +228,22 @@ def _freeze_gc(stop: threading.Event, interval_s: float) -> None:
         gc.freeze()
 
 
+
+def _replica(args: argparse.Namespace):
+    """The replica of ``--etcd``'s group, or None (the embedded default: nothing of it is imported)."""
+    if not args.etcd:
+        return None
+    if not args.data_dir or not args.replica_id:
+        raise SystemExit("blockd serve --etcd needs --data-dir (the replica's own log) and --replica-id")
+    from blockd.replica import Replica, ReplicaConfig
+    try:
+        config = ReplicaConfig(args.etcd, args.replica_id, args.group, args.replication, args.min_in_sync,
+                               args.ack_timeout_s, args.lease_ttl_s)
+    except ValueError as err:
+        raise SystemExit(str(err)) from None
+    return Replica(config, args.data_dir)
+
+
 def serve(args: argparse.Namespace) -> int:
     # imported here so `blockd --help` stays fast and grpc-free
     from blockd.auth import server_security
@@ -223,14 +258,21 @@ def serve(args: argparse.Namespace) -> int:
     except ValueError as err:  # InsecureListen, TlsError, IdentitiesFileError
         log.error("cannot serve: %s", err)
         return 2
+    if args.etcd and (security.credentials is not None or args.tokens_file):
+        # the follower's stream to the leader carries no credentials yet (docs/ha.md, section 3)
+        log.error("cannot serve: --etcd (replication) cannot be combined with TLS or --tokens-file yet; "
+                  "run the replicas of a group on a private network with --insecure")
+        return 2
     log.info("data dir: %s; fsync: %s", args.data_dir or "none (in memory)", args.fsync)
     try:
         limits = IdempotencyLimits(args.max_request_ids, args.max_request_bytes, args.request_ttl_s)
     except ValueError as err:
         raise SystemExit(str(err)) from None
     metrics = _load_metrics(args.metrics_port)
+    replica = _replica(args)
     try:
         engine = Engine(EngineConfig(
+            replication=replica, log_observer=replica.tail if replica is not None else None,
             data_dir=args.data_dir, fsync=args.fsync, fsync_interval_s=args.fsync_interval_s,
             snapshot_every=args.snapshot_every, snapshot_log_ratio=args.snapshot_log_ratio,
             idempotency=limits, worker_timeout_s=args.worker_timeout_s,
@@ -243,13 +285,14 @@ def serve(args: argparse.Namespace) -> int:
     except (BlockdError, OSError, ValueError) as err:
         log.error("cannot open the engine: %s", err)
         return 1
-    for stats in sorted(engine.list_pools(), key=lambda s: s.name):
+    for stats in sorted(engine.list_pools(local=True), key=lambda s: s.name):
         log.info("pool %s: %d blocks of %d, %d sequences, version %d", stats.name, stats.num_blocks,
                  stats.block_size, stats.num_seqs, stats.version)
     try:
         server = BlockdServer(engine, args.listen, max_workers=args.max_workers, grace_s=args.grace_s,
                               interceptors=[*([metrics.interceptor()] if metrics is not None else []),
-                                            *security.interceptors], credentials=security.credentials)
+                                            *security.interceptors], credentials=security.credentials,
+                              extra_services=[replica.servicer()] if replica is not None else [])
         advertise = _advertise_address(args.advertise_address, server.address)
         http = _start_metrics(engine, args.metrics_port, metrics, args)
     except (OSError, ValueError, RuntimeError) as err:
@@ -271,6 +314,8 @@ def serve(args: argparse.Namespace) -> int:
         threading.Thread(target=_freeze_gc, args=(stop, args.gc_freeze_interval_s), name="blockd-gc",
                          daemon=True).start()
     server.start()
+    if replica is not None:
+        replica.start(engine, advertise)
     print(f"blockd listening on {server.address}", flush=True)
     print(f"blockd advertising {advertise}", flush=True)
     # wait in short slices so the signal handler runs promptly
@@ -280,6 +325,8 @@ def serve(args: argparse.Namespace) -> int:
             security.reload()
             if http is not None:
                 http.reload()
+    if replica is not None:
+        replica.stop()  # resign first: the next leader is elected within a poll
     server.stop()
     if http is not None:
         http.close()

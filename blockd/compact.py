@@ -32,6 +32,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from blockd.datadir import DataDirError, Reader, remove_tmp
@@ -88,7 +89,9 @@ def compact(data_dir: str, upto_lsn: int | None = None, *, prune: bool = True,
         lsn = reader.last_lsn
         if lsn <= covered:
             return Compacted(lsn, 0, time.perf_counter() - started)
-        size = write_snapshot(data_dir, engine.capture(), lsn, before_rename=lambda: _kill_point("written"))
+        state = engine.capture()
+        state["terms"] = reader.terms.dump()  # so a snapshot still tells which term wrote what
+        size = write_snapshot(data_dir, state, lsn, before_rename=lambda: _kill_point("written"))
         _kill_point("renamed")
         if prune:
             remove_replaced(data_dir, lsn)
@@ -130,8 +133,11 @@ class Snapshots:
     under the engine lock after each append.
     """
 
-    def __init__(self, wal: WriteAheadLog, every: int, log_ratio: float, limits: IdempotencyLimits) -> None:
+    def __init__(self, wal: WriteAheadLog, every: int, log_ratio: float, limits: IdempotencyLimits,
+                 on_snapshot: Callable[[int], None] | None = None) -> None:
         self.wal, self.every, self.log_ratio, self.limits = wal, every, log_ratio, limits
+        #: told the LSN of each snapshot once it is durable (and what it replaces pruned)
+        self.on_snapshot = on_snapshot
         self.since_snapshot = 0
         self._thread: threading.Thread | None = None
 
@@ -175,6 +181,8 @@ class Snapshots:
             return
         if done.size:
             self.wal.last_snapshot_bytes = done.size
+        if self.on_snapshot is not None:
+            self.on_snapshot(lsn)
         log.info("snapshot at lsn %d written in %.2fs (%d bytes; %d files it replaces removed)", lsn,
                  time.perf_counter() - started, done.size, len(pruned))
 

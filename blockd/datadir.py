@@ -25,11 +25,15 @@ import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from blockd.core.terms import TermHistory
 from blockd.wal import (
     COMPACT_LOCK,
+    FORMAT,
     FRAME,
+    FRAME_V2,
     LEGACY_FRAME,
     MAX_RECORD_BYTES,
+    READABLE_FORMATS,
     SEGMENT_HEADER,
     SEGMENT_MAGIC,
     SNAPSHOT_HEADER,
@@ -77,6 +81,8 @@ class Record:
     segment: str
     offset: int
     index: int  #: 0-based position in its segment
+    term: int = 0  #: the leader term that wrote it (0 before format 3, or without --etcd)
+    raw: bytes = b""  #: the body as stored (what replication sends on)
 
     def where(self) -> str:
         return f"record lsn {self.lsn}, #{self.index} of the segment"
@@ -89,6 +95,7 @@ class SegmentInfo:
     format: int = 0  #: 0 while unread or empty
     records: int = 0
     last_lsn: int = 0
+    terms: tuple[int, int] = (0, 0)  #: lowest and highest term of its records
     size: int = 0
     read: bool = False
     stale: bool = False  #: wholly covered by the snapshot (a compaction stopped before deleting it)
@@ -148,6 +155,8 @@ class Reader:
         self.segments: list[SegmentInfo] = []
         self.torn: TornTail | None = None
         self.last_lsn = 0
+        #: which term wrote which records: the snapshot's history, then the records'
+        self.terms = TermHistory()
         #: what recovery replays: records and frame bytes after the snapshot
         self.records_after_snapshot = self.bytes_after_snapshot = 0
         self.listing = listing = _list(data_dir)
@@ -201,6 +210,10 @@ class Reader:
         if not isinstance(state, dict) or state.get("lsn") != self.snapshot_lsn:
             raise fail(f"snapshot says lsn {state.get('lsn') if isinstance(state, dict) else '?'}, "
                        f"its name says {self.snapshot_lsn}")
+        try:
+            self.terms = TermHistory.load(state.get("terms", []))
+        except ValueError as err:
+            raise fail(f"snapshot's term history is not one ({err})") from None
         return state
 
     # --- records ----------------------------------------------------------
@@ -227,14 +240,14 @@ class Reader:
         # records the snapshot already covers (a compaction run offline covers
         # the last segment too) are verified and skipped
         covered = seg.first_lsn
-        frame = FRAME if seg.format == 2 else LEGACY_FRAME
+        frame = {3: FRAME, 2: FRAME_V2}.get(seg.format, LEGACY_FRAME)
         while pos < len(data):
             if self.upto_lsn is not None and self.last_lsn >= self.upto_lsn:
                 return
             parsed = self._frame(seg, data, pos, frame, is_last)
             if parsed is None:  # a torn tail: nothing after it counts
                 return
-            lsn, size, body = parsed
+            lsn, term, size, body, raw = parsed
             if covered < expected and lsn == covered:
                 covered += 1
                 seg.records += 1
@@ -243,7 +256,13 @@ class Reader:
             if lsn != expected:
                 raise DataDirError(self.data_dir, seg.name, f"lsn {lsn} where lsn {expected} was expected "
                                    "(records out of order or missing)", pos, f"record #{seg.records} of the segment")
-            yield Record(lsn, body, seg.name, pos, seg.records)
+            try:
+                self.terms.observe(term, lsn)
+            except ValueError as err:
+                raise DataDirError(self.data_dir, seg.name, f"record of term {term} after one of term "
+                                   f"{self.terms.last_term} ({err})", pos, f"lsn {lsn}") from None
+            seg.terms = (min(seg.terms[0], term) if seg.records else term, max(seg.terms[1], term))
+            yield Record(lsn, body, seg.name, pos, seg.records, term, raw)
             seg.records += 1
             seg.last_lsn = self.last_lsn = lsn
             self.records_after_snapshot += 1
@@ -268,16 +287,16 @@ class Reader:
         magic, version, first, crc = SEGMENT_HEADER.unpack_from(data)
         if zlib.crc32(data[:size - 4]) != crc or magic != SEGMENT_MAGIC:
             raise DataDirError(self.data_dir, seg.name, "segment header checksum mismatch: the file is damaged", 0)
-        if version != 2:
+        if version not in READABLE_FORMATS[1:]:
             raise DataDirError(self.data_dir, seg.name, f"segment format {version} is newer than this blockd "
-                               "reads (2); run the blockd that wrote it", 0)
+                               f"reads ({FORMAT}); run the blockd that wrote it", 0)
         if first != seg.first_lsn:
             raise DataDirError(self.data_dir, seg.name, f"segment header says it starts at lsn {first}", 0)
-        return size, 2
+        return size, version
 
     def _frame(self, seg: SegmentInfo, data: bytes, pos: int, frame, is_last: bool):
-        """(lsn, frame size, record) of the frame at ``pos``; None for a torn
-        tail (recorded in ``self.torn``); raises on damage."""
+        """(lsn, term, frame size, record, body bytes) of the frame at ``pos``;
+        None for a torn tail (recorded in ``self.torn``); raises on damage."""
         rest = len(data) - pos
         index = f"record #{seg.records} of the segment"
 
@@ -292,13 +311,17 @@ class Reader:
             return torn_or("trailing zero bytes")
         if rest < frame.size:
             return torn_or(f"a frame header cut short ({rest} of {frame.size} bytes)")
+        term = 0
         if frame is FRAME:
-            length, lsn, crc, head_crc = FRAME.unpack_from(data, pos)
-            if zlib.crc32(data[pos:pos + 16]) != head_crc or length > MAX_RECORD_BYTES:
-                raise DataDirError(self.data_dir, seg.name, "record header checksum mismatch: the file is "
-                                   "damaged", pos, index)
+            length, lsn, term, crc, head_crc = FRAME.unpack_from(data, pos)
+        elif frame is FRAME_V2:
+            length, lsn, crc, head_crc = FRAME_V2.unpack_from(data, pos)
         else:
             (length, crc), lsn = LEGACY_FRAME.unpack_from(data, pos), 0
+        if frame is not LEGACY_FRAME and (zlib.crc32(data[pos:pos + frame.size - 4]) != head_crc
+                                          or length > MAX_RECORD_BYTES):
+            raise DataDirError(self.data_dir, seg.name, "record header checksum mismatch: the file is "
+                               "damaged", pos, index)
         end = pos + frame.size + length
         if end > len(data):
             return torn_or(f"a record cut short (its header says {length} bytes, {rest - frame.size} remain)",
@@ -321,7 +344,9 @@ class Reader:
             lsn = record.pop("lsn", None)
             if type(lsn) is not int:
                 raise DataDirError(self.data_dir, seg.name, "format-1 record without an lsn", pos, index)
-        return lsn, end - pos, record
+            # what a follower is sent must replay exactly as here: without the lsn
+            body = json.dumps(record, separators=(",", ":")).encode()
+        return lsn, term, end - pos, record, body
 
     # --- after a successful replay ------------------------------------------
     def error_at(self, record: Record, reason: str) -> DataDirError:

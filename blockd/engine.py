@@ -18,6 +18,14 @@ for a caller's request and for recovery's replay:
 * tenants (:mod:`blockd.tenants`): every pool has an owner; a call naming
   another tenant's pool is refused, listings show the caller's tenant only,
   and the tenant's quotas are checked before a change is applied;
+* replication (optional, ``docs/ha.md``; the engine sees it only through the
+  :class:`~blockd.engine_config.Replication` gate): a replica that does not
+  lead refuses every call (NOT_LEADER); a leader writes its records in its
+  term and lets an answer leave only once the records it depends on are
+  committed -- a step after its own record, a read or a retried request id
+  after the last record logged when it was answered. A follower's engine is
+  fed the leader's records (:meth:`Engine.apply_replicated`) and re-read
+  from disk when its log is cut (:meth:`Engine.reload`);
 * the worker registry (:mod:`blockd.workers`; in memory: workers re-register)
   and each pool's identity (:mod:`blockd.identity`: a worker incarnation the
   pool has not seen is a logged change, the KV of its sequences is lost).
@@ -29,6 +37,7 @@ one lock keeps the log in commit order).
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -54,6 +63,7 @@ from blockd.core import (
 )
 from blockd.core.errors import NotFound, shown
 from blockd.core.incarnations import new_incarnation
+from blockd.core.terms import TermHistory
 from blockd.core.types import SequenceInfo, Snapshot, WorkerInfo, WorkerStatus
 from blockd.core.validate import check_config, check_name
 from blockd.datadir import Reader
@@ -75,7 +85,8 @@ class Engine:
     def __init__(self, config: EngineConfig | None = None) -> None:
         self.config = config = config if config is not None else EngineConfig()
         self._lock = threading.RLock()
-        self._followers = Followers(self._lock)
+        self._gate = config.replication
+        self._followers = Followers(self._lock, self._log_position, self._committed)
         self._pools: dict[str, PoolEntry] = {}
         self._requests = IdempotencyTable(config.idempotency, config.wall_clock)
         self.workers = WorkerRegistry(config.clock, config.worker_timeout_s)
@@ -140,6 +151,8 @@ class Engine:
     # --- changes -----------------------------------------------------------------------
     def apply(self, record: records.Record) -> object:
         """Run one record against the state (a request's, or a replayed one's)."""
+        if isinstance(record, records.TermStart):
+            return None
         if isinstance(record, records.Step):
             return self._run_step(self._pools[record.pool], record.ops)
         if isinstance(record, records.CreatePool):
@@ -166,31 +179,52 @@ class Engine:
     def _mutate(self, record: records.Record, rid: str = "", check: Callable[[], object] | None = None):
         """Apply ``record`` for a caller, remember ``rid``'s answer, log it, wake
         the followers; a retried ``rid`` gets the first answer. ``check`` runs
-        first, under the lock (a refusal changes nothing)."""
+        first, under the lock (a refusal changes nothing). With replication
+        the answer leaves once its record is committed."""
         if rid:
             check_name(rid, "request_id")
         with self._lock:
-            if self._closed:
-                raise WrongState("blockd is shutting down; retry against the new instance")
-            if self._durability is not None and self._durability.broken:
-                raise WrongState(self._durability.broken)
-            if rid:
-                fp, now = self._fingerprint(record), self._requests.stamp()
-                found = self._requests.lookup(rid, fp, now)
-                if found is not MISSING:
-                    return found
-            if check is not None:
-                check()
-            result = self.apply(record)
-            if rid:
-                self._requests.put(rid, fp, now, result, self._block_size(record.pool))
-                body = records.encode(record, rid, now)
-            else:
-                body = records.encode(record)
-            if self._durability is not None:
-                self._durability.log(body)
-            self._followers.notify()
-            return result
+            result, lsn = self._apply_and_log(record, rid, check)
+        self._committed(lsn)
+        return result
+
+    def _apply_and_log(self, record: records.Record, rid: str = "",
+                       check: Callable[[], object] | None = None) -> tuple[object, int]:
+        """:meth:`_mutate` under the lock: ``(answer, the LSN it depends on)``."""
+        if self._closed:
+            raise WrongState("blockd is shutting down; retry against the new instance")
+        if self._durability is not None and self._durability.broken:
+            raise WrongState(self._durability.broken)
+        if self._gate is not None:
+            self._gate.writable()
+        if rid:
+            fp, now = self._fingerprint(record), self._requests.stamp()
+            found = self._requests.lookup(rid, fp, now)
+            if found is not MISSING:
+                # the first answer's record is at or before the last one logged
+                return found, self._log_position()
+        if check is not None:
+            check()
+        result = self.apply(record)
+        if rid:
+            self._requests.put(rid, fp, now, result, self._block_size(record.pool))
+            body = records.encode(record, rid, now)
+        else:
+            body = records.encode(record)
+        lsn = 0
+        if self._durability is not None:
+            lsn = self._durability.log(body, self._gate.term if self._gate is not None else 0)
+        self._followers.notify()
+        return result, lsn
+
+    def _log_position(self) -> int:
+        """The LSN of the last record logged (0 without a data dir)."""
+        return self._durability.last_lsn if self._durability is not None else 0
+
+    def _committed(self, lsn: int) -> None:
+        """Return once ``lsn`` is committed (at once without replication)."""
+        if self._gate is not None:
+            self._gate.committed(lsn)
 
     def _guard(self, name: object) -> None:
         """Refuse another tenant's caller before the request table is read (a
@@ -254,8 +288,14 @@ class Engine:
         self._mutate(records.ResetPrefixCache(pool), request_id)
 
     def _read(self, read: Callable[[], T]) -> T:
+        """``read()`` under the lock; with replication, only on the leader and
+        only once what it saw is committed."""
         with self._lock:
-            return read()
+            if self._gate is not None:
+                self._gate.writable()
+            value, lsn = read(), self._log_position()
+        self._committed(lsn)
+        return value
 
     def get_pool(self, name: str) -> PoolStats:
         return self._read(lambda: self._entry(name).stats())
@@ -266,7 +306,11 @@ class Engine:
     def pool_incarnation(self, name: str) -> str:
         return self._read(lambda: self._entry(name).identity.incarnation)
 
-    def list_pools(self) -> list[PoolStats]:
+    def list_pools(self, *, local: bool = False) -> list[PoolStats]:
+        """``local``: this replica's own state, whatever its role (metrics, logs)."""
+        if local:
+            with self._lock:
+                return [entry.stats() for entry in self._pools.values()]
         return self._read(lambda: [entry.stats() for entry in self._pools.values() if visible(entry.pool.config)])
 
     # --- steps ---------------------------------------------------------------------------
@@ -294,9 +338,11 @@ class Engine:
         """``incarnation``: the pool incarnation the caller planned against
         (refused when it is not the current one); empty: not checked."""
         if dry_run:  # answers what the batch would do; nothing is remembered or logged
-            with self._lock:
+            def would() -> StepResult:
                 entry = self._checked_entry(pool, ops, incarnation, dry_run=True)
                 return entry.identity.result(entry.pool.step(ops, dry_run=True))
+
+            return self._read(would)
         start, outcome = time.perf_counter(), "ok"
         try:
             self._guard(pool)
@@ -316,23 +362,29 @@ class Engine:
 
     # --- reads ---------------------------------------------------------------------------
     def get_tables(self, pool: str, seq_ids: list[str]) -> tuple[int, dict[str, list[int]]]:
-        with self._lock:
+        def read() -> tuple[int, dict[str, list[int]]]:
             p = self._entry(pool).pool
             if not seq_ids:
                 return p.version, p.tables()
             return p.version, {seq_id: p.block_table(seq_id) for seq_id in seq_ids}
 
+        return self._read(read)
+
     def sequence_info(self, pool: str, seq_id: str) -> SequenceInfo:
-        with self._lock:
+        def read() -> SequenceInfo:
             entry = self._entry(pool)
             seq = entry.pool.get_seq(seq_id)
             return SequenceInfo(seq.seq_id, len(seq.token_ids), seq.num_committed, list(seq.table),
                                 seq.seq_id in entry.identity.lost)
 
+        return self._read(read)
+
     def lookup_prefix(self, token_ids: list[int], extra_keys: ExtraKeys, pools: list[str]) -> dict[str, int]:
-        with self._lock:
+        def read() -> dict[str, int]:
             names = pools or [name for name, entry in self._pools.items() if visible(entry.pool.config)]
             return {name: self._entry(name).pool.lookup_prefix(token_ids, extra_keys) for name in names}
+
+        return self._read(read)
 
     def check_invariants(self) -> None:
         with self._lock:
@@ -358,16 +410,22 @@ class Engine:
         """A worker incarnation the pool has not seen is a logged change: the
         KV of every sequence of the pool is lost (:mod:`blockd.identity`)."""
         with self._lock:
+            if self._gate is not None:
+                self._gate.writable()
             entry = self._entry(info.pool)
             self.workers.check(info, entry.pool.config)
+            lsn = self._log_position()
             if not entry.identity.knows(info.incarnation):
-                num_lost = self._mutate(records.WorkerJoined(info.pool, info.worker_id, info.incarnation))
+                num_lost, lsn = self._apply_and_log(records.WorkerJoined(info.pool, info.worker_id,
+                                                                         info.incarnation))
                 if num_lost:
                     log.warning("pool %r: worker %r registered as a new incarnation (%s); the KV of %d "
                                 "sequences is lost and the prefix cache is cleared: steps naming them fail "
                                 "with KV_LOST until they are freed", info.pool, info.worker_id,
                                 info.incarnation, num_lost)
-            return self.workers.register(info, entry.pool.config)
+            status = self.workers.register(info, entry.pool.config)
+        self._committed(lsn)
+        return status
 
     def heartbeat(self, worker_id: str, applied_version: int) -> WorkerStatus:
         with self._lock:
@@ -376,12 +434,73 @@ class Engine:
                 self._entry(pool)  # only the pool's tenant (or an admin) speaks for its workers
             return self.workers.heartbeat(worker_id, applied_version)
 
-    def list_workers(self, pool: str | None = None) -> list[WorkerStatus]:
-        with self._lock:
+    def list_workers(self, pool: str | None = None, *, local: bool = False) -> list[WorkerStatus]:
+        """``local``: as :meth:`list_pools`."""
+        def read() -> list[WorkerStatus]:
             if pool:
                 self._entry(pool)
             return [status for status in self.workers.list(pool or None)
                     if status.info.pool not in self._pools or visible(self._pools[status.info.pool].pool.config)]
+
+        if local:
+            with self._lock:
+                return read()
+        return self._read(read)
+
+    # --- replication (docs/ha.md) ----------------------------------------------------------
+    def log_state(self) -> tuple[int, TermHistory, int]:
+        """``(last LSN, term history, newest snapshot's LSN)`` of the log (a copy)."""
+        with self._lock:
+            d = self._durability
+            if d is None:
+                return 0, TermHistory(), 0
+            return d.last_lsn, d.terms.copy(), d.snapshot_lsn
+
+    def begin_term(self, term: int, previous_term: int, leader: str, may_begin: Callable[[], bool]) -> int:
+        """Log a new leader's first record (:class:`blockd.records.TermStart`)
+        if ``may_begin()`` still holds under the lock; its LSN (0: it did not)."""
+        with self._lock:
+            if self._durability is None or not may_begin():
+                return 0
+            body = records.encode(records.TermStart(term, previous_term, leader))
+            lsn = self._durability.log(body, term)
+            self._followers.notify()
+            return lsn
+
+    def apply_replicated(self, frames: list[tuple[int, int, bytes]], may_apply: Callable[[], bool]) -> int:
+        """A follower's part: apply the leader's records ``(lsn, term, body)``
+        as recovery does, then append them to the log as they are (fsynced);
+        the last LSN persisted. Nothing happens unless ``may_apply()`` holds
+        under the lock (this replica still follows). A record that does not
+        apply (or a log that fails) leaves memory ahead of the disk: the
+        caller must :meth:`reload`."""
+        with self._lock:
+            durability = self._durability
+            if durability is None or not may_apply():
+                raise WrongState("this replica does not follow a leader now")
+            if frames and frames[0][0] != durability.last_lsn + 1:
+                raise WrongState(f"records from lsn {frames[0][0]} do not follow this log (at lsn "
+                                 f"{durability.last_lsn})")
+            for _lsn, _term, body in frames:
+                self.apply_record(json.loads(body))
+            last = durability.log_replicated(frames)
+            self._followers.notify()
+            return last
+
+    def reload(self, change: Callable[[Durability], object] | None = None) -> None:
+        """Drop the state, run ``change(durability)`` on the data dir (a cut,
+        a new snapshot) and read the directory back: the state is then exactly
+        what is on disk. Open streams end. Raises what recovery raises."""
+        with self._lock:
+            durability = self._durability
+            if durability is None:
+                raise WrongState("an engine without a data dir has nothing to reload")
+            for entry in self._pools.values():
+                entry.deleted = True
+            self._followers.notify()
+            self._pools = {}
+            self._requests = IdempotencyTable(self.config.idempotency, self.config.wall_clock)
+            durability.reopen(self, None if change is None else lambda: change(durability))
 
 
 def _refuse_malformed(pool: Pool, ops: list[Op]) -> None:

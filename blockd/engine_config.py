@@ -7,6 +7,14 @@ clocks, and callbacks observing WAL syncs and steps). Every field has the
 daemon's default, so ``EngineConfig()`` is an engine in memory and
 ``EngineConfig(data_dir=...)`` a durable one. Imports only the standard
 library and the idempotency limits.
+
+Replication (``docs/ha.md``) plugs in through two protocols, so the engine
+imports nothing of it: a :class:`LogObserver` sees every record of the log
+(replication keeps the recent ones in memory for its followers) and a
+:class:`Replication` gate decides whether this replica may take a write or
+answer a read, in which term its records are written, and when a record is
+committed (acknowledged by the in-sync followers) so that an answer that
+depends on it may leave.
 """
 
 from __future__ import annotations
@@ -14,9 +22,40 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from blockd.auth.quotas import Quota
 from blockd.idempotency import IdempotencyLimits
+
+
+class LogObserver(Protocol):
+    """Told about the log's records, in LSN order, from the newest snapshot on."""
+
+    def reset(self, snapshot_lsn: int) -> None:
+        """The log is (re-)read from the snapshot of ``snapshot_lsn``."""
+
+    def record(self, lsn: int, term: int, body: bytes) -> None:
+        """Record ``lsn`` of ``term`` with this JSON body is in the log."""
+
+    def snapshotted(self, lsn: int) -> None:
+        """A snapshot of ``lsn`` is durable."""
+
+
+class Replication(Protocol):
+    """The engine's gate to replication (``docs/ha.md``); see the module docstring."""
+
+    @property
+    def term(self) -> int:
+        """The term this replica's records are written in now (0: not replicated)."""
+
+    def writable(self) -> None:
+        """Raise (NOT_LEADER, NO_LEADER) unless this replica may serve a call
+        now; called under the engine lock, before anything changes."""
+
+    def committed(self, lsn: int) -> None:
+        """Return once record ``lsn`` is committed and this replica may still
+        acknowledge; raise (NOT_REPLICATED, NOT_LEADER) when it cannot say
+        so in time. Called outside the engine lock."""
 
 
 @dataclass(frozen=True)
@@ -47,3 +86,6 @@ class EngineConfig:
     #: called as (pool, ops, outcome, seconds) after every step; outcome is
     #: "ok" or the lowercase status code name
     observe_step: Callable[[str, list, str, float], None] | None = None
+    #: replication's view of the log (a data dir is needed), and its gate
+    log_observer: LogObserver | None = None
+    replication: Replication | None = None

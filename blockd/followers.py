@@ -9,6 +9,11 @@ the follower names another pool incarnation than the pool's, it opens with a
 the pool's KV events after a sequence number, from the retained window
 (:data:`blockd.pool_entry.MAX_RETAINED_EVENTS`).
 
+With replication (``docs/ha.md``) both deliver only committed changes: what
+a stream takes from the state under the lock is handed out once the record
+logged last at that moment is committed (the engine's gate), so a worker
+never holds a version a new leader would not have.
+
 Both wait on one condition shared with the engine's lock: the engine calls
 :meth:`Followers.notify` after every change, under the lock. A stream wakes at
 least every :data:`WAIT_S` to ask its ``should_stop`` (the client went away,
@@ -34,9 +39,13 @@ WAIT_S = 0.25
 class Followers:
     """The streams over ``lock``'s state (the engine's lock)."""
 
-    def __init__(self, lock: threading.RLock) -> None:
+    def __init__(self, lock: threading.RLock, position: Callable[[], int] = lambda: 0,
+                 committed: Callable[[int], None] = lambda lsn: None) -> None:
+        """``position()``: the last LSN logged (under the lock);
+        ``committed(lsn)``: returns once it is committed, or raises."""
         self._lock = lock
         self._changed = threading.Condition(lock)
+        self._position, self._committed = position, committed
 
     def notify(self) -> None:
         """Something changed: wake every stream. Call with the lock held."""
@@ -53,7 +62,9 @@ class Followers:
                 pending: list = [entry.snapshot()]
             else:
                 pending = self._since(entry, version)
+            lsn = self._position()
         while True:
+            self._committed(lsn)
             for item in pending:
                 yield item
                 version = item.version
@@ -63,6 +74,7 @@ class Followers:
                 if entry.deleted or should_stop():
                     return
                 pending = self._since(entry, version)
+                lsn = self._position()
 
     @staticmethod
     def _since(entry: PoolEntry, version: int) -> list:
@@ -100,6 +112,8 @@ class Followers:
                     raise WrongState(f"events after {seen} fell out of the retained window while the "
                                      "reader was slow; rebuild from a table snapshot and resume")
                 batch = list(islice(entry.events, seen + 1 - first, None))
+                lsn = self._position()
+            self._committed(lsn)
             for event in batch:
                 yield event
                 seen = event.seq_no

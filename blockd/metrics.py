@@ -110,8 +110,8 @@ class EngineCollector(Collector):
         return self._families().values()
 
     def collect(self) -> Iterable[Metric]:
-        pools = sorted(self._engine.list_pools(), key=lambda s: s.name)
-        workers = self._engine.list_workers()
+        pools = sorted(self._engine.list_pools(local=True), key=lambda s: s.name)
+        workers = self._engine.list_workers(local=True)
         if self._on_pools is not None:
             self._on_pools(s.name for s in pools)
         families = self._families()
@@ -183,7 +183,7 @@ class BlockdMetrics:
             return pool if isinstance(pool, str) else UNKNOWN_POOL
         # rare path (a failing step on a pool not seen yet): ask the engine
         engine = self._engine
-        if engine is not None and isinstance(pool, str) and pool in {s.name for s in engine.list_pools()}:
+        if engine is not None and isinstance(pool, str) and pool in {s.name for s in engine.list_pools(local=True)}:
             self._known_pools.add(pool)
             return pool
         return UNKNOWN_POOL

@@ -1,6 +1,8 @@
 """The daemon's mutations as typed records, and their form in the write-ahead log.
 
-Every change to the daemon's state is one of five records. The engine
+Every change to the daemon's state is one of five records; a sixth,
+``term_start``, marks where a new leader's term begins (``docs/ha.md``) and
+changes nothing. The engine
 applies a record the same way whether a caller asked for it or recovery
 replays it (:meth:`blockd.engine.Engine.apply`), so the log holds exactly
 what the engine ran: a batch is applied in memory, logged, then
@@ -15,6 +17,10 @@ it was stamped with (so replay rebuilds the idempotency table exactly)::
     step                {"pool": "...", "ops": [[kind, ...], ...]}   (ops: blockd.core.state)
     reset_prefix_cache  {"pool": "..."}
     worker_joined       {"pool": "...", "worker_id": "...", "incarnation": "..."}
+    term_start          {"term": T, "previous_term": P, "leader": "replica id"}
+
+The term that wrote a record is not in its JSON but in its WAL frame
+(:mod:`blockd.wal`, format 3), so every record of every kind carries one.
 
 A create record written before incarnations existed has none; its pool gets
 a stable one derived from its name and LSN (:func:`blockd.identity.legacy_incarnation`).
@@ -82,7 +88,23 @@ class WorkerJoined:
     subject = None
 
 
-Record = CreatePool | DeletePool | Step | ResetPrefixCache | WorkerJoined
+@dataclass(frozen=True)
+class TermStart:
+    """A new leader's first record: its term, the one before, and who leads.
+
+    Applying it changes no state; it makes the log itself tell where each
+    term begins (its frame carries ``term`` too), and once the leader's
+    followers have persisted it, everything before it is committed."""
+
+    term: int
+    previous_term: int
+    leader: str
+    kind = "term_start"
+    pool = ""
+    subject = None
+
+
+Record = CreatePool | DeletePool | Step | ResetPrefixCache | WorkerJoined | TermStart
 
 
 def encode(record: Record, rid: str = "", t: float = 0.0) -> dict:
@@ -93,6 +115,8 @@ def encode(record: Record, rid: str = "", t: float = 0.0) -> dict:
         body = {"pool": record.pool, "ops": [op_to_json(op) for op in record.ops]}
     elif isinstance(record, WorkerJoined):
         body = {"pool": record.pool, "worker_id": record.worker_id, "incarnation": record.incarnation}
+    elif isinstance(record, TermStart):
+        body = {"term": record.term, "previous_term": record.previous_term, "leader": record.leader}
     else:
         body = {"pool": record.pool}
     body["kind"] = record.kind
@@ -117,6 +141,8 @@ def decode(body: dict) -> tuple[Record, str, float]:
         record = ResetPrefixCache(body["pool"])
     elif kind == "worker_joined":
         record = WorkerJoined(body["pool"], body["worker_id"], body["incarnation"])
+    elif kind == "term_start":
+        record = TermStart(int(body["term"]), int(body["previous_term"]), str(body["leader"]))
     else:
         raise ValueError(f"unknown log record kind {kind!r}")
     return record, body.get("rid", ""), body.get("t", 0.0)

@@ -4,7 +4,9 @@
 same :class:`blockd.datadir.Reader` and engine replay), changes nothing, and
 prints what it found: the snapshot, each segment with its record count and
 LSNs, the torn tail if any, the pools. It exits 0 if the daemon would start,
-1 with the daemon's own error if it would refuse.
+1 with the daemon's own error if it would refuse. For a replica's directory
+(``blockd serve --etcd``) it also shows the leader terms that wrote the log
+(:mod:`blockd.core.terms`).
 
 ``repair-data --truncate-at-first-bad`` is the explicit, opt-in way past
 damage: it cuts the log at the first bad record (the whole segment when its
@@ -18,13 +20,12 @@ log it summarised is gone): that needs a backup.
 from __future__ import annotations
 
 import os
-import shutil
-import time
 from typing import TYPE_CHECKING, TextIO
 
+from blockd import log_cut
 from blockd.datadir import DataDirError, Reader, advice
 from blockd.datadir_lock import LOCK_NAME, DataDirLock, DataDirLocked
-from blockd.wal import COMPACT_LOCK, SEGMENT_HEADER, DirLock, fsync_dir, parse_name
+from blockd.wal import COMPACT_LOCK, DirLock
 
 if TYPE_CHECKING:
     from blockd.engine import Engine
@@ -57,7 +58,10 @@ def _describe(reader: Reader, out: TextIO) -> None:
             print(f"segment {seg.name}: not read (after the damage)", file=out)
             continue
         lsns = f", lsn {seg.first_lsn}-{seg.last_lsn}" if seg.last_lsn else ""
-        line = f"segment {seg.name}: format {seg.format or '-'}, {seg.records} records{lsns}, {seg.size} bytes"
+        low, high = seg.terms
+        terms = "" if not high else f", term {high}" if low == high else f", terms {low}-{high}"
+        line = (f"segment {seg.name}: format {seg.format or '-'}, {seg.records} records{lsns}{terms}, "
+                f"{seg.size} bytes")
         torn = reader.torn
         if torn is not None and torn.segment == seg.name:
             line += (f"; torn tail at byte {torn.offset} ({torn.size} bytes: {torn.why}), never acknowledged: "
@@ -87,59 +91,14 @@ def check(data_dir: str, out: TextIO) -> int:
     assert engine is not None, "a replay without an error gives an engine"
     print(f"last lsn {reader.last_lsn}; {reader.records_after_snapshot} records after the snapshot "
           f"({reader.bytes_after_snapshot} bytes) to replay", file=out)
+    if reader.terms.runs():
+        runs = ", ".join(f"term {term} from lsn {first}" for term, first in reader.terms.runs())
+        print(f"leader terms (replication): {runs}; last term {reader.terms.last_term}", file=out)
     for stats in sorted(engine.list_pools(), key=lambda s: s.name):
         print(f"pool {stats.name}: version {stats.version}, {stats.num_seqs} sequences, "
               f"{stats.num_blocks - stats.num_free_blocks}/{stats.num_blocks} blocks not free", file=out)
     print("OK: blockd would start from this data dir", file=out)
     return 0
-
-
-def _cut_plan(data_dir: str, err: DataDirError) -> tuple[str, int, list[str]]:
-    """(segment to truncate or "", offset, segments to move away whole)."""
-    segments = sorted((parsed[1], name) for name in os.listdir(data_dir)
-                      if (parsed := parse_name(name)) and parsed[0] == "segment")
-    first = next(lsn for lsn, name in segments if name == err.name)
-    later = [name for lsn, name in segments if lsn > first]
-    assert err.offset is not None, "only damage at an offset is cut"
-    if err.offset <= SEGMENT_HEADER.size:
-        # the segment's header or its first record: keeping an empty husk would
-        # only leave a gap for the next start to trip over
-        return "", 0, [err.name, *later]
-    return err.name, err.offset, later
-
-
-def _quarantine(data_dir: str, err: DataDirError, truncate: str, offset: int, move: list[str]) -> str:
-    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-    qdir, n = os.path.join(data_dir, f"quarantine-{stamp}"), 1
-    while os.path.exists(qdir):
-        n += 1
-        qdir = os.path.join(data_dir, f"quarantine-{stamp}-{n}")
-    os.mkdir(qdir)
-    with open(os.path.join(qdir, "README.txt"), "w", encoding="utf-8") as f:
-        f.write(f"blockd repair-data cut the log of {data_dir} because:\n  {err}\n")
-        if truncate:
-            f.write(f"{truncate} (a full copy is here) was truncated to {offset} bytes.\n")
-        if move:
-            f.write(f"Moved here whole: {', '.join(move)}.\n")
-        f.write("To undo: stop blockd, copy these files back over the data dir's own.\n")
-    if truncate:
-        shutil.copy2(os.path.join(data_dir, truncate), os.path.join(qdir, truncate))
-    for name in move:
-        shutil.copy2(os.path.join(data_dir, name), os.path.join(qdir, name))
-    for name in os.listdir(qdir):
-        with open(os.path.join(qdir, name), "rb") as f:
-            os.fsync(f.fileno())
-    fsync_dir(qdir)
-    fsync_dir(data_dir)
-    # only now that the copies are durable does anything in the data dir change
-    if truncate:
-        with open(os.path.join(data_dir, truncate), "r+b") as f:
-            f.truncate(offset)
-            os.fsync(f.fileno())
-    for name in move:
-        os.unlink(os.path.join(data_dir, name))
-    fsync_dir(data_dir)
-    return qdir
 
 
 def repair(data_dir: str, truncate_at_first_bad: bool, out: TextIO) -> int:
@@ -175,15 +134,14 @@ def _repair_locked(data_dir: str, truncate_at_first_bad: bool, out: TextIO) -> i
             print("cutting the log cannot fix this (the damage is not in a log segment); restore the data "
                   "dir from a backup", file=out)
             return 1
-        truncate, offset, move = _cut_plan(data_dir, err)
-        plan = (f"truncate {truncate} to {offset} bytes" if truncate else "") + (
-            f"{' and ' if truncate else ''}move away {', '.join(move)}" if move else "")
+        assert err.offset is not None, "only damage at an offset is cut"
+        plan = log_cut.plan_at(data_dir, err.name, err.offset)
         if not truncate_at_first_bad:
-            print(f"repair-data would {plan} (records from lsn {reader.last_lsn + 1} on), keeping copies; "
-                  "pass --truncate-at-first-bad to do it", file=out)
+            print(f"repair-data would {plan.describe()} (records from lsn {reader.last_lsn + 1} on), keeping "
+                  "copies; pass --truncate-at-first-bad to do it", file=out)
             return 2
-        qdir = _quarantine(data_dir, err, truncate, offset, move)
-        print(f"cut: {plan}; copies of everything cut are in {qdir}", file=out)
+        qdir = log_cut.quarantine(data_dir, str(err), plan)
+        print(f"cut: {plan.describe()}; copies of everything cut are in {qdir}", file=out)
         cut = True
     print("the data dir is still damaged after cutting the log; restore it from a backup", file=out)
     return 1

@@ -8,21 +8,33 @@ Layout of a data directory::
     compact.lock                 held by a compaction (one at a time; see blockd.compact)
     blockd.lock                  held by the daemon serving the directory
 
-Format 2 (written since format versions exist):
+Format 3 (written since replication, ``docs/ha.md``):
 
 * a segment starts with a 24-byte header ``[8s "BLKDWAL\\0"][u32 version]
   [u64 first lsn][u32 crc32 of the 20 bytes before]``, then frames
-  ``[u32 length][u64 lsn][u32 crc32(body)][u32 crc32 of the 16 bytes before]
-  [body: the record as JSON]``. The header check means a flipped length or
-  LSN is caught as damage instead of passing for a record cut short.
-* a snapshot is ``[8s "BLKDSNAP"][u32 version][u32 crc32(body)][u64 length]``
-  then the state as JSON (its ``lsn`` equals the one in the file name).
+  ``[u32 length][u64 lsn][u64 term][u32 crc32(body)][u32 crc32 of the 24
+  bytes before][body: the record as JSON]``. The header check means a
+  flipped length, LSN or term is caught as damage instead of passing for a
+  record cut short. ``term`` is the leader term that wrote the record (0 for
+  a daemon without ``--etcd``); terms never go down along the log.
+* a snapshot is ``[8s "BLKDSNAP"][u32 version 2][u32 crc32(body)][u64 length]``
+  then the state as JSON: its ``lsn`` equals the one in the file name, its
+  ``terms`` is the term history up to that record (``[[term, first lsn],
+  ...]``, :class:`blockd.core.terms.TermHistory`; absent: all term 0). The
+  snapshot header keeps version 2: its body only gained a field that older
+  readers ignore.
 
-Format 1 (data directories written before format versions) is read, never
-written: headerless segments of ``[u32 length][u32 crc32][JSON with "lsn"]``
-and plain-JSON ``snapshot-N.json`` files. The first compaction after an
-upgrade replaces them. Format 1 has no header check, so in its last segment a
-flipped length that points past the end still passes for a torn tail. :mod:`blockd.datadir` reads and verifies both.
+Format 2 segments (the same without the term in the frame header: ``[u32
+length][u64 lsn][u32 crc32(body)][u32 crc32 of the 16 bytes before]``) and
+format 1 (data directories written before format versions: headerless
+segments of ``[u32 length][u32 crc32][JSON with "lsn"]`` and plain-JSON
+``snapshot-N.json`` files) are read, never written; their records have term
+0. A directory may hold segments of several formats (an upgrade writes its
+next segment in format 3); the first compaction after an upgrade replaces
+the old ones. Format 1 has no header check, so in its last segment a flipped
+length that points past the end still passes for a torn tail.
+:mod:`blockd.datadir` reads and verifies them all; a blockd that predates
+format 3 refuses a format-3 segment by name rather than misreading it.
 
 Appending: a frame goes out in one ``os.write`` and, under fsync policy
 ``always``, is fsynced before the caller acknowledges the batch; ``interval``
@@ -46,11 +58,16 @@ import zlib
 from collections.abc import Callable
 
 FSYNC_POLICIES = ("always", "interval", "never")
-FORMAT = 2
+FORMAT = 3
+#: what a snapshot's header says (its body only gained ``terms``, see the module docstring)
+SNAPSHOT_FORMAT = 2
+#: segment formats this blockd reads
+READABLE_FORMATS = (1, 2, 3)
 
 SEGMENT_MAGIC = b"BLKDWAL\x00"
 SEGMENT_HEADER = struct.Struct("<8sIQI")
-FRAME = struct.Struct("<IQII")
+FRAME = struct.Struct("<IQQII")
+FRAME_V2 = struct.Struct("<IQII")
 LEGACY_FRAME = struct.Struct("<II")
 SNAPSHOT_MAGIC = b"BLKDSNAP"
 SNAPSHOT_HEADER = struct.Struct("<8sIIQ")
@@ -86,8 +103,9 @@ def segment_header(first_lsn: int) -> bytes:
     return head + struct.pack("<I", zlib.crc32(head))
 
 
-def encode_frame(lsn: int, body: bytes) -> bytes:
-    head = struct.pack("<IQI", len(body), lsn, zlib.crc32(body))
+def encode_frame(lsn: int, body: bytes, term: int = 0) -> bytes:
+    """A format-3 frame: record ``lsn`` of ``term`` holding ``body``."""
+    head = struct.pack("<IQQI", len(body), lsn, term, zlib.crc32(body))
     return head + struct.pack("<I", zlib.crc32(head)) + body
 
 
@@ -137,7 +155,7 @@ def write_snapshot(data_dir: str, state: dict, lsn: int, before_rename: Callable
     tmp = final + TMP_SUFFIX
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        data = memoryview(SNAPSHOT_HEADER.pack(SNAPSHOT_MAGIC, FORMAT, zlib.crc32(body), len(body)) + body)
+        data = memoryview(SNAPSHOT_HEADER.pack(SNAPSHOT_MAGIC, SNAPSHOT_FORMAT, zlib.crc32(body), len(body)) + body)
         # synced a few MiB at a time: one fsync of 100 MB makes the daemon's
         # own per-record fsyncs queue behind it for hundreds of milliseconds
         done = 0
@@ -220,17 +238,40 @@ class WriteAheadLog:
         assert self._fd is not None, "the log is not open"
         return self._fd
 
-    def append(self, record: dict) -> int:
-        """Write one record (durable per the fsync policy) and return its LSN."""
+    def append(self, body: bytes, term: int = 0, written: Callable[[int], None] | None = None) -> int:
+        """Write one record of ``term`` (durable per the fsync policy) and
+        return its LSN. ``written(lsn)`` runs once the record is written,
+        before its fsync (replication sends it on meanwhile: a leader's and
+        its followers' fsyncs overlap)."""
         self.lsn += 1
-        frame = encode_frame(self.lsn, json.dumps(record, separators=(",", ":")).encode())
+        frame = encode_frame(self.lsn, body, term)
         with self._io_lock:
             os.write(self._open_fd, frame)
             self.bytes_since_snapshot += len(frame)
+            if written is not None:
+                written(self.lsn)
             if self.fsync == "always":
                 self._sync_locked()
             else:
                 self._dirty = True
+        return self.lsn
+
+    def append_replicated(self, frames: list[tuple[int, int, bytes]]) -> int:
+        """Write a leader's records ``(lsn, term, body)``, which must continue
+        this log, in one write and one fsync whatever the policy (a follower's
+        acknowledgement promises they are durable); returns the last LSN."""
+        data = bytearray()
+        for lsn, term, body in frames:
+            if lsn != self.lsn + 1:
+                raise ValueError(f"record lsn {lsn} does not follow lsn {self.lsn} of this log")
+            data += encode_frame(lsn, body, term)
+            self.lsn = lsn
+        with self._io_lock:
+            view, done = memoryview(data), 0
+            while done < len(view):
+                done += os.write(self._open_fd, view[done:])
+            self.bytes_since_snapshot += len(data)
+            self._sync_locked()
         return self.lsn
 
     def _sync_locked(self) -> None:

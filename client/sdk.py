@@ -6,7 +6,10 @@ Results are blockd's plain dataclasses (:class:`~blockd.core.types.PoolStats`,
 :class:`~blockd.core.types.Snapshot`, :class:`~blockd.core.types.WorkerStatus`, ...),
 failures are :mod:`client.errors` exceptions. Every unary call has a deadline
 (``timeout_s``), UNAVAILABLE is retried by the channel, and mutations carry a
-request id so those retries are safe. Streams (``watch``, ``events``) have no
+request id so those retries are safe. ``target`` may list the replicas of
+a replicated group, comma-separated: a unary call then follows the leader
+(NOT_LEADER's address, the next replica when one is down) and resends the
+same request, hence the same request id (:mod:`client.leader`). Streams (``watch``, ``events``) have no
 deadline unless one is given; closing their iterator cancels the call.
 
     with BlockdClient("127.0.0.1:50051") as client:
@@ -21,6 +24,8 @@ Each method builds its request (:mod:`client.messages`, shared with
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable, Generator, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -53,6 +58,7 @@ from blockd.v1 import blockd_pb2_grpc as pb_grpc
 from client import messages
 from client.channel import DEFAULT_MAX_ATTEMPTS, DEFAULT_TARGET, DEFAULT_TIMEOUT_S, dial
 from client.errors import from_rpc_error
+from client.leader import Targets
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -65,20 +71,50 @@ class BlockdClient:
 
     def __init__(self, target: str = DEFAULT_TARGET, *, timeout_s: float = DEFAULT_TIMEOUT_S,
                  max_attempts: int = DEFAULT_MAX_ATTEMPTS, tls: TlsConfig | None = None,
-                 token: str | None = None) -> None:
+                 token: str | None = None, follow_leader: bool = True) -> None:
         """``tls``: verify the server (and present a client certificate for
         mutual TLS); ``token``: a bearer token for every call. Neither: plain
-        text (loopback only for a token). See :func:`client.channel.dial`."""
+        text (loopback only for a token). See :func:`client.channel.dial`.
+        ``target`` may list a replicated group's replicas, comma-separated;
+        ``follow_leader=False``: a refusal by a replica that does not lead is
+        raised, not followed (to talk to one replica, whatever its role)."""
         self.target = target
         self.timeout_s = timeout_s
         self.tls, self.token = tls, token
-        self._channel = dial(target, tls=tls, token=token, max_attempts=max_attempts)
-        self._pools = pb_grpc.PoolServiceStub(self._channel)
-        self._blocks = pb_grpc.BlockServiceStub(self._channel)
-        self._workers = pb_grpc.WorkerServiceStub(self._channel)
+        self._max_attempts = max_attempts
+        self._targets = Targets(target)
+        self._follow = follow_leader
+        #: address -> (channel, pool, block and worker stubs); one per replica of a group
+        self._stubs: dict[str, tuple[grpc.Channel, pb_grpc.PoolServiceStub, pb_grpc.BlockServiceStub,
+                                     pb_grpc.WorkerServiceStub]] = {}
+        self._stubs_lock = threading.Lock()
+        self._at(self._targets.current)  # bad TLS settings or a token in plain text fail here, not at a call
+
+    def _at(self, address: str):
+        with self._stubs_lock:
+            found = self._stubs.get(address)
+            if found is None:
+                channel = dial(address, tls=self.tls, token=self.token, max_attempts=self._max_attempts)
+                found = self._stubs[address] = (channel, pb_grpc.PoolServiceStub(channel),
+                                                pb_grpc.BlockServiceStub(channel), pb_grpc.WorkerServiceStub(channel))
+            return found
+
+    @property
+    def _pools(self) -> pb_grpc.PoolServiceStub:
+        return self._at(self._targets.current)[1]
+
+    @property
+    def _blocks(self) -> pb_grpc.BlockServiceStub:
+        return self._at(self._targets.current)[2]
+
+    @property
+    def _workers(self) -> pb_grpc.WorkerServiceStub:
+        return self._at(self._targets.current)[3]
 
     def close(self) -> None:
-        self._channel.close()
+        with self._stubs_lock:
+            for channel, *_ in self._stubs.values():
+                channel.close()
 
     def __enter__(self) -> Self:
         return self
@@ -87,11 +123,34 @@ class BlockdClient:
         self.close()
 
     def _unary(self, method: Callable[..., Any], request: Any, timeout_s: float | None = None) -> Any:
-        """One call with a deadline; a failure raises its :mod:`client.errors` exception."""
-        try:
-            return method(request, timeout=timeout_s or self.timeout_s)
-        except grpc.RpcError as err:
-            raise from_rpc_error(err) from None
+        """One call with a deadline; a failure raises its :mod:`client.errors`
+        exception. Within the deadline, the same request follows the leader
+        of a replicated group (:mod:`client.leader`)."""
+        deadline = time.monotonic() + (timeout_s or self.timeout_s)
+        attempt = 0
+        while True:
+            try:
+                return method(request, timeout=max(0.001, deadline - time.monotonic()))
+            except grpc.RpcError as err:
+                error = from_rpc_error(err)
+            where = self._locate(method) if self._follow else None
+            step = self._targets.next_attempt(error, where[0], attempt) if where is not None else None
+            if step is None or time.monotonic() + step[1] >= deadline:
+                raise error from None
+            time.sleep(step[1])
+            attempt += 1
+            assert where is not None, "a retry needs the method's replica"
+            method = getattr(self._at(step[0])[where[1]], where[2])
+
+    def _locate(self, method: Callable[..., Any]) -> tuple[str, int, str] | None:
+        """``(address, stub index, method name)`` of a stub method this client made."""
+        with self._stubs_lock:
+            for address, stubs in self._stubs.items():
+                for index, stub in enumerate(stubs[1:], 1):
+                    name = next((n for n, v in vars(stub).items() if v is method), None)
+                    if name is not None:
+                        return address, index, name
+        return None
 
     def _stream(self, method: Callable[..., Any], request: Any, read: Callable[[Any], T],
                 timeout_s: float | None) -> Generator[T, None, None]:

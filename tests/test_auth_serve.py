@@ -77,6 +77,17 @@ def _wait_until_accepted(address: str, token: str) -> None:
         time.sleep(0.1)
 
 
+def test_replication_with_credentials_is_refused_before_anything_starts(run_module, tmp_path) -> None:
+    path = str(tmp_path / "ids.json")
+    tokens.add_token(path, "ops", "acme", ["admin"])
+    data_dir = tmp_path / "data"
+    proc = run_module("blockd.cli", "serve", "--listen", "127.0.0.1:0", "--tokens-file", path,
+                      "--data-dir", str(data_dir), "--etcd", "http://127.0.0.1:1", "--replica-id", "r0")
+    assert proc.returncode == 2, proc.stderr
+    assert "--etcd (replication) cannot be combined with TLS or --tokens-file yet" in proc.stderr
+    assert "Traceback" not in proc.stderr and not data_dir.exists()
+
+
 def test_tokens_file_reloads_on_sighup(daemon, tmp_path) -> None:
     path = str(tmp_path / "ids.json")
     first = tokens.add_token(path, "ops", "acme", ["admin"])

@@ -47,8 +47,8 @@ def test_check_data_reports_a_healthy_dir(built):
     assert done.returncode == 0, done.stdout + done.stderr
     first, second = segments(data_dir)
     assert "snapshot snapshot-000000000008.snap: format 2, lsn 8" in done.stdout
-    assert f"segment {first}: format 2, 8 records, lsn 9-16" in done.stdout
-    assert f"segment {second}: format 2, 7 records, lsn 17-23" in done.stdout
+    assert f"segment {first}: format 3, 8 records, lsn 9-16" in done.stdout
+    assert f"segment {second}: format 3, 7 records, lsn 17-23" in done.stdout
     assert "last lsn 23; 15 records after the snapshot" in done.stdout
     assert "pool a: version 22" in done.stdout and "OK: blockd would start" in done.stdout
 

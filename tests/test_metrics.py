@@ -110,12 +110,12 @@ class CountingEngine:
         self.engine = engine
         self.reads = 0
 
-    def list_pools(self):
+    def list_pools(self, *, local=False):
         self.reads += 1
-        return self.engine.list_pools()
+        return self.engine.list_pools(local=local)
 
-    def list_workers(self, pool=None):
-        return self.engine.list_workers(pool)
+    def list_workers(self, pool=None, *, local=False):
+        return self.engine.list_workers(pool, local=local)
 
 
 def test_engine_is_read_only_at_scrape_time():

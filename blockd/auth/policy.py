@@ -14,6 +14,7 @@ permission         RPCs
 ``worker.join``    RegisterWorker, Heartbeat
 ``kv.stats``       KVShardService.GetWorkerStats
 ``kv.compute``     KVShardService.WriteKV, Attention, ModelStep
+``replicate``      ReplicationService.ReplicateLog, AckLog (admin only)
 ``authenticated``  server reflection (any valid identity, no role needed)
 ``open``           grpc.health.v1.Health (no credentials at all)
 =================  ===========================================================
@@ -53,8 +54,9 @@ STEP = "step"
 WORKER_JOIN = "worker.join"
 KV_STATS = "kv.stats"
 KV_COMPUTE = "kv.compute"
+REPLICATE = "replicate"
 
-PERMISSIONS = (POOL_ADMIN, POOL_READ, TABLES_READ, CACHE_READ, STEP, WORKER_JOIN, KV_STATS, KV_COMPUTE)
+PERMISSIONS = (POOL_ADMIN, POOL_READ, TABLES_READ, CACHE_READ, STEP, WORKER_JOIN, KV_STATS, KV_COMPUTE, REPLICATE)
 
 ROLE_PERMISSIONS = MappingProxyType({
     "admin": frozenset(PERMISSIONS),
@@ -78,6 +80,9 @@ _BLOCKD = {
     "blockd.v1.KVShardService": {
         "GetWorkerStats": KV_STATS, "WriteKV": KV_COMPUTE, "Attention": KV_COMPUTE, "ModelStep": KV_COMPUTE,
     },
+    # replicas' log stream (blockd serve --etcd); refused with credentials configured
+    # until the follower's stream carries them, so only an admin identity could call it
+    "blockd.v1.ReplicationService": {"ReplicateLog": REPLICATE, "AckLog": REPLICATE},
     "grpc.health.v1.Health": {"Check": OPEN, "Watch": OPEN, "List": OPEN},
     "grpc.reflection.v1alpha.ServerReflection": {"ServerReflectionInfo": AUTHENTICATED},
 }

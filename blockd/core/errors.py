@@ -102,6 +102,37 @@ class WrongState(BlockdError):
     code = "FAILED_PRECONDITION"
 
 
+class NotLeader(WrongState):
+    """This replica does not lead its group (``blockd serve --etcd``): the
+    ErrorInfo metadata names the leader to call instead (empty when unknown)."""
+
+    reason = "NOT_LEADER"
+
+    def __init__(self, message: str, *, op_index: int | None = None, leader_id: str = "",
+                 leader_address: str = "", term: int = 0) -> None:
+        super().__init__(message, op_index=op_index)
+        self.metadata = {"leader_id": leader_id, "leader_address": leader_address, "term": str(term)}
+
+
+class Unavailable(BlockdError):
+    """Not now, maybe soon: retry (with the same request id)."""
+
+    code = "UNAVAILABLE"
+
+
+class NoLeader(Unavailable):
+    """The group has no leader this replica knows of (an election is under way)."""
+
+    reason = "NO_LEADER"
+
+
+class NotReplicated(Unavailable):
+    """The step is in the leader's log but no in-sync follower confirmed it in
+    time; retry with the same request id (it is then answered once committed)."""
+
+    reason = "NOT_REPLICATED"
+
+
 class InvariantViolation(BlockdError):
     """A bug: the allocator's own bookkeeping disagrees with itself."""
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Sequence
+from typing import Any
 
 import grpc
 
@@ -42,22 +43,25 @@ class BlockdServer:
     ``interceptors`` wrap every handler (e.g. :mod:`blockd.metrics`' RPC timer,
     :mod:`blockd.auth`'s interceptor); ``credentials`` (from
     :func:`blockd.auth.server_security`) serve TLS instead of plain text.
+    ``extra_services``: more ``(servicer, service descriptor)`` pairs to serve (a
+    replica's ``ReplicationService``).
     """
 
     def __init__(self, engine: Engine, listen: str = "127.0.0.1:0", *,
                  max_workers: int = DEFAULT_MAX_WORKERS, grace_s: float = DEFAULT_GRACE_S,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
                  interceptors: Sequence[grpc.ServerInterceptor] = (),
-                 credentials: grpc.ServerCredentials | None = None) -> None:
+                 credentials: grpc.ServerCredentials | None = None,
+                 extra_services: Sequence[tuple[object, Any]] = ()) -> None:
         self.engine = engine
         self.grace_s = grace_s
         self._shutdown = threading.Event()
         self._stopped = False
-        services = pb.DESCRIPTOR.services_by_name
+        extra, services = list(extra_services), pb.DESCRIPTOR.services_by_name
         self._endpoint = GrpcEndpoint(
             [(PoolServicer(engine), services["PoolService"]),
              (BlockServicer(engine, self._shutdown), services["BlockService"]),
-             (WorkerServicer(engine), services["WorkerService"])],
+             (WorkerServicer(engine), services["WorkerService"]), *extra],
             listen, max_workers=max_workers, max_message_bytes=max_message_bytes,
             thread_name_prefix="blockd-rpc", interceptors=interceptors,
             # two daemons on one port would split the pools' writers

@@ -1,0 +1,210 @@
+"""blockd replicated on etcd (``blockd serve --etcd``, docs/ha.md): what sync replication costs, what failover takes.
+
+Prints one JSON object per line. A real etcd (``etcd`` on PATH) and the
+daemons run as child processes on loopback, each daemon with its own data
+dir under one temp dir, ``--fsync always``.
+
+* ``steps``: one scheduler thread sends decode steps (one ``decode_append``
+  over ``--seqs`` sequences) through the sync SDK for ``--seconds``, first
+  to a single daemon (no ``--etcd``), then to the leader of a three-replica
+  ``sync`` group, then of an ``async`` one (what three daemons on one
+  machine cost without waiting for the followers), in the same run. Fields:
+  ``mode``, ``steps_per_s``, ``p50_ms``, ``p99_ms``; the groups' rows add
+  ``ratio_steps_per_s`` and ``added_p50_ms`` against the single daemon.
+* ``failover``: a three-replica ``sync`` group under the same load from a
+  client given every replica's address (it follows the leader); the leader
+  is SIGKILLed ``--kills`` times (restarted as a follower after each).
+  Failover time: from the kill to the first step the new leader
+  acknowledges. ``lost_acks``: acknowledged steps missing on the new leader
+  after each failover, ``lost_acks_at_end``: any acknowledged step missing
+  once the load stopped (both must be 0). Fields: ``kills``,
+  ``failover_p50_s``, ``failover_p99_s``, ``failover_max_s``, ``lost_acks``,
+  ``lost_acks_at_end``, ``acknowledged``, ``lease_ttl_s``.
+
+Run: ``python bench/ha.py [--part steps|failover] [--seconds 5] [--kills 10]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import tempfile
+import threading
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from blockd.core import Allocate, PoolConfig
+from blockd.core.types import DecodeAppend
+from client.errors import BlockdClientError
+from client.sdk import BlockdClient
+from cluster.local import ChildProcess
+from tests.etcd import EtcdServer
+
+BLOCK_SIZE = 16
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
+
+
+def daemon(data_dir: str, *flags: str, listen: str = "127.0.0.1:0") -> ChildProcess:
+    proc = ChildProcess("blockd", ["-m", "blockd.cli", "serve", "--listen", listen, "--log-level", "WARNING",
+                                   "--data-dir", data_dir, *flags], "blockd listening on")
+    proc.wait_ready(time.monotonic() + 60)
+    return proc
+
+
+class Group:
+    def __init__(self, root: str, etcd_url: str, ttl_s: int, *flags: str, name: str = "bench") -> None:
+        self.root, self.etcd_url, self.ttl_s, self.flags, self.name = root, etcd_url, ttl_s, flags, name
+        self.procs: dict[str, ChildProcess] = {}
+
+    def start(self, rid: str, listen: str = "127.0.0.1:0") -> None:
+        """A restart takes the replica's old address (``listen``): clients list stable addresses."""
+        self.procs[rid] = daemon(os.path.join(self.root, rid), "--etcd", self.etcd_url, "--replica-id", rid,
+                                 "--group", self.name, "--lease-ttl-s", str(self.ttl_s), *self.flags, listen=listen)
+
+    def client(self) -> BlockdClient:
+        return BlockdClient(",".join(p.address for p in self.procs.values()), timeout_s=60, max_attempts=1)
+
+    def leader(self) -> str:
+        for rid, proc in self.procs.items():
+            with BlockdClient(proc.address, timeout_s=5, max_attempts=1) as c:
+                try:
+                    c.list_pools()
+                except BlockdClientError:
+                    continue
+                return rid
+        return ""
+
+    def close(self) -> None:
+        for proc in self.procs.values():
+            proc.kill()
+
+
+def setup_pool(client: BlockdClient, seqs: int, seconds: float) -> None:
+    blocks = seqs * (int(seconds * 2000) // BLOCK_SIZE + 4)
+    client.create_pool(PoolConfig("bench", num_blocks=blocks, block_size=BLOCK_SIZE), request_id="create-bench")
+    client.step("bench", [Allocate(f"s{i}", [i]) for i in range(seqs)], request_id="admit-bench")
+
+
+def load(client: BlockdClient, seqs: int, seconds: float) -> list[float]:
+    ids, tokens, out = [f"s{i}" for i in range(seqs)], [1] * seqs, []
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        t = time.perf_counter()
+        client.step("bench", [DecodeAppend(ids, tokens)])
+        out.append(time.perf_counter() - t)
+    return out
+
+
+def row(mode: str, latencies: list[float], seconds: float) -> dict:
+    return {"name": "ha_steps", "mode": mode, "steps_per_s": round(len(latencies) / seconds, 1),
+            "p50_ms": round(percentile(latencies, 0.5) * 1e3, 3), "p99_ms": round(percentile(latencies, 0.99) * 1e3, 3)}
+
+
+def part_steps(args, root: str, etcd: EtcdServer) -> None:
+    single = daemon(os.path.join(root, "single"))
+    try:
+        with BlockdClient(single.address) as client:
+            setup_pool(client, args.seqs, args.seconds)
+            base = row("single", load(client, args.seqs, args.seconds), args.seconds)
+    finally:
+        single.stop()
+    print(json.dumps(base), flush=True)
+    for mode in ("sync", "async"):
+        group = Group(os.path.join(root, f"steps-{mode}"), etcd.url, args.ttl_s, "--replication", mode,
+                      name=f"steps-{mode}")
+        try:
+            for rid in ("r0", "r1", "r2"):
+                group.start(rid)
+            with group.client() as client:
+                setup_pool(client, args.seqs, args.seconds)
+                result = row(mode, load(client, args.seqs, args.seconds), args.seconds)
+        finally:
+            group.close()
+        result["ratio_steps_per_s"] = round(result["steps_per_s"] / base["steps_per_s"], 3)
+        result["added_p50_ms"] = round(result["p50_ms"] - base["p50_ms"], 3)
+        print(json.dumps(result), flush=True)
+
+
+def part_failover(args, root: str, etcd: EtcdServer) -> None:
+    group = Group(os.path.join(root, "failover"), etcd.url, args.ttl_s)
+    acked: list[tuple[str, float, float]] = []  # (sequence, sent, acknowledged)
+    stop = threading.Event()
+    try:
+        for rid in ("r0", "r1", "r2"):
+            group.start(rid)
+        client = group.client()
+        client.create_pool(PoolConfig("bench", num_blocks=1 << 16, block_size=BLOCK_SIZE), request_id="create")
+
+        def steps() -> None:
+            n = 0
+            while not stop.is_set():
+                n += 1
+                sent = time.monotonic()
+                client.step("bench", [Allocate(f"a{n}", [n])], request_id=f"a-{n}")
+                acked.append((f"a{n}", sent, time.monotonic()))
+
+        loader = threading.Thread(target=steps, daemon=True)
+        loader.start()
+        times, lost = [], 0
+        for _ in range(args.kills):
+            time.sleep(1.0)
+            leader = group.leader()
+            killed_at = time.monotonic()
+            os.kill(group.procs[leader].pid, signal.SIGKILL)
+            group.procs[leader].popen.wait()
+            # the first step sent after the kill, once acknowledged, was answered by the new leader
+            while not acked or acked[-1][1] <= killed_at:
+                if not loader.is_alive():
+                    raise RuntimeError("the load stopped: a step failed")
+                time.sleep(0.005)
+            times.append(acked[-1][2] - killed_at)
+            known = list(acked)  # acknowledged before the read below began: each must be in its answer
+            tables = client.get_tables("bench")[1]
+            lost += sum(1 for seq, _, _ in known if seq not in tables)
+            group.start(leader, group.procs.pop(leader).address)
+        stop.set()
+        loader.join(60)
+        tables = client.get_tables("bench")[1]  # and once more, the load stopped: every step ever acknowledged
+        lost_at_end = sum(1 for seq, _, _ in acked if seq not in tables)
+        client.close()
+    finally:
+        group.close()
+    print(json.dumps({"name": "ha_failover", "kills": args.kills, "lease_ttl_s": args.ttl_s,
+                      "failover_p50_s": round(percentile(times, 0.5), 3),
+                      "failover_p99_s": round(percentile(times, 0.99), 3),
+                      "failover_max_s": round(max(times), 3), "lost_acks": lost,
+                      "lost_acks_at_end": lost_at_end, "acknowledged": len(acked)}), flush=True)
+
+
+PARTS = {"steps": part_steps, "failover": part_failover}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--part", action="append", choices=sorted(PARTS))
+    parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument("--seqs", type=int, default=64)
+    parser.add_argument("--kills", type=int, default=10)
+    parser.add_argument("--ttl-s", type=int, default=2)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="blockd-bench-ha-") as root:
+        os.mkdir(os.path.join(root, "etcd"))
+        etcd = EtcdServer(os.path.join(root, "etcd")).start()
+        try:
+            for name in args.part or list(PARTS):
+                PARTS[name](args, root, etcd)
+        finally:
+            etcd.kill()
+
+
+if __name__ == "__main__":
+    main()

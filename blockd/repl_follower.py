@@ -1,0 +1,159 @@
+"""A follower's side of log replication (``docs/ha.md``): stream, apply, persist, acknowledge.
+
+:class:`FollowerLoop` runs on its own thread while the replica does not
+lead. It dials the leader the election last saw, opens ``ReplicateLog`` from
+its own last LSN with its term history, and for each message:
+
+* records: checks each body's crc32, applies them with the code recovery
+  uses and appends them to its own log as they are, one fsync per batch
+  (:meth:`blockd.engine.Engine.apply_replicated`), then acknowledges the
+  last LSN persisted (``AckLog``); a heartbeat is acknowledged too, so an
+  idle, caught-up follower joins the in-sync set;
+* a truncation: cuts its log after that LSN (a copy kept in quarantine,
+  :mod:`blockd.log_cut`), reloads its engine from disk and opens again;
+* snapshot chunks: writes them to ``<name>.tmp`` in its data dir, checks the
+  whole file's crc32, makes it the whole log (old files to quarantine) and
+  reloads; records from the snapshot's LSN on follow on the same stream.
+
+A message from a term older than the newest this replica knows ends the
+stream (a deposed leader's feed). Any failure closes the stream and the loop
+dials again after a short pause.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import zlib
+from collections.abc import Callable
+
+import grpc
+
+from blockd.engine import Engine
+from blockd.log_cut import CannotTruncate
+from blockd.v1 import replication_pb2 as rpb
+from blockd.v1 import replication_pb2_grpc as rpb_grpc
+
+log = logging.getLogger("blockd.replication")
+
+RETRY_S = 0.2
+ACK_TIMEOUT_S = 2.0
+#: a snapshot being received (not ".tmp": the compactor removes those)
+INCOMING = ".incoming"
+
+
+class FollowerLoop:
+    """Follows whichever replica ``leader()`` names while ``following()``; see the module docstring."""
+
+    def __init__(self, replica_id: str, address: str, engine: Engine, data_dir: str,
+                 leader: Callable[[], str], following: Callable[[], bool], known_term: Callable[[], int],
+                 saw_term: Callable[[int], None], progress: Callable[[int], None]) -> None:
+        self.replica_id, self.address, self.engine, self.data_dir = replica_id, address, engine, data_dir
+        self._leader, self._following, self._known_term, self._saw_term = leader, following, known_term, saw_term
+        self._progress = progress
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._call: grpc.Call | None = None
+
+    def start(self) -> None:
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name=f"follow-{self.replica_id}", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        call = self._call
+        if call is not None:
+            call.cancel()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(10)
+        self._thread = None
+
+    def _run(self) -> None:
+        while not self._stop.is_set() and self._following():
+            target = self._leader()
+            if not target or target == self.address:
+                self._stop.wait(RETRY_S)
+                continue
+            try:
+                self._follow(target)
+            except grpc.RpcError as err:
+                if not self._stop.is_set():
+                    log.info("replication from %s ended: %s %s", target, err.code(), err.details())
+            except Exception:  # the loop must survive and retry; the log has the details
+                log.exception("replication from %s failed; reloading from disk and retrying", target)
+                self.engine.reload()
+            self._stop.wait(RETRY_S)
+
+    def _follow(self, target: str) -> None:
+        last, history, _ = self.engine.log_state()
+        request = rpb.ReplicateLogRequest(replica_id=self.replica_id, term=self._known_term(), from_lsn=last + 1,
+                                          terms=[rpb.TermRun(term=t, first_lsn=f) for t, f in history.runs()],
+                                          address=self.address)
+        with grpc.insecure_channel(target) as channel:
+            stub = rpb_grpc.ReplicationServiceStub(channel)
+            self._call = call = stub.ReplicateLog(request)
+            snapshot: list[rpb.SnapshotChunk] = []
+            try:
+                for msg in call:
+                    if self._stop.is_set() or not self._following():
+                        return
+                    if msg.term < self._known_term():
+                        log.warning("%s streams term %d, older than term %d: not following it", target, msg.term,
+                                    self._known_term())
+                        return
+                    self._saw_term(msg.term)
+                    if not self._handle(stub, msg, snapshot):
+                        return
+            finally:
+                call.cancel()
+                self._call = None
+
+    def _handle(self, stub: rpb_grpc.ReplicationServiceStub, msg: rpb.ReplicateLogResponse,
+                snapshot: list[rpb.SnapshotChunk]) -> bool:
+        """Apply one message; False when the stream must be opened again."""
+        kind = msg.WhichOneof("kind")
+        if kind == "records":
+            frames = []
+            for r in msg.records.records:
+                if zlib.crc32(r.body) != r.crc32:
+                    raise ValueError(f"record lsn {r.lsn} arrived damaged (crc32 mismatch)")
+                frames.append((r.lsn, r.term, r.body))
+            persisted = self.engine.apply_replicated(frames, self._following)
+        elif kind == "truncate":
+            lsn = msg.truncate.lsn
+            try:
+                self.engine.reload(lambda d: d.cut_after(lsn, f"the leader of term {msg.term} does not hold the "
+                                                              f"records after lsn {lsn}"))
+            except CannotTruncate as err:
+                log.error("cannot follow the leader: %s; replace this replica's data dir", err)
+                self._stop.wait(5)
+            return False
+        elif kind == "snapshot":
+            snapshot.append(msg.snapshot)
+            if not msg.snapshot.last:
+                return True
+            self._install(snapshot, msg.term)
+            snapshot.clear()
+            persisted = self.engine.log_state()[0]
+        else:
+            persisted = self.engine.log_state()[0]
+        stub.AckLog(rpb.AckLogRequest(replica_id=self.replica_id, term=msg.term, persisted_lsn=persisted),
+                    timeout=ACK_TIMEOUT_S)
+        self._progress(persisted)
+        return True
+
+    def _install(self, chunks: list[rpb.SnapshotChunk], term: int) -> None:
+        last = chunks[-1]
+        data = b"".join(c.data for c in chunks)
+        if len(data) != last.total_bytes or zlib.crc32(data) != last.file_crc32 or "/" in last.name:
+            raise ValueError(f"the leader's snapshot {last.name!r} arrived damaged or incomplete")
+        path = os.path.join(self.data_dir, last.name + INCOMING)
+        with open(path, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        why = f"this replica was behind the log the leader of term {term} retains; it sent snapshot lsn {last.lsn}"
+        self.engine.reload(lambda d: d.replace_with_snapshot(path, last.name, why))
+        log.info("installed the leader's snapshot %s (lsn %d, %d bytes)", last.name, last.lsn, len(data))

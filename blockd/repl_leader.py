@@ -1,0 +1,244 @@
+"""The leader's side of log replication (``docs/ha.md``): the commit point and the feeds.
+
+:class:`Commits` tracks what each follower has persisted and keeps the
+in-sync set's invariant (:mod:`blockd.ha.insync`): in ``sync`` mode a record
+is committed once every other member of the set has persisted it, and a
+member that does not confirm by the deadline is removed from the set in etcd
+(fenced by the term) *before* anything is acknowledged without it; with
+fewer than ``min_in_sync`` replicas left the call is refused
+(:class:`~blockd.core.errors.NotReplicated`: retry with the same request id).
+A follower joins the set once it has persisted every record the leader had
+logged when it was counted in (it is counted in first, so no record is
+acknowledged without it from then on). ``async`` mode commits a record once
+the leader has logged it; followers trail.
+
+:class:`ReplicationServicer` serves ``ReplicationService``: ``ReplicateLog``
+checks where the follower's log stops agreeing with the leader's (their term
+histories, :func:`blockd.core.terms.common_prefix`) and tells it to cut its
+tail there, streams the newest snapshot when the follower is behind the
+retained window (:class:`blockd.repl_log.LogTail`), then records as they are
+logged and a heartbeat when idle; ``AckLog`` takes acknowledgements.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import zlib
+from collections.abc import Callable, Generator, Iterator
+from dataclasses import dataclass
+from typing import Protocol
+
+from blockd.core.errors import NoLeader, NotLeader, NotReplicated
+from blockd.core.terms import TermHistory, common_prefix
+from blockd.engine import Engine
+from blockd.repl_log import LogTail
+from blockd.rpc.errors import server_stream, unary
+from blockd.v1 import replication_pb2 as rpb
+from blockd.v1 import replication_pb2_grpc as rpb_grpc
+from blockd.wal import parse_name
+
+log = logging.getLogger("blockd.replication")
+
+HEARTBEAT_S = 0.1
+SNAPSHOT_CHUNK = 1 << 20
+
+
+class InSyncStore(Protocol):
+    """The in-sync set as etcd keeps it (:class:`blockd.ha.insync.InSyncSet`)."""
+
+    def members(self) -> list[str]: ...
+    def add(self, term: int, replica_id: str, lsn: int) -> None: ...
+    def remove(self, term: int, replica_id: str) -> None: ...
+
+
+@dataclass
+class FollowerState:
+    replica_id: str
+    address: str = ""
+    persisted_lsn: int = 0
+    last_ack: float = 0.0
+
+
+class Commits:
+    """The commit point of one term; see the module docstring."""
+
+    def __init__(self, replica_id: str, mode: str, min_in_sync: int, store: InSyncStore,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.replica_id, self.mode, self.min_in_sync = replica_id, mode, min_in_sync
+        self._store, self._clock = store, clock
+        self._cond = threading.Condition()
+        self.term = 0
+        self.followers: dict[str, FollowerState] = {}
+        self.members: set[str] = set()  #: in-sync members other than this leader
+
+    def begin(self, term: int, previous_leader: str) -> None:
+        """This replica leads ``term`` now: load the set (without the previous leader)."""
+        members = set(self._store.members()) - {self.replica_id}
+        if previous_leader and previous_leader in members and previous_leader != self.replica_id:
+            self._store.remove(term, previous_leader)  # it may be dead; it rejoins once caught up
+            members.discard(previous_leader)
+        with self._cond:
+            self.term, self.members, self.followers = term, members, {}
+            self._cond.notify_all()
+
+    def end(self) -> None:
+        with self._cond:
+            self.term = 0
+            self._cond.notify_all()
+
+    def commit_lsn(self, last_lsn: int) -> int:
+        with self._cond:
+            return self._commit_locked(last_lsn)
+
+    def _commit_locked(self, last_lsn: int) -> int:
+        if self.mode == "async":
+            return last_lsn
+        if len(self.members) + 1 < self.min_in_sync:
+            return 0
+        persisted = [self.followers[m].persisted_lsn if m in self.followers else 0 for m in self.members]
+        return min([last_lsn, *persisted])
+
+    def opened(self, replica_id: str, address: str, lsn: int) -> None:
+        with self._cond:
+            self.followers[replica_id] = FollowerState(replica_id, address, lsn, self._clock())
+
+    def ack(self, term: int, replica_id: str, lsn: int, last_lsn: Callable[[], int]) -> None:
+        """A follower persisted up to ``lsn``; it joins the set once it holds everything."""
+        with self._cond:
+            if term != self.term:
+                return
+            state = self.followers.setdefault(replica_id, FollowerState(replica_id))
+            state.persisted_lsn, state.last_ack = max(state.persisted_lsn, lsn), self._clock()
+            self._cond.notify_all()
+            if self.mode == "async" or replica_id in self.members:
+                return
+            self.members.add(replica_id)  # counted in first: nothing is acknowledged without it now
+            caught_up = state.persisted_lsn >= last_lsn()
+            if not caught_up:
+                self.members.discard(replica_id)
+                return
+        try:
+            self._store.add(term, replica_id, lsn)
+        except Exception:
+            with self._cond:
+                self.members.discard(replica_id)
+            raise
+        log.info("replica %s joined the in-sync set at lsn %d (term %d)", replica_id, lsn, term)
+
+    def wait(self, lsn: int, last_lsn: int, deadline: float, leading: Callable[[], bool]) -> None:
+        """Return once ``lsn`` is committed; by ``deadline`` drop the members
+        that did not confirm it, then refuse if too few remain."""
+        with self._cond:
+            term = self.term
+            while self._commit_locked(last_lsn) < lsn:
+                if not leading() or self.term != term:
+                    raise NotLeader("this replica stopped leading before the step was committed; retry it "
+                                    "with the same request id against the new leader")
+                left = deadline - self._clock()
+                if left <= 0:
+                    break
+                self._cond.wait(min(left, 0.05))
+            else:
+                return
+            laggards = sorted(m for m in self.members
+                              if (self.followers[m].persisted_lsn if m in self.followers else 0) < lsn)
+        for member in laggards:
+            self._store.remove(term, member)  # before anything is acknowledged without it
+            with self._cond:
+                self.members.discard(member)
+            log.warning("replica %s left the in-sync set: it did not confirm lsn %d in time", member, lsn)
+        with self._cond:
+            if self._commit_locked(last_lsn) >= lsn:
+                return
+        raise NotReplicated(f"not acknowledged: no in-sync follower confirmed lsn {lsn} in time (at least "
+                            f"{self.min_in_sync} replicas must hold a step); retry with the same request id")
+
+
+class Leading(Protocol):
+    """What the servicer asks the replica (:class:`blockd.replica.Replica`)."""
+
+    engine: Engine
+    tail: LogTail
+    commits: Commits
+    data_dir: str
+    stopping: threading.Event
+
+    def leading_term(self) -> int: ...
+    def not_leader(self, why: str) -> NotLeader | NoLeader: ...
+
+
+class ReplicationServicer(rpb_grpc.ReplicationServiceServicer):
+    def __init__(self, replica: Leading) -> None:
+        self._replica = replica
+
+    @server_stream
+    def ReplicateLog(self, request: rpb.ReplicateLogRequest, context) -> Iterator[rpb.ReplicateLogResponse]:
+        r = self._replica
+        term = r.leading_term()
+        if not term:
+            raise r.not_leader("only the leader serves its log")
+        if request.term > term:
+            raise r.not_leader(f"the follower knows term {request.term}, newer than this leader's {term}")
+        last, history, _ = r.engine.log_state()
+        theirs = TermHistory((t.term, t.first_lsn) for t in request.terms)
+        agreed = common_prefix(history, last, theirs, request.from_lsn - 1)
+        if agreed < request.from_lsn - 1:
+            log.info("replica %s: its log stops agreeing after lsn %d (it has %d): cut", request.replica_id,
+                     agreed, request.from_lsn - 1)
+            yield rpb.ReplicateLogResponse(truncate=rpb.TruncateTo(lsn=agreed), term=term)
+            return
+        r.commits.opened(request.replica_id, request.address, request.from_lsn - 1)
+        position, sent = request.from_lsn, time.monotonic()
+        while r.leading_term() == term and context.is_active() and not r.stopping.is_set():
+            batch = r.tail.read(position, HEARTBEAT_S)
+            if batch is None:
+                lsn = yield from self._snapshot(term)
+                position = lsn + 1
+                continue
+            commit = r.commits.commit_lsn(r.tail.last_lsn)
+            if batch:
+                records = [rpb.LogRecord(lsn=lsn, term=t, body=body, crc32=zlib.crc32(body))
+                           for lsn, t, body in batch]
+                yield rpb.ReplicateLogResponse(records=rpb.LogRecords(records=records), term=term,
+                                               commit_lsn=commit)
+                position, sent = batch[-1][0] + 1, time.monotonic()
+            elif time.monotonic() - sent >= HEARTBEAT_S:
+                yield rpb.ReplicateLogResponse(heartbeat=rpb.ReplicateHeartbeat(), term=term, commit_lsn=commit)
+                sent = time.monotonic()
+
+    def _snapshot(self, term: int) -> Generator[rpb.ReplicateLogResponse, None, int]:
+        """Stream the newest snapshot file; returns its LSN."""
+        r = self._replica
+        for _ in range(5):  # a compaction may replace it between the look-up and the open
+            _, _, lsn = r.engine.log_state()
+            name = next((n for n in os.listdir(r.data_dir) if parse_name(n) == ("snapshot", lsn)), "")
+            try:
+                f = open(os.path.join(r.data_dir, name), "rb")  # noqa: SIM115 - read in chunks below
+            except OSError:
+                continue
+            with f:
+                total, offset, crc = os.fstat(f.fileno()).st_size, 0, 0
+                log.info("sending snapshot %s (%d bytes) to a follower behind the retained log", name, total)
+                while True:
+                    data = f.read(SNAPSHOT_CHUNK)
+                    crc = zlib.crc32(data, crc)
+                    last = offset + len(data) >= total
+                    yield rpb.ReplicateLogResponse(
+                        snapshot=rpb.SnapshotChunk(lsn=lsn, name=name, offset=offset, data=data, total_bytes=total,
+                                                   file_crc32=crc if last else 0, last=last), term=term)
+                    offset += len(data)
+                    if last:
+                        return lsn
+        raise NotReplicated("the leader's snapshot kept changing while it was being sent; the follower retries")
+
+    @unary
+    def AckLog(self, request: rpb.AckLogRequest, context) -> rpb.AckLogResponse:
+        r = self._replica
+        term = r.leading_term()
+        if not term or request.term != term:
+            raise r.not_leader(f"acknowledgement for term {request.term}; this replica does not lead it")
+        r.commits.ack(term, request.replica_id, request.persisted_lsn, lambda: r.tail.last_lsn)
+        return rpb.AckLogResponse()

@@ -1,0 +1,103 @@
+"""The leader's retained window of log records, in memory, for its followers.
+
+:class:`LogTail` is the engine's :class:`~blockd.engine_config.LogObserver`
+(``docs/ha.md``): it sees every record the durability module replays or
+appends, as ``(lsn, term, body)`` with the body byte for byte as logged, and
+keeps those after the *previous* snapshot. A follower that asks for records
+the window still holds streams them from memory (no disk read on the hot
+path); one that asks for older records catches up from the newest snapshot
+(which the window always continues: it starts at or before it).
+
+The window is bounded by the snapshot policy (``--snapshot-every`` records,
+or the log outgrowing a share of the snapshot): about two snapshots' worth
+of records. Thread-safe: appends come under the engine lock,
+reads from the replication streams' threads.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+
+#: records and bytes a single message carries at most
+BATCH_RECORDS = 256
+BATCH_BYTES = 1 << 20
+
+
+class LogTail:
+    """Records after the snapshot before the newest one; see the module docstring."""
+
+    def __init__(self) -> None:
+        self._changed = threading.Condition()
+        self._records: deque[tuple[int, int, bytes]] = deque()
+        #: the records kept are those after ``_base``
+        self._base = 0
+        self._last = 0
+        self._snapshot = 0
+        self.generation = 0  #: bumped by every reset: a stream reading across one must restart
+
+    # --- LogObserver ---------------------------------------------------------------------
+    def reset(self, snapshot_lsn: int) -> None:
+        with self._changed:
+            self._records.clear()
+            self._base = self._last = self._snapshot = snapshot_lsn
+            self.generation += 1
+            self._changed.notify_all()
+
+    def record(self, lsn: int, term: int, body: bytes) -> None:
+        with self._changed:
+            assert lsn == self._last + 1, f"log record {lsn} after {self._last}"
+            self._records.append((lsn, term, bytes(body)))
+            self._last = lsn
+            self._changed.notify_all()
+
+    def snapshotted(self, lsn: int) -> None:
+        with self._changed:
+            if lsn <= self._snapshot:
+                return
+            drop_upto, self._snapshot = self._snapshot, lsn
+            while self._records and self._records[0][0] <= drop_upto:
+                self._records.popleft()
+            self._base = max(self._base, drop_upto)
+
+    # --- readers ------------------------------------------------------------------------
+    @property
+    def last_lsn(self) -> int:
+        with self._changed:
+            return self._last
+
+    @property
+    def first_lsn(self) -> int:
+        """The oldest record kept (``last_lsn + 1`` when none is)."""
+        with self._changed:
+            return self._base + 1
+
+    def wake(self) -> None:
+        """Wake every reader (a role change: they re-check whether to go on)."""
+        with self._changed:
+            self._changed.notify_all()
+
+    def read(self, from_lsn: int, wait_s: float) -> list[tuple[int, int, bytes]] | None:
+        """Records from ``from_lsn`` on (a batch, waiting up to ``wait_s`` for
+        the first); ``[]`` when none came; None when ``from_lsn`` is no longer
+        kept (catch up from the snapshot)."""
+        with self._changed:
+            if from_lsn <= self._base:
+                return None
+            if from_lsn > self._last:
+                self._changed.wait(wait_s)
+                if from_lsn <= self._base:
+                    return None
+            start = from_lsn - self._base - 1
+            out: list[tuple[int, int, bytes]] = []
+            size = 0
+            for i in range(start, min(len(self._records), start + BATCH_RECORDS)):
+                item = self._records[i]
+                out.append(item)
+                size += len(item[2])
+                if size >= BATCH_BYTES:
+                    break
+            return out
+
+
+__all__ = ["BATCH_BYTES", "BATCH_RECORDS", "LogTail"]

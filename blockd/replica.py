@@ -1,0 +1,218 @@
+"""One replica of a replicated group (``blockd serve --etcd``): role, gate and wiring.
+
+:class:`Replica` is the engine's :class:`~blockd.engine_config.Replication`
+gate and the election's callbacks (:class:`blockd.ha.election.Election`):
+
+* it **leads** from the moment ``on_elected`` has been handled: the in-sync
+  set loaded (the previous leader dropped from it until it catches up,
+  :class:`blockd.repl_leader.Commits`), the follower loop stopped, and a
+  ``term_start`` record logged in the new term. From then on the engine's
+  records carry that term, ``writable()`` lets calls through while the
+  election can prove its lease, and ``committed(lsn)`` waits (outside the
+  engine lock) until the record is committed, with the deadline
+  ``min(now + ack_timeout_s, lease validity)``, then checks the lease again;
+* it **follows** otherwise: every call is refused with NOT_LEADER naming the
+  leader the election last saw (NO_LEADER, UNAVAILABLE, while none is
+  known), and a :class:`blockd.repl_follower.FollowerLoop` streams the
+  leader's log into this replica's engine.
+
+``on_stepped_down`` ends the leadership at once (calls in flight get
+NOT_LEADER; nothing more is acknowledged), then the replica follows; its
+uncommitted tail, if any, is cut by the new leader's divergence check.
+Role changes run on a thread of their own: the election's callbacks must
+return quickly.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+from blockd.core.errors import NoLeader, NotLeader
+from blockd.engine import Engine
+from blockd.ha.election import Election, ElectionConfig, Leadership
+from blockd.ha.etcd import EtcdClient
+from blockd.ha.insync import InSyncSet
+from blockd.repl_follower import FollowerLoop
+from blockd.repl_leader import Commits, ReplicationServicer
+from blockd.repl_log import LogTail
+from blockd.v1 import replication_pb2 as rpb
+
+log = logging.getLogger("blockd.replication")
+
+MODES = ("sync", "async")
+
+
+@dataclass(frozen=True)
+class ReplicaConfig:
+    etcd: str
+    replica_id: str
+    group: str = "main"
+    mode: str = "sync"
+    min_in_sync: int = 2
+    ack_timeout_s: float = 1.0
+    ttl_s: int = 2
+    margin_s: float = 0.5
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"--replication must be one of {MODES}, got {self.mode!r}")
+        if self.min_in_sync < 1:
+            raise ValueError(f"--min-in-sync must be >= 1 (the leader counts), got {self.min_in_sync}")
+        if self.ack_timeout_s <= 0:
+            raise ValueError(f"--ack-timeout-s must be > 0, got {self.ack_timeout_s}")
+
+
+class _EtcdInSync:
+    """The in-sync set through one etcd client shared by the RPC threads (calls serialised)."""
+
+    def __init__(self, endpoints: str, group: str, timeout_s: float) -> None:
+        self._lock = threading.Lock()
+        self._set = InSyncSet(EtcdClient(endpoints, timeout_s), group)
+
+    def members(self) -> list[str]:
+        with self._lock:
+            return [m.replica_id for m in self._set.members()]
+
+    def add(self, term: int, replica_id: str, lsn: int) -> None:
+        with self._lock:
+            self._set.add(term, replica_id, lsn)
+
+    def remove(self, term: int, replica_id: str) -> None:
+        with self._lock:
+            self._set.remove(term, replica_id)
+
+
+class Replica:
+    """See the module docstring. Build it, build the engine with it
+    (``EngineConfig(replication=replica, log_observer=replica.tail)``), then
+    :meth:`start` once the server's address is known."""
+
+    def __init__(self, config: ReplicaConfig, data_dir: str) -> None:
+        self.config, self.data_dir = config, data_dir
+        self.tail = LogTail()
+        self.commits = Commits(config.replica_id, config.mode, config.min_in_sync,
+                               _EtcdInSync(config.etcd, config.group, 1.0))
+        self.stopping = threading.Event()
+        self.engine: Engine
+        self.election: Election | None = None
+        self._term = 0  #: the term this replica leads and serves in (0: it does not)
+        self._known_term = 0
+        self._roles = threading.Lock()
+        self._follower: FollowerLoop | None = None
+
+    # --- the engine's gate ------------------------------------------------------------------
+    @property
+    def term(self) -> int:
+        return self._term
+
+    def writable(self) -> None:
+        election = self.election
+        if not self._term or election is None or not election.can_acknowledge():
+            raise self.not_leader("this replica does not lead its group")
+
+    def committed(self, lsn: int) -> None:
+        election = self.election
+        if not self._term or election is None:
+            raise self.not_leader("this replica stopped leading")
+        deadline = min(time.monotonic() + self.config.ack_timeout_s, election.lease_valid_until())
+        self.commits.wait(lsn, self.tail.last_lsn, deadline, election.can_acknowledge)
+        if not election.can_acknowledge():
+            raise self.not_leader("this replica's lease could not be proven valid; not acknowledged")
+
+    def not_leader(self, why: str) -> NotLeader | NoLeader:
+        leader = self.election.leader() if self.election is not None else None
+        if leader is None or leader.replica_id == self.config.replica_id:  # stale: it names this replica
+            return NoLeader(f"{why}; group {self.config.group} has no leader now: retry shortly")
+        return NotLeader(f"{why}; call the leader {leader.replica_id} at {leader.address} (term {leader.term})",
+                         leader_id=leader.replica_id, leader_address=leader.address, term=leader.term)
+
+    def leading_term(self) -> int:
+        return self._term
+
+    # --- lifetime ----------------------------------------------------------------------------
+    def start(self, engine: Engine, address: str) -> None:
+        self.engine, self.address = engine, address
+        cfg = self.config
+        self.election = Election(cfg.etcd, ElectionConfig(
+            group=cfg.group, replica_id=cfg.replica_id, address=address, ttl_s=cfg.ttl_s, margin_s=cfg.margin_s,
+            require_in_sync=cfg.mode == "sync"),
+            on_elected=self._elected, on_stepped_down=self._stepped_down)
+        self._follow()
+        self.election.start()
+
+    def servicer(self) -> tuple[ReplicationServicer, object]:
+        return ReplicationServicer(self), rpb.DESCRIPTOR.services_by_name["ReplicationService"]
+
+    def stop(self) -> None:
+        self.stopping.set()
+        if self.election is not None:
+            self.election.resign()
+        with self._roles:
+            if self._follower is not None:
+                self._follower.stop()
+        self.tail.wake()
+
+    # --- roles ----------------------------------------------------------------------------------
+    def _elected(self, leadership: Leadership) -> None:
+        threading.Thread(target=self._lead, args=(leadership,), name="replica-lead", daemon=True).start()
+
+    def _lead(self, leadership: Leadership) -> None:
+        with self._roles:
+            election = self.election
+            assert election is not None, "elected before the election started"
+
+            def still() -> bool:
+                current = election.leadership
+                return current is not None and current.term == leadership.term and not self.stopping.is_set()
+
+            if self._follower is not None:
+                self._follower.stop()
+                self._follower = None
+            try:
+                self.commits.begin(leadership.term, leadership.previous_leader)
+            except Exception:  # etcd refused or failed: this term cannot serve; the election moves on
+                log.exception("replica %s cannot take up term %d", self.config.replica_id, leadership.term)
+                self._follow()
+                return
+            self._known_term = max(self._known_term, leadership.term)
+            lsn = self.engine.begin_term(leadership.term, leadership.previous_term, self.config.replica_id, still)
+            if not lsn or not still():
+                self._follow()
+                return
+            self._term = leadership.term
+            election.report_progress(lsn, 0)
+            log.info("replica %s serves as leader of %s in term %d (term_start at lsn %d)", self.config.replica_id,
+                     self.config.group, leadership.term, lsn)
+
+    def _stepped_down(self, leadership: Leadership, reason: str) -> None:
+        self._term = 0  # at once: nothing more is acknowledged
+        self.commits.end()
+        self.tail.wake()
+        if not self.stopping.is_set():
+            threading.Thread(target=self._after_step_down, name="replica-follow", daemon=True).start()
+
+    def _after_step_down(self) -> None:
+        with self._roles:
+            if not self._term and self._follower is None:
+                self._follow()
+
+    def _follow(self) -> None:
+        if self.stopping.is_set():
+            return
+        election = self.election
+        assert election is not None, "follow() before start()"
+
+        def leader() -> str:
+            info = election.leader()
+            return info.address if info is not None and info.replica_id != self.config.replica_id else ""
+
+        def saw(term: int) -> None:
+            self._known_term = max(self._known_term, term)
+
+        self._follower = FollowerLoop(self.config.replica_id, self.address, self.engine, self.data_dir, leader,
+                                      lambda: not self._term and not self.stopping.is_set(),
+                                      lambda: self._known_term, saw, election.report_progress)
+        self._follower.start()

@@ -1,0 +1,262 @@
+"""Log replication between real daemons (``blockd serve --etcd``) over a real etcd (docs/ha.md).
+
+Three replicas of one group in ``sync`` mode: followers refuse calls with
+NOT_LEADER naming the leader; the leader is killed (SIGKILL) under load
+``BLOCKD_HA_KILLS`` times (default 5; 20 on request) and after each failover every
+acknowledged step is on the new leader, the step in flight at the kill,
+retried there with its request id, is applied at most once; a leader paused
+past its lease acknowledges nothing once resumed and steps down; a follower
+stopped past the retained window catches up from the leader's snapshot.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import tempfile
+import threading
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+from blockd.core import Allocate, Free, PoolConfig
+from blockd.engine import Engine
+from blockd.engine_config import EngineConfig
+from blockd.ha.etcd import EtcdClient
+from blockd.ha.insync import InSyncSet
+from client.errors import BlockdClientError, FailedPreconditionError
+from client.sdk import BlockdClient
+from tests.ha_fixtures import wait_for
+from tests.procs import Proc, start_blockd
+
+pytest_plugins = ["tests.etcd"]
+
+KILLS = int(os.environ.get("BLOCKD_HA_KILLS", "5"))
+#: a loaded test machine must not make a healthy leader miss its keepalives
+TTL_S = "4"
+
+
+class Group:
+    """Three replicas of a new group, each with its own data dir; restartable."""
+
+    def __init__(self, etcd_url: str, root: str, *extra: str) -> None:
+        self.etcd_url, self.root, self.extra = etcd_url, root, extra
+        # one etcd serves the module: each test's group must not inherit another's in-sync set
+        self.name = f"g-{uuid.uuid4().hex[:8]}"
+        self.procs: dict[str, Proc] = {}
+        self.clients: dict[str, BlockdClient] = {}
+        self.dead: list[BlockdClient] = []
+
+    def start(self, rid: str) -> None:
+        """Start (or restart, on its old address) replica ``rid``."""
+        old = self.procs.get(rid)
+        args = ["--data-dir", os.path.join(self.root, rid), "--etcd", self.etcd_url, "--replica-id", rid,
+                "--group", self.name, "--lease-ttl-s", TTL_S, "--ack-timeout-s", "2", *self.extra]
+        proc = start_blockd(*args) if old is None else Proc(["-m", "blockd.cli", "serve", "--listen", old.address,
+                                                             *args], "blockd listening on")
+        self.procs[rid] = proc
+        # each talks to its own replica: a refusal is raised, not followed to the leader
+        self.clients[rid] = BlockdClient(proc.address, timeout_s=10, max_attempts=1, follow_leader=False)
+
+    def kill(self, rid: str, sig: int = signal.SIGKILL) -> None:
+        os.kill(self.procs[rid].pid, sig)
+        if sig == signal.SIGKILL:
+            self.procs[rid].popen.wait()
+            self.dead.append(self.clients.pop(rid))  # closed at the end: a load thread may still hold it
+
+    def leader(self) -> str | None:
+        for rid, client in list(self.clients.items()):
+            try:
+                client.list_pools()
+            except BlockdClientError:
+                continue
+            return rid
+        return None
+
+    def close(self) -> None:
+        for client in [*self.clients.values(), *self.dead]:
+            client.close()
+        for proc in self.procs.values():
+            proc.kill()
+
+
+@pytest.fixture
+def group(etcd_server) -> Iterator:
+    made: list[Group] = []
+    with tempfile.TemporaryDirectory(prefix="blockd-ha-") as root:
+        def make(*extra: str) -> Group:
+            g = Group(etcd_server.url, os.path.join(root, str(len(made))), *extra)
+            made.append(g)
+            for rid in ("r0", "r1", "r2"):
+                g.start(rid)
+            return g
+
+        try:
+            yield make
+        finally:
+            for g in made:
+                g.close()
+
+
+def ready(g: Group) -> str:
+    """The leader, once a step it acknowledges has reached a follower."""
+    def step_ok() -> str | None:
+        rid = g.leader()
+        if rid is None:
+            return None
+        try:
+            g.clients[rid].create_pool(PoolConfig("p", num_blocks=4096, block_size=4), request_id="create-p")
+        except BlockdClientError:
+            return None
+        return rid
+
+    return wait_for(step_ok, "a leader that acknowledges a replicated step", timeout_s=60)
+
+
+def test_followers_refuse_naming_the_leader(group):
+    g = group()
+    leader = ready(g)
+    follower = next(rid for rid in g.clients if rid != leader)
+    with pytest.raises(FailedPreconditionError) as info:
+        g.clients[follower].step("p", [Allocate("x", [1, 2, 3])], request_id="on-a-follower")
+    assert info.value.reason == "NOT_LEADER"
+    assert info.value.metadata["leader_id"] == leader
+    assert info.value.metadata["leader_address"] == g.procs[leader].address
+    g.clients[leader].step("p", [Allocate("x", [1, 2, 3])], request_id="on-the-leader")
+    assert "x" in g.clients[leader].get_tables("p")[1]
+
+
+def test_no_acknowledged_step_is_lost_when_the_leader_is_killed(group):
+    g = group()
+    leader = ready(g)
+    acked: set[str] = set()
+    counter = [0]
+    for kill in range(KILLS):
+        stop, in_flight = threading.Event(), {}
+        loader = threading.Thread(target=_load, args=(g.clients[leader], stop, in_flight, acked, counter))
+        loader.start()
+        target = 20 * (kill + 1)
+        wait_for(lambda target=target: len(acked) >= target, "steps acknowledged under load")
+        g.kill(leader)
+        stop.set()
+        loader.join(30)
+        old, leader = leader, wait_for(g.leader, "a new leader", timeout_s=60)
+        assert leader != old
+        client = g.clients[leader]
+        for rid, (seq, ops) in list(in_flight.items()):  # retried with the same id: applied at most once
+            def retried(client=client, rid=rid, ops=ops) -> bool:
+                try:
+                    client.step("p", ops, request_id=rid)
+                except BlockdClientError as err:
+                    assert err.reason in ("NOT_REPLICATED", "NO_LEADER"), err
+                    return False
+                return True
+
+            wait_for(retried, "the in-flight step answered by the new leader", timeout_s=60)
+            acked.add(seq)
+        tables = client.get_tables("p")[1]
+        missing = sorted(acked - set(tables))
+        assert not missing, f"acknowledged steps lost after failover {kill + 1}: {missing[:10]}"
+        g.start(old)  # rejoins as a follower; its uncommitted tail, if any, is cut
+    assert len(acked) >= 20 * KILLS
+
+
+def _load(client: BlockdClient, stop: threading.Event, in_flight: dict, acked: set, counter: list) -> None:
+    """Steps until ``stop`` or a failure (the leader died: the last step's outcome is unknown)."""
+    while not stop.is_set():
+        counter[0] += 1
+        n = counter[0]
+        seq, rid = f"s{n}", f"step-{n}"
+        ops = [Allocate(seq, [n, n + 1, n + 2])]
+        in_flight.clear()
+        in_flight[rid] = (seq, ops)
+        try:
+            client.step("p", ops, request_id=rid)
+        except BlockdClientError:
+            return
+        acked.add(seq)
+        in_flight.clear()
+
+
+def test_a_paused_leader_acknowledges_nothing_and_steps_down(group):
+    g = group()
+    leader = ready(g)
+    g.kill(leader, signal.SIGSTOP)
+    others = {rid: c for rid, c in g.clients.items() if rid != leader}
+    try:
+        new = wait_for(lambda: next((rid for rid, c in others.items() if _serves(c)), None), "a new leader",
+                       timeout_s=60)
+    finally:
+        g.kill(leader, signal.SIGCONT)
+    old = g.clients[leader]
+    with pytest.raises(BlockdClientError) as info:
+        old.step("p", [Allocate("late", [1])], request_id="to-the-old-leader")
+    assert info.value.reason in ("NOT_LEADER", "NO_LEADER"), info.value
+
+    def names_new() -> bool:
+        try:
+            old.step("p", [Allocate("late", [1])], request_id="to-the-old-leader")
+        except FailedPreconditionError as err:
+            return err.reason == "NOT_LEADER" and err.metadata["leader_id"] == new
+        except BlockdClientError:
+            return False
+        raise AssertionError("the deposed leader acknowledged a step")
+
+    wait_for(names_new, "the old leader refusing, naming the new one", timeout_s=30)
+    assert "late" not in g.clients[new].get_tables("p")[1]
+
+
+def _serves(client: BlockdClient) -> bool:
+    try:
+        client.list_pools()
+    except BlockdClientError:
+        return False
+    return True
+
+
+def test_a_follower_behind_the_retained_log_catches_up_from_a_snapshot(group):
+    g = group("--snapshot-every", "30")
+    leader = ready(g)
+    lagging = next(rid for rid in g.clients if rid != leader)
+    g.kill(lagging)  # the third replica keeps the group committing
+    client = g.clients[leader]
+    for i in range(150):  # several snapshots: the lagging replica's position leaves the window
+        client.step("p", [Allocate(f"a{i}", [i, i + 1]), *([Free(f"a{i - 1}")] if i % 3 == 0 and i else [])],
+                    request_id=f"a-{i}")
+    g.start(lagging)
+    data_dir = os.path.join(g.root, lagging)
+    wait_for(lambda: any(n.startswith("quarantine-") and n.endswith("replaced") for n in os.listdir(data_dir)),
+             "the lagging replica installing the leader's snapshot", timeout_s=60)
+    in_sync = InSyncSet(EtcdClient(g.etcd_url), g.name)
+    wait_for(lambda: in_sync.contains(lagging), "the lagging replica back in the in-sync set", timeout_s=60)
+    client.step("p", [Allocate("after", [7])], request_id="after")  # so it must hold this one too
+    for rid in list(g.procs):
+        g.procs[rid].stop()
+    engines = [Engine(EngineConfig(data_dir=os.path.join(g.root, rid))) for rid in (lagging, leader)]
+    try:
+        mine, theirs = (e.get_tables("p", []) for e in engines)
+        assert "after" in mine[1] and mine == theirs
+    finally:
+        for engine in engines:
+            engine.close()
+
+
+def test_the_sdk_follows_the_leader_across_a_failover(group):
+    """One client given every replica's address steps through a SIGKILL of
+    the leader without an error: each call follows NOT_LEADER or moves to
+    the next replica and resends the same request (so the same request id:
+    a step applied twice would fail, its sequence already existing)."""
+    g = group()
+    leader = ready(g)
+    client = BlockdClient(",".join(p.address for p in g.procs.values()), timeout_s=60, max_attempts=1)
+    try:
+        for i in range(120):
+            if i == 40:
+                g.kill(leader)
+            client.step("p", [Allocate(f"f{i}", [i, i + 1])], request_id=f"f-{i}")
+        tables = client.get_tables("p")[1]
+        assert all(f"f{i}" in tables for i in range(120))
+        assert g.leader() != leader
+    finally:
+        client.close()
