@@ -100,6 +100,11 @@ class BlockdClient:
             return found
 
     @property
+    def _channel(self) -> grpc.Channel:
+        """The channel to the replica calls go to now."""
+        return self._at(self._targets.current)[0]
+
+    @property
     def _pools(self) -> pb_grpc.PoolServiceStub:
         return self._at(self._targets.current)[1]
 

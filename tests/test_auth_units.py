@@ -44,7 +44,7 @@ from blockd.auth.tokens import (
     remove_token,
 )
 from blockd.rpc.errors import status_for
-from blockd.v1 import blockd_pb2, worker_pb2
+from blockd.v1 import blockd_pb2, replication_pb2, worker_pb2
 from tests.conftest import ROOT
 
 SERVED = [*blockd_pb2.DESCRIPTOR.services_by_name.values(), *worker_pb2.DESCRIPTOR.services_by_name.values(),
@@ -57,7 +57,10 @@ ALL_METHODS = [(f"/{s.full_name}/{m.name}", m) for s in SERVED for m in s.method
 
 # --- the policy -----------------------------------------------------------------------------------
 def test_every_rpc_of_every_service_has_a_permission_and_no_entry_is_stale() -> None:
-    paths = {path for path, _ in ALL_METHODS}
+    # a replica also serves the replication service (blockd serve --etcd)
+    replication = [f"/{s.full_name}/{m.name}" for s in replication_pb2.DESCRIPTOR.services_by_name.values()
+                   for m in s.methods]
+    paths = {path for path, _ in ALL_METHODS} | set(replication)
     missing = sorted(paths - set(METHOD_PERMISSIONS))
     assert not missing, f"add these to blockd.auth.policy: {missing}"
     assert sorted(set(METHOD_PERMISSIONS) - paths) == []
