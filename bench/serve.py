@@ -225,6 +225,7 @@ def compare_with_vllm(args, python: str) -> dict:
                                                        "blockd_max_num_batched_tokens": config.max_num_batched_tokens,
                                                        "blockd_workers": 1},
         "vllm_version": vllm["version"],
+        "vllm_prompt_tokens_cached": f"{vllm['cached_prompt_tokens']}/{vllm['prompt_tokens']}",
         "blockd": {k: blockd[k] for k in keys}, "vllm": {k: vllm[k] for k in keys},
         "ratio_tokens_per_s_vs_vllm": round(blockd["tokens_per_s"] / vllm["tokens_per_s"], 3),
         "outputs_identical_to_vllm": f"{same}/{len(prompts)}",

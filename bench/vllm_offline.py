@@ -39,7 +39,7 @@ def main(path: str) -> int:
     params = SamplingParams(temperature=0.0, max_tokens=work["max_new_tokens"], ignore_eos=True)
     prompts = [TokensPrompt(prompt_token_ids=p) for p in work["prompts"]]
     llm.generate(prompts[:2], params)  # warm-up: the first call compiles and allocates
-    llm.reset_prefix_cache()  # as blockd's run starts with an empty cache: both compute every prompt
+    reset = llm.reset_prefix_cache()  # as blockd's run starts with an empty cache
     start = time.perf_counter()
     outputs = llm.generate(prompts, params)
     seconds = time.perf_counter() - start
@@ -53,9 +53,11 @@ def main(path: str) -> int:
         if len(out) > 1 and stats.last_token_ts > stats.first_token_ts:
             tpot.append((stats.last_token_ts - stats.first_token_ts) / (len(out) - 1) * 1e3)
     num_tokens = sum(len(t) for t in tokens)
+    cached = sum(o.num_cached_tokens or 0 for o in outputs)  # prompt tokens vLLM did not compute
     print(json.dumps({
         "engine": "vllm", "version": vllm.__version__, "seconds": round(seconds, 2), "output_tokens": num_tokens,
-        "tokens_per_s": round(num_tokens / seconds, 1),
+        "tokens_per_s": round(num_tokens / seconds, 1), "prefix_cache_reset": reset,
+        "cached_prompt_tokens": cached, "prompt_tokens": sum(len(p) for p in work["prompts"]),
         "ttft_p50_ms": round(_percentile(ttft, 50), 2) if ttft else None,
         "ttft_p99_ms": round(_percentile(ttft, 99), 2) if ttft else None,
         "tpot_p50_ms": round(_percentile(tpot, 50), 2) if tpot else None,
