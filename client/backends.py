@@ -21,7 +21,7 @@ transport:
 
 ``token_ids`` and ``slot_mapping`` hold the sequences' new tokens, packed in
 batch order; ``sampling`` says how each sequence chooses its next token
-(:class:`~client.serving.SeqSampling`: greedy, or seeded draws, several where
+(:class:`~blockd.core.types.SamplingSpec`: greedy, or seeded draws, several where
 a prompt ends and its samples fork), and the answer has ``num_draws`` tokens.
 Plain data and protocols: no grpc, no torch.
 """
@@ -32,8 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from blockd.core.types import Op, StepResult
-from client.serving import PLAIN_GREEDY, SeqSampling
+from blockd.core.types import PLAIN_GREEDY, Op, SamplingSpec, StepResult
 
 
 @dataclass
@@ -45,10 +44,10 @@ class ModelBatch:
     context_lens: list[int] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     slot_mapping: list[int] = field(default_factory=list)
-    sampling: list[SeqSampling] = field(default_factory=list)
+    sampling: list[SamplingSpec] = field(default_factory=list)
 
     def add(self, seq_id: str, context_len: int, token_ids: Sequence[int], slots: Sequence[int],
-            sampling: SeqSampling | None = None) -> None:
+            sampling: SamplingSpec | None = None) -> None:
         """Sequence ``seq_id`` computes ``token_ids`` at positions
         ``context_len - len(token_ids) .. context_len - 1`` into ``slots``
         and chooses its next token(s) as ``sampling`` says (default: one, greedy)."""
@@ -76,7 +75,7 @@ class ModelBatch:
         return sum(s.num_samples for s in self.sampling)
 
     @property
-    def wire_sampling(self) -> list[SeqSampling]:
+    def wire_sampling(self) -> list[SamplingSpec]:
         """What ModelStep's ``sampling`` carries: nothing when every sequence is plain greedy."""
         return [] if all(s.is_plain_greedy for s in self.sampling) else list(self.sampling)
 

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 
 from blockd.core.arith import num_blocks_for
 from blockd.core.hashing import NO_EXTRA_KEYS, ExtraKeys
+from blockd.core.types import PLAIN_GREEDY, SamplingSpec
 
 #: the largest seed the workers take (uint64)
 MAX_SEED = (1 << 64) - 1
@@ -123,29 +124,6 @@ class GenerationRequest:
     @property
     def max_len(self) -> int:
         return len(self.prompt_token_ids) + self.max_new_tokens
-
-
-@dataclass(frozen=True)
-class SeqSampling:
-    """How one sequence of a model step chooses its next token(s): the
-    ``SamplingParams`` message of ``ModelStep`` (see worker.proto). The
-    workers draw ``num_samples`` tokens, for sample indices ``sample_index``
-    onwards (more than one only where a prompt ends and its samples fork)."""
-
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int = 0
-    sample_index: int = 0
-    num_samples: int = 1
-
-    @property
-    def is_plain_greedy(self) -> bool:
-        """One argmax token: what a ModelStep without sampling answers."""
-        return self.temperature == 0.0 and self.num_samples == 1
-
-
-PLAIN_GREEDY = SeqSampling()
 
 
 @dataclass
@@ -253,11 +231,11 @@ class RequestState:
         self.samples += self.pending
         self.pending = []
 
-    def sampling_for(self, seq: SeqState, num_samples: int = 1) -> SeqSampling:
+    def sampling_for(self, seq: SeqState, num_samples: int = 1) -> SamplingSpec:
         sp = self.request.sampling
         if sp.is_greedy and num_samples == 1:
             return PLAIN_GREEDY
-        return SeqSampling(sp.temperature, sp.top_p, sp.top_k, self.seed, seq.sample_index, num_samples)
+        return SamplingSpec(sp.temperature, sp.top_p, sp.top_k, self.seed, seq.sample_index, num_samples)
 
     def draws_at(self, seq: SeqState, end: int) -> int:
         """How many tokens the model draws for ``seq`` when its computed tokens

@@ -24,12 +24,12 @@ import grpc
 import torch
 
 from blockd.auth.config import TlsConfig
+from blockd.core.types import SamplingSpec
 from blockd.rpc.tensors import from_proto, to_proto
 from blockd.v1 import worker_pb2 as pb
 from blockd.v1 import worker_pb2_grpc
 from client.channel import dial
 from client.errors import from_rpc_error
-from client.serving import SeqSampling
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -101,7 +101,7 @@ class WorkerClient:
     def model_step(self, pool: str, version: int, seq_ids: Sequence[str], query_lens: Sequence[int],
                    context_lens: Sequence[int], token_ids: Sequence[int], slot_mapping: Sequence[int],
                    return_logits: bool = False, *, pool_incarnation: str,
-                   sampling: Sequence[SeqSampling] = ()) -> tuple[list[int], torch.Tensor | None]:
+                   sampling: Sequence[SamplingSpec] = ()) -> tuple[list[int], torch.Tensor | None]:
         """One forward step of the worker's model (see ``ModelStepRequest``).
 
         ``token_ids`` and ``slot_mapping`` hold ``sum(query_lens)`` entries, the

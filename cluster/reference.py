@@ -26,9 +26,10 @@ from typing import Any
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
+from blockd.core.types import SamplingSpec
 from client.serving import GREEDY, SamplingParams
 from worker.model import build_model
-from worker.sampling import SamplingSpec, next_tokens
+from worker.sampling import next_tokens
 
 REFERENCE_ATTENTION = "sdpa"
 

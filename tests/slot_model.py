@@ -23,11 +23,12 @@ import torch
 from google.rpc import error_details_pb2
 
 from blockd.core import PoolConfig
+from blockd.core.types import SamplingSpec
 from client.backends import ModelBatch
 from client.errors import FailedPreconditionError
 from client.scheduler import Scheduler
 from client.serving import GREEDY, SamplingParams
-from worker.sampling import SamplingSpec, next_tokens
+from worker.sampling import next_tokens
 
 VOCAB = 1000
 BLOCK = 4

@@ -18,11 +18,11 @@ import torch
 
 from blockd.core import Allocate
 from blockd.core.errors import InvalidArgument
+from blockd.core.types import SamplingSpec
 from client.errors import InvalidArgumentError
-from client.serving import SeqSampling
 from client.worker import WorkerClient
 from tests.test_model_runner import Local
-from worker.sampling import HEAD_TOKENS, SamplingSpec, check_spec, next_tokens, uniform
+from worker.sampling import HEAD_TOKENS, check_spec, next_tokens, uniform
 from worker.service import WorkerServer
 
 
@@ -146,7 +146,7 @@ def test_model_step_samples_as_asked_over_grpc():
         r = local.step([Allocate("a", prompt), Allocate("b", prompt[:3])])
         slots = list(r.results[0].slot_mapping) + list(r.results[1].slot_mapping)
         args = ("m", r.version, ["a", "b"], [6, 3], [6, 3], prompt + prompt[:3], slots)
-        sampled = [SeqSampling(0.9, 0.95, 0, seed=11, sample_index=0, num_samples=3), SeqSampling()]
+        sampled = [SamplingSpec(0.9, 0.95, 0, seed=11, sample_index=0, num_samples=3), SamplingSpec()]
         with WorkerClient(server.address, timeout_s=30) as worker:
             tokens, logits = worker.model_step(*args, return_logits=True, pool_incarnation="pool-life-1",
                                                sampling=sampled)
@@ -155,9 +155,9 @@ def test_model_step_samples_as_asked_over_grpc():
             assert len(tokens) == 4 and tokens[3] == int(logits[1].argmax())
             greedy, _ = worker.model_step(*args, pool_incarnation="pool-life-1")
             assert greedy == logits.argmax(-1).tolist()
-            for bad, match in [([SeqSampling()], "one entry per sequence"),
-                               ([SeqSampling(temperature=-1.0), SeqSampling()], "temperature"),
-                               ([SeqSampling(num_samples=5000), SeqSampling()], "num_samples")]:
+            for bad, match in [([SamplingSpec()], "one entry per sequence"),
+                               ([SamplingSpec(temperature=-1.0), SamplingSpec()], "temperature"),
+                               ([SamplingSpec(num_samples=5000), SamplingSpec()], "num_samples")]:
                 with pytest.raises(InvalidArgumentError, match=match):
                     worker.model_step(*args, pool_incarnation="pool-life-1", sampling=bad)
     finally:

@@ -32,11 +32,11 @@ import hashlib
 import math
 import struct
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
 from blockd.core.errors import InvalidArgument
+from blockd.core.types import SamplingSpec
 
 #: draws one sequence may ask for in one step (the samples forked from it)
 MAX_SAMPLES_PER_SEQ = 1024
@@ -44,25 +44,6 @@ MAX_SAMPLES_PER_SEQ = 1024
 HEAD_TOKENS = 512
 _UINT64 = (1 << 64) - 1
 _PERSON = b"blockd-sample-v1"  # domain separation: these numbers are used for nothing else
-
-
-@dataclass(frozen=True)
-class SamplingSpec:
-    """How one sequence chooses its next token(s) (see ``SamplingParams`` in worker.proto)."""
-
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int = 0
-    sample_index: int = 0
-    num_samples: int = 1
-
-    @property
-    def is_greedy(self) -> bool:
-        return self.temperature == 0.0
-
-
-GREEDY = SamplingSpec()
 
 
 def check_spec(temperature: float, top_p: float, top_k: int, seed: int, sample_index: int,
