@@ -19,7 +19,7 @@ import torch
 
 from blockd.core.arith import num_blocks_for
 
-__all__ = ["Batch", "check_geometry", "validate_batch"]
+__all__ = ["Batch", "PlanShape", "check_geometry", "validate_batch"]
 
 
 @dataclass
@@ -96,3 +96,24 @@ def validate_batch(block_tables: torch.Tensor, context_lens: torch.Tensor,
         raise ValueError(f"sequence {i}: negative block id among its first {int(needed[i])} table entries")
     max_block_id = int(torch.where(in_use, tables, -1).max()) if batch and width else -1
     return Batch(tables, ctx, q_start, q_len, max_block_id, ctx_t, qsl)
+
+
+@dataclass
+class PlanShape:
+    """What every attention plan (tiled torch, native, FlashInfer) was made
+    for; :meth:`worker.kernels.attention.PagedAttention.run` checks each
+    layer's tensors against it."""
+
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    kv_dtype: torch.dtype
+    scale: float
+    total_q: int
+    max_block_id: int
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per KV head."""
+        return self.num_q_heads // self.num_kv_heads

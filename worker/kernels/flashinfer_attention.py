@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from worker.kernels.batch import Batch
+from worker.kernels.batch import Batch, PlanShape
 
 __all__ = ["FlashInferPlan", "FlashInferRunner", "available", "supports"]
 
@@ -63,23 +63,11 @@ def supports(kv_dtype: torch.dtype, head_dim: int) -> bool:
 
 
 @dataclass
-class FlashInferPlan:
-    """The planned wrapper; the shape fields match :class:`worker.kernels.plan.AttentionPlan`."""
+class FlashInferPlan(PlanShape):
+    """The planned wrapper, with the shape it was planned for."""
 
-    num_q_heads: int
-    num_kv_heads: int
-    head_dim: int
-    block_size: int
-    kv_dtype: torch.dtype
-    scale: float
-    total_q: int
-    max_block_id: int
     wrapper: Any
     decode: bool
-
-    @property
-    def group_size(self) -> int:
-        return self.num_q_heads // self.num_kv_heads
 
 
 class FlashInferRunner:

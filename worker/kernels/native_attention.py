@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from worker.kernels import native
-from worker.kernels.batch import Batch
+from worker.kernels.batch import Batch, PlanShape
 
 __all__ = ["NativePlan", "plan_native", "run_native"]
 
@@ -35,7 +35,7 @@ _SPLIT_KEYS = 512
 
 
 @dataclass
-class NativePlan:
+class NativePlan(PlanShape):
     """What :func:`run_native` needs; the shape fields match :class:`worker.kernels.plan.AttentionPlan`.
 
     * ``seq_meta``: int32 ``[batch, 3]`` = (context length, first query row, query tokens).
@@ -44,24 +44,12 @@ class NativePlan:
     * ``partial``: float32 ``[partials * g * (head_dim + 2)]``, the split items' (O, m, l).
     """
 
-    num_q_heads: int
-    num_kv_heads: int
-    head_dim: int
-    block_size: int
-    kv_dtype: torch.dtype
-    scale: float
-    total_q: int
-    max_block_id: int
     seq_meta: torch.Tensor
     tables: torch.Tensor
     work: torch.Tensor
     merges: torch.Tensor
     partial: torch.Tensor
     isa: int
-
-    @property
-    def group_size(self) -> int:
-        return self.num_q_heads // self.num_kv_heads
 
 
 def plan_native(batch: Batch, *, num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int,

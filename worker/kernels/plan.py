@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 import torch
 
 from blockd.core.arith import num_blocks_for
-from worker.kernels.batch import Batch
+from worker.kernels.batch import Batch, PlanShape
 from worker.layout import gather_rows, token_rows
 
 __all__ = ["AttentionPlan", "Tile", "build_plan"]
@@ -81,7 +81,7 @@ class Tile:
 
 
 @dataclass
-class AttentionPlan:
+class AttentionPlan(PlanShape):
     """Everything :meth:`PagedAttention.run` needs, already on the run device.
 
     * ``kv_rows``: int64 ``[sum of pairs * num_blocks]`` rows of ``as_rows(kv_layer[0 or 1])``.
@@ -97,14 +97,6 @@ class AttentionPlan:
       bag's start within its tile's ``bag_rows`` slice (``embedding_bag`` offsets).
     """
 
-    num_q_heads: int
-    num_kv_heads: int
-    head_dim: int
-    block_size: int
-    kv_dtype: torch.dtype
-    scale: float
-    total_q: int
-    max_block_id: int
     tiles: list[Tile]
     kv_rows: torch.Tensor
     q_rows: torch.Tensor
@@ -115,10 +107,6 @@ class AttentionPlan:
     max_kv_elems: int = field(default=0)  # largest tile's gathered K, in elements
     max_v_elems: int = field(default=0)  # largest gathered V of a bmm (not bag) tile
     max_score_elems: int = field(default=0)  # largest tile's scores, in elements
-
-    @property
-    def group_size(self) -> int:
-        return self.num_q_heads // self.num_kv_heads
 
 
 class _PlanBuilder:
