@@ -48,8 +48,9 @@ class FollowerLoop:
 
     def __init__(self, replica_id: str, address: str, engine: Engine, data_dir: str,
                  leader: Callable[[], str], following: Callable[[], bool], known_term: Callable[[], int],
-                 saw_term: Callable[[int], None], progress: Callable[[int], None]) -> None:
+                 saw_term: Callable[[int], None], progress: Callable[[int], None], log_id: str = "") -> None:
         self.replica_id, self.address, self.engine, self.data_dir = replica_id, address, engine, data_dir
+        self.log_id = log_id
         self._leader, self._following, self._known_term, self._saw_term = leader, following, known_term, saw_term
         self._progress = progress
         self._stop = threading.Event()
@@ -90,7 +91,7 @@ class FollowerLoop:
         last, history, _ = self.engine.log_state()
         request = rpb.ReplicateLogRequest(replica_id=self.replica_id, term=self._known_term(), from_lsn=last + 1,
                                           terms=[rpb.TermRun(term=t, first_lsn=f) for t, f in history.runs()],
-                                          address=self.address)
+                                          address=self.address, log_id=self.log_id)
         with grpc.insecure_channel(target) as channel:
             stub = rpb_grpc.ReplicationServiceStub(channel)
             self._call = call = stub.ReplicateLog(request)

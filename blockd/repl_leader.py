@@ -49,8 +49,8 @@ SNAPSHOT_CHUNK = 1 << 20
 class InSyncStore(Protocol):
     """The in-sync set as etcd keeps it (:class:`blockd.ha.insync.InSyncSet`)."""
 
-    def members(self) -> list[str]: ...
-    def add(self, term: int, replica_id: str, lsn: int) -> None: ...
+    def members(self) -> dict[str, str]: ...
+    def add(self, term: int, replica_id: str, lsn: int, log_id: str = "") -> None: ...
     def remove(self, term: int, replica_id: str) -> None: ...
 
 
@@ -60,6 +60,7 @@ class FollowerState:
     address: str = ""
     persisted_lsn: int = 0
     last_ack: float = 0.0
+    log_id: str = ""
 
 
 class Commits:
@@ -73,15 +74,17 @@ class Commits:
         self.term = 0
         self.followers: dict[str, FollowerState] = {}
         self.members: set[str] = set()  #: in-sync members other than this leader
+        self.member_logs: dict[str, str] = {}  #: member -> the log id its entry names ("": not known)
 
     def begin(self, term: int, previous_leader: str) -> None:
         """This replica leads ``term`` now: load the set (without the previous leader)."""
-        members = set(self._store.members()) - {self.replica_id}
+        logs = self._store.members()
+        members = set(logs) - {self.replica_id}
         if previous_leader and previous_leader in members and previous_leader != self.replica_id:
             self._store.remove(term, previous_leader)  # it may be dead; it rejoins once caught up
             members.discard(previous_leader)
         with self._cond:
-            self.term, self.members, self.followers = term, members, {}
+            self.term, self.members, self.followers, self.member_logs = term, members, {}, logs
             self._cond.notify_all()
 
     def end(self) -> None:
@@ -101,9 +104,21 @@ class Commits:
         persisted = [self.followers[m].persisted_lsn if m in self.followers else 0 for m in self.members]
         return min([last_lsn, *persisted])
 
-    def opened(self, replica_id: str, address: str, lsn: int) -> None:
+    def opened(self, term: int, replica_id: str, address: str, lsn: int, log_id: str = "") -> None:
+        """A follower opened its feed from ``lsn``. A member whose entry names another
+        copy of its log (its data dir was lost) holds none of what the entry vouches
+        for: it leaves the set now, rather than stall commits until the ack deadline,
+        and is admitted again, under ``log_id``, once it has caught up."""
         with self._cond:
-            self.followers[replica_id] = FollowerState(replica_id, address, lsn, self._clock())
+            self.followers[replica_id] = FollowerState(replica_id, address, lsn, self._clock(), log_id)
+            known = self.member_logs.get(replica_id, "")
+            stale = term == self.term and replica_id in self.members and bool(log_id) and known not in ("", log_id)
+        if stale:
+            self._store.remove(term, replica_id)  # before anything is acknowledged without it
+            with self._cond:
+                self.members.discard(replica_id)
+            log.warning("replica %s left the in-sync set: its log %s is not the one its entry names (%s); its "
+                        "data dir was lost or replaced", replica_id, log_id, known)
 
     def ack(self, term: int, replica_id: str, lsn: int, last_lsn: Callable[[], int]) -> None:
         """A follower persisted up to ``lsn``; it joins the set once it holds everything."""
@@ -120,12 +135,15 @@ class Commits:
             if not caught_up:
                 self.members.discard(replica_id)
                 return
+            log_id = state.log_id
         try:
-            self._store.add(term, replica_id, lsn)
+            self._store.add(term, replica_id, lsn, log_id)
         except Exception:
             with self._cond:
                 self.members.discard(replica_id)
             raise
+        with self._cond:
+            self.member_logs[replica_id] = log_id
         log.info("replica %s joined the in-sync set at lsn %d (term %d)", replica_id, lsn, term)
 
     def wait(self, lsn: int, last_lsn: int, deadline: float, leading: Callable[[], bool]) -> None:
@@ -190,7 +208,7 @@ class ReplicationServicer(rpb_grpc.ReplicationServiceServicer):
                      agreed, request.from_lsn - 1)
             yield rpb.ReplicateLogResponse(truncate=rpb.TruncateTo(lsn=agreed), term=term)
             return
-        r.commits.opened(request.replica_id, request.address, request.from_lsn - 1)
+        r.commits.opened(term, request.replica_id, request.address, request.from_lsn - 1, request.log_id)
         position, sent = request.from_lsn, time.monotonic()
         while r.leading_term() == term and context.is_active() and not r.stopping.is_set():
             batch = r.tail.read(position, HEARTBEAT_S)

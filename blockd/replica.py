@@ -26,8 +26,10 @@ return quickly.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 
 from blockd.core.errors import NoLeader, NotLeader
@@ -39,10 +41,13 @@ from blockd.repl_follower import FollowerLoop
 from blockd.repl_leader import Commits, ReplicationServicer
 from blockd.repl_log import LogTail
 from blockd.v1 import replication_pb2 as rpb
+from blockd.wal import fsync_dir
 
 log = logging.getLogger("blockd.replication")
 
 MODES = ("sync", "async")
+#: in the data dir: the id of this copy of the log (:func:`log_identity`)
+LOG_ID_FILE = "log-id"
 
 
 @dataclass(frozen=True)
@@ -65,6 +70,37 @@ class ReplicaConfig:
             raise ValueError(f"--ack-timeout-s must be > 0, got {self.ack_timeout_s}")
 
 
+def log_identity(data_dir: str, empty: bool) -> str:
+    """The id of this data dir's copy of the log (file ``LOG_ID_FILE``), made anew when the log is empty.
+
+    The in-sync set in etcd names it (:mod:`blockd.ha.insync`): an entry
+    earned by one copy of a replica's log must not let another copy lead, as
+    it would after the data dir was lost (an empty log, a new id) or its
+    id file with it. A log without an id file (written before ids existed,
+    or damaged) also gets a new one: the safe direction, since a leader
+    admits the replica again once it has caught up.
+    """
+    path = os.path.join(data_dir, LOG_ID_FILE)
+    if not empty:
+        try:
+            with open(path, encoding="ascii") as f:
+                found = f.read().strip()
+            if found and found.isalnum():
+                return found
+        except (OSError, UnicodeDecodeError):
+            pass
+    made = uuid.uuid4().hex
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="ascii") as f:
+        f.write(made + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(data_dir)
+    log.info("data dir %s holds log %s", data_dir, made)
+    return made
+
+
 class _EtcdInSync:
     """The in-sync set through one etcd client shared by the RPC threads (calls serialised)."""
 
@@ -72,13 +108,13 @@ class _EtcdInSync:
         self._lock = threading.Lock()
         self._set = InSyncSet(EtcdClient(endpoints, timeout_s), group)
 
-    def members(self) -> list[str]:
+    def members(self) -> dict[str, str]:
         with self._lock:
-            return [m.replica_id for m in self._set.members()]
+            return {m.replica_id: m.log_id for m in self._set.members()}
 
-    def add(self, term: int, replica_id: str, lsn: int) -> None:
+    def add(self, term: int, replica_id: str, lsn: int, log_id: str = "") -> None:
         with self._lock:
-            self._set.add(term, replica_id, lsn)
+            self._set.add(term, replica_id, lsn, log_id)
 
     def remove(self, term: int, replica_id: str) -> None:
         with self._lock:
@@ -136,10 +172,12 @@ class Replica:
     def start(self, engine: Engine, address: str) -> None:
         self.engine, self.address = engine, address
         cfg = self.config
+        self.log_id = log_identity(self.data_dir, empty=engine.log_state()[0] == 0)
         self.election = Election(cfg.etcd, ElectionConfig(
             group=cfg.group, replica_id=cfg.replica_id, address=address, ttl_s=cfg.ttl_s, margin_s=cfg.margin_s,
-            require_in_sync=cfg.mode == "sync"),
-            on_elected=self._elected, on_stepped_down=self._stepped_down)
+            require_in_sync=cfg.mode == "sync", log_id=self.log_id),
+            on_elected=self._elected, on_stepped_down=self._stepped_down,
+            local_lsn=lambda: engine.log_state()[0])
         self._follow()
         self.election.start()
 
@@ -214,5 +252,5 @@ class Replica:
 
         self._follower = FollowerLoop(self.config.replica_id, self.address, self.engine, self.data_dir, leader,
                                       lambda: not self._term and not self.stopping.is_set(),
-                                      lambda: self._known_term, saw, election.report_progress)
+                                      lambda: self._known_term, saw, election.report_progress, self.log_id)
         self._follower.start()

@@ -1,8 +1,8 @@
 """Helpers for tests of blockd/ha against a real etcd (load with
 ``pytest_plugins = ["tests.etcd", "tests.ha_fixtures"]``).
 
-* ``replicas`` - a factory: ``replicas(url, group, replica_id, **ElectionConfig
-  fields)`` starts an :class:`~blockd.ha.election.Election` wrapped in a
+* ``replicas`` - a factory: ``replicas(url, group, replica_id, [local_lsn=callable],
+  **ElectionConfig fields)`` starts an :class:`~blockd.ha.election.Election` wrapped in a
   :class:`Replica` that records its callbacks; all resign at the end of the test.
 * :func:`wait_for` - poll a predicate, bounded (30 s unless told).
 * :func:`the_leader` - the one replica of a list that leads (two is a failure).
@@ -33,13 +33,14 @@ def wait_for(predicate: Callable[[], object], what: str, timeout_s: float = WAIT
 class Replica:
     """An :class:`Election` and what its callbacks said, with ``time.monotonic()`` stamps."""
 
-    def __init__(self, url: str, group: str, replica_id: str, **config) -> None:
+    def __init__(self, url: str, group: str, replica_id: str, local_lsn: Callable[[], int] = lambda: 0,
+                 **config) -> None:
         # a TTL of 4 s: a loaded test machine must not make a healthy leader miss its keepalives
         config = {"poll_s": 0.05, "ttl_s": 4, **config}
         self.events: list[tuple[str, Leadership, float, str]] = []
         self.election = Election(url, ElectionConfig(group, replica_id, f"{replica_id}.test:50051", **config),
                                  on_elected=lambda won: self.events.append(("elected", won, time.monotonic(), "")),
-                                 on_stepped_down=self._stepped_down)
+                                 on_stepped_down=self._stepped_down, local_lsn=local_lsn)
         self.stepped_down_valid_until = 0.0
 
     def _stepped_down(self, was: Leadership, reason: str) -> None:

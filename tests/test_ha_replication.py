@@ -6,15 +6,19 @@ NOT_LEADER naming the leader; the leader is killed (SIGKILL) under load
 acknowledged step is on the new leader, the step in flight at the kill,
 retried there with its request id, is applied at most once; a leader paused
 past its lease acknowledges nothing once resumed and steps down; a follower
-stopped past the retained window catches up from the leader's snapshot.
+stopped past the retained window catches up from the leader's snapshot; a
+replica whose data dir was lost does not lead with its empty log, however
+long it campaigns alone, and rejoins the in-sync set once caught up.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import tempfile
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 
@@ -260,3 +264,44 @@ def test_the_sdk_follows_the_leader_across_a_failover(group):
         assert g.leader() != leader
     finally:
         client.close()
+
+
+def test_a_replica_whose_data_dir_was_lost_does_not_lead(group):
+    """Every replica is killed; one comes back alone with an empty data dir.
+    Its in-sync entry in etcd was earned by the lost log, so it must not
+    lead (it would serve an empty group, every acknowledged step gone); the
+    others come back, one leads with every step, and the emptied replica
+    catches up and is admitted again under its new log id."""
+    g = group()
+    leader = ready(g)
+    client = g.clients[leader]
+    for i in range(20):
+        client.step("p", [Allocate(f"k{i}", [i, i + 1])], request_id=f"k-{i}")
+    in_sync = InSyncSet(EtcdClient(g.etcd_url), g.name)
+    wait_for(lambda: len(in_sync.members()) == 3, "all three replicas in the in-sync set")
+    lost = next(rid for rid in g.clients if rid != leader)
+    for rid in list(g.clients):
+        g.kill(rid)
+    shutil.rmtree(os.path.join(g.root, lost))
+    g.start(lost)
+    kv = EtcdClient(g.etcd_url)
+    wait_for(lambda: kv.get(in_sync.keys.leader) is None, "the killed leader's lease to expire", timeout_s=30)
+    time.sleep(4)  # the emptied replica campaigns (every 0.2 s) all this while
+    assert kv.get(in_sync.keys.leader) is None, "a replica with an empty log won the election"
+    with pytest.raises(BlockdClientError) as info:
+        g.clients[lost].list_pools()
+    assert info.value.reason == "NO_LEADER", info.value
+    for rid in ("r0", "r1", "r2"):
+        if rid != lost:
+            g.start(rid)
+    new = wait_for(g.leader, "a replica with its whole log to lead", timeout_s=60)
+    assert new != lost
+    tables = g.clients[new].get_tables("p")[1]
+    assert all(f"k{i}" in tables for i in range(20))
+    with open(os.path.join(g.root, lost, "log-id")) as f:
+        new_log = f.read().strip()
+
+    def rejoined() -> bool:
+        return any(e.replica_id == lost and e.log_id == new_log for e in in_sync.members())
+
+    wait_for(rejoined, "the emptied replica admitted again under its new log id", timeout_s=60)

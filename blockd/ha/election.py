@@ -51,8 +51,8 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from blockd.ha.etcd import EtcdClient, EtcdUnavailable, cmp_absent, op_put, op_range
-from blockd.ha.insync import campaign_compares
-from blockd.ha.keys import BadValue, LeaderInfo, check_name, group_keys
+from blockd.ha.insync import campaign_compares, ineligible
+from blockd.ha.keys import BadValue, InSyncEntry, LeaderInfo, check_name, group_keys
 from blockd.ha.lease import LeaseKeeper
 from blockd.ha.members import MemberReport
 
@@ -60,6 +60,8 @@ if TYPE_CHECKING:
     from typing_extensions import Self
 
 log = logging.getLogger("blockd.ha")
+
+NOT_A_MEMBER = "it is not in the in-sync set"
 
 
 @dataclass(frozen=True)
@@ -72,7 +74,9 @@ class ElectionConfig:
     new leader before serving. ``poll_s``: how often a non-leader campaigns /
     a leader re-reads its key. ``request_timeout_s``: bound on one etcd call.
     ``require_in_sync``: campaign only as a member of the in-sync set
-    (:mod:`blockd.ha.insync`; ``sync`` replication needs it).
+    (:mod:`blockd.ha.insync`; ``sync`` replication needs it) whose entry
+    vouches for this replica's log: ``log_id`` names that log and the
+    election's ``local_lsn`` callable says where it ends.
     """
 
     group: str
@@ -84,6 +88,7 @@ class ElectionConfig:
     request_timeout_s: float = 1.0
     member_refresh_s: float = 5.0
     require_in_sync: bool = False
+    log_id: str = ""
 
     def __post_init__(self) -> None:
         check_name("group name", self.group)
@@ -131,8 +136,10 @@ class Election:
                  on_elected: Callable[[Leadership], None] | None = None,
                  on_stepped_down: Callable[[Leadership, str], None] | None = None,
                  on_leader_changed: Callable[[LeaderInfo | None], None] | None = None,
+                 local_lsn: Callable[[], int] = lambda: 0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
+        self._local_lsn = local_lsn
         self.keys = group_keys(config.group)
         self._endpoints = endpoints
         self._kv = EtcdClient(endpoints, config.request_timeout_s)
@@ -148,7 +155,7 @@ class Election:
         self._observed: LeaderInfo | None = None
         self._member = MemberReport(self.keys.member(config.replica_id), config.replica_id, config.address,
                                     config.member_refresh_s, clock)
-        self._said_ineligible = False
+        self._said_ineligible = ""
         self.campaigns = self.elections_won = self.step_downs = self.leader_changes = self.etcd_errors = 0
 
     # what the engine asks ------------------------------------------------------------------------
@@ -304,7 +311,11 @@ class Election:
 
     def _campaign(self) -> None:
         me, keys = self._me(), self.keys
-        ways = campaign_compares(keys, me.replica_id) if self.config.require_in_sync else [([], [])]
+        ways: list[tuple[list[dict], list[dict]]] = [([], [])]
+        why = NOT_A_MEMBER
+        if self.config.require_in_sync:
+            revision, why = self._membership()
+            ways = campaign_compares(keys, me.replica_id, self.config.log_id, revision)
         self.campaigns += 1
         for compares, extra_ops in ways:
             result = self._kv.txn([cmp_absent(keys.leader), *compares],
@@ -322,10 +333,29 @@ class Election:
                 return
         if self.config.require_in_sync:  # no leader, and this replica may lack acknowledged records
             self._observe(None)
-            if not self._said_ineligible:
-                self._said_ineligible = True
+            if self._said_ineligible != why and why == NOT_A_MEMBER:
+                self._said_ineligible = why
                 log.info("replica %s is not in the in-sync set of %s: it will not lead until a leader admits "
                          "it", me.replica_id, self.config.group)
+            elif self._said_ineligible != why:
+                self._said_ineligible = why
+                log.warning("replica %s will not lead %s: %s. It joins the in-sync set again once a leader has "
+                            "caught it up. If no replica of the group can lead, the acknowledged steps are gone "
+                            "with their data dirs: to start the group afresh, accepting that, delete its keys "
+                            "(etcdctl del --prefix %s)", me.replica_id, self.config.group, why, keys.prefix)
+
+    def _membership(self) -> tuple[int, str]:
+        """``(mod revision of this replica's in-sync entry, "")`` when the entry vouches for
+        its log as it is now, else ``(0, why not)``."""
+        found = self._kv.get(self.keys.insync(self.config.replica_id), self._timeout())
+        if found is None:
+            return 0, NOT_A_MEMBER
+        try:
+            entry = InSyncEntry.decode(found.value)
+        except BadValue as err:
+            return 0, f"its in-sync entry cannot be read ({err})"
+        why = ineligible(entry, self.config.log_id, self._local_lsn())
+        return (0, why) if why else (found.mod_revision, "")
 
     def _found_holder(self, holder: LeaderInfo) -> None:
         if holder.lease_id == self._lease.lease_id:

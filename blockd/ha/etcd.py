@@ -104,6 +104,11 @@ def cmp_create_revision(key: str, revision: int) -> dict:
     return {"key": _b64(key), "target": "CREATE", "result": "EQUAL", "create_revision": str(revision)}
 
 
+def cmp_mod_revision(key: str, revision: int) -> dict:
+    """``key`` was last changed at ``revision`` (unchanged since it was read)."""
+    return {"key": _b64(key), "target": "MOD", "result": "EQUAL", "mod_revision": str(revision)}
+
+
 def op_range(key: str, prefix: bool = False) -> dict:
     body = {"key": _b64(key)}
     if prefix:

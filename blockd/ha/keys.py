@@ -165,11 +165,15 @@ class MemberInfo:
 @dataclass(frozen=True)
 class InSyncEntry:
     """A member of the in-sync set: added by the leader of ``term`` once the
-    replica had persisted every record up to ``lsn``."""
+    replica had persisted every record up to ``lsn``, in the copy of its log
+    named ``log_id`` (made with its data dir; "" in entries written before
+    log ids existed). A replica whose data dir was lost or replaced has
+    another log id, so this entry no longer vouches for it."""
 
     replica_id: str
     term: int
     lsn: int
+    log_id: str = ""
 
     def encode(self) -> bytes:
         return json.dumps(asdict(self), sort_keys=True).encode()
@@ -177,5 +181,8 @@ class InSyncEntry:
     @classmethod
     def decode(cls, raw: bytes) -> InSyncEntry:
         doc = _load(raw, "in-sync value")
+        log_id = doc.get("log_id", "")
+        if not isinstance(log_id, str):
+            raise BadValue(f"in-sync value has a non-string log_id: {doc}")
         return cls(_field(doc, "replica_id", str, "in-sync value"), _field(doc, "term", int, "in-sync value"),
-                   _field(doc, "lsn", int, "in-sync value"))
+                   _field(doc, "lsn", int, "in-sync value"), log_id)

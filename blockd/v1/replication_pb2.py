@@ -24,33 +24,33 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x62lockd/v1/replication.proto\x12\tblockd.v1\"}\n\x13ReplicateLogRequest\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0c\n\x04term\x18\x02 \x01(\x04\x12\x10\n\x08\x66rom_lsn\x18\x03 \x01(\x04\x12!\n\x05terms\x18\x04 \x03(\x0b\x32\x12.blockd.v1.TermRun\x12\x0f\n\x07\x61\x64\x64ress\x18\x05 \x01(\t\"*\n\x07TermRun\x12\x0c\n\x04term\x18\x01 \x01(\x04\x12\x11\n\tfirst_lsn\x18\x02 \x01(\x04\"\xf7\x01\n\x14ReplicateLogResponse\x12(\n\x07records\x18\x01 \x01(\x0b\x32\x15.blockd.v1.LogRecordsH\x00\x12)\n\x08truncate\x18\x02 \x01(\x0b\x32\x15.blockd.v1.TruncateToH\x00\x12,\n\x08snapshot\x18\x03 \x01(\x0b\x32\x18.blockd.v1.SnapshotChunkH\x00\x12\x32\n\theartbeat\x18\x04 \x01(\x0b\x32\x1d.blockd.v1.ReplicateHeartbeatH\x00\x12\x0c\n\x04term\x18\n \x01(\x04\x12\x12\n\ncommit_lsn\x18\x0b \x01(\x04\x42\x06\n\x04kind\"3\n\nLogRecords\x12%\n\x07records\x18\x01 \x03(\x0b\x32\x14.blockd.v1.LogRecord\"C\n\tLogRecord\x12\x0b\n\x03lsn\x18\x01 \x01(\x04\x12\x0c\n\x04term\x18\x02 \x01(\x04\x12\x0c\n\x04\x62ody\x18\x03 \x01(\x0c\x12\r\n\x05\x63rc32\x18\x04 \x01(\r\"\x19\n\nTruncateTo\x12\x0b\n\x03lsn\x18\x01 \x01(\x04\"\x7f\n\rSnapshotChunk\x12\x0b\n\x03lsn\x18\x01 \x01(\x04\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12\x13\n\x0btotal_bytes\x18\x05 \x01(\x04\x12\x12\n\nfile_crc32\x18\x06 \x01(\r\x12\x0c\n\x04last\x18\x07 \x01(\x08\"\x14\n\x12ReplicateHeartbeat\"H\n\rAckLogRequest\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0c\n\x04term\x18\x02 \x01(\x04\x12\x15\n\rpersisted_lsn\x18\x03 \x01(\x04\"\x10\n\x0e\x41\x63kLogResponse2\xa6\x01\n\x12ReplicationService\x12Q\n\x0cReplicateLog\x12\x1e.blockd.v1.ReplicateLogRequest\x1a\x1f.blockd.v1.ReplicateLogResponse0\x01\x12=\n\x06\x41\x63kLog\x12\x18.blockd.v1.AckLogRequest\x1a\x19.blockd.v1.AckLogResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x62lockd/v1/replication.proto\x12\tblockd.v1\"\x8d\x01\n\x13ReplicateLogRequest\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0c\n\x04term\x18\x02 \x01(\x04\x12\x10\n\x08\x66rom_lsn\x18\x03 \x01(\x04\x12!\n\x05terms\x18\x04 \x03(\x0b\x32\x12.blockd.v1.TermRun\x12\x0f\n\x07\x61\x64\x64ress\x18\x05 \x01(\t\x12\x0e\n\x06log_id\x18\x06 \x01(\t\"*\n\x07TermRun\x12\x0c\n\x04term\x18\x01 \x01(\x04\x12\x11\n\tfirst_lsn\x18\x02 \x01(\x04\"\xf7\x01\n\x14ReplicateLogResponse\x12(\n\x07records\x18\x01 \x01(\x0b\x32\x15.blockd.v1.LogRecordsH\x00\x12)\n\x08truncate\x18\x02 \x01(\x0b\x32\x15.blockd.v1.TruncateToH\x00\x12,\n\x08snapshot\x18\x03 \x01(\x0b\x32\x18.blockd.v1.SnapshotChunkH\x00\x12\x32\n\theartbeat\x18\x04 \x01(\x0b\x32\x1d.blockd.v1.ReplicateHeartbeatH\x00\x12\x0c\n\x04term\x18\n \x01(\x04\x12\x12\n\ncommit_lsn\x18\x0b \x01(\x04\x42\x06\n\x04kind\"3\n\nLogRecords\x12%\n\x07records\x18\x01 \x03(\x0b\x32\x14.blockd.v1.LogRecord\"C\n\tLogRecord\x12\x0b\n\x03lsn\x18\x01 \x01(\x04\x12\x0c\n\x04term\x18\x02 \x01(\x04\x12\x0c\n\x04\x62ody\x18\x03 \x01(\x0c\x12\r\n\x05\x63rc32\x18\x04 \x01(\r\"\x19\n\nTruncateTo\x12\x0b\n\x03lsn\x18\x01 \x01(\x04\"\x7f\n\rSnapshotChunk\x12\x0b\n\x03lsn\x18\x01 \x01(\x04\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12\x13\n\x0btotal_bytes\x18\x05 \x01(\x04\x12\x12\n\nfile_crc32\x18\x06 \x01(\r\x12\x0c\n\x04last\x18\x07 \x01(\x08\"\x14\n\x12ReplicateHeartbeat\"H\n\rAckLogRequest\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0c\n\x04term\x18\x02 \x01(\x04\x12\x15\n\rpersisted_lsn\x18\x03 \x01(\x04\"\x10\n\x0e\x41\x63kLogResponse2\xa6\x01\n\x12ReplicationService\x12Q\n\x0cReplicateLog\x12\x1e.blockd.v1.ReplicateLogRequest\x1a\x1f.blockd.v1.ReplicateLogResponse0\x01\x12=\n\x06\x41\x63kLog\x12\x18.blockd.v1.AckLogRequest\x1a\x19.blockd.v1.AckLogResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'blockd.v1.replication_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_REPLICATELOGREQUEST']._serialized_start=42
-  _globals['_REPLICATELOGREQUEST']._serialized_end=167
-  _globals['_TERMRUN']._serialized_start=169
-  _globals['_TERMRUN']._serialized_end=211
-  _globals['_REPLICATELOGRESPONSE']._serialized_start=214
-  _globals['_REPLICATELOGRESPONSE']._serialized_end=461
-  _globals['_LOGRECORDS']._serialized_start=463
-  _globals['_LOGRECORDS']._serialized_end=514
-  _globals['_LOGRECORD']._serialized_start=516
-  _globals['_LOGRECORD']._serialized_end=583
-  _globals['_TRUNCATETO']._serialized_start=585
-  _globals['_TRUNCATETO']._serialized_end=610
-  _globals['_SNAPSHOTCHUNK']._serialized_start=612
-  _globals['_SNAPSHOTCHUNK']._serialized_end=739
-  _globals['_REPLICATEHEARTBEAT']._serialized_start=741
-  _globals['_REPLICATEHEARTBEAT']._serialized_end=761
-  _globals['_ACKLOGREQUEST']._serialized_start=763
-  _globals['_ACKLOGREQUEST']._serialized_end=835
-  _globals['_ACKLOGRESPONSE']._serialized_start=837
-  _globals['_ACKLOGRESPONSE']._serialized_end=853
-  _globals['_REPLICATIONSERVICE']._serialized_start=856
-  _globals['_REPLICATIONSERVICE']._serialized_end=1022
+  _globals['_REPLICATELOGREQUEST']._serialized_start=43
+  _globals['_REPLICATELOGREQUEST']._serialized_end=184
+  _globals['_TERMRUN']._serialized_start=186
+  _globals['_TERMRUN']._serialized_end=228
+  _globals['_REPLICATELOGRESPONSE']._serialized_start=231
+  _globals['_REPLICATELOGRESPONSE']._serialized_end=478
+  _globals['_LOGRECORDS']._serialized_start=480
+  _globals['_LOGRECORDS']._serialized_end=531
+  _globals['_LOGRECORD']._serialized_start=533
+  _globals['_LOGRECORD']._serialized_end=600
+  _globals['_TRUNCATETO']._serialized_start=602
+  _globals['_TRUNCATETO']._serialized_end=627
+  _globals['_SNAPSHOTCHUNK']._serialized_start=629
+  _globals['_SNAPSHOTCHUNK']._serialized_end=756
+  _globals['_REPLICATEHEARTBEAT']._serialized_start=758
+  _globals['_REPLICATEHEARTBEAT']._serialized_end=778
+  _globals['_ACKLOGREQUEST']._serialized_start=780
+  _globals['_ACKLOGREQUEST']._serialized_end=852
+  _globals['_ACKLOGRESPONSE']._serialized_start=854
+  _globals['_ACKLOGRESPONSE']._serialized_end=870
+  _globals['_REPLICATIONSERVICE']._serialized_start=873
+  _globals['_REPLICATIONSERVICE']._serialized_end=1039
 # @@protoc_insertion_point(module_scope)

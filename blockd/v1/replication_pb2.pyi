@@ -33,6 +33,7 @@ class ReplicateLogRequest(_message.Message):
     FROM_LSN_FIELD_NUMBER: _builtins.int
     TERMS_FIELD_NUMBER: _builtins.int
     ADDRESS_FIELD_NUMBER: _builtins.int
+    LOG_ID_FIELD_NUMBER: _builtins.int
     replica_id: _builtins.str
     """The follower's --replica-id."""
     term: _builtins.int
@@ -41,6 +42,11 @@ class ReplicateLogRequest(_message.Message):
     """The first record it wants: its last LSN + 1."""
     address: _builtins.str
     """Its advertised address, for status."""
+    log_id: _builtins.str
+    """The id of the follower's copy of its log (made with its data dir): the
+    leader writes it into the follower's in-sync entry, so that an entry
+    earned by a lost data dir never lets a new, empty one win an election.
+    """
     @_builtins.property
     def terms(self) -> _containers.RepeatedCompositeFieldContainer[Global___TermRun]:
         """Its log's term history up to `from_lsn - 1`: the leader finds where the
@@ -55,10 +61,11 @@ class ReplicateLogRequest(_message.Message):
         from_lsn: _builtins.int = ...,
         terms: _abc.Iterable[Global___TermRun] | None = ...,
         address: _builtins.str = ...,
+        log_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "from_lsn", b"from_lsn", "replica_id", b"replica_id", "term", b"term", "terms", b"terms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "from_lsn", b"from_lsn", "log_id", b"log_id", "replica_id", b"replica_id", "term", b"term", "terms", b"terms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
