@@ -8,6 +8,7 @@ test never leaves a process behind. Loopback addresses only.
 
 from __future__ import annotations
 
+import socket
 import time
 from contextlib import contextmanager
 
@@ -35,6 +36,13 @@ class Proc(ChildProcess):
     def stderr(self) -> str:
         """Everything it printed (stdout and stderr are one stream)."""
         return self.output()
+
+
+def free_port() -> int:
+    """A loopback port free right now (a child binds it soon after)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def start_blockd(*extra: str, env: dict | None = None) -> Proc:

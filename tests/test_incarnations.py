@@ -17,7 +17,6 @@ pool's tables, or with the old pool's KV.
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 
@@ -34,7 +33,7 @@ from client.worker import WorkerClient
 from cluster.local import ClusterSpec, LocalCluster
 from cluster.reference import ContiguousReference
 from tests.dense import dense_attention
-from tests.procs import start_blockd, start_worker
+from tests.procs import free_port, start_blockd, start_worker
 from tests.test_cluster import workload
 from worker.follower import Follower
 from worker.runtime import WorkerRuntime
@@ -43,12 +42,6 @@ from worker.service import WorkerServer
 HEADS, DIM = 2, 8
 CONFIG = PoolConfig("m", num_blocks=8, block_size=4, num_layers=1, num_kv_heads=HEADS, head_dim=DIM,
                     dtype="float32")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_for(predicate, timeout_s: float = 30.0) -> bool:

@@ -15,7 +15,6 @@ pair of ``blockd-worker`` processes and a real ``blockd serve``.
 
 from __future__ import annotations
 
-import socket
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -27,7 +26,7 @@ from blockd.core.incarnations import KVNotWritten
 from client.errors import FailedPreconditionError, InvalidArgumentError
 from client.sdk import BlockdClient
 from client.worker import WorkerClient
-from tests.procs import start_blockd, start_worker
+from tests.procs import free_port, start_blockd, start_worker
 from worker.model import ModelRunner, build_model, pool_config_for
 from worker.runtime import WorkerRuntime
 from worker.service import WorkerServer
@@ -221,12 +220,6 @@ def test_model_step_without_a_model_is_failed_precondition():
 
 
 # --- a tensor-parallel pair over gRPC ----------------------------------------------
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 class TPCluster:
     """The test as a minimal scheduler: blockd for the tables, both ranks for each step."""

@@ -28,7 +28,6 @@ import math
 import os
 import re
 import shutil
-import socket
 import subprocess
 import time
 import urllib.parse
@@ -44,7 +43,7 @@ from blockd.core.arith import slot_mapping
 from blockd.core.types import Allocate, Append, Commit, DecodeAppend, Fork, Free, PoolConfig, PoolStats
 from client.sdk import BlockdClient
 from client.worker import WorkerClient
-from tests.procs import Proc, start_worker
+from tests.procs import Proc, free_port, start_worker
 from tests.test_deploy import PROM, concrete, dashboard_queries
 
 pytest_plugins = ["tests.grpc_fixtures"]
@@ -62,12 +61,6 @@ WORKLOAD_S = 4.0
 RATE_WINDOW = "30s"
 #: metric prefixes that exist only once blockd serve wires BlockdMetrics' hooks
 INSTRUMENTED = ("blockd_step_", "blockd_rpc_", "blockd_wal_")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_for(what: str, check: Callable[[], object], timeout_s: float, every_s: float = 0.2):

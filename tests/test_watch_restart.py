@@ -1,22 +1,15 @@
 """A worker's Watch stream survives a daemon restart: the follower reconnects
 from its last version and receives every later version exactly once."""
 
-import socket
 import time
 
 from blockd.core import Allocate, Append, Fork, Free, PoolConfig
 from blockd.core.types import WorkerInfo
 from client.errors import BlockdClientError
 from client.sdk import BlockdClient
-from tests.procs import start_blockd
+from tests.procs import free_port, start_blockd
 from worker.follower import Follower
 from worker.runtime import WorkerRuntime
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_for(predicate, timeout_s=20.0):
