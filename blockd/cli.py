@@ -195,6 +195,15 @@ def _start_metrics(engine, port: int, metrics, args: argparse.Namespace):
     return http
 
 
+def _register_replication_metrics(metrics, replica) -> None:
+    """The election's and replication's collectors on the daemon's registry (read at scrape time)."""
+    from blockd.ha.metrics import ElectionCollector
+    from blockd.repl_metrics import ReplicationCollector
+
+    metrics.registry.register(ElectionCollector(replica.election))
+    metrics.registry.register(ReplicationCollector(replica))
+
+
 def _advertise_address(advertise: str | None, bound: str) -> str:
     """What others should dial; ``ValueError`` for an ``--advertise-address``
     nobody could. Without one, a wildcard bind is only warned about: clients
@@ -316,6 +325,8 @@ def serve(args: argparse.Namespace) -> int:
     server.start()
     if replica is not None:
         replica.start(engine, advertise)
+        if metrics is not None:
+            _register_replication_metrics(metrics, replica)
     print(f"blockd listening on {server.address}", flush=True)
     print(f"blockd advertising {advertise}", flush=True)
     # wait in short slices so the signal handler runs promptly

@@ -56,6 +56,10 @@ class FollowerLoop:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._call: grpc.Call | None = None
+        # read by the metrics (blockd.repl_metrics) at scrape time; plain values, written by this loop only
+        self.streaming = False  #: a feed from the leader is open and has delivered a message
+        self.leader_commit_lsn = 0  #: the leader's commit point in its last message
+        self.snapshots_installed = self.truncations = 0
 
     def start(self) -> None:
         self._stop.clear()
@@ -105,9 +109,11 @@ class FollowerLoop:
                                     self._known_term())
                         return
                     self._saw_term(msg.term)
+                    self.streaming, self.leader_commit_lsn = True, msg.commit_lsn
                     if not self._handle(stub, msg, snapshot):
                         return
             finally:
+                self.streaming = False
                 call.cancel()
                 self._call = None
 
@@ -124,6 +130,7 @@ class FollowerLoop:
             persisted = self.engine.apply_replicated(frames, self._following)
         elif kind == "truncate":
             lsn = msg.truncate.lsn
+            self.truncations += 1
             try:
                 self.engine.reload(lambda d: d.cut_after(lsn, f"the leader of term {msg.term} does not hold the "
                                                               f"records after lsn {lsn}"))
@@ -136,6 +143,7 @@ class FollowerLoop:
             if not msg.snapshot.last:
                 return True
             self._install(snapshot, msg.term)
+            self.snapshots_installed += 1
             snapshot.clear()
             persisted = self.engine.log_state()[0]
         else:

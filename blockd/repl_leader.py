@@ -28,7 +28,7 @@ import threading
 import time
 import zlib
 from collections.abc import Callable, Generator, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from blockd.core.errors import NoLeader, NotLeader, NotReplicated
@@ -63,6 +63,18 @@ class FollowerState:
     log_id: str = ""
 
 
+@dataclass(frozen=True)
+class CommitView:
+    """A consistent copy of the leader's view, for metrics and status: the
+    commit point, the in-sync members (other than the leader), each
+    follower's state, and the clock reading they were taken at."""
+
+    commit_lsn: int
+    members: frozenset[str]
+    followers: tuple[FollowerState, ...]
+    now: float
+
+
 class Commits:
     """The commit point of one term; see the module docstring."""
 
@@ -95,6 +107,11 @@ class Commits:
     def commit_lsn(self, last_lsn: int) -> int:
         with self._cond:
             return self._commit_locked(last_lsn)
+
+    def view(self, last_lsn: int) -> CommitView:
+        with self._cond:
+            return CommitView(self._commit_locked(last_lsn), frozenset(self.members),
+                              tuple(replace(f) for f in self.followers.values()), self._clock())
 
     def _commit_locked(self, last_lsn: int) -> int:
         if self.mode == "async":

@@ -138,6 +138,7 @@ class Replica:
         self._known_term = 0
         self._roles = threading.Lock()
         self._follower: FollowerLoop | None = None
+        self._past_snapshots = self._past_truncations = 0  #: of follower loops that have ended
 
     # --- the engine's gate ------------------------------------------------------------------
     @property
@@ -168,6 +169,29 @@ class Replica:
     def leading_term(self) -> int:
         return self._term
 
+    # --- what the metrics read (blockd.repl_metrics) ---------------------------------------------
+    @property
+    def follower(self) -> FollowerLoop | None:
+        return self._follower
+
+    @property
+    def snapshots_installed(self) -> int:
+        follower = self._follower
+        return self._past_snapshots + (follower.snapshots_installed if follower is not None else 0)
+
+    @property
+    def truncations(self) -> int:
+        follower = self._follower
+        return self._past_truncations + (follower.truncations if follower is not None else 0)
+
+    def _drop_follower(self) -> None:
+        follower = self._follower
+        if follower is not None:
+            follower.stop()
+            self._past_snapshots += follower.snapshots_installed
+            self._past_truncations += follower.truncations
+            self._follower = None
+
     # --- lifetime ----------------------------------------------------------------------------
     def start(self, engine: Engine, address: str) -> None:
         self.engine, self.address = engine, address
@@ -189,8 +213,7 @@ class Replica:
         if self.election is not None:
             self.election.resign()
         with self._roles:
-            if self._follower is not None:
-                self._follower.stop()
+            self._drop_follower()
         self.tail.wake()
 
     # --- roles ----------------------------------------------------------------------------------
@@ -206,9 +229,7 @@ class Replica:
                 current = election.leadership
                 return current is not None and current.term == leadership.term and not self.stopping.is_set()
 
-            if self._follower is not None:
-                self._follower.stop()
-                self._follower = None
+            self._drop_follower()
             try:
                 self.commits.begin(leadership.term, leadership.previous_leader)
             except Exception:  # etcd refused or failed: this term cannot serve; the election moves on

@@ -23,7 +23,9 @@ from prometheus_client import CollectorRegistry
 
 from blockd.core.types import Allocate, PoolConfig
 from blockd.engine import Engine
+from blockd.ha.metrics import ElectionCollector
 from blockd.metrics import BlockdMetrics
+from blockd.repl_metrics import ReplicationCollector
 from worker.metrics import KERNELS, WorkerMetrics
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -89,7 +91,8 @@ def test_every_alert_has_a_firing_and_a_quiet_case():
             following = lines[i + 1].strip()
             cases.setdefault(match.group(1), set()).add("quiet" if following == "exp_alerts: []" else "fires")
     expected = {"BlockdDown", "BlockdPoolNearlyFull", "BlockdTailWasteHigh", "BlockdWorkerDown",
-                "BlockdWorkerMetricsDown", "BlockdWorkerReplicaLagging", "BlockdStepLatencyHigh"}
+                "BlockdWorkerMetricsDown", "BlockdWorkerReplicaLagging", "BlockdStepLatencyHigh",
+                "BlockdNoLeader", "BlockdReplicationLagHigh", "BlockdLeaderChangesFrequent"}
     assert set(alert_names()) == expected
     for name in expected:
         assert cases.get(name) == {"quiet", "fires"}, name
@@ -146,6 +149,10 @@ def _exported_names() -> set[str]:
     names = set()
     for registry in (metrics.registry, worker.registry):
         names |= {s.name for family in registry.collect() for s in family.samples}
+    # a replica's collectors need a live group to collect; their families name what they export
+    # (tests/test_ha_metrics.py scrapes them from real replicas)
+    for family in [*ElectionCollector._families(), *ReplicationCollector._families().values()]:
+        names.add(family.name + ("_total" if family.type == "counter" else ""))
     return names
 
 

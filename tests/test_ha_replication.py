@@ -8,7 +8,9 @@ retried there with its request id, is applied at most once; a leader paused
 past its lease acknowledges nothing once resumed and steps down; a follower
 stopped past the retained window catches up from the leader's snapshot; a
 replica whose data dir was lost does not lead with its empty log, however
-long it campaigns alone, and rejoins the in-sync set once caught up.
+long it campaigns alone, and rejoins the in-sync set once caught up; each
+replica's /metrics shows its role, the leader's view of every follower (lag,
+in-sync) and the follower's feed, and a killed follower's lag and removal.
 """
 
 from __future__ import annotations
@@ -19,10 +21,12 @@ import signal
 import tempfile
 import threading
 import time
+import urllib.request
 import uuid
 from collections.abc import Iterator
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from blockd.core import Allocate, Free, PoolConfig
 from blockd.engine import Engine
@@ -32,7 +36,7 @@ from blockd.ha.insync import InSyncSet
 from client.errors import BlockdClientError, FailedPreconditionError
 from client.sdk import BlockdClient
 from tests.ha_fixtures import wait_for
-from tests.procs import Proc, start_blockd
+from tests.procs import Proc, free_port, start_blockd
 
 pytest_plugins = ["tests.etcd"]
 
@@ -44,8 +48,9 @@ TTL_S = "4"
 class Group:
     """Three replicas of a new group, each with its own data dir; restartable."""
 
-    def __init__(self, etcd_url: str, root: str, *extra: str) -> None:
+    def __init__(self, etcd_url: str, root: str, *extra: str, metrics: bool = False) -> None:
         self.etcd_url, self.root, self.extra = etcd_url, root, extra
+        self.metrics_ports: dict[str, int] | None = {} if metrics else None
         # one etcd serves the module: each test's group must not inherit another's in-sync set
         self.name = f"g-{uuid.uuid4().hex[:8]}"
         self.procs: dict[str, Proc] = {}
@@ -57,6 +62,8 @@ class Group:
         old = self.procs.get(rid)
         args = ["--data-dir", os.path.join(self.root, rid), "--etcd", self.etcd_url, "--replica-id", rid,
                 "--group", self.name, "--lease-ttl-s", TTL_S, "--ack-timeout-s", "2", *self.extra]
+        if self.metrics_ports is not None:
+            args += ["--metrics-port", str(self.metrics_ports.setdefault(rid, free_port()))]
         proc = start_blockd(*args) if old is None else Proc(["-m", "blockd.cli", "serve", "--listen", old.address,
                                                              *args], "blockd listening on")
         self.procs[rid] = proc
@@ -89,8 +96,8 @@ class Group:
 def group(etcd_server) -> Iterator:
     made: list[Group] = []
     with tempfile.TemporaryDirectory(prefix="blockd-ha-") as root:
-        def make(*extra: str) -> Group:
-            g = Group(etcd_server.url, os.path.join(root, str(len(made))), *extra)
+        def make(*extra: str, metrics: bool = False) -> Group:
+            g = Group(etcd_server.url, os.path.join(root, str(len(made))), *extra, metrics=metrics)
             made.append(g)
             for rid in ("r0", "r1", "r2"):
                 g.start(rid)
@@ -305,3 +312,49 @@ def test_a_replica_whose_data_dir_was_lost_does_not_lead(group):
         return any(e.replica_id == lost and e.log_id == new_log for e in in_sync.members())
 
     wait_for(rejoined, "the emptied replica admitted again under its new log id", timeout_s=60)
+
+
+def _scrape(port: int) -> dict[tuple[str, tuple], float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    return {(sample.name, tuple(sorted((k, v) for k, v in sample.labels.items() if k != "group"))): sample.value
+            for family in text_string_to_metric_families(text) for sample in family.samples
+            if sample.name.startswith(("blockd_ha_", "blockd_replication_"))}
+
+
+def test_replication_metrics_show_roles_lag_and_the_in_sync_set(group):
+    g = group(metrics=True)
+    leader = ready(g)
+    ports = g.metrics_ports
+    assert ports is not None
+    follower, other = (rid for rid in g.clients if rid != leader)
+    client = g.clients[leader]
+    for i in range(10):
+        client.step("p", [Allocate(f"m{i}", [i, i + 1])], request_id=f"m-{i}")
+
+    def settled() -> dict | None:
+        lead, fol = _scrape(ports[leader]), _scrape(ports[follower])
+        caught_up = fol.get(("blockd_replication_last_lsn", ())) == lead[("blockd_replication_last_lsn", ())]
+        all_in = lead.get(("blockd_replication_in_sync_replicas", ())) == 3
+        return {"leader": lead, "follower": fol} if caught_up and all_in else None
+
+    seen = wait_for(settled, "every replica in sync, the follower at the leader's last LSN")
+    lead, fol = seen["leader"], seen["follower"]
+    assert lead[("blockd_ha_is_leader", ())] == 1 and lead[("blockd_replication_leading", ())] == 1
+    assert lead[("blockd_ha_term", ())] > 0 and lead[("blockd_replication_sync_mode", ())] == 1
+    for rid in (follower, other):
+        assert lead[("blockd_replication_follower_in_sync", (("follower", rid),))] == 1
+        assert lead[("blockd_replication_follower_lag_records", (("follower", rid),))] >= 0
+    assert fol[("blockd_ha_is_leader", ())] == 0 and fol[("blockd_replication_leading", ())] == 0
+    assert fol[("blockd_replication_streaming", ())] == 1
+    assert fol[("blockd_ha_term", ())] == lead[("blockd_ha_term", ())]
+    assert 0 < fol[("blockd_replication_commit_lsn", ())] <= fol[("blockd_replication_last_lsn", ())]
+    # a follower dies: the leader drops it from the set (the next step waits 2 s for it) and its lag grows
+    g.kill(follower)
+    for i in range(30):
+        client.step("p", [Allocate(f"n{i}", [i, i + 1])], request_id=f"n-{i}")
+    lead = _scrape(ports[leader])
+    assert lead[("blockd_replication_follower_in_sync", (("follower", follower),))] == 0
+    assert lead[("blockd_replication_follower_lag_records", (("follower", follower),))] >= 30
+    assert lead[("blockd_replication_in_sync_replicas", ())] == 2
+    assert lead[("blockd_replication_follower_in_sync", (("follower", other),))] == 1

@@ -3,11 +3,12 @@
 :class:`ElectionCollector` reads an :class:`~blockd.ha.election.Election`'s
 state and counters when Prometheus scrapes (the election thread never
 touches a metric). Register it on the daemon's registry
-(``BlockdMetrics.registry``) when ``blockd serve --etcd`` runs. The only
-label is ``group`` (one per replica group; the target labels say which
-replica). Alerts built on these (part 2, ``deploy/``): no leader in a group
-(``max by (group) (blockd_ha_is_leader) == 0``), frequent leader changes
-(``increase(blockd_ha_leader_changes_total[15m]) > 3``).
+(``BlockdMetrics.registry``) when ``blockd serve --etcd`` runs with a
+metrics port (beside :class:`blockd.repl_metrics.ReplicationCollector`). The
+only label is ``group`` (one per replica group; the target labels say which
+replica). Alerts built on these (``deploy/prometheus/alerts.yml``): no leader
+in a group (``BlockdNoLeader``), frequent leader changes
+(``BlockdLeaderChangesFrequent``).
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ class ElectionCollector(Collector):
     def describe(self) -> Iterable[Metric]:
         return self._families()
 
-    def _families(self) -> list[GaugeMetricFamily | CounterMetricFamily]:
+    @staticmethod
+    def _families() -> list[GaugeMetricFamily | CounterMetricFamily]:
         labels = ["group"]
         return [
             GaugeMetricFamily("blockd_ha_term", "Newest leader term this replica knows (0: none yet).",
