@@ -159,13 +159,23 @@ class BlockdClient:
 
     def _stream(self, method: Callable[..., Any], request: Any, read: Callable[[Any], T],
                 timeout_s: float | None) -> Generator[T, None, None]:
-        """A server stream read item by item; closing the generator cancels the call."""
+        """A server stream read item by item; closing the generator cancels the call.
+
+        A stream is not resent here (only its caller knows where to resume,
+        e.g. a worker from its last version); a failure that names the
+        group's leader, or a replica gone down, moves this client to the
+        replica to call next (:mod:`client.leader`) before it is raised, so
+        the caller's next open reaches the leader."""
         stream = method(request, timeout=timeout_s)
         try:
             for reply in stream:
                 yield read(reply)
         except grpc.RpcError as err:
-            raise from_rpc_error(err) from None
+            error = from_rpc_error(err)
+            where = self._locate(method) if self._follow else None
+            if where is not None:
+                self._targets.next_attempt(error, where[0], 0)
+            raise error from None
         finally:
             stream.cancel()
 

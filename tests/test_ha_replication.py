@@ -1,10 +1,11 @@
 """Log replication between real daemons (``blockd serve --etcd``) over a real etcd (docs/ha.md).
 
 Three replicas of one group in ``sync`` mode: followers refuse calls with
-NOT_LEADER naming the leader; the leader is killed (SIGKILL) under load
-``BLOCKD_HA_KILLS`` times (default 5; 20 on request) and after each failover every
-acknowledged step is on the new leader, the step in flight at the kill,
-retried there with its request id, is applied at most once; a leader paused
+NOT_LEADER naming the leader; the chaos test kills the leader (SIGKILL)
+``BLOCKD_HA_KILLS`` times (default 20) under a worker and four schedulers'
+load, and after each failover every acknowledged step is on the new leader,
+the steps in flight at the kill, resent there with their request ids, are
+applied at most once, and the worker's tables equal the leader's; a leader paused
 past its lease acknowledges nothing once resumed and steps down; a follower
 stopped past the retained window catches up from the leader's snapshot; a
 replica whose data dir was lost does not lead with its empty log, however
@@ -15,7 +16,9 @@ in-sync) and the follower's feed, and a killed follower's lag and removal.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import random
 import shutil
 import signal
 import tempfile
@@ -23,12 +26,14 @@ import threading
 import time
 import urllib.request
 import uuid
+from collections import deque
 from collections.abc import Iterator
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from blockd.core import Allocate, Free, PoolConfig
+from blockd.core.types import WorkerInfo
 from blockd.engine import Engine
 from blockd.engine_config import EngineConfig
 from blockd.ha.etcd import EtcdClient
@@ -37,10 +42,12 @@ from client.errors import BlockdClientError, FailedPreconditionError
 from client.sdk import BlockdClient
 from tests.ha_fixtures import wait_for
 from tests.procs import Proc, free_port, start_blockd
+from worker.follower import Follower
+from worker.runtime import WorkerRuntime
 
 pytest_plugins = ["tests.etcd"]
 
-KILLS = int(os.environ.get("BLOCKD_HA_KILLS", "5"))
+KILLS = int(os.environ.get("BLOCKD_HA_KILLS", "20"))
 #: a loaded test machine must not make a healthy leader miss its keepalives
 TTL_S = "4"
 
@@ -138,56 +145,164 @@ def test_followers_refuse_naming_the_leader(group):
     assert "x" in g.clients[leader].get_tables("p")[1]
 
 
-def test_no_acknowledged_step_is_lost_when_the_leader_is_killed(group):
+def test_chaos_leader_killed_under_a_worker_and_four_schedulers(group):
+    """The issue's chaos test: three replicas in sync mode, a worker following
+    Watch and four schedulers stepping through the SDK (every replica's
+    address given, so calls follow the leader and resend with the same
+    request id); the leader is SIGKILLed at a random moment ``KILLS`` times.
+    After each failover the load is paused and checked: every acknowledged
+    sequence is on the new leader and every acknowledged free is applied
+    (0 lost); no step was applied twice (each allocates or frees a sequence,
+    so a second application would fail, and every scheduler's call
+    succeeded); the worker received every version once, in order, without a
+    snapshot, and its tables equal the leader's."""
     g = group()
     leader = ready(g)
-    acked: set[str] = set()
-    counter = [0]
-    for kill in range(KILLS):
-        stop, in_flight = threading.Event(), {}
-        loader = threading.Thread(target=_load, args=(g.clients[leader], stop, in_flight, acked, counter))
-        loader.start()
-        target = 20 * (kill + 1)
-        wait_for(lambda target=target: len(acked) >= target, "steps acknowledged under load")
-        g.kill(leader)
-        stop.set()
-        loader.join(30)
-        old, leader = leader, wait_for(g.leader, "a new leader", timeout_s=60)
-        assert leader != old
-        client = g.clients[leader]
-        for rid, (seq, ops) in list(in_flight.items()):  # retried with the same id: applied at most once
-            def retried(client=client, rid=rid, ops=ops) -> bool:
-                try:
-                    client.step("p", ops, request_id=rid)
-                except BlockdClientError as err:
-                    assert err.reason in ("NOT_REPLICATED", "NO_LEADER"), err
-                    return False
-                return True
+    addresses = ",".join(p.address for p in g.procs.values())
+    config = PoolConfig("w", num_blocks=8192, block_size=4, num_layers=1, num_kv_heads=1, head_dim=4,
+                        dtype="float32")
+    g.clients[leader].create_pool(config, request_id="create-w")
+    runtime = WorkerRuntime(config, device="cpu")
+    delivered: list[int] = []
+    push = runtime.replica.push
 
-            wait_for(retried, "the in-flight step answered by the new leader", timeout_s=60)
-            acked.add(seq)
-        tables = client.get_tables("p")[1]
-        missing = sorted(acked - set(tables))
-        assert not missing, f"acknowledged steps lost after failover {kill + 1}: {missing[:10]}"
-        g.start(old)  # rejoins as a follower; its uncommitted tail, if any, is cut
-    assert len(acked) >= 20 * KILLS
+    def recording_push(delta) -> None:
+        delivered.append(delta.version)
+        push(delta)
+
+    runtime.replica.push = recording_push  # type: ignore[method-assign]
+    worker_client = BlockdClient(addresses, timeout_s=60)
+    follower = Follower(worker_client, runtime, WorkerInfo("w0", "w", "", 0, 1, 0, 1,
+                                                           incarnation=runtime.incarnation),
+                        heartbeat_interval_s=0.2)
+    follower.start()
+    load = _Load(addresses, schedulers=4)
+    rng = random.Random(int(os.environ.get("BLOCKD_HA_SEED", "14")))
+    failovers: list[float] = []
+    in_sync = InSyncSet(EtcdClient(g.etcd_url), g.name)
+    try:
+        load.start()
+        for kill in range(KILLS):
+            wait_for(lambda: len(in_sync.members()) == 3, "all three replicas in the in-sync set", timeout_s=60)
+            before = load.count()
+            wait_for(lambda before=before: load.count() >= before + 20, "steps acknowledged under load")
+            time.sleep(rng.uniform(0.0, 0.5))  # a random moment in the load
+            at, count = time.monotonic(), load.count()
+            g.kill(leader)
+            wait_for(lambda count=count: load.count() > count + 4 or load.errors, "steps after the failover",
+                     timeout_s=60)
+            failovers.append(time.monotonic() - at)
+            assert not load.errors, load.errors
+            old, leader = leader, wait_for(g.leader, "the new leader", timeout_s=60)
+            assert leader != old
+            with load.paused():
+                _check(g.clients[leader], load, runtime, delivered, kill)
+            g.start(old)  # rejoins as a follower; its uncommitted tail, if any, is cut
+    finally:
+        load.stop()
+        follower.stop()
+        worker_client.close()
+    assert not load.errors, load.errors
+    assert load.count() >= 20 * KILLS and len(failovers) == KILLS
+    print(f"chaos: {KILLS} kills, {load.count()} steps acknowledged, failover (kill to the next ack) "
+          f"max {max(failovers):.2f} s")
 
 
-def _load(client: BlockdClient, stop: threading.Event, in_flight: dict, acked: set, counter: list) -> None:
-    """Steps until ``stop`` or a failure (the leader died: the last step's outcome is unknown)."""
-    while not stop.is_set():
-        counter[0] += 1
-        n = counter[0]
-        seq, rid = f"s{n}", f"step-{n}"
-        ops = [Allocate(seq, [n, n + 1, n + 2])]
-        in_flight.clear()
-        in_flight[rid] = (seq, ops)
+def _check(client: BlockdClient, load: _Load, runtime: WorkerRuntime, delivered: list[int], kill: int) -> None:
+    version, tables = client.get_tables("w")
+    lost = sorted(load.alive() - set(tables))
+    assert not lost, f"acknowledged sequences lost after failover {kill + 1}: {lost[:10]}"
+    undone = sorted(load.freed() & set(tables))
+    assert not undone, f"acknowledged frees undone after failover {kill + 1}: {undone[:10]}"
+    assert set(tables) == load.alive(), "the leader holds sequences no scheduler was told of"
+    wait_for(lambda: runtime.replica.received_version >= version, f"the worker to receive version {version}",
+             timeout_s=60)
+    runtime.replica.advance_to(version, 10.0)
+    assert runtime.replica.tables == tables, f"the worker's tables differ from the leader's after failover {kill + 1}"
+    assert delivered == list(range(1, len(delivered) + 1)), "the worker saw a version twice or missed one"
+    assert runtime.replica.num_snapshots == 0
+
+
+class _Load:
+    """``schedulers`` threads, each with its own SDK client, stepping until stopped:
+    allocate a new sequence, and free its oldest once it holds 50."""
+
+    def __init__(self, addresses: str, schedulers: int) -> None:
+        self._clients = [BlockdClient(addresses, timeout_s=60) for _ in range(schedulers)]
+        self._lock = threading.Lock()
+        self._alive: set[str] = set()
+        self._freed: set[str] = set()
+        self._steps = 0
+        self.errors: list[str] = []
+        self._stop, self._run = threading.Event(), threading.Event()
+        self._idle = [threading.Event() for _ in range(schedulers)]
+        self._threads = [threading.Thread(target=self._scheduler, args=(k,), daemon=True)
+                         for k in range(schedulers)]
+
+    def start(self) -> None:
+        self._run.set()
+        for thread in self._threads:
+            thread.start()
+
+    def count(self) -> int:
+        with self._lock:
+            return self._steps
+
+    def alive(self) -> set[str]:
+        with self._lock:
+            return set(self._alive)
+
+    def freed(self) -> set[str]:
+        with self._lock:
+            return set(self._freed)
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        self._run.clear()
+        for idle in self._idle:
+            assert idle.wait(120), "a scheduler's step did not return"
         try:
-            client.step("p", ops, request_id=rid)
-        except BlockdClientError:
-            return
-        acked.add(seq)
-        in_flight.clear()
+            yield
+        finally:
+            self._run.set()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._run.set()
+        for thread in self._threads:
+            thread.join(120)
+        for client in self._clients:
+            client.close()
+
+    def _scheduler(self, k: int) -> None:
+        client, mine, n = self._clients[k], deque[str](), 0
+        while not self._stop.is_set():
+            if not self._run.is_set():
+                self._idle[k].set()
+                self._run.wait()
+                continue
+            self._idle[k].clear()
+            n += 1
+            seq = f"k{k}-{n}"
+            ops: list = [Allocate(seq, [k, n, n + 1])]
+            oldest = mine[0] if len(mine) >= 50 else None
+            if oldest is not None:
+                ops.append(Free(oldest))
+            try:
+                client.step("w", ops, request_id=f"chaos-{k}-{n}")
+            except BlockdClientError as err:
+                self.errors.append(f"scheduler {k} step {n}: {err}")
+                self._idle[k].set()
+                return
+            mine.append(seq)
+            with self._lock:
+                self._steps += 1
+                self._alive.add(seq)
+                if oldest is not None:
+                    mine.popleft()
+                    self._alive.discard(oldest)
+                    self._freed.add(oldest)
+        self._idle[k].set()
 
 
 def test_a_paused_leader_acknowledges_nothing_and_steps_down(group):
