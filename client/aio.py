@@ -7,11 +7,14 @@
             ...
 
 Requests are built and replies read in :mod:`client.messages` (shared with
-the sync client); the same deadlines, retries and request ids apply.
+the sync client); the same deadlines, retries and request ids apply, and
+the same leader following for a replicated group (:mod:`client.leader`).
 """
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import AsyncGenerator, Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -45,6 +48,7 @@ from blockd.v1 import blockd_pb2_grpc as pb_grpc
 from client import messages
 from client.channel import DEFAULT_MAX_ATTEMPTS, DEFAULT_TARGET, DEFAULT_TIMEOUT_S, dial
 from client.errors import from_rpc_error
+from client.leader import ReplicaStubs
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -53,21 +57,35 @@ T = TypeVar("T")
 
 
 class AsyncBlockdClient:
-    """A connection to one blockd daemon for one event loop."""
+    """A connection to one blockd daemon (or the replicas of a group) for one event loop."""
 
     def __init__(self, target: str = DEFAULT_TARGET, *, timeout_s: float = DEFAULT_TIMEOUT_S,
                  max_attempts: int = DEFAULT_MAX_ATTEMPTS, tls: TlsConfig | None = None,
-                 token: str | None = None) -> None:
+                 token: str | None = None, follow_leader: bool = True) -> None:
+        """As :class:`client.sdk.BlockdClient`: ``target`` may list a replicated
+        group's replicas, comma-separated, and calls follow its leader."""
         self.target = target
         self.timeout_s = timeout_s
         self.tls, self.token = tls, token
-        self._channel = dial(target, tls=tls, token=token, max_attempts=max_attempts, aio=True)
-        self._pools = pb_grpc.PoolServiceStub(self._channel)
-        self._blocks = pb_grpc.BlockServiceStub(self._channel)
-        self._workers = pb_grpc.WorkerServiceStub(self._channel)
+        self._follow = follow_leader
+        self._replicas = ReplicaStubs(target, lambda address: dial(address, tls=tls, token=token,
+                                                                   max_attempts=max_attempts, aio=True))
+
+    @property
+    def _pools(self) -> pb_grpc.PoolServiceStub:
+        return self._replicas.pools
+
+    @property
+    def _blocks(self) -> pb_grpc.BlockServiceStub:
+        return self._replicas.blocks
+
+    @property
+    def _workers(self) -> pb_grpc.WorkerServiceStub:
+        return self._replicas.workers
 
     async def close(self) -> None:
-        await self._channel.close()
+        for channel in self._replicas.channels():
+            await channel.close()
 
     async def __aenter__(self) -> Self:
         return self
@@ -76,19 +94,35 @@ class AsyncBlockdClient:
         await self.close()
 
     async def _unary(self, method: Callable[..., Any], request: Any, timeout_s: float | None = None) -> Any:
-        try:
-            return await method(request, timeout=timeout_s or self.timeout_s)
-        except grpc.RpcError as err:
-            raise from_rpc_error(err) from None
+        """As the sync client's: within the deadline, the same request follows
+        the leader of a replicated group (:mod:`client.leader`)."""
+        deadline = time.monotonic() + (timeout_s or self.timeout_s)
+        attempt = 0
+        while True:
+            try:
+                return await method(request, timeout=max(0.001, deadline - time.monotonic()))
+            except grpc.RpcError as err:
+                error = from_rpc_error(err)
+            step = self._replicas.next_call(method, error, attempt) if self._follow else None
+            if step is None or time.monotonic() + step[1] >= deadline:
+                raise error from None
+            await asyncio.sleep(step[1])
+            attempt += 1
+            method = step[0]
 
     async def _stream(self, method: Callable[..., Any], request: Any, read: Callable[[Any], T],
                       timeout_s: float | None) -> AsyncGenerator[T, None]:
+        """As the sync client's: not resent, but a failure moves the client to
+        the replica to call next before it is raised."""
         stream = method(request, timeout=timeout_s)
         try:
             async for reply in stream:
                 yield read(reply)
         except grpc.RpcError as err:
-            raise from_rpc_error(err) from None
+            error = from_rpc_error(err)
+            if self._follow:
+                self._replicas.next_call(method, error, 0)
+            raise error from None
         finally:
             stream.cancel()
 

@@ -18,13 +18,22 @@ the old leader logged is answered from the replicated request table, never
 applied twice (docs/ha.md 2.7). A single plain target behaves as before:
 nothing but ``NOT_LEADER`` and the two reasons above (which only a
 replicated daemon sends) is retried here.
+
+:class:`ReplicaStubs` keeps one channel and its stubs per replica address
+for a client, sync or asyncio alike, and turns a failed stub method into the
+same method at the replica to try next (:meth:`ReplicaStubs.next_call`).
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
 
+from blockd.v1 import blockd_pb2_grpc as pb_grpc
 from client.errors import BlockdClientError, FailedPreconditionError, UnavailableError
+
+C = TypeVar("C")
 
 #: first and longest pause between attempts against the same group
 BACKOFF_S = (0.05, 0.5)
@@ -69,3 +78,72 @@ class Targets:
                 self.all.append(address)
             self.current = address
             return address
+
+
+class ReplicaStubs(Generic[C]):
+    """The channel (made by ``dial(address)``) and pool, block and worker
+    stubs of each replica a client has called; thread-safe. Stub methods
+    are looked up at call time through :attr:`pools`, :attr:`blocks` and
+    :attr:`workers`, so a call goes to the replica :attr:`targets` names now."""
+
+    def __init__(self, target: str, dial: Callable[[str], C]) -> None:
+        self.targets = Targets(target)
+        self._dial = dial
+        self._lock = threading.Lock()
+        # the stubs are sync or asyncio ones, as the channel is
+        self._stubs: dict[str, tuple[C, Any, Any, Any]] = {}
+        self.at(self.targets.current)  # bad TLS settings or a token in plain text fail here, not at a call
+
+    def at(self, address: str) -> tuple[C, Any, Any, Any]:
+        with self._lock:
+            found = self._stubs.get(address)
+            if found is None:
+                channel: Any = self._dial(address)
+                found = self._stubs[address] = (channel, pb_grpc.PoolServiceStub(channel),
+                                                pb_grpc.BlockServiceStub(channel), pb_grpc.WorkerServiceStub(channel))
+            return found
+
+    @property
+    def channel(self) -> C:
+        """The channel to the replica calls go to now."""
+        return self.at(self.targets.current)[0]
+
+    @property
+    def pools(self) -> Any:
+        return self.at(self.targets.current)[1]
+
+    @property
+    def blocks(self) -> Any:
+        return self.at(self.targets.current)[2]
+
+    @property
+    def workers(self) -> Any:
+        return self.at(self.targets.current)[3]
+
+    def channels(self) -> list[C]:
+        with self._lock:
+            return [channel for channel, *_ in self._stubs.values()]
+
+    def next_call(self, method: Callable[..., Any], err: BlockdClientError,
+                  attempt: int) -> tuple[Callable[..., Any], float] | None:
+        """After ``method`` failed with ``err`` (the ``attempt``-th failure, from 0):
+        ``(the same method at the replica to try next, pause in seconds)``, or
+        None: give up. Either way :attr:`targets` now names where the next call goes."""
+        where = self._locate(method)
+        if where is None:
+            return None
+        address, index, name = where
+        step = self.targets.next_attempt(err, address, attempt)
+        if step is None:
+            return None
+        return getattr(self.at(step[0])[index], name), step[1]
+
+    def _locate(self, method: Callable[..., Any]) -> tuple[str, int, str] | None:
+        """``(address, stub index, method name)`` of a stub method made here."""
+        with self._lock:
+            for address, stubs in self._stubs.items():
+                for index, stub in enumerate(stubs[1:], 1):
+                    name = next((n for n, v in vars(stub).items() if v is method), None)
+                    if name is not None:
+                        return address, index, name
+        return None

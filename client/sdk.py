@@ -24,7 +24,6 @@ Each method builds its request (:mod:`client.messages`, shared with
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Generator, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -58,7 +57,7 @@ from blockd.v1 import blockd_pb2_grpc as pb_grpc
 from client import messages
 from client.channel import DEFAULT_MAX_ATTEMPTS, DEFAULT_TARGET, DEFAULT_TIMEOUT_S, dial
 from client.errors import from_rpc_error
-from client.leader import Targets
+from client.leader import ReplicaStubs
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -82,44 +81,30 @@ class BlockdClient:
         self.timeout_s = timeout_s
         self.tls, self.token = tls, token
         self._max_attempts = max_attempts
-        self._targets = Targets(target)
         self._follow = follow_leader
-        #: address -> (channel, pool, block and worker stubs); one per replica of a group
-        self._stubs: dict[str, tuple[grpc.Channel, pb_grpc.PoolServiceStub, pb_grpc.BlockServiceStub,
-                                     pb_grpc.WorkerServiceStub]] = {}
-        self._stubs_lock = threading.Lock()
-        self._at(self._targets.current)  # bad TLS settings or a token in plain text fail here, not at a call
-
-    def _at(self, address: str):
-        with self._stubs_lock:
-            found = self._stubs.get(address)
-            if found is None:
-                channel = dial(address, tls=self.tls, token=self.token, max_attempts=self._max_attempts)
-                found = self._stubs[address] = (channel, pb_grpc.PoolServiceStub(channel),
-                                                pb_grpc.BlockServiceStub(channel), pb_grpc.WorkerServiceStub(channel))
-            return found
+        self._replicas = ReplicaStubs(target, lambda address: dial(address, tls=tls, token=token,
+                                                                   max_attempts=max_attempts))
 
     @property
     def _channel(self) -> grpc.Channel:
         """The channel to the replica calls go to now."""
-        return self._at(self._targets.current)[0]
+        return self._replicas.channel
 
     @property
     def _pools(self) -> pb_grpc.PoolServiceStub:
-        return self._at(self._targets.current)[1]
+        return self._replicas.pools
 
     @property
     def _blocks(self) -> pb_grpc.BlockServiceStub:
-        return self._at(self._targets.current)[2]
+        return self._replicas.blocks
 
     @property
     def _workers(self) -> pb_grpc.WorkerServiceStub:
-        return self._at(self._targets.current)[3]
+        return self._replicas.workers
 
     def close(self) -> None:
-        with self._stubs_lock:
-            for channel, *_ in self._stubs.values():
-                channel.close()
+        for channel in self._replicas.channels():
+            channel.close()
 
     def __enter__(self) -> Self:
         return self
@@ -138,24 +123,12 @@ class BlockdClient:
                 return method(request, timeout=max(0.001, deadline - time.monotonic()))
             except grpc.RpcError as err:
                 error = from_rpc_error(err)
-            where = self._locate(method) if self._follow else None
-            step = self._targets.next_attempt(error, where[0], attempt) if where is not None else None
+            step = self._replicas.next_call(method, error, attempt) if self._follow else None
             if step is None or time.monotonic() + step[1] >= deadline:
                 raise error from None
             time.sleep(step[1])
             attempt += 1
-            assert where is not None, "a retry needs the method's replica"
-            method = getattr(self._at(step[0])[where[1]], where[2])
-
-    def _locate(self, method: Callable[..., Any]) -> tuple[str, int, str] | None:
-        """``(address, stub index, method name)`` of a stub method this client made."""
-        with self._stubs_lock:
-            for address, stubs in self._stubs.items():
-                for index, stub in enumerate(stubs[1:], 1):
-                    name = next((n for n, v in vars(stub).items() if v is method), None)
-                    if name is not None:
-                        return address, index, name
-        return None
+            method = step[0]
 
     def _stream(self, method: Callable[..., Any], request: Any, read: Callable[[Any], T],
                 timeout_s: float | None) -> Generator[T, None, None]:
@@ -172,9 +145,8 @@ class BlockdClient:
                 yield read(reply)
         except grpc.RpcError as err:
             error = from_rpc_error(err)
-            where = self._locate(method) if self._follow else None
-            if where is not None:
-                self._targets.next_attempt(error, where[0], 0)
+            if self._follow:
+                self._replicas.next_call(method, error, 0)
             raise error from None
         finally:
             stream.cancel()

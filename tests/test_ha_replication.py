@@ -16,6 +16,7 @@ in-sync) and the follower's feed, and a killed follower's lag and removal.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import random
@@ -38,6 +39,7 @@ from blockd.engine import Engine
 from blockd.engine_config import EngineConfig
 from blockd.ha.etcd import EtcdClient
 from blockd.ha.insync import InSyncSet
+from client.aio import AsyncBlockdClient
 from client.errors import BlockdClientError, FailedPreconditionError
 from client.sdk import BlockdClient
 from tests.ha_fixtures import wait_for
@@ -386,6 +388,25 @@ def test_the_sdk_follows_the_leader_across_a_failover(group):
         assert g.leader() != leader
     finally:
         client.close()
+
+
+def test_the_asyncio_sdk_follows_the_leader_across_a_failover(group):
+    """The asyncio SDK, given every replica's address, steps through a SIGKILL
+    of the leader as the sync one does (same request id on each resend)."""
+    g = group()
+    leader = ready(g)
+
+    async def run() -> dict:
+        async with AsyncBlockdClient(",".join(p.address for p in g.procs.values()), timeout_s=60) as client:
+            for i in range(60):
+                if i == 20:
+                    g.kill(leader)
+                await client.step("p", [Allocate(f"a{i}", [i, i + 1])], request_id=f"a-{i}")
+            return (await client.get_tables("p"))[1]
+
+    tables = asyncio.run(run())
+    assert all(f"a{i}" in tables for i in range(60))
+    assert g.leader() != leader
 
 
 def test_a_replica_whose_data_dir_was_lost_does_not_lead(group):
