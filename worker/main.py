@@ -55,7 +55,9 @@ ENV_OVERRIDES = {"--blockd": "BLOCKD_TARGET", "--pool": "BLOCKD_POOL", "--worker
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="blockd-worker", description=__doc__.split("\n\n")[0])
-    p.add_argument("--blockd", default="127.0.0.1:50051", help="blockd address")
+    p.add_argument("--blockd", default="127.0.0.1:50051",
+                   help="blockd address; for a replicated group every replica's address, comma-separated "
+                        "(calls and Watch follow the leader)")
     p.add_argument("--pool", required=True, help="the pool whose shard this worker holds")
     p.add_argument("--worker-id", default=f"{socket.gethostname()}-{os.getpid()}",
                    help="unique per worker (default: HOST-PID)")
