@@ -10,7 +10,12 @@ dir under one temp dir, ``--fsync always``.
   ``sync`` group, then of an ``async`` one (what three daemons on one
   machine cost without waiting for the followers), in the same run. Fields:
   ``mode``, ``steps_per_s``, ``p50_ms``, ``p99_ms``; the groups' rows add
-  ``ratio_steps_per_s`` and ``added_p50_ms`` against the single daemon.
+  ``ratio_steps_per_s`` and ``added_p50_ms`` against the single daemon,
+  and the followers' lag as the leader reports it (its last LSN minus
+  what the follower confirmed persisted; one record = one pool version
+  here), sampled every 100 ms from its ``/metrics``:
+  ``follower_lag_p50_records``, ``follower_lag_p99_records``,
+  ``follower_lag_max_records`` (the largest follower's at each sample).
 * ``failover``: a three-replica ``sync`` group under the same load from a
   client given every replica's address (it follows the leader); the leader
   is SIGKILLed ``--kills`` times (restarted as a follower after each).
@@ -34,9 +39,12 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+
+from prometheus_client.parser import text_string_to_metric_families
 
 from blockd.core import Allocate, PoolConfig
 from blockd.core.types import DecodeAppend
@@ -44,6 +52,7 @@ from client.errors import BlockdClientError
 from client.sdk import BlockdClient
 from cluster.local import ChildProcess
 from tests.etcd import EtcdServer
+from tests.procs import free_port
 
 BLOCK_SIZE = 16
 
@@ -64,11 +73,14 @@ class Group:
     def __init__(self, root: str, etcd_url: str, ttl_s: int, *flags: str, name: str = "bench") -> None:
         self.root, self.etcd_url, self.ttl_s, self.flags, self.name = root, etcd_url, ttl_s, flags, name
         self.procs: dict[str, ChildProcess] = {}
+        self.metrics_ports: dict[str, int] = {}
 
     def start(self, rid: str, listen: str = "127.0.0.1:0") -> None:
         """A restart takes the replica's old address (``listen``): clients list stable addresses."""
+        port = self.metrics_ports.setdefault(rid, free_port())
         self.procs[rid] = daemon(os.path.join(self.root, rid), "--etcd", self.etcd_url, "--replica-id", rid,
-                                 "--group", self.name, "--lease-ttl-s", str(self.ttl_s), *self.flags, listen=listen)
+                                 "--group", self.name, "--lease-ttl-s", str(self.ttl_s), "--metrics-port",
+                                 str(port), *self.flags, listen=listen)
 
     def client(self) -> BlockdClient:
         return BlockdClient(",".join(p.address for p in self.procs.values()), timeout_s=60, max_attempts=1)
@@ -104,6 +116,44 @@ def load(client: BlockdClient, seqs: int, seconds: float) -> list[float]:
     return out
 
 
+def follower_lag(port: int) -> float | None:
+    """The largest ``blockd_replication_follower_lag_records`` a leader reports now (None: no follower)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+        text = reply.read().decode()
+    lags = [sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+            if sample.name == "blockd_replication_follower_lag_records"]
+    return max(lags) if lags else None
+
+
+class LagSampler:
+    """Scrapes the leader's per-follower lag every ``every_s`` while the load runs."""
+
+    def __init__(self, port: int, every_s: float = 0.1) -> None:
+        self.port, self.every_s, self.samples = port, every_s, []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> LagSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            lag = follower_lag(self.port)
+            if lag is not None:
+                self.samples.append(lag)
+
+    def fields(self) -> dict:
+        return {"follower_lag_p50_records": percentile(self.samples, 0.5),
+                "follower_lag_p99_records": percentile(self.samples, 0.99),
+                "follower_lag_max_records": max(self.samples, default=float("nan")),
+                "lag_samples": len(self.samples)}
+
+
 def row(mode: str, latencies: list[float], seconds: float) -> dict:
     return {"name": "ha_steps", "mode": mode, "steps_per_s": round(len(latencies) / seconds, 1),
             "p50_ms": round(percentile(latencies, 0.5) * 1e3, 3), "p99_ms": round(percentile(latencies, 0.99) * 1e3, 3)}
@@ -126,7 +176,9 @@ def part_steps(args, root: str, etcd: EtcdServer) -> None:
                 group.start(rid)
             with group.client() as client:
                 setup_pool(client, args.seqs, args.seconds)
-                result = row(mode, load(client, args.seqs, args.seconds), args.seconds)
+                with LagSampler(group.metrics_ports[group.leader()]) as lag:
+                    result = row(mode, load(client, args.seqs, args.seconds), args.seconds)
+                result.update(lag.fields())
         finally:
             group.close()
         result["ratio_steps_per_s"] = round(result["steps_per_s"] / base["steps_per_s"], 3)
