@@ -181,12 +181,16 @@ class Engine:
         the followers; a retried ``rid`` gets the first answer. ``check`` runs
         first, under the lock (a refusal changes nothing). With replication
         the answer leaves once its record is committed."""
+        return self._mutate_in_term(record, rid, check)[0]
+
+    def _mutate_in_term(self, record: records.Record, rid: str = "",
+                        check: Callable[[], object] | None = None) -> tuple[object, int]:
+        """:meth:`_mutate`, with the leader term it was acknowledged in (0 without replication)."""
         if rid:
             check_name(rid, "request_id")
         with self._lock:
             result, lsn = self._apply_and_log(record, rid, check)
-        self._committed(lsn)
-        return result
+        return result, self._committed(lsn)
 
     def _apply_and_log(self, record: records.Record, rid: str = "",
                        check: Callable[[], object] | None = None) -> tuple[object, int]:
@@ -221,10 +225,22 @@ class Engine:
         """The LSN of the last record logged (0 without a data dir)."""
         return self._durability.last_lsn if self._durability is not None else 0
 
-    def _committed(self, lsn: int) -> None:
-        """Return once ``lsn`` is committed (at once without replication)."""
+    def _committed(self, lsn: int) -> int:
+        """Return once ``lsn`` is committed (at once without replication), with
+        the leader term it is acknowledged in (0 without replication)."""
         if self._gate is not None:
-            self._gate.committed(lsn)
+            return self._gate.committed(lsn)
+        return 0
+
+    def term(self) -> int:
+        """The leader term this replica serves in now (0: not replicated, or not leading)."""
+        return self._gate.term if self._gate is not None else 0
+
+    def check_min_term(self, min_term: int) -> None:
+        """Refuse (NOT_LEADER) a caller that has seen a newer term than this replica serves in."""
+        if self._gate is not None and min_term and self._gate.term < min_term:
+            raise self._gate.not_leader(f"this replica serves term {self._gate.term}, older than term {min_term} "
+                                        "the caller has seen")
 
     def _guard(self, name: object) -> None:
         """Refuse another tenant's caller before the request table is read (a
@@ -346,8 +362,10 @@ class Engine:
         start, outcome = time.perf_counter(), "ok"
         try:
             self._guard(pool)
-            return self._mutate(records.Step(pool, ops), request_id,
-                                lambda: self._checked_entry(pool, ops, incarnation))
+            result, term = self._mutate_in_term(records.Step(pool, ops), request_id,
+                                                lambda: self._checked_entry(pool, ops, incarnation))
+            assert isinstance(result, StepResult), "a step record answers with a StepResult"
+            return replace(result, term=term) if term else result
         except BlockdError as err:
             outcome = err.code.lower()
             raise

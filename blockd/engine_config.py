@@ -48,14 +48,19 @@ class Replication(Protocol):
     def term(self) -> int:
         """The term this replica's records are written in now (0: not replicated)."""
 
+    def not_leader(self, why: str) -> Exception:
+        """The refusal to raise for a call this replica must not serve
+        (NOT_LEADER naming the leader it knows, or NO_LEADER)."""
+
     def writable(self) -> None:
         """Raise (NOT_LEADER, NO_LEADER) unless this replica may serve a call
         now; called under the engine lock, before anything changes."""
 
-    def committed(self, lsn: int) -> None:
+    def committed(self, lsn: int) -> int:
         """Return once record ``lsn`` is committed and this replica may still
-        acknowledge; raise (NOT_REPLICATED, NOT_LEADER) when it cannot say
-        so in time. Called outside the engine lock."""
+        acknowledge, with the term it acknowledges in; raise (NOT_REPLICATED,
+        NOT_LEADER) when it cannot say so in time. Called outside the engine
+        lock."""
 
 
 @dataclass(frozen=True)

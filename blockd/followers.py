@@ -40,7 +40,7 @@ class Followers:
     """The streams over ``lock``'s state (the engine's lock)."""
 
     def __init__(self, lock: threading.RLock, position: Callable[[], int] = lambda: 0,
-                 committed: Callable[[int], None] = lambda lsn: None) -> None:
+                 committed: Callable[[int], object] = lambda lsn: None) -> None:
         """``position()``: the last LSN logged (under the lock);
         ``committed(lsn)``: returns once it is committed, or raises."""
         self._lock = lock

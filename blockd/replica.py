@@ -150,14 +150,15 @@ class Replica:
         if not self._term or election is None or not election.can_acknowledge():
             raise self.not_leader("this replica does not lead its group")
 
-    def committed(self, lsn: int) -> None:
-        election = self.election
-        if not self._term or election is None:
+    def committed(self, lsn: int) -> int:
+        election, term = self.election, self._term
+        if not term or election is None:
             raise self.not_leader("this replica stopped leading")
         deadline = min(time.monotonic() + self.config.ack_timeout_s, election.lease_valid_until())
         self.commits.wait(lsn, self.tail.last_lsn, deadline, election.can_acknowledge)
-        if not election.can_acknowledge():
+        if not election.can_acknowledge() or self._term != term:
             raise self.not_leader("this replica's lease could not be proven valid; not acknowledged")
+        return term
 
     def not_leader(self, why: str) -> NotLeader | NoLeader:
         leader = self.election.leader() if self.election is not None else None

@@ -192,12 +192,13 @@ class AsyncBlockdClient:
         reply = await self._unary(self._blocks.GetSequence, pb.GetSequenceRequest(pool=pool, seq_id=seq_id))
         return convert.sequence_from_proto(reply)
 
-    def watch(self, pool: str, from_version: int = 0, *, incarnation: str = "",
+    def watch(self, pool: str, from_version: int = 0, *, incarnation: str = "", min_term: int = 0,
               timeout_s: float | None = None) -> AsyncGenerator[Snapshot | VersionDelta, None]:
         """Like :meth:`client.sdk.BlockdClient.watch`. An async generator is only
         finalised when closed: leave it early inside ``contextlib.aclosing(...)``
         (or ``await it.aclose()``) so the call is cancelled at once."""
-        request = pb.WatchRequest(pool=pool, from_version=from_version, pool_incarnation=incarnation)
+        request = pb.WatchRequest(pool=pool, from_version=from_version, pool_incarnation=incarnation,
+                                  min_term=min_term)
         return self._stream(self._blocks.Watch, request, convert.watch_item_from_proto, timeout_s)
 
     def events(self, pool: str, from_seq_no: int = 0, *,

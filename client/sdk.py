@@ -225,13 +225,16 @@ class BlockdClient:
         reply = self._unary(self._blocks.GetSequence, pb.GetSequenceRequest(pool=pool, seq_id=seq_id))
         return convert.sequence_from_proto(reply)
 
-    def watch(self, pool: str, from_version: int = 0, *, incarnation: str = "",
+    def watch(self, pool: str, from_version: int = 0, *, incarnation: str = "", min_term: int = 0,
               timeout_s: float | None = None) -> Generator[Snapshot | VersionDelta, None, None]:
         """Deltas after ``from_version`` (a snapshot first when they are gone, or
         when ``incarnation``, the replica's pool incarnation, is set and is no
         longer the pool's: the snapshot names the new one), then new ones as
-        they commit; ends when the pool is deleted."""
-        request = pb.WatchRequest(pool=pool, from_version=from_version, pool_incarnation=incarnation)
+        they commit; ends when the pool is deleted. Each item's ``term`` is
+        the serving leader's (0: not replicated); ``min_term``: a replica
+        serving an older term than this refuses (NOT_LEADER)."""
+        request = pb.WatchRequest(pool=pool, from_version=from_version, pool_incarnation=incarnation,
+                                  min_term=min_term)
         return self._stream(self._blocks.Watch, request, convert.watch_item_from_proto, timeout_s)
 
     def events(self, pool: str, from_seq_no: int = 0, *,

@@ -157,7 +157,8 @@ def test_chaos_leader_killed_under_a_worker_and_four_schedulers(group):
     (0 lost); no step was applied twice (each allocates or frees a sequence,
     so a second application would fail, and every scheduler's call
     succeeded); the worker received every version once, in order, without a
-    snapshot, and its tables equal the leader's."""
+    snapshot, and its tables equal the leader's; the terms acknowledging steps
+    never go down, and the worker's replica names the new leader's term."""
     g = group()
     leader = ready(g)
     addresses = ",".join(p.address for p in g.procs.values())
@@ -223,6 +224,7 @@ def _check(client: BlockdClient, load: _Load, runtime: WorkerRuntime, delivered:
     assert runtime.replica.tables == tables, f"the worker's tables differ from the leader's after failover {kill + 1}"
     assert delivered == list(range(1, len(delivered) + 1)), "the worker saw a version twice or missed one"
     assert runtime.replica.num_snapshots == 0
+    assert runtime.replica.term == load.term > 0, "the worker's replica does not name the new leader's term"
 
 
 class _Load:
@@ -235,6 +237,7 @@ class _Load:
         self._alive: set[str] = set()
         self._freed: set[str] = set()
         self._steps = 0
+        self.term = 0  #: the newest leader term that acknowledged a step
         self.errors: list[str] = []
         self._stop, self._run = threading.Event(), threading.Event()
         self._idle = [threading.Event() for _ in range(schedulers)]
@@ -291,13 +294,17 @@ class _Load:
             if oldest is not None:
                 ops.append(Free(oldest))
             try:
-                client.step("w", ops, request_id=f"chaos-{k}-{n}")
+                result = client.step("w", ops, request_id=f"chaos-{k}-{n}")
             except BlockdClientError as err:
                 self.errors.append(f"scheduler {k} step {n}: {err}")
                 self._idle[k].set()
                 return
             mine.append(seq)
+            if result.term < self.term:
+                self.errors.append(f"scheduler {k} step {n}: acknowledged in term {result.term} after term "
+                                   f"{self.term}")
             with self._lock:
+                self.term = max(self.term, result.term)
                 self._steps += 1
                 self._alive.add(seq)
                 if oldest is not None:
@@ -333,6 +340,11 @@ def test_a_paused_leader_acknowledges_nothing_and_steps_down(group):
 
     wait_for(names_new, "the old leader refusing, naming the new one", timeout_s=30)
     assert "late" not in g.clients[new].get_tables("p")[1]
+    # a worker that has seen the new term is refused a Watch by the old leader, which names the new one
+    term = g.clients[new].step("p", [Allocate("term", [1])], request_id="term").term
+    with pytest.raises(FailedPreconditionError) as refused:
+        next(iter(old.watch("p", 0, min_term=term, timeout_s=10)))
+    assert refused.value.reason == "NOT_LEADER" and refused.value.metadata["leader_id"] == new
 
 
 def _serves(client: BlockdClient) -> bool:

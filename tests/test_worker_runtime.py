@@ -118,6 +118,17 @@ def test_replica_refuses_gaps_and_ignores_duplicates():
         replica.advance_to(3, 0.05)
 
 
+def test_replica_refuses_a_deposed_leaders_term():
+    replica = TableReplica(lambda copies: None)
+    replica.note_term(0)  # not replicated: nothing to check
+    replica.note_term(5)
+    replica.note_term(7)
+    with pytest.raises(BlockdError, match="term 5 after term 7: it comes from a deposed leader"):
+        replica.note_term(5)
+    replica.note_term(0)
+    assert replica.term == 7
+
+
 def test_shard_checks():
     config = PoolConfig("p", num_blocks=4, block_size=2, num_layers=2, num_kv_heads=4, head_dim=8)
     with pytest.raises(InvalidArgument):

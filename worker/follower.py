@@ -13,6 +13,10 @@ Two daemon threads, both bounded and stoppable:
   it (the runtime then forgets every slot it wrote: that KV belongs to the
   old pool). A new incarnation with another geometry leaves the worker
   unusable (every call refused, saying so): restart it;
+* with a replicated blockd (docs/ha.md) each Watch message names the term
+  of the leader serving it: the replica refuses one older than a term it
+  has seen, and the stream is reopened with ``min_term``, so a deposed
+  leader that still streams is never followed after a newer one;
 * the heartbeat thread reports the applied version every ``interval_s``; a
   NOT_FOUND answer (blockd restarted and forgot its in-memory registry) makes
   it register again, with the same worker incarnation (its KV is intact).
@@ -74,9 +78,11 @@ class Follower:
         while not self._stop.is_set():
             try:
                 stream = self._watch_client.watch(self.info.pool, replica.received_version,
-                                                  incarnation=replica.incarnation, timeout_s=None)
+                                                  incarnation=replica.incarnation, min_term=replica.term,
+                                                  timeout_s=None)
                 self.connected.set()
                 for item in stream:
+                    replica.note_term(item.term)  # a deposed leader's message is refused: reconnect
                     if isinstance(item, Snapshot) and item.incarnation != replica.incarnation:
                         if not self._resync(item):
                             return

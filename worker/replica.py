@@ -58,6 +58,8 @@ class TableReplica:
         self.num_copy_ops = 0
         #: the pool incarnation the tables belong to ("" until one is known)
         self.incarnation = ""
+        #: the newest leader term that served this replica (0: none, or blockd is not replicated)
+        self.term = 0
         self.replaced: OrderedDict[str, str] = OrderedDict()  # old -> the one that replaced it
         self._pending: deque[VersionDelta] = deque()
         self._cond = threading.Condition()
@@ -88,6 +90,15 @@ class TableReplica:
             self._pending.clear()
             self.num_snapshots += 1
             self._cond.notify_all()
+
+    def note_term(self, term: int) -> None:
+        """A Watch message served by the leader of ``term`` (0: not replicated) is about to be
+        applied: refuse it when a newer leader has served this replica (a deposed leader's stream)."""
+        with self._cond:
+            if term and term < self.term:
+                raise WrongState(f"a Watch message of leader term {term} after term {self.term}: it comes from a "
+                                 "deposed leader; reconnecting to the current one")
+            self.term = max(self.term, term)
 
     def push(self, delta: VersionDelta) -> None:
         """Queue the next delta; it must follow the last one received."""

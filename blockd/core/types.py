@@ -156,6 +156,9 @@ class VersionDelta:
     version: int
     updates: tuple[TableUpdate, ...]
     copy_ops: tuple[tuple[int, int], ...]
+    #: the leader term that served this delta over Watch (a replicated group,
+    #: docs/ha.md); 0 when not replicated. The core leaves it 0.
+    term: int = 0
 
 
 @dataclass(frozen=True)
@@ -168,6 +171,9 @@ class StepResult:
     #: the pool incarnation ``version`` belongs to; set by the daemon (the core
     #: does not know incarnations and leaves it empty)
     incarnation: str = ""
+    #: the term of the leader that acknowledged it (a replicated group); 0 when
+    #: not replicated. Set by the daemon, like ``incarnation``.
+    term: int = 0
 
 
 BLOCK_STORED = "BlockStored"
@@ -237,6 +243,8 @@ class Snapshot:
     version: int
     tables: dict[str, list[int]]
     incarnation: str = ""
+    #: as :attr:`VersionDelta.term`
+    term: int = 0
 
 
 @dataclass(frozen=True)

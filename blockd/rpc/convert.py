@@ -225,7 +225,7 @@ def _copies_from_proto(msgs) -> tuple[tuple[int, int], ...]:
 
 def step_result_to_proto(result: StepResult) -> pb.StepResponse:
     response = pb.StepResponse(version=result.version, copy_ops=_copies_to_proto(result.copy_ops),
-                               pool_incarnation=result.incarnation)
+                               pool_incarnation=result.incarnation, term=result.term)
     add = response.results.add  # built in place: no copy of the slot arrays
     for r in result.results:
         add(seq_id=r.seq_id, num_tokens=r.num_tokens, num_cached_tokens=r.num_cached_tokens,
@@ -241,7 +241,7 @@ def step_result_from_proto(msg: pb.StepResponse) -> StepResult:
                  slot_start=r.slot_start, slot_mapping=tuple(r.slot_mapping))
         for r in msg.results)
     return StepResult(version=msg.version, results=results, copy_ops=_copies_from_proto(msg.copy_ops),
-                      incarnation=msg.pool_incarnation)
+                      incarnation=msg.pool_incarnation, term=msg.term)
 
 
 # --- tables, sequences, followers ----------------------------------------------------
@@ -263,26 +263,28 @@ def sequence_from_proto(msg: pb.GetSequenceResponse) -> SequenceInfo:
     return SequenceInfo(msg.seq_id, msg.num_tokens, msg.num_committed, list(msg.block_ids), msg.kv_lost)
 
 
-def watch_item_to_proto(item: Snapshot | VersionDelta, incarnation: str) -> pb.WatchResponse:
-    """``incarnation``: the pool incarnation of a delta (a snapshot names its own)."""
+def watch_item_to_proto(item: Snapshot | VersionDelta, incarnation: str, term: int = 0) -> pb.WatchResponse:
+    """``incarnation``: the pool incarnation of a delta (a snapshot names its
+    own); ``term``: the serving leader's (0: not replicated)."""
     if isinstance(item, Snapshot):
         return pb.WatchResponse(snapshot=pb.Snapshot(version=item.version, tables=tables_to_proto(item.tables)),
-                                pool_incarnation=item.incarnation)
+                                pool_incarnation=item.incarnation, term=term)
     updates = [pb.TableUpdate(seq_id=u.seq_id, keep=u.keep, block_ids=u.block_ids, freed=u.freed)
                for u in item.updates]
     return pb.WatchResponse(delta=pb.VersionDelta(version=item.version, updates=updates,
                                                   copy_ops=_copies_to_proto(item.copy_ops)),
-                            pool_incarnation=incarnation)
+                            pool_incarnation=incarnation, term=term)
 
 
 def watch_item_from_proto(msg: pb.WatchResponse) -> Snapshot | VersionDelta:
     """A snapshot keeps its incarnation; a delta's is the one the stream was
     opened with (or the last snapshot's)."""
     if msg.WhichOneof("kind") == "snapshot":
-        return Snapshot(msg.snapshot.version, tables_from_proto(msg.snapshot.tables), msg.pool_incarnation)
+        return Snapshot(msg.snapshot.version, tables_from_proto(msg.snapshot.tables), msg.pool_incarnation,
+                        msg.term)
     delta = msg.delta
     updates = tuple(TableUpdate(u.seq_id, u.keep, tuple(u.block_ids), u.freed) for u in delta.updates)
-    return VersionDelta(delta.version, updates, _copies_from_proto(delta.copy_ops))
+    return VersionDelta(delta.version, updates, _copies_from_proto(delta.copy_ops), msg.term)
 
 
 def event_to_proto(event: KVEvent) -> pb.KVEvent:

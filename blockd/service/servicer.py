@@ -86,7 +86,7 @@ class BlockServicer(pb_grpc.BlockServiceServicer):
     def GetTables(self, request: pb.GetTablesRequest, context) -> pb.GetTablesResponse:
         pool = require_id(request.pool, "pool")
         version, tables = self._engine.get_tables(pool, require_ids(request.seq_ids, "seq_ids"))
-        return pb.GetTablesResponse(version=version, tables=convert.tables_to_proto(tables))
+        return pb.GetTablesResponse(version=version, tables=convert.tables_to_proto(tables), term=self._engine.term())
 
     @unary
     def GetSequence(self, request: pb.GetSequenceRequest, context) -> pb.GetSequenceResponse:
@@ -100,11 +100,13 @@ class BlockServicer(pb_grpc.BlockServiceServicer):
         # the current one; should the pool be re-created before the stream
         # starts, the engine sees the mismatch and opens with a snapshot.
         incarnation = optional_id(request.pool_incarnation, "pool_incarnation") or self._engine.pool_incarnation(pool)
+        self._engine.check_min_term(request.min_term)
         stream = self._engine.watch(pool, request.from_version, _stopper(context, self._shutdown), incarnation)
         for item in stream:
             if isinstance(item, Snapshot):
                 incarnation = item.incarnation
-            yield convert.watch_item_to_proto(item, incarnation)
+            # the serving leader's term: a follower that has seen a newer one refuses this message
+            yield convert.watch_item_to_proto(item, incarnation, self._engine.term())
 
     @server_stream
     def Events(self, request: pb.EventsRequest, context) -> Iterator[pb.EventsResponse]:

@@ -798,10 +798,15 @@ class StepResponse(_message.Message):
     RESULTS_FIELD_NUMBER: _builtins.int
     COPY_OPS_FIELD_NUMBER: _builtins.int
     POOL_INCARNATION_FIELD_NUMBER: _builtins.int
+    TERM_FIELD_NUMBER: _builtins.int
     version: _builtins.int
     pool_incarnation: _builtins.str
     """The pool incarnation the version belongs to; name it (with the version)
     in the workers' calls.
+    """
+    term: _builtins.int
+    """The term of the replicated group's leader that acknowledged this step
+    (docs/ha.md); 0 when blockd is not replicated.
     """
     @_builtins.property
     def results(self) -> _containers.RepeatedCompositeFieldContainer[Global___OpResult]: ...
@@ -814,10 +819,11 @@ class StepResponse(_message.Message):
         results: _abc.Iterable[Global___OpResult] | None = ...,
         copy_ops: _abc.Iterable[Global___CopyOp] | None = ...,
         pool_incarnation: _builtins.str = ...,
+        term: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["copy_ops", b"copy_ops", "pool_incarnation", b"pool_incarnation", "results", b"results", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["copy_ops", b"copy_ops", "pool_incarnation", b"pool_incarnation", "results", b"results", "term", b"term", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -881,7 +887,10 @@ class GetTablesResponse(_message.Message):
 
     VERSION_FIELD_NUMBER: _builtins.int
     TABLES_FIELD_NUMBER: _builtins.int
+    TERM_FIELD_NUMBER: _builtins.int
     version: _builtins.int
+    term: _builtins.int
+    """The term of the leader that answered (0: not replicated)."""
     @_builtins.property
     def tables(self) -> _containers.RepeatedCompositeFieldContainer[Global___BlockTable]: ...
     def __init__(
@@ -889,10 +898,11 @@ class GetTablesResponse(_message.Message):
         *,
         version: _builtins.int = ...,
         tables: _abc.Iterable[Global___BlockTable] | None = ...,
+        term: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["tables", b"tables", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["tables", b"tables", "term", b"term", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -968,6 +978,7 @@ class WatchRequest(_message.Message):
     POOL_FIELD_NUMBER: _builtins.int
     FROM_VERSION_FIELD_NUMBER: _builtins.int
     POOL_INCARNATION_FIELD_NUMBER: _builtins.int
+    MIN_TERM_FIELD_NUMBER: _builtins.int
     pool: _builtins.str
     from_version: _builtins.int
     pool_incarnation: _builtins.str
@@ -977,16 +988,22 @@ class WatchRequest(_message.Message):
     whatever from_version says: drop the replica and load it. Empty: not
     checked.
     """
+    min_term: _builtins.int
+    """The newest leader term the caller has seen (0: none). A replica whose
+    own term is lower (a deposed leader) refuses with NOT_LEADER, so a
+    worker never follows an older leader after a newer one.
+    """
     def __init__(
         self,
         *,
         pool: _builtins.str = ...,
         from_version: _builtins.int = ...,
         pool_incarnation: _builtins.str = ...,
+        min_term: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["from_version", b"from_version", "pool", b"pool", "pool_incarnation", b"pool_incarnation"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["from_version", b"from_version", "min_term", b"min_term", "pool", b"pool", "pool_incarnation", b"pool_incarnation"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1088,9 +1105,14 @@ class WatchResponse(_message.Message):
     SNAPSHOT_FIELD_NUMBER: _builtins.int
     DELTA_FIELD_NUMBER: _builtins.int
     POOL_INCARNATION_FIELD_NUMBER: _builtins.int
+    TERM_FIELD_NUMBER: _builtins.int
     pool_incarnation: _builtins.str
     """The pool incarnation of this message's version (the same for every
     message of one stream, except after a snapshot that changes it).
+    """
+    term: _builtins.int
+    """The term of the leader serving this message (0: not replicated). A
+    follower refuses a message whose term is lower than one it has seen.
     """
     @_builtins.property
     def snapshot(self) -> Global___Snapshot: ...
@@ -1102,10 +1124,11 @@ class WatchResponse(_message.Message):
         snapshot: Global___Snapshot | None = ...,
         delta: Global___VersionDelta | None = ...,
         pool_incarnation: _builtins.str = ...,
+        term: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["delta", b"delta", "kind", b"kind", "snapshot", b"snapshot"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["delta", b"delta", "kind", b"kind", "pool_incarnation", b"pool_incarnation", "snapshot", b"snapshot"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["delta", b"delta", "kind", b"kind", "pool_incarnation", b"pool_incarnation", "snapshot", b"snapshot", "term", b"term"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["snapshot", "delta"]  # noqa: Y015
     _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
