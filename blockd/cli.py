@@ -85,6 +85,20 @@ def _add_replication(serve: argparse.ArgumentParser) -> None:
                        help="how long a step waits for the in-sync followers before they are dropped from the set")
     serve.add_argument("--lease-ttl-s", type=int, default=2,
                        help="the leader's etcd lease; failover takes about this plus 1 s")
+    peers = serve.add_argument_group(
+        "replication between replicas", "how a follower's stream authenticates to its leader when the group "
+        "serves TLS or tokens: the leader checks it like any call (the replicate permission: an admin identity)")
+    peers.add_argument("--peer-tls-ca", default=None,
+                       help="CA bundle the other replicas' server certificates chain to (needed with --tls-cert)")
+    peers.add_argument("--peer-tls-cert", default=None,
+                       help="client certificate a follower presents to its leader (needed with --tls-client-ca); "
+                            "an admin identity")
+    peers.add_argument("--peer-tls-key", default=None, help="the key of --peer-tls-cert")
+    peers.add_argument("--peer-tls-server-name", default=None,
+                       help="the name to check in the leader's certificate, when not the address dialled")
+    peers.add_argument("--peer-token-file", default=None,
+                       help="a file holding an admin bearer token a follower sends its leader (needed with "
+                            "--tokens-file and no --peer-tls-cert)")
 
 
 def _add_request_limits(parser: argparse.ArgumentParser, note: str = "") -> None:
@@ -238,7 +252,37 @@ def _freeze_gc(stop: threading.Event, interval_s: float) -> None:
 
 
 
-def _replica(args: argparse.Namespace):
+def _peer_security(args: argparse.Namespace, tls) -> tuple:
+    """``(TlsConfig | None, token | None)`` a follower dials its leader with;
+    ValueError when the group's own security would refuse the stream."""
+    from blockd.auth.config import TlsConfig
+
+    peer_tls = None
+    if args.peer_tls_ca or args.peer_tls_cert or args.peer_tls_key or args.peer_tls_server_name:
+        peer_tls = TlsConfig(cert=args.peer_tls_cert, key=args.peer_tls_key, ca=args.peer_tls_ca,
+                             server_name=args.peer_tls_server_name)
+    if tls is not None and (peer_tls is None or not peer_tls.ca):
+        raise ValueError("--etcd with --tls-cert needs --peer-tls-ca: the CA bundle the other replicas' server "
+                         "certificates chain to, so a follower can verify its leader")
+    if tls is not None and tls.mutual and (peer_tls is None or not peer_tls.cert):
+        raise ValueError("--etcd with --tls-client-ca needs --peer-tls-cert and --peer-tls-key: the client "
+                         "certificate (an admin identity) a follower presents to its leader")
+    token = None
+    if args.peer_token_file:
+        try:
+            with open(args.peer_token_file, encoding="utf-8") as f:
+                token = f.read().strip()
+        except OSError as err:
+            raise ValueError(f"cannot read --peer-token-file {args.peer_token_file}: {err.strerror}") from None
+        if not token:
+            raise ValueError(f"--peer-token-file {args.peer_token_file} is empty")
+    elif args.tokens_file and (peer_tls is None or not peer_tls.cert):
+        raise ValueError("--etcd with --tokens-file needs --peer-token-file (an admin token a follower sends "
+                         "its leader) or a --peer-tls-cert the leader accepts")
+    return peer_tls, token
+
+
+def _replica(args: argparse.Namespace, tls):
     """The replica of ``--etcd``'s group, or None (the embedded default: nothing of it is imported)."""
     if not args.etcd:
         return None
@@ -246,8 +290,9 @@ def _replica(args: argparse.Namespace):
         raise SystemExit("blockd serve --etcd needs --data-dir (the replica's own log) and --replica-id")
     from blockd.replica import Replica, ReplicaConfig
     try:
+        peer_tls, peer_token = _peer_security(args, tls)
         config = ReplicaConfig(args.etcd, args.replica_id, args.group, args.replication, args.min_in_sync,
-                               args.ack_timeout_s, args.lease_ttl_s)
+                               args.ack_timeout_s, args.lease_ttl_s, peer_tls=peer_tls, peer_token=peer_token)
     except ValueError as err:
         raise SystemExit(str(err)) from None
     return Replica(config, args.data_dir)
@@ -263,22 +308,24 @@ def serve(args: argparse.Namespace) -> int:
     from blockd.service.server import BlockdServer
 
     try:  # before the data dir is touched: a refusal changes nothing
-        security = server_security(args.listen, server_tls(args), args.tokens_file, args.insecure)
+        tls = server_tls(args)
+        security = server_security(args.listen, tls, args.tokens_file, args.insecure)
     except ValueError as err:  # InsecureListen, TlsError, IdentitiesFileError
         log.error("cannot serve: %s", err)
         return 2
-    if args.etcd and (security.credentials is not None or args.tokens_file):
-        # the follower's stream to the leader carries no credentials yet (docs/ha.md, section 3)
-        log.error("cannot serve: --etcd (replication) cannot be combined with TLS or --tokens-file yet; "
-                  "run the replicas of a group on a private network with --insecure")
-        return 2
+    if args.etcd:
+        try:
+            _peer_security(args, tls)
+        except ValueError as err:
+            log.error("cannot serve: %s", err)
+            return 2
     log.info("data dir: %s; fsync: %s", args.data_dir or "none (in memory)", args.fsync)
     try:
         limits = IdempotencyLimits(args.max_request_ids, args.max_request_bytes, args.request_ttl_s)
     except ValueError as err:
         raise SystemExit(str(err)) from None
     metrics = _load_metrics(args.metrics_port)
-    replica = _replica(args)
+    replica = _replica(args, tls)
     try:
         engine = Engine(EngineConfig(
             replication=replica, log_observer=replica.tail if replica is not None else None,

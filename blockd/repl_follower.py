@@ -15,6 +15,9 @@ its own last LSN with its term history, and for each message:
   whole file's crc32, makes it the whole log (old files to quarantine) and
   reloads; records from the snapshot's LSN on follow on the same stream.
 
+The stream carries the follower's peer credentials (``--peer-tls-*``,
+``--peer-token-file``) when the group serves TLS or tokens.
+
 A message from a term older than the newest this replica knows ends the
 stream (a deposed leader's feed). Any failure closes the stream and the loop
 dials again after a short pause.
@@ -30,6 +33,8 @@ from collections.abc import Callable
 
 import grpc
 
+from blockd.auth.channels import open_channel
+from blockd.auth.config import TlsConfig
 from blockd.engine import Engine
 from blockd.log_cut import CannotTruncate
 from blockd.v1 import replication_pb2 as rpb
@@ -48,9 +53,10 @@ class FollowerLoop:
 
     def __init__(self, replica_id: str, address: str, engine: Engine, data_dir: str,
                  leader: Callable[[], str], following: Callable[[], bool], known_term: Callable[[], int],
-                 saw_term: Callable[[int], None], progress: Callable[[int], None], log_id: str = "") -> None:
+                 saw_term: Callable[[int], None], progress: Callable[[int], None], log_id: str = "",
+                 tls: TlsConfig | None = None, token: str | None = None) -> None:
         self.replica_id, self.address, self.engine, self.data_dir = replica_id, address, engine, data_dir
-        self.log_id = log_id
+        self.log_id, self._tls, self._token = log_id, tls, token
         self._leader, self._following, self._known_term, self._saw_term = leader, following, known_term, saw_term
         self._progress = progress
         self._stop = threading.Event()
@@ -96,7 +102,8 @@ class FollowerLoop:
         request = rpb.ReplicateLogRequest(replica_id=self.replica_id, term=self._known_term(), from_lsn=last + 1,
                                           terms=[rpb.TermRun(term=t, first_lsn=f) for t, f in history.runs()],
                                           address=self.address, log_id=self.log_id)
-        with grpc.insecure_channel(target) as channel:
+        # the leader checks the stream like any call (the replicate permission)
+        with open_channel(target, self._tls, self._token) as channel:
             stub = rpb_grpc.ReplicationServiceStub(channel)
             self._call = call = stub.ReplicateLog(request)
             snapshot: list[rpb.SnapshotChunk] = []

@@ -32,6 +32,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
+from blockd.auth.config import TlsConfig
 from blockd.core.errors import NoLeader, NotLeader
 from blockd.engine import Engine
 from blockd.ha.election import Election, ElectionConfig, Leadership
@@ -60,6 +61,9 @@ class ReplicaConfig:
     ack_timeout_s: float = 1.0
     ttl_s: int = 2
     margin_s: float = 0.5
+    #: what a follower dials its leader with (``--peer-tls-*``, ``--peer-token-file``); None: plain text
+    peer_tls: TlsConfig | None = None
+    peer_token: str | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -274,5 +278,6 @@ class Replica:
 
         self._follower = FollowerLoop(self.config.replica_id, self.address, self.engine, self.data_dir, leader,
                                       lambda: not self._term and not self.stopping.is_set(),
-                                      lambda: self._known_term, saw, election.report_progress, self.log_id)
+                                      lambda: self._known_term, saw, election.report_progress, self.log_id,
+                                      self.config.peer_tls, self.config.peer_token)
         self._follower.start()

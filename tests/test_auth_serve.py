@@ -77,15 +77,23 @@ def _wait_until_accepted(address: str, token: str) -> None:
         time.sleep(0.1)
 
 
-def test_replication_with_credentials_is_refused_before_anything_starts(run_module, tmp_path) -> None:
+def test_replication_without_peer_credentials_is_refused_before_anything_starts(run_module, tmp_path, pki) -> None:
     path = str(tmp_path / "ids.json")
     tokens.add_token(path, "ops", "acme", ["admin"])
     data_dir = tmp_path / "data"
-    proc = run_module("blockd.cli", "serve", "--listen", "127.0.0.1:0", "--tokens-file", path,
-                      "--data-dir", str(data_dir), "--etcd", "http://127.0.0.1:1", "--replica-id", "r0")
-    assert proc.returncode == 2, proc.stderr
-    assert "--etcd (replication) cannot be combined with TLS or --tokens-file yet" in proc.stderr
-    assert "Traceback" not in proc.stderr and not data_dir.exists()
+    group = ("--data-dir", str(data_dir), "--etcd", "http://127.0.0.1:1", "--replica-id", "r0")
+    server = ("--tls-cert", pki.path("server"), "--tls-key", pki.key("server"))
+    for flags, wanted in [
+        (("--tokens-file", path), "--etcd with --tokens-file needs --peer-token-file"),
+        (server, "--etcd with --tls-cert needs --peer-tls-ca"),
+        ((*server, "--tls-client-ca", pki.ca, "--peer-tls-ca", pki.ca),
+         "--etcd with --tls-client-ca needs --peer-tls-cert and --peer-tls-key"),
+        (("--tokens-file", path, "--peer-token-file", str(tmp_path / "missing")), "cannot read --peer-token-file"),
+    ]:
+        proc = run_module("blockd.cli", "serve", "--listen", "127.0.0.1:0", *flags, *group)
+        assert proc.returncode == 2, proc.stderr
+        assert wanted in proc.stderr and "Traceback" not in proc.stderr
+        assert not data_dir.exists()
 
 
 def test_tokens_file_reloads_on_sighup(daemon, tmp_path) -> None:

@@ -11,7 +11,9 @@ stopped past the retained window catches up from the leader's snapshot; a
 replica whose data dir was lost does not lead with its empty log, however
 long it campaigns alone, and rejoins the in-sync set once caught up; each
 replica's /metrics shows its role, the leader's view of every follower (lag,
-in-sync) and the follower's feed, and a killed follower's lag and removal.
+in-sync) and the follower's feed, and a killed follower's lag and removal;
+a group serving mutual TLS, or tokens, replicates with its peer credentials
+(an admin identity) and refuses the replication stream to anyone else.
 """
 
 from __future__ import annotations
@@ -30,15 +32,20 @@ import uuid
 from collections import deque
 from collections.abc import Iterator
 
+import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from blockd.auth import TlsConfig, tokens
+from blockd.auth.channels import open_channel
 from blockd.core import Allocate, Free, PoolConfig
 from blockd.core.types import WorkerInfo
 from blockd.engine import Engine
 from blockd.engine_config import EngineConfig
 from blockd.ha.etcd import EtcdClient
 from blockd.ha.insync import InSyncSet
+from blockd.v1 import replication_pb2 as rpb
+from blockd.v1 import replication_pb2_grpc as rpb_grpc
 from client.aio import AsyncBlockdClient
 from client.errors import BlockdClientError, FailedPreconditionError
 from client.sdk import BlockdClient
@@ -47,7 +54,7 @@ from tests.procs import Proc, free_port, start_blockd
 from worker.follower import Follower
 from worker.runtime import WorkerRuntime
 
-pytest_plugins = ["tests.etcd"]
+pytest_plugins = ["tests.etcd", "tests.auth_fixtures"]
 
 KILLS = int(os.environ.get("BLOCKD_HA_KILLS", "20"))
 #: a loaded test machine must not make a healthy leader miss its keepalives
@@ -57,8 +64,9 @@ TTL_S = "4"
 class Group:
     """Three replicas of a new group, each with its own data dir; restartable."""
 
-    def __init__(self, etcd_url: str, root: str, *extra: str, metrics: bool = False) -> None:
-        self.etcd_url, self.root, self.extra = etcd_url, root, extra
+    def __init__(self, etcd_url: str, root: str, *extra: str, metrics: bool = False, tls: TlsConfig | None = None,
+                 token: str | None = None) -> None:
+        self.etcd_url, self.root, self.extra, self.tls, self.token = etcd_url, root, extra, tls, token
         self.metrics_ports: dict[str, int] | None = {} if metrics else None
         # one etcd serves the module: each test's group must not inherit another's in-sync set
         self.name = f"g-{uuid.uuid4().hex[:8]}"
@@ -77,7 +85,8 @@ class Group:
                                                              *args], "blockd listening on")
         self.procs[rid] = proc
         # each talks to its own replica: a refusal is raised, not followed to the leader
-        self.clients[rid] = BlockdClient(proc.address, timeout_s=10, max_attempts=1, follow_leader=False)
+        self.clients[rid] = BlockdClient(proc.address, timeout_s=10, max_attempts=1, follow_leader=False,
+                                         tls=self.tls, token=self.token)
 
     def kill(self, rid: str, sig: int = signal.SIGKILL) -> None:
         os.kill(self.procs[rid].pid, sig)
@@ -105,8 +114,9 @@ class Group:
 def group(etcd_server) -> Iterator:
     made: list[Group] = []
     with tempfile.TemporaryDirectory(prefix="blockd-ha-") as root:
-        def make(*extra: str, metrics: bool = False) -> Group:
-            g = Group(etcd_server.url, os.path.join(root, str(len(made))), *extra, metrics=metrics)
+        def make(*extra: str, metrics: bool = False, tls: TlsConfig | None = None, token: str | None = None) -> Group:
+            g = Group(etcd_server.url, os.path.join(root, str(len(made))), *extra, metrics=metrics, tls=tls,
+                      token=token)
             made.append(g)
             for rid in ("r0", "r1", "r2"):
                 g.start(rid)
@@ -506,3 +516,45 @@ def test_replication_metrics_show_roles_lag_and_the_in_sync_set(group):
     assert lead[("blockd_replication_follower_lag_records", (("follower", follower),))] >= 30
     assert lead[("blockd_replication_in_sync_replicas", ())] == 2
     assert lead[("blockd_replication_follower_in_sync", (("follower", other),))] == 1
+
+
+def _replicates(g: Group, leader: str) -> None:
+    """A sync-mode step is acknowledged only once a follower persisted it: the followers' streams work."""
+    for i in range(5):
+        g.clients[leader].step("p", [Allocate(f"sec{i}", [i])], request_id=f"sec-{i}")
+
+
+def _open_feed(address: str, tls: TlsConfig | None, token: str | None) -> grpc.RpcError:
+    """What the leader answers a replication stream opened with these credentials."""
+    with open_channel(address, tls, token) as channel:
+        stream = rpb_grpc.ReplicationServiceStub(channel).ReplicateLog(
+            rpb.ReplicateLogRequest(replica_id="intruder", from_lsn=1), timeout=10)
+        with pytest.raises(grpc.RpcError) as info:
+            next(iter(stream))
+        return info.value
+
+
+def test_a_group_serving_mutual_tls_replicates_with_an_admin_certificate(group, pki):
+    server = pki.server_tls()
+    g = group("--tls-cert", server.cert, "--tls-key", server.key, "--tls-client-ca", pki.ca,
+              "--peer-tls-ca", pki.ca, "--peer-tls-cert", pki.path("admin"), "--peer-tls-key", pki.key("admin"),
+              tls=pki.tls("admin"))
+    leader = ready(g)
+    _replicates(g, leader)
+    address = g.procs[leader].address
+    assert _open_feed(address, pki.tls("scheduler"), None).code() == grpc.StatusCode.PERMISSION_DENIED
+    assert _open_feed(address, pki.tls(None), None).code() == grpc.StatusCode.UNAVAILABLE  # no certificate
+
+
+def test_a_group_serving_tokens_replicates_with_an_admin_token(group, tmp_path):
+    ids = str(tmp_path / "ids.json")
+    admin = tokens.add_token(ids, "ops", "acme", ["admin"])
+    peer = tokens.add_token(ids, "replica", "acme", ["admin"])
+    scheduler = tokens.add_token(ids, "router", "acme", ["scheduler"])
+    (tmp_path / "peer-token").write_text(peer + "\n")
+    g = group("--tokens-file", ids, "--peer-token-file", str(tmp_path / "peer-token"), token=admin)
+    leader = ready(g)
+    _replicates(g, leader)
+    address = g.procs[leader].address
+    assert _open_feed(address, None, scheduler).code() == grpc.StatusCode.PERMISSION_DENIED
+    assert _open_feed(address, None, None).code() == grpc.StatusCode.UNAUTHENTICATED
