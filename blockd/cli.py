@@ -209,6 +209,24 @@ def _start_metrics(engine, port: int, metrics, args: argparse.Namespace):
     return http
 
 
+#: a health service name SERVING only on the replica that leads (load balancers, probes); the
+#: stock "" and per-service names stay SERVING on every live replica
+LEADER_HEALTH = "blockd.v1.Leader"
+
+
+def _leader_health(server, replica) -> None:
+    from grpc_health.v1 import health_pb2
+
+    status = health_pb2.HealthCheckResponse
+
+    def on_role(leading: bool) -> None:
+        if not server.stopping:
+            server.health.set(LEADER_HEALTH, status.SERVING if leading else status.NOT_SERVING)
+
+    on_role(False)
+    replica.on_role = on_role
+
+
 def _register_replication_metrics(metrics, replica) -> None:
     """The election's and replication's collectors on the daemon's registry (read at scrape time)."""
     from blockd.ha.metrics import ElectionCollector
@@ -371,6 +389,7 @@ def serve(args: argparse.Namespace) -> int:
                          daemon=True).start()
     server.start()
     if replica is not None:
+        _leader_health(server, replica)
         replica.start(engine, advertise)
         if metrics is not None:
             _register_replication_metrics(metrics, replica)

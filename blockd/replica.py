@@ -30,6 +30,7 @@ import os
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from blockd.auth.config import TlsConfig
@@ -143,6 +144,8 @@ class Replica:
         self._roles = threading.Lock()
         self._follower: FollowerLoop | None = None
         self._past_snapshots = self._past_truncations = 0  #: of follower loops that have ended
+        #: called with True when this replica starts serving as leader, False when it stops
+        self.on_role: Callable[[bool], None] = lambda leading: None
 
     # --- the engine's gate ------------------------------------------------------------------
     @property
@@ -247,12 +250,14 @@ class Replica:
                 self._follow()
                 return
             self._term = leadership.term
+            self.on_role(True)
             election.report_progress(lsn, 0)
             log.info("replica %s serves as leader of %s in term %d (term_start at lsn %d)", self.config.replica_id,
                      self.config.group, leadership.term, lsn)
 
     def _stepped_down(self, leadership: Leadership, reason: str) -> None:
         self._term = 0  # at once: nothing more is acknowledged
+        self.on_role(False)
         self.commits.end()
         self.tail.wake()
         if not self.stopping.is_set():

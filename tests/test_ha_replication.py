@@ -1,7 +1,8 @@
 """Log replication between real daemons (``blockd serve --etcd``) over a real etcd (docs/ha.md).
 
 Three replicas of one group in ``sync`` mode: followers refuse calls with
-NOT_LEADER naming the leader; the chaos test kills the leader (SIGKILL)
+NOT_LEADER naming the leader, and only the leader's ``blockd.v1.Leader``
+health is SERVING; the chaos test kills the leader (SIGKILL)
 ``BLOCKD_HA_KILLS`` times (default 20) under a worker and four schedulers'
 load, and after each failover every acknowledged step is on the new leader,
 the steps in flight at the kill, resent there with their request ids, are
@@ -34,6 +35,7 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from blockd.auth import TlsConfig, tokens
@@ -155,6 +157,14 @@ def test_followers_refuse_naming_the_leader(group):
     assert info.value.metadata["leader_address"] == g.procs[leader].address
     g.clients[leader].step("p", [Allocate("x", [1, 2, 3])], request_id="on-the-leader")
     assert "x" in g.clients[leader].get_tables("p")[1]
+    # every live replica is SERVING; the leader-only health name tells load balancers which one leads
+    serving = health_pb2.HealthCheckResponse.SERVING
+    for rid, proc in g.procs.items():
+        with grpc.insecure_channel(proc.address) as channel:
+            check = health_pb2_grpc.HealthStub(channel).Check
+            assert check(health_pb2.HealthCheckRequest(service=""), timeout=10).status == serving
+            leads = check(health_pb2.HealthCheckRequest(service="blockd.v1.Leader"), timeout=10).status
+            assert (leads == serving) == (rid == leader), (rid, leads)
 
 
 def test_chaos_leader_killed_under_a_worker_and_four_schedulers(group):

@@ -74,6 +74,11 @@ class BlockdServer:
         self._endpoint.start()
         log.info("serving %s on %s", ", ".join(self._endpoint.service_names), self.address)
 
+    @property
+    def stopping(self) -> bool:
+        """True from :meth:`stop` on (health stays NOT_SERVING from then)."""
+        return self._stopped
+
     def stop(self, grace_s: float | None = None) -> None:
         """Stop accepting calls, let in-flight ones finish within the grace
         period, end every stream, then close the engine. Idempotent."""
