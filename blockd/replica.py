@@ -165,6 +165,9 @@ class Replica:
         self.commits.wait(lsn, self.tail.last_lsn, deadline, election.can_acknowledge)
         if not election.can_acknowledge() or self._term != term:
             raise self.not_leader("this replica's lease could not be proven valid; not acknowledged")
+        # kept in memory; the election writes it to this replica's member key on its next cycle, so
+        # `blockctl cluster status` measures the followers against where the leader is now
+        election.report_progress(self.tail.last_lsn, 0)
         return term
 
     def not_leader(self, why: str) -> NotLeader | NoLeader:

@@ -44,6 +44,7 @@ from blockd.core import Allocate, Free, PoolConfig
 from blockd.core.types import WorkerInfo
 from blockd.engine import Engine
 from blockd.engine_config import EngineConfig
+from blockd.ha.cluster import read_status
 from blockd.ha.etcd import EtcdClient
 from blockd.ha.insync import InSyncSet
 from blockd.v1 import replication_pb2 as rpb
@@ -517,6 +518,16 @@ def test_replication_metrics_show_roles_lag_and_the_in_sync_set(group):
     assert fol[("blockd_replication_streaming", ())] == 1
     assert fol[("blockd_ha_term", ())] == lead[("blockd_ha_term", ())]
     assert 0 < fol[("blockd_replication_commit_lsn", ())] <= fol[("blockd_replication_last_lsn", ())]
+    # `blockctl cluster status` (etcd's member keys): the leader reports where it is now, not at its term start
+    last = lead[("blockd_replication_last_lsn", ())]
+
+    def reported() -> dict | None:
+        status = read_status(g.etcd_url, g.name).to_dict()
+        members = {m["replica_id"]: m for m in status["members"]}
+        return status if members.get(leader, {}).get("applied_lsn") == last and len(members) == 3 else None
+
+    status = wait_for(reported, "the leader's member key at its last LSN")
+    assert {m["replica_id"]: m["behind_leader"] for m in status["members"]}[leader] == 0
     # a follower dies: the leader drops it from the set (the next step waits 2 s for it) and its lag grows
     g.kill(follower)
     for i in range(30):
