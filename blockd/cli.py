@@ -83,6 +83,9 @@ def _add_replication(serve: argparse.ArgumentParser) -> None:
                        help="replicas (the leader included) that must hold a step before it is acknowledged")
     serve.add_argument("--ack-timeout-s", type=float, default=1.0,
                        help="how long a step waits for the in-sync followers before they are dropped from the set")
+    serve.add_argument("--max-lag-records", type=int, default=100,
+                       help="async: a step waits (up to --ack-timeout-s) while a live follower trails the leader "
+                            "by more records than this, bounding what a failover can lose; 0: unbounded")
     serve.add_argument("--lease-ttl-s", type=int, default=2,
                        help="the leader's etcd lease; failover takes about this plus 1 s")
     peers = serve.add_argument_group(
@@ -310,7 +313,8 @@ def _replica(args: argparse.Namespace, tls):
     try:
         peer_tls, peer_token = _peer_security(args, tls)
         config = ReplicaConfig(args.etcd, args.replica_id, args.group, args.replication, args.min_in_sync,
-                               args.ack_timeout_s, args.lease_ttl_s, peer_tls=peer_tls, peer_token=peer_token)
+                               args.ack_timeout_s, args.lease_ttl_s, max_lag_records=args.max_lag_records,
+                               peer_tls=peer_tls, peer_token=peer_token)
     except ValueError as err:
         raise SystemExit(str(err)) from None
     return Replica(config, args.data_dir)

@@ -10,7 +10,12 @@ fewer than ``min_in_sync`` replicas left the call is refused
 A follower joins the set once it has persisted every record the leader had
 logged when it was counted in (it is counted in first, so no record is
 acknowledged without it from then on). ``async`` mode commits a record once
-the leader has logged it; followers trail.
+the leader has logged it; followers trail, by at most ``max_lag_records``:
+a step whose record is further ahead of a live follower (one that has
+acknowledged within ``live_s``) than that waits for it, until the deadline
+(back-pressure: a failover then loses at most that many acknowledged
+records to a follower that kept up; a follower that stops acknowledging
+stops counting once its last acknowledgement is ``live_s`` old).
 
 :class:`ReplicationServicer` serves ``ReplicationService``: ``ReplicateLog``
 checks where the follower's log stops agreeing with the leader's (their term
@@ -79,8 +84,10 @@ class Commits:
     """The commit point of one term; see the module docstring."""
 
     def __init__(self, replica_id: str, mode: str, min_in_sync: int, store: InSyncStore,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, max_lag_records: int = 0,
+                 live_s: float = 1.0) -> None:
         self.replica_id, self.mode, self.min_in_sync = replica_id, mode, min_in_sync
+        self.max_lag_records, self.live_s = max_lag_records, live_s
         self._store, self._clock = store, clock
         self._cond = threading.Condition()
         self.term = 0
@@ -165,7 +172,12 @@ class Commits:
 
     def wait(self, lsn: int, last_lsn: int, deadline: float, leading: Callable[[], bool]) -> None:
         """Return once ``lsn`` is committed; by ``deadline`` drop the members
-        that did not confirm it, then refuse if too few remain."""
+        that did not confirm it, then refuse if too few remain. In ``async``
+        mode: return at once, or once every live follower is within
+        ``max_lag_records`` of ``lsn`` (by the deadline at the latest)."""
+        if self.mode == "async":
+            self._bound_lag(lsn, deadline, leading)
+            return
         with self._cond:
             term = self.term
             while self._commit_locked(last_lsn) < lsn:
@@ -190,6 +202,26 @@ class Commits:
                 return
         raise NotReplicated(f"not acknowledged: no in-sync follower confirmed lsn {lsn} in time (at least "
                             f"{self.min_in_sync} replicas must hold a step); retry with the same request id")
+
+
+    def _bound_lag(self, lsn: int, deadline: float, leading: Callable[[], bool]) -> None:
+        if self.max_lag_records <= 0:
+            return
+        with self._cond:
+            term = self.term
+            while True:
+                now = self._clock()
+                behind = [f for f in self.followers.values() if f.last_ack and now - f.last_ack <= self.live_s
+                          and lsn - f.persisted_lsn > self.max_lag_records]
+                if not behind:
+                    return
+                if not leading() or self.term != term:
+                    raise NotLeader("this replica stopped leading before the step was acknowledged; retry it "
+                                    "with the same request id against the new leader")
+                left = deadline - now
+                if left <= 0:
+                    return  # acknowledged; the follower is slow but alive, and the next step waits again
+                self._cond.wait(min(left, 0.05))
 
 
 class Leading(Protocol):

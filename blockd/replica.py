@@ -62,6 +62,8 @@ class ReplicaConfig:
     ack_timeout_s: float = 1.0
     ttl_s: int = 2
     margin_s: float = 0.5
+    #: async mode: how far a live follower may trail the leader before steps wait (0: unbounded)
+    max_lag_records: int = 100
     #: what a follower dials its leader with (``--peer-tls-*``, ``--peer-token-file``); None: plain text
     peer_tls: TlsConfig | None = None
     peer_token: str | None = None
@@ -73,6 +75,8 @@ class ReplicaConfig:
             raise ValueError(f"--min-in-sync must be >= 1 (the leader counts), got {self.min_in_sync}")
         if self.ack_timeout_s <= 0:
             raise ValueError(f"--ack-timeout-s must be > 0, got {self.ack_timeout_s}")
+        if self.max_lag_records < 0:
+            raise ValueError(f"--max-lag-records must be >= 0 (0: unbounded), got {self.max_lag_records}")
 
 
 def log_identity(data_dir: str, empty: bool) -> str:
@@ -135,7 +139,8 @@ class Replica:
         self.config, self.data_dir = config, data_dir
         self.tail = LogTail()
         self.commits = Commits(config.replica_id, config.mode, config.min_in_sync,
-                               _EtcdInSync(config.etcd, config.group, 1.0))
+                               _EtcdInSync(config.etcd, config.group, 1.0),
+                               max_lag_records=config.max_lag_records, live_s=config.ack_timeout_s)
         self.stopping = threading.Event()
         self.engine: Engine
         self.election: Election | None = None
