@@ -3,13 +3,15 @@ every object validates (deploy/kubernetes/validate.py: kubernetes-validate
 --strict, the vendored Prometheus Operator CRD schemas, the project's
 security and probe rules); the validator catches what it claims to; the
 generated PrometheusRule and dashboard ConfigMap match their sources; every
-variable the manifests set is one the programs read; every pools file parses."""
+variable the manifests set is one the programs read (or one Kubernetes
+interpolates); every pools file parses."""
 
 from __future__ import annotations
 
 import copy
 import importlib.util
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -139,14 +141,48 @@ def _program_variables() -> set[str]:
     return names | {"BLOCKD_METRICS_ADDR"}  # read by blockd.metrics, not a flag
 
 
+def _containers(objects: list[dict]):
+    """``(workload name, container)`` for every container and init container of every workload."""
+    for obj in objects:
+        pod = validate.pod_spec(obj) or {}
+        for container in pod.get("initContainers", []) + pod.get("containers", []):
+            yield obj["metadata"]["name"], container
+
+
+#: a Kubernetes variable reference, ``$(NAME)``, in an env value, the command or the args
+REFERENCE = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
+
+
+def _references(container: dict) -> set[str]:
+    texts = [e.get("value", "") for e in container.get("env", [])]
+    texts += container.get("command", []) + container.get("args", [])
+    return {name for text in texts for name in REFERENCE.findall(text)}
+
+
 def test_every_variable_the_manifests_set_is_read_by_a_program(rendered) -> None:
+    """A misspelt variable is silently ignored: every name must be one a program
+    reads, or one that a $(NAME) reference of the same container uses
+    (Kubernetes interpolates it: POD_NAMESPACE into the HA overlay's stable
+    names, POD_NAME into etcd's flags; etcd's image has no shell)."""
     known = _program_variables()
     for overlay, objects in rendered.items():
-        for obj in objects:
-            pod = validate.pod_spec(obj)
-            for container in (pod or {}).get("containers", []) + (pod or {}).get("initContainers", []):
-                for var in container.get("env", []):
-                    assert var["name"] in known, (overlay, obj["metadata"]["name"], var["name"])
+        for workload, container in _containers(objects):
+            for var in container.get("env", []):
+                assert var["name"] in known | _references(container), (overlay, workload, var["name"])
+
+
+def test_every_variable_reference_names_an_earlier_variable(rendered) -> None:
+    """Kubernetes leaves $(NAME) as it is unless NAME is defined earlier in the
+    container's env: the program would get the literal text."""
+    for overlay, objects in rendered.items():
+        for workload, container in _containers(objects):
+            defined: list[str] = []
+            for var in container.get("env", []):
+                for name in REFERENCE.findall(var.get("value", "")):
+                    assert name in defined, (overlay, workload, var["name"], name)
+                defined.append(var["name"])
+            for text in container.get("command", []) + container.get("args", []):
+                assert set(REFERENCE.findall(text)) <= set(defined), (overlay, workload, text)
 
 
 @pytest.mark.parametrize("path", ["deploy/pools.json", "deploy/kubernetes/base/pools.json",
