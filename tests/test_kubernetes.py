@@ -3,13 +3,17 @@ every object validates (deploy/kubernetes/validate.py: kubernetes-validate
 --strict, the vendored Prometheus Operator CRD schemas, the project's
 security and probe rules); the validator catches what it claims to; the
 generated PrometheusRule and dashboard ConfigMap match their sources; every
-variable the manifests set is one the programs read; every pools file parses."""
+variable the manifests set is one the programs read (or one Kubernetes
+interpolates); the HA overlay's replicas, etcd members and callers name each
+other consistently, read through the programs' own parsers; every pools file
+parses."""
 
 from __future__ import annotations
 
 import copy
 import importlib.util
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -69,7 +73,7 @@ def find(objects: list[dict], kind: str, name: str | None = None) -> dict:
 
 
 def test_the_overlays_the_issue_asks_for_exist() -> None:
-    assert OVERLAYS == ["cpu-dev", "gpu"]
+    assert OVERLAYS == ["cpu-dev", "gpu", "ha"]
 
 
 @needs_kubectl
@@ -87,19 +91,21 @@ def test_validate_script_passes(rendered) -> None:
     result = subprocess.run([sys.executable, str(K8S / "validate.py")], capture_output=True, text=True,
                             timeout=300, check=False)
     assert result.returncode == 0, result.stderr
-    assert [line.split()[1] for line in result.stdout.splitlines()] == ["cpu-dev:", "gpu:"]
+    assert [line.split()[1] for line in result.stdout.splitlines()] == ["cpu-dev:", "gpu:", "ha:"]
 
 
 def test_blockd_statefulset(rendered) -> None:
-    for objects in rendered.values():
+    for overlay, objects in rendered.items():
         sts = find(objects, "StatefulSet", "blockd")
-        assert sts["spec"]["replicas"] == 1
+        # one daemon, or a replicated group of three (its names: test_the_ha_overlay_names_...)
+        assert sts["spec"]["replicas"] == (3 if overlay == "ha" else 1)
         (claim,) = sts["spec"]["volumeClaimTemplates"]
         assert claim["spec"]["accessModes"] == ["ReadWriteOnce"]
         pod = sts["spec"]["template"]["spec"]
         (container,) = pod["containers"]
         env = {e["name"]: e for e in container["env"]}
-        assert env["BLOCKD_ADVERTISE_ADDRESS"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+        if overlay != "ha":  # a group's replicas advertise their stable names instead
+            assert env["BLOCKD_ADVERTISE_ADDRESS"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
         assert env["BLOCKD_DATA_DIR"]["value"] == container["volumeMounts"][0]["mountPath"]
         assert pod["terminationGracePeriodSeconds"] > float(env["BLOCKD_GRACE_S"]["value"])
         assert container["readinessProbe"]["grpc"]["port"] == 50051
@@ -110,9 +116,10 @@ def test_blockd_statefulset(rendered) -> None:
 def test_workers(rendered) -> None:
     dev = find(rendered["cpu-dev"], "Deployment", "blockd-worker")
     gpu = find(rendered["gpu"], "DaemonSet", "blockd-worker")
-    assert "nvidia.com/gpu" not in json.dumps(dev)
+    ha = find(rendered["ha"], "Deployment", "blockd-worker")
+    assert "nvidia.com/gpu" not in json.dumps(dev) and "nvidia.com/gpu" not in json.dumps(ha)
     assert gpu["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 1
-    for workload in (dev, gpu):
+    for workload in (dev, gpu, ha):
         (container,) = workload["spec"]["template"]["spec"]["containers"]
         env = {e["name"]: e for e in container["env"]}
         assert env["BLOCKD_WORKER_ADVERTISE_ADDRESS"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
@@ -139,14 +146,151 @@ def _program_variables() -> set[str]:
     return names | {"BLOCKD_METRICS_ADDR"}  # read by blockd.metrics, not a flag
 
 
+def _containers(objects: list[dict]):
+    """``(workload name, container)`` for every container and init container of every workload."""
+    for obj in objects:
+        pod = validate.pod_spec(obj) or {}
+        for container in pod.get("initContainers", []) + pod.get("containers", []):
+            yield obj["metadata"]["name"], container
+
+
+#: a Kubernetes variable reference, ``$(NAME)``, in an env value, the command or the args
+REFERENCE = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
+
+
+def _references(container: dict) -> set[str]:
+    texts = [e.get("value", "") for e in container.get("env", [])]
+    texts += container.get("command", []) + container.get("args", [])
+    return {name for text in texts for name in REFERENCE.findall(text)}
+
+
 def test_every_variable_the_manifests_set_is_read_by_a_program(rendered) -> None:
+    """A misspelt variable is silently ignored: every name must be one a program
+    reads, or one that a $(NAME) reference of the same container uses
+    (Kubernetes interpolates it: POD_NAMESPACE into the HA overlay's stable
+    names, POD_NAME into etcd's flags; etcd's image has no shell)."""
     known = _program_variables()
     for overlay, objects in rendered.items():
-        for obj in objects:
-            pod = validate.pod_spec(obj)
-            for container in (pod or {}).get("containers", []) + (pod or {}).get("initContainers", []):
-                for var in container.get("env", []):
-                    assert var["name"] in known, (overlay, obj["metadata"]["name"], var["name"])
+        for workload, container in _containers(objects):
+            for var in container.get("env", []):
+                assert var["name"] in known | _references(container), (overlay, workload, var["name"])
+
+
+def test_every_variable_reference_names_an_earlier_variable(rendered) -> None:
+    """Kubernetes leaves $(NAME) as it is unless NAME is defined earlier in the
+    container's env: the program would get the literal text."""
+    for overlay, objects in rendered.items():
+        for workload, container in _containers(objects):
+            defined: list[str] = []
+            for var in container.get("env", []):
+                for name in REFERENCE.findall(var.get("value", "")):
+                    assert name in defined, (overlay, workload, var["name"], name)
+                defined.append(var["name"])
+            for text in container.get("command", []) + container.get("args", []):
+                assert set(REFERENCE.findall(text)) <= set(defined), (overlay, workload, text)
+
+
+# --- the HA overlay: replicas, etcd members and callers agree on names ----------------------
+NAMESPACE = "blockd"
+
+
+def pod_env(container: dict, pod_name: str) -> dict[str, str]:
+    """The environment Kubernetes gives ``container`` of pod ``pod_name``: the
+    fieldRefs the manifests use, and $(NAME) expanded from earlier variables."""
+    fields = {"metadata.name": pod_name, "metadata.namespace": NAMESPACE, "status.podIP": "10.1.2.3",
+              "spec.nodeName": "node-a"}
+    env: dict[str, str] = {}
+    for var in container.get("env", []):
+        if "valueFrom" in var:
+            env[var["name"]] = fields[var["valueFrom"]["fieldRef"]["fieldPath"]]
+        else:
+            env[var["name"]] = REFERENCE.sub(lambda m: env.get(m[1], m[0]), var.get("value", ""))
+    return env
+
+
+def expand(text: str, env: dict[str, str]) -> str:
+    return REFERENCE.sub(lambda m: env.get(m[1], m[0]), text)
+
+
+def _members(sts: dict) -> list[str]:
+    return [f"{sts['metadata']['name']}-{i}" for i in range(sts["spec"]["replicas"])]
+
+
+def _headless(objects: list[dict], sts: dict) -> dict:
+    """The StatefulSet's serviceName Service, which must give its pods stable DNS names."""
+    service = find(objects, "Service", sts["spec"]["serviceName"])
+    assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"] is True
+    assert service["spec"]["selector"].items() <= sts["spec"]["template"]["metadata"]["labels"].items()
+    return service
+
+
+def test_the_ha_overlay_names_every_replica_and_etcd_member(rendered) -> None:
+    objects = rendered["ha"]
+    etcd, blockd = find(objects, "StatefulSet", "etcd"), find(objects, "StatefulSet", "blockd")
+    assert etcd["spec"]["replicas"] == 3 and blockd["spec"]["replicas"] == 3
+    assert etcd["spec"]["podManagementPolicy"] == blockd["spec"]["podManagementPolicy"] == "Parallel"
+    assert find(objects, "PodDisruptionBudget", "blockd")["spec"] == {
+        "maxUnavailable": 1, "selector": {"matchLabels": blockd["spec"]["selector"]["matchLabels"]}}
+    assert find(objects, "PodDisruptionBudget", "etcd")["spec"]["maxUnavailable"] == 1
+
+    # etcd: each member's flags, as Kubernetes expands them
+    etcd_service = _headless(objects, etcd)["metadata"]["name"]
+    (etcd_container,) = etcd["spec"]["template"]["spec"]["containers"]
+    assert not etcd_container["image"].endswith(":latest") and ":v3." in etcd_container["image"]
+    peers, clients = {}, []
+    for member in _members(etcd):
+        env = pod_env(etcd_container, member)
+        flags = dict(expand(a, env).removeprefix("--").split("=", 1) for a in etcd_container["args"])
+        assert flags["name"] == member
+        host = f"{member}.{etcd_service}.{NAMESPACE}.svc"
+        assert flags["initial-advertise-peer-urls"] == f"http://{host}:2380"
+        assert flags["advertise-client-urls"] == f"http://{host}:2379"
+        peers[member] = flags["initial-advertise-peer-urls"]
+        clients.append(flags["advertise-client-urls"])
+        initial_cluster = flags["initial-cluster"]
+    # every member's --initial-cluster is the same and names all three as they advertise themselves
+    assert dict(item.split("=", 1) for item in initial_cluster.split(",")) == peers
+
+    # blockd: each replica through `blockd serve`'s own parser and environment rule
+    replicas_service = _headless(objects, blockd)["metadata"]["name"]
+    assert replicas_service == "blockd-replicas"
+    (container,) = blockd["spec"]["template"]["spec"]["containers"]
+    assert {e["name"]: e for e in container["env"]}["BLOCKD_REPLICA_ID"]["valueFrom"]["fieldRef"] == \
+        {"fieldPath": "metadata.name"}
+    advertised = []
+    for replica in _members(blockd):
+        args = config_env.parse_args(blockd_parser(), ["serve"], "BLOCKD_", environ=pod_env(container, replica))
+        assert args.etcd.split(",") == clients
+        assert (args.replica_id, args.group, args.replication) == (replica, "main", "sync")
+        assert args.advertise_address == f"{replica}.{replicas_service}.{NAMESPACE}.svc:50051"
+        assert args.insecure  # `serve --etcd` refuses TLS and --tokens-file today (docs/ha.md 3)
+        assert args.data_dir and not args.tokens_file
+        advertised.append(args.advertise_address)
+
+    # callers: the worker (and its init container) and the pool Job list exactly what the replicas advertise
+    worker = find(objects, "Deployment", "blockd-worker")["spec"]["template"]["spec"]
+    wait, = worker["initContainers"]
+    blockctl_env = pod_env(wait, "blockd-worker-abc")
+    assert config_env.parse_args(blockctl_parser(), ["pools", "show", "default"], "BLOCKCTL_", BLOCKCTL_OVERRIDES,
+                                 environ=blockctl_env).target.split(",") == advertised
+    (worker_container,) = worker["containers"]
+    args = config_env.parse_args(worker_parser(), [], "BLOCKD_WORKER_", WORKER_OVERRIDES,
+                                 environ=pod_env(worker_container, "blockd-worker-abc"))
+    assert args.blockd.split(",") == advertised
+    (job,) = find(objects, "Job", "blockd-pool-apply")["spec"]["template"]["spec"]["containers"]
+    args = config_env.parse_args(blockctl_parser(), job["command"][1:], "BLOCKCTL_", BLOCKCTL_OVERRIDES,
+                                 environ=pod_env(job, "blockd-pool-apply-abc"))
+    assert args.target.split(",") == advertised
+
+
+def test_the_ha_overlay_scrapes_each_replica_once(rendered) -> None:
+    """The base's ServiceMonitor selects Services by label: the headless one
+    must not match it too, or Prometheus would scrape every replica twice."""
+    objects = rendered["ha"]
+    selector = find(objects, "ServiceMonitor", "blockd")["spec"]["selector"]["matchLabels"]
+    matched = [s["metadata"]["name"] for s in objects
+               if s["kind"] == "Service" and selector.items() <= s["metadata"].get("labels", {}).items()]
+    assert matched == ["blockd"]
 
 
 @pytest.mark.parametrize("path", ["deploy/pools.json", "deploy/kubernetes/base/pools.json",
