@@ -123,6 +123,7 @@ def run_scheme(scheme: str, cluster: LocalCluster, requests, config=None) -> tup
         "seconds": round(seconds, 2),
         "num_requests": len(outputs), "num_rejected": c.num_rejected, "output_tokens": num_tokens,
         "steps": c.num_steps, "preemptions": c.num_preemptions, "refused_batches": c.num_refused_batches,
+        "prompt_tokens_computed": c.num_prefill_tokens, "prompt_tokens_cached": c.num_cached_tokens,
     }, outputs
 
 
@@ -206,8 +207,11 @@ def compare_with_vllm(args, python: str) -> dict:
     vllm = run_vllm(python, args.model, prompts)
     fixed = SamplingParams(ignore_eos=True)
     requests = [GenerationRequest(f"v{i}", p, VLLM_NEW_TOKENS, sampling=fixed) for i, p in enumerate(prompts)]
-    # every request runs at once and a whole prompt batch fits one step, as in vLLM's offline engine
-    config = SchedulerConfig(max_num_batched_tokens=8192, max_num_seqs=256)
+    # every request runs at once and a whole prompt batch fits one step, as in vLLM's offline engine;
+    # prompts that share a block with one being computed wait a step and take it from the prefix
+    # cache (vLLM shares such blocks within its step)
+    config = SchedulerConfig(max_num_batched_tokens=8192, max_num_seqs=256,
+                             prefix_block_size=0 if args.no_prefix_sharing else VLLM_BLOCK_SIZE)
     spec = ClusterSpec(args.model, 1, "vs_vllm", VLLM_NUM_BLOCKS, VLLM_BLOCK_SIZE, WATERMARK_BLOCKS)
     with LocalCluster(spec) as cluster:
         run_scheme("paging", cluster, requests[:2], config)  # warm-up, as vLLM's run has one
@@ -215,6 +219,7 @@ def compare_with_vllm(args, python: str) -> dict:
     by_id = {o.request_id: list(o.output_token_ids[0]) for o in outputs}
     same = sum(by_id.get(f"v{i}") == tokens for i, tokens in enumerate(vllm.pop("outputs")))
     keys = ("tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "seconds", "output_tokens")
+    blockd_keys = (*keys, "steps", "prompt_tokens_computed", "prompt_tokens_cached")
     return {
         "name": "serve_vs_vllm", "model": args.model, "precision": "float32",
         "workload": {"requests": VLLM_REQUESTS, "prompt": "chat template over 'Write a short paragraph about "
@@ -226,12 +231,19 @@ def compare_with_vllm(args, python: str) -> dict:
                                                        "blockd_workers": 1},
         "vllm_version": vllm["version"],
         "vllm_prompt_tokens_cached": f"{vllm['cached_prompt_tokens']}/{vllm['prompt_tokens']}",
-        "blockd": {k: blockd[k] for k in keys}, "vllm": {k: vllm[k] for k in keys},
+        "blockd_prefix_block_size": config.prefix_block_size, "blockd_cpu_linear": _cpu_linear(),
+        "loadavg_1m": round(os.getloadavg()[0], 2),
+        "blockd": {k: blockd[k] for k in blockd_keys}, "vllm": {k: vllm[k] for k in keys},
         "ratio_tokens_per_s_vs_vllm": round(blockd["tokens_per_s"] / vllm["tokens_per_s"], 3),
         "outputs_identical_to_vllm": f"{same}/{len(prompts)}",
         **verify(args.model, requests, outputs),
         "hardware": {"cpu_count": os.cpu_count(), "platform": platform.platform()},
     }
+
+
+def _cpu_linear() -> str:
+    """The workers' ``--cpu-linear`` (they inherit this environment)."""
+    return os.environ.get("BLOCKD_WORKER_CPU_LINEAR", "auto")
 
 
 class _Timed:
@@ -316,7 +328,8 @@ def profile_decode(args) -> dict:
         "attention": attention, "write_kv": write_kv, "sampling": sampling,
     }
     return {"name": "serve_profile", "model": args.model, "precision": "float32", "decode_steps": steps,
-            "batch": len(requests), "block_size": VLLM_BLOCK_SIZE, "step_ms": round(total / steps * 1e3, 2),
+            "batch": len(requests), "block_size": VLLM_BLOCK_SIZE, "cpu_linear": _cpu_linear(),
+            "loadavg_1m": round(os.getloadavg()[0], 2), "step_ms": round(total / steps * 1e3, 2),
             "decode_tokens_per_s": round(tokens / total, 1),
             "per_step_ms": {k: round(v / steps * 1e3, 2) for k, v in phases.items()},
             "share": {k: round(v / total, 3) for k, v in phases.items()}}
@@ -332,6 +345,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vllm-python", default=os.environ.get("BLOCKD_VLLM_PYTHON"),
                         help="a vLLM venv's python: add the serve_vs_vllm row (env BLOCKD_VLLM_PYTHON)")
     parser.add_argument("--only-vllm", action="store_true", help="only the serve_vs_vllm row")
+    parser.add_argument("--no-prefix-sharing", action="store_true",
+                        help="serve_vs_vllm: admit every prompt at once (no waiting for a shared block's commit)")
     parser.add_argument("--profile", action="store_true",
                         help="only the serve_profile row: where a decode step of the anchor's work spends its time")
     args = parser.parse_args(argv)

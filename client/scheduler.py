@@ -80,8 +80,18 @@ class SchedulerConfig:
     #: the model's end-of-sequence tokens (its generation config's eos_token_id):
     #: a sample that draws one ends, unless its request ignores EOS
     eos_token_ids: tuple[int, ...] = ()
+    #: the pool's block size, to share prompt prefixes within a burst of requests: a
+    #: waiting request whose prompt has a full block in common with a prompt still
+    #: being computed (admitted in the same step, or a prefill not yet done) is
+    #: admitted only once that block is committed, usually the next step, and then
+    #: takes it from the prefix cache instead of computing it again (blockd
+    #: publishes only committed blocks; vLLM shares such blocks within a step).
+    #: Admission stays FCFS: the requests behind it wait too. 0: off.
+    prefix_block_size: int = 0
 
     def __post_init__(self) -> None:
+        if type(self.prefix_block_size) is not int or self.prefix_block_size < 0:
+            raise ValueError(f"prefix_block_size must be an integer >= 0 (0: off), got {self.prefix_block_size!r}")
         if not all(type(t) is int and t >= 0 for t in self.eos_token_ids):
             raise ValueError(f"eos_token_ids must be token ids >= 0, got {self.eos_token_ids!r}")
         if type(self.max_num_seqs) is not int or self.max_num_seqs < 1:

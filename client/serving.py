@@ -143,6 +143,9 @@ class SeqState:
     sample_index: int = 0
     #: FINISH_STOP or FINISH_LENGTH once the sample has ended
     finish_reason: str | None = None
+    #: chained hashes of its first full blocks, memoised by the scheduler's
+    #: prefix sharing (SchedulerConfig.prefix_block_size); tokens only ever append
+    block_hashes: list[bytes] = field(default_factory=list, repr=False, compare=False)
 
     @property
     def num_generated(self) -> int:

@@ -12,7 +12,10 @@ of a batch::
     Commit + Free of sequences finished or preempted since the last step
     Commit    prompt tokens the last step computed (chunked prefill)
     DecodeAppend the last token of every decoding sequence (forked ones included)
-    Allocate  waiting requests, FCFS, while the token budget lasts
+    Allocate  waiting requests, FCFS, while the token budget lasts; with
+              ``config.prefix_block_size``, not past a request whose prompt
+              shares a full block with a prompt still being computed: it
+              waits for that block's commit and takes it from the prefix cache
 
 Works on the scheduler's own state (``running``, ``waiting``, the pending
 releases, ``config``, ``admission``); it has no state of its own.
@@ -23,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from blockd.core.hashing import hash_full_blocks
 from blockd.core.types import Allocate, Commit, DecodeAppend, Fork, Op
 from client.serving import RequestState, SeqState
 
@@ -112,6 +116,8 @@ class StepPlanner:
                 break
             self._reject(self.waiting.popleft(), reason)
         num_seqs = sum(state.num_seqs_when_running for state in self.running)
+        block_size = self.config.prefix_block_size
+        in_flight, committed = self._prompt_blocks(block_size) if block_size else (set(), set())
         for state in self.waiting:
             if budget <= 0 or self._admission_blocked or admit_limit == len(plan.admitted):
                 return
@@ -119,6 +125,11 @@ class StepPlanner:
                 return
             if not self.admission.can_admit(state, [admitted for admitted, _ in plan.admitted]):
                 return
+            if block_size:
+                blocks = {h for seq in state.live for h in _full_blocks(state, seq, block_size)}
+                if not in_flight.isdisjoint(blocks):
+                    return  # computed already in this or an earlier step: wait for its commit
+                in_flight |= blocks - committed
             allocations = []
             for seq in state.live:
                 plan.admit_at[len(plan.ops)] = len(plan.admitted)
@@ -128,3 +139,35 @@ class StepPlanner:
                 budget -= chunk
             plan.admitted.append((state, allocations))
             num_seqs += state.num_seqs_when_running
+
+    def _prompt_blocks(self, block_size: int) -> tuple[set[bytes], set[bytes]]:
+        """Hashes of the running sequences' full blocks: those this step's batch
+        does not commit (their prefill is not done: a waiting prompt sharing one
+        would compute it again if admitted now), and those committed by the
+        end of the batch (an admitted prompt takes them from the prefix cache).
+        Blocks cached by sequences no longer running are not known here: a
+        prompt sharing them with one admitted in the same step waits a step
+        it need not."""
+        in_flight: set[bytes] = set()
+        committed: set[bytes] = set()
+        for state in self.running:
+            for seq in state.live:
+                hashes = _full_blocks(state, seq, block_size)
+                done = seq.num_computed // block_size
+                committed.update(hashes[:done])
+                if seq.num_to_prefill > 0:
+                    in_flight.update(hashes[done:])
+        return in_flight, committed
+
+
+def _full_blocks(state: RequestState, seq: SeqState, block_size: int) -> list[bytes]:
+    """The chained hashes of ``seq``'s full blocks as far as it is allocated
+    (all its tokens while it waits). Only compared with each other, within the
+    one pool: the pool's tenant, which blockd folds into its own hashes, is the
+    same for all of them."""
+    tokens = seq.token_ids[: seq.num_in_pool] if seq.num_in_pool else seq.token_ids
+    known, count = seq.block_hashes, len(tokens) // block_size
+    if len(known) < count:  # extend the chain from the last block hashed
+        known += hash_full_blocks(tokens[len(known) * block_size : count * block_size], block_size,
+                                  state.request.extra_keys.digest(), parent=known[-1] if known else None)
+    return known[:count]

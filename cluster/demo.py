@@ -171,8 +171,10 @@ def serve(cfg: DemoConfig, cluster: LocalCluster, requests, out, eos_token_ids=(
     outputs: list[RequestOutput] = []
     busy = Meter()
     with BlockdClient(cluster.blockd_address) as client, WorkerGroup(pool, cluster.worker_addresses) as group:
+        # shared system prompts arriving together: one computes them, the rest hit the prefix cache
         sched = Scheduler(client, pool, group, SchedulerConfig(cfg.max_num_batched_tokens, cfg.max_num_seqs,
-                                                               eos_token_ids=tuple(eos_token_ids)))
+                                                               eos_token_ids=tuple(eos_token_ids),
+                                                               prefix_block_size=cfg.block_size))
         progress = _Progress(len(requests), out)
         start = time.perf_counter()
         tick = 0  # arrivals are counted in scheduler steps

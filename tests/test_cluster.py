@@ -49,12 +49,19 @@ def workload(seed: int) -> list[GenerationRequest]:
 
 @pytest.mark.parametrize(("model", "tp_size"), [("tiny-llama", 1), ("tiny-qwen2", 2)])
 def test_paged_cluster_generates_what_the_contiguous_reference_does(model, tp_size):
+    """The TP pair also shares prompt prefixes within a burst (prefix_block_size)."""
     requests = workload(tp_size)
     spec = ClusterSpec(model, tp_size, "m", num_blocks=26, block_size=8, watermark_blocks=1)
     with LocalCluster(spec) as cluster, BlockdClient(cluster.blockd_address) as client, \
             WorkerGroup("m", cluster.worker_addresses) as group:
         assert len(cluster.worker_addresses) == tp_size
-        sched = Scheduler(client, "m", group, SchedulerConfig(max_num_batched_tokens=48, max_num_seqs=16))
+        for worker in cluster.workers:  # idle OpenMP threads sleep (cluster.local.worker_env)
+            with open(f"/proc/{worker.pid}/environ", "rb") as f:
+                assert f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'PASSIVE')}".encode() \
+                    in f.read().split(b"\0")
+        config = SchedulerConfig(max_num_batched_tokens=48, max_num_seqs=16,
+                                 prefix_block_size=spec.block_size if tp_size == 2 else 0)
+        sched = Scheduler(client, "m", group, config)
         for req in requests:
             sched.add_request(req)
         outputs = sched.run()

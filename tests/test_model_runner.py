@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+from torch import nn
 
 from blockd.core import Allocate, Commit, DecodeAppend, Fork, Pool
 from blockd.core.errors import InvalidArgument, NotFound, WrongState
@@ -28,6 +29,7 @@ from client.sdk import BlockdClient
 from client.worker import WorkerClient
 from tests.procs import free_port, start_blockd, start_worker
 from worker.model import ModelRunner, build_model, pool_config_for
+from worker.model.linear import PackedLinear, pack_linears
 from worker.runtime import WorkerRuntime
 from worker.service import WorkerServer
 
@@ -124,13 +126,13 @@ class Scenario:
 class Local:
     """A core Pool and one runtime following its deltas, with a model runner."""
 
-    def __init__(self, spec: str, model=None) -> None:
+    def __init__(self, spec: str, model=None, linear: str = "auto") -> None:
         model = model if model is not None else build_model(spec, seed=0)
         self.config = pool_config_for(model.config, "m", num_blocks=64, block_size=BLOCK_SIZE)
         self.pool = Pool(self.config)
         self.runtime = WorkerRuntime(self.config, device="cpu", version_timeout_s=0.2,
                                      latest_committed=lambda: self.pool.version)
-        self.runner = ModelRunner(model, self.runtime)
+        self.runner = ModelRunner(model, self.runtime, linear=linear)
 
     def step(self, ops):
         result = self.pool.step(ops)
@@ -139,12 +141,43 @@ class Local:
         return result
 
 
+@pytest.mark.parametrize("linear", ["auto", "torch"])
 @pytest.mark.parametrize("spec", ["tiny-llama", "tiny-qwen2", "tiny-gpt2"])
-def test_runner_matches_hf_logits_and_greedy_generate(spec):
-    local = Local(spec)
+def test_runner_matches_hf_logits_and_greedy_generate(spec, linear):
+    """With the linear weights packed for oneDNN (the default on the CPU) and with plain nn.Linear."""
+    local = Local(spec, linear=linear)
+    linears = sum(type(m) in (nn.Linear, PackedLinear) for m in local.runner.model.modules())
+    assert local.runner.packed_linears == (linears if linear == "auto" else 0)
     scenario = Scenario(local.step, local.runner.step, reference(spec))
     scenario.drive()
     assert scenario.max_diff < TOL
+
+
+def test_packed_linears_keep_outputs_hooks_and_weights():
+    """A packed layer computes nn.Linear's function (to float32 rounding) on any
+    row count and shape, keeps its forward hooks (tensor parallelism's
+    all-reduce hangs on them) and its state dict; bad settings are refused
+    before the model is touched."""
+    model = build_model("tiny-qwen2", seed=0)
+    plain = dict(build_model("tiny-qwen2", seed=0).named_modules())
+    seen = []
+    model.model.layers[0].self_attn.o_proj.register_forward_hook(lambda mod, args, out: seen.append(out.shape))
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    config = pool_config_for(model.config, "m", num_blocks=8, block_size=BLOCK_SIZE)
+    with pytest.raises(ValueError, match="linear must be one of"):
+        ModelRunner(model, WorkerRuntime(config, device="cpu"), linear="mkl")
+    assert not any(isinstance(m, PackedLinear) for m in model.modules())
+    assert pack_linears(model) == 2 * 7 + 1  # q k v o gate up down per layer, and the LM head
+    for name, module in model.named_modules():
+        if isinstance(module, PackedLinear):
+            for shape in ((1, module.in_features), (7, module.in_features), (2, 5, module.in_features)):
+                x = torch.randn(shape)
+                with torch.no_grad():
+                    torch.testing.assert_close(module(x), plain[name](x), atol=1e-5, rtol=1e-5)
+    assert seen, "the forward hook still runs"
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+    with pytest.raises(ValueError, match="float32 weights on the CPU"):
+        pack_linears(build_model("tiny-llama", dtype="bfloat16"))
 
 
 def test_runs_a_model_loaded_from_a_local_directory(tmp_path):

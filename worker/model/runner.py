@@ -34,6 +34,7 @@ from transformers import PreTrainedModel
 from blockd.core import arith
 from blockd.core.errors import BlockdError, InvalidArgument, shown
 from worker.model.build import check_pool, model_geometry
+from worker.model.linear import LINEAR_KERNELS, pack_linears, packing_available
 from worker.model.paged import PagedBatch
 from worker.runtime import WorkerRuntime
 
@@ -73,9 +74,15 @@ def _ints(values, name: str) -> list[int]:
 
 class ModelRunner:
     """Runs ``model`` on ``runtime``'s pool shard; ``tp`` is the tensor-parallel
-    group when the model is sharded (:class:`worker.model.tp.TensorParallel`)."""
+    group when the model is sharded (:class:`worker.model.tp.TensorParallel`).
 
-    def __init__(self, model: PreTrainedModel, runtime: WorkerRuntime, tp=None) -> None:
+    ``linear``: ``auto`` packs the model's linear weights for oneDNN where that
+    applies (CPU, float32; :mod:`worker.model.linear`), changing ``model`` in
+    place; ``torch`` keeps ``nn.Linear``."""
+
+    def __init__(self, model: PreTrainedModel, runtime: WorkerRuntime, tp=None, *, linear: str = "auto") -> None:
+        if linear not in LINEAR_KERNELS:
+            raise ValueError(f"linear must be one of {', '.join(LINEAR_KERNELS)}, got {linear!r}")
         check_pool(model, runtime.config)
         geometry = model_geometry(model.config)
         shard = runtime.shard
@@ -86,6 +93,8 @@ class ModelRunner:
             raise ValueError(f"this worker holds KV heads [{shard.kv_head_start}, {shard.kv_head_end}) "
                              f"but its model shard needs {list(heads)}")
         self.model = model.to(runtime.device)
+        # last: the weights are final once sharded and on the device
+        self.packed_linears = pack_linears(self.model) if linear == "auto" and packing_available(self.model) else 0
         self.runtime = runtime
         self.tp = tp
         self.vocab_size = model.config.vocab_size

@@ -1,0 +1,78 @@
+"""The model's linear layers on the CPU: weights packed once for oneDNN.
+
+Why: ``nn.Linear`` on the CPU calls MKL's ``sgemm``, which on these AMD
+(Zen) machines runs its AVX2 kernel and re-packs the whole weight matrix on
+every call (``mkl_blas_def_sgemm_scopy_right16_bdz`` was 21% of a worker's
+decode samples, the kernel itself 44%). A decode step's batch is small
+(one row per sequence), so that copy is a large share of each projection.
+oneDNN's inner product with the weight reordered once into its blocked
+layout reads each weight once per call with its AVX-512 kernels; it is what
+vLLM's CPU backend does for unquantised linears (``onednn_mm``). Measured in
+the model (SmolLM2-135M fp32, 64 decode rows): a forward ~18-25% faster at
+1 and 2 threads.
+
+Exactness: oneDNN sums in another order than MKL, so logits differ from
+``nn.Linear``'s by float32 rounding (SmolLM2: at most ~3e-4 on logits of
+magnitude ~20); the batched paged forward already differs from
+transformers' own ``generate`` by the same order (another batch shape,
+another kernel), and greedy tokens are checked against ``generate``
+(tests/test_real_model.py, ``make demo``).
+
+:func:`pack_linears` changes the class of every plain ``nn.Linear`` of a
+model in place to :class:`PackedLinear` (so forward hooks, such as tensor
+parallelism's all-reduce, and the state dict stay as they were); call it
+after the model is sharded and on its device, and never change a packed
+layer's weight afterwards (the packed copy would be stale).
+Imports torch only.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+__all__ = ["LINEAR_KERNELS", "PackedLinear", "pack_linears", "packing_available"]
+
+#: ``--cpu-linear``: ``auto`` packs the weights (:func:`pack_linears`) where
+#: :func:`packing_available`, ``torch`` leaves every ``nn.Linear`` as it is
+LINEAR_KERNELS = ("auto", "torch")
+#: the row count oneDNN picks the weight layout for: a decode batch's order of magnitude
+#: (the layout serves any row count; only its speed depends on this hint)
+BATCH_HINT = 64
+
+
+class PackedLinear(nn.Linear):
+    """An ``nn.Linear`` whose forward reads a oneDNN-packed copy of its weight."""
+
+    _packed: torch.Tensor
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 - nn.Linear's name
+        return torch.ops.mkldnn._linear_pointwise(input, self._packed, self.bias, "none", [], "")
+
+
+def packing_available(model: nn.Module) -> bool:
+    """Whether :func:`pack_linears` applies: oneDNN is built in and the model's
+    weights are float32 on the CPU (the only case measured; half precision
+    needs CPU support oneDNN may not find)."""
+    param = next(model.parameters(), None)
+    return (torch.backends.mkldnn.is_available() and param is not None and param.device.type == "cpu"
+            and param.dtype == torch.float32)
+
+
+def pack_linears(model: nn.Module) -> int:
+    """Pack every plain ``nn.Linear`` of ``model`` (see the module docstring);
+    returns how many. Raises ValueError when packing does not apply."""
+    if not packing_available(model):
+        raise ValueError("packed linears need oneDNN (torch.backends.mkldnn) and float32 weights on the CPU")
+    count = 0
+    with torch.no_grad():
+        for module in model.modules():
+            if type(module) is not nn.Linear:
+                continue
+            packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), BATCH_HINT)
+            module.__class__ = PackedLinear
+            # a plain attribute, not a buffer: an opaque oneDNN tensor has no
+            # storage for state_dict or .to() to handle
+            module._packed = packed
+            count += 1
+    return count
