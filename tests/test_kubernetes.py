@@ -263,7 +263,7 @@ def test_the_ha_overlay_names_every_replica_and_etcd_member(rendered) -> None:
         assert args.etcd.split(",") == clients
         assert (args.replica_id, args.group, args.replication) == (replica, "main", "sync")
         assert args.advertise_address == f"{replica}.{replicas_service}.{NAMESPACE}.svc:50051"
-        assert args.insecure  # `serve --etcd` refuses TLS and --tokens-file today (docs/ha.md 3)
+        assert args.insecure  # the overlay runs plain text, as the base does (peer credentials: docs/security.md)
         assert args.data_dir and not args.tokens_file
         advertised.append(args.advertise_address)
 
