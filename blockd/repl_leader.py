@@ -7,9 +7,9 @@ member that does not confirm by the deadline is removed from the set in etcd
 (fenced by the term) *before* anything is acknowledged without it; with
 fewer than ``min_in_sync`` replicas left the call is refused
 (:class:`~blockd.core.errors.NotReplicated`: retry with the same request id).
-A follower joins the set once it has persisted every record the leader had
-logged when it was counted in (it is counted in first, so no record is
-acknowledged without it from then on). ``async`` mode commits a record once
+A follower joins the set once it has persisted every record acknowledged
+so far (the term's first record included); from then on no record is
+acknowledged without it. ``async`` mode commits a record once
 the leader has logged it; followers trail, by at most ``max_lag_records``:
 a step whose record is further ahead of a live follower (one that has
 acknowledged within ``live_s``) than that waits for it, until the deadline
@@ -94,6 +94,8 @@ class Commits:
         self.followers: dict[str, FollowerState] = {}
         self.members: set[str] = set()  #: in-sync members other than this leader
         self.member_logs: dict[str, str] = {}  #: member -> the log id its entry names ("": not known)
+        #: every record acknowledged in this term (and every earlier term's) is at or below this
+        self.acked = 0
 
     def begin(self, term: int, previous_leader: str) -> None:
         """This replica leads ``term`` now: load the set (without the previous leader)."""
@@ -104,7 +106,13 @@ class Commits:
             members.discard(previous_leader)
         with self._cond:
             self.term, self.members, self.followers, self.member_logs = term, members, {}, logs
+            self.acked = 0
             self._cond.notify_all()
+
+    def started(self, lsn: int) -> None:
+        """The term's first record is ``lsn``: what earlier terms acknowledged is below it."""
+        with self._cond:
+            self.acked = max(self.acked, lsn)
 
     def end(self) -> None:
         with self._cond:
@@ -154,11 +162,12 @@ class Commits:
             self._cond.notify_all()
             if self.mode == "async" or replica_id in self.members:
                 return
-            self.members.add(replica_id)  # counted in first: nothing is acknowledged without it now
-            caught_up = state.persisted_lsn >= last_lsn()
-            if not caught_up:
-                self.members.discard(replica_id)
+            # It joins once it holds every record acknowledged so far (all at or below ``acked``,
+            # which moves under this lock): from then on every commit counts it in. Waiting for it
+            # to reach the leader's *last* record instead never happens under steady load.
+            if state.persisted_lsn < self.acked:
                 return
+            self.members.add(replica_id)
             log_id = state.log_id
         try:
             self._store.add(term, replica_id, lsn, log_id)
@@ -189,6 +198,7 @@ class Commits:
                     break
                 self._cond.wait(min(left, 0.05))
             else:
+                self.acked = max(self.acked, lsn)
                 return
             laggards = sorted(m for m in self.members
                               if (self.followers[m].persisted_lsn if m in self.followers else 0) < lsn)
@@ -199,6 +209,7 @@ class Commits:
             log.warning("replica %s left the in-sync set: it did not confirm lsn %d in time", member, lsn)
         with self._cond:
             if self._commit_locked(last_lsn) >= lsn:
+                self.acked = max(self.acked, lsn)
                 return
         raise NotReplicated(f"not acknowledged: no in-sync follower confirmed lsn {lsn} in time (at least "
                             f"{self.min_in_sync} replicas must hold a step); retry with the same request id")

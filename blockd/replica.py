@@ -257,6 +257,7 @@ class Replica:
             if not lsn or not still():
                 self._follow()
                 return
+            self.commits.started(lsn)
             self._term = leadership.term
             self.on_role(True)
             election.report_progress(lsn, 0)

@@ -168,6 +168,7 @@ def test_followers_refuse_naming_the_leader(group):
             assert (leads == serving) == (rid == leader), (rid, leads)
 
 
+@pytest.mark.timeout(900)  # 20 failovers of a lease TTL each, on a shared 2-core machine: 4-8 minutes
 def test_chaos_leader_killed_under_a_worker_and_four_schedulers(group):
     """The issue's chaos test: three replicas in sync mode, a worker following
     Watch and four schedulers stepping through the SDK (every replica's
