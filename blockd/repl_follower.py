@@ -7,8 +7,10 @@ its own last LSN with its term history, and for each message:
 * records: checks each body's crc32, applies them with the code recovery
   uses and appends them to its own log as they are, one fsync per batch
   (:meth:`blockd.engine.Engine.apply_replicated`), then acknowledges the
-  last LSN persisted (``AckLog``); a heartbeat is acknowledged too, so an
-  idle, caught-up follower joins the in-sync set;
+  last LSN persisted on the feed's ``StreamAcks`` call (:class:`AckStream`;
+  one ``AckLog`` call each to a leader that does not serve the stream); a
+  heartbeat is acknowledged too, so an idle, caught-up follower joins the
+  in-sync set;
 * a truncation: cuts its log after that LSN (a copy kept in quarantine,
   :mod:`blockd.log_cut`), reloads its engine from disk and opens again;
 * snapshot chunks: writes them to ``<name>.tmp`` in its data dir, checks the
@@ -27,9 +29,10 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import threading
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import grpc
 
@@ -46,6 +49,53 @@ RETRY_S = 0.2
 ACK_TIMEOUT_S = 2.0
 #: a snapshot being received (not ".tmp": the compactor removes those)
 INCOMING = ".incoming"
+
+
+class AckStream:
+    """One feed's acknowledgements, sent on one ``StreamAcks`` call.
+
+    A call per acknowledgement cost the leader about 0.2 ms of CPU and the
+    follower 0.14 ms (loopback, this machine's Python gRPC); a message on an
+    open stream costs about a quarter of that, and sync mode acknowledges
+    every step. Acknowledgements are cumulative, so when several queue up
+    behind a slow send only the newest goes. Once the call has ended,
+    :meth:`send` raises its error (the feed is opened again), except
+    UNIMPLEMENTED: a leader that does not serve the stream gets one
+    ``AckLog`` call each, as before.
+    """
+
+    def __init__(self, stub: rpb_grpc.ReplicationServiceStub) -> None:
+        self._stub = stub
+        self._queue: queue.SimpleQueue[rpb.StreamAcksRequest | None] = queue.SimpleQueue()
+        self._call = stub.StreamAcks.future(self._requests())
+        self._unary = False
+
+    def _requests(self) -> Iterator[rpb.StreamAcksRequest]:
+        while True:
+            latest = self._queue.get()
+            while latest is not None and not self._queue.empty():
+                latest = self._queue.get_nowait()
+            if latest is None:
+                return
+            yield latest
+
+    def send(self, replica_id: str, term: int, persisted_lsn: int) -> None:
+        if not self._unary and self._call.done():
+            err = self._call.exception()
+            if not isinstance(err, grpc.RpcError) or err.code() != grpc.StatusCode.UNIMPLEMENTED:
+                if isinstance(err, grpc.RpcError):
+                    raise err
+                raise ConnectionError("the leader ended the acknowledgement stream")
+            self._unary = True
+        if self._unary:
+            self._stub.AckLog(rpb.AckLogRequest(replica_id=replica_id, term=term, persisted_lsn=persisted_lsn),
+                              timeout=ACK_TIMEOUT_S)
+        else:
+            self._queue.put(rpb.StreamAcksRequest(replica_id=replica_id, term=term, persisted_lsn=persisted_lsn))
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._call.cancel()
 
 
 class FollowerLoop:
@@ -106,6 +156,7 @@ class FollowerLoop:
         with open_channel(target, self._tls, self._token) as channel:
             stub = rpb_grpc.ReplicationServiceStub(channel)
             self._call = call = stub.ReplicateLog(request)
+            acks = AckStream(stub)
             snapshot: list[rpb.SnapshotChunk] = []
             try:
                 for msg in call:
@@ -117,14 +168,15 @@ class FollowerLoop:
                         return
                     self._saw_term(msg.term)
                     self.streaming, self.leader_commit_lsn = True, msg.commit_lsn
-                    if not self._handle(stub, msg, snapshot):
+                    if not self._handle(acks, msg, snapshot):
                         return
             finally:
                 self.streaming = False
+                acks.close()
                 call.cancel()
                 self._call = None
 
-    def _handle(self, stub: rpb_grpc.ReplicationServiceStub, msg: rpb.ReplicateLogResponse,
+    def _handle(self, acks: AckStream, msg: rpb.ReplicateLogResponse,
                 snapshot: list[rpb.SnapshotChunk]) -> bool:
         """Apply one message; False when the stream must be opened again."""
         kind = msg.WhichOneof("kind")
@@ -155,8 +207,7 @@ class FollowerLoop:
             persisted = self.engine.log_state()[0]
         else:
             persisted = self.engine.log_state()[0]
-        stub.AckLog(rpb.AckLogRequest(replica_id=self.replica_id, term=msg.term, persisted_lsn=persisted),
-                    timeout=ACK_TIMEOUT_S)
+        acks.send(self.replica_id, msg.term, persisted)
         self._progress(persisted)
         return True
 

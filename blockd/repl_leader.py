@@ -22,7 +22,9 @@ checks where the follower's log stops agreeing with the leader's (their term
 histories, :func:`blockd.core.terms.common_prefix`) and tells it to cut its
 tail there, streams the newest snapshot when the follower is behind the
 retained window (:class:`blockd.repl_log.LogTail`), then records as they are
-logged and a heartbeat when idle; ``AckLog`` takes acknowledgements.
+logged and a heartbeat when idle; ``StreamAcks`` takes a follower's
+acknowledgements on one stream (``AckLog``, one call each, stays for
+followers that do not stream them).
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from blockd.core.errors import NoLeader, NotLeader, NotReplicated
 from blockd.core.terms import TermHistory, common_prefix
 from blockd.engine import Engine
 from blockd.repl_log import LogTail
-from blockd.rpc.errors import server_stream, unary
+from blockd.rpc.errors import client_stream, server_stream, unary
 from blockd.v1 import replication_pb2 as rpb
 from blockd.v1 import replication_pb2_grpc as rpb_grpc
 from blockd.wal import parse_name
@@ -152,7 +154,7 @@ class Commits:
             log.warning("replica %s left the in-sync set: its log %s is not the one its entry names (%s); its "
                         "data dir was lost or replaced", replica_id, log_id, known)
 
-    def ack(self, term: int, replica_id: str, lsn: int, last_lsn: Callable[[], int]) -> None:
+    def ack(self, term: int, replica_id: str, lsn: int) -> None:
         """A follower persisted up to ``lsn``; it joins the set once it holds everything."""
         with self._cond:
             if term != self.term:
@@ -314,9 +316,20 @@ class ReplicationServicer(rpb_grpc.ReplicationServiceServicer):
 
     @unary
     def AckLog(self, request: rpb.AckLogRequest, context) -> rpb.AckLogResponse:
+        self._ack(request)
+        return rpb.AckLogResponse()
+
+    @client_stream
+    def StreamAcks(self, requests: Iterator[rpb.StreamAcksRequest], context) -> rpb.StreamAcksResponse:
+        acks = 0
+        for request in requests:
+            self._ack(request)
+            acks += 1
+        return rpb.StreamAcksResponse(acks=acks)
+
+    def _ack(self, request: rpb.AckLogRequest | rpb.StreamAcksRequest) -> None:
         r = self._replica
         term = r.leading_term()
         if not term or request.term != term:
             raise r.not_leader(f"acknowledgement for term {request.term}; this replica does not lead it")
-        r.commits.ack(term, request.replica_id, request.persisted_lsn, lambda: r.tail.last_lsn)
-        return rpb.AckLogResponse()
+        r.commits.ack(term, request.replica_id, request.persisted_lsn)

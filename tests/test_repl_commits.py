@@ -33,7 +33,7 @@ def _commits(live_s: float = 5.0) -> Commits:
     commits = Commits("r0", "async", 1, _NoInSyncSet(), max_lag_records=10, live_s=live_s)
     commits.begin(3, "")
     commits.opened(3, "r1", "r1:1", 0)
-    commits.ack(3, "r1", 5, lambda: 5)
+    commits.ack(3, "r1", 5)
     return commits
 
 
@@ -47,7 +47,7 @@ def test_a_step_waits_while_a_live_follower_trails_beyond_the_bound():
                                               done.set()))
     waiter.start()
     assert not done.wait(0.3), "a step 25 records ahead of a live follower was acknowledged at once"
-    commits.ack(3, "r1", 20, lambda: 30)
+    commits.ack(3, "r1", 20)
     assert done.wait(5), "the follower caught up to within the bound, but the step still waits"
     waiter.join()
 

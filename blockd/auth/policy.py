@@ -14,7 +14,7 @@ permission         RPCs
 ``worker.join``    RegisterWorker, Heartbeat
 ``kv.stats``       KVShardService.GetWorkerStats
 ``kv.compute``     KVShardService.WriteKV, Attention, ModelStep
-``replicate``      ReplicationService.ReplicateLog, AckLog (admin only)
+``replicate``      ReplicationService.ReplicateLog, AckLog, StreamAcks (admin only)
 ``authenticated``  server reflection (any valid identity, no role needed)
 ``open``           grpc.health.v1.Health (no credentials at all)
 =================  ===========================================================
@@ -80,9 +80,10 @@ _BLOCKD = {
     "blockd.v1.KVShardService": {
         "GetWorkerStats": KV_STATS, "WriteKV": KV_COMPUTE, "Attention": KV_COMPUTE, "ModelStep": KV_COMPUTE,
     },
-    # replicas' log stream (blockd serve --etcd); refused with credentials configured
-    # until the follower's stream carries them, so only an admin identity could call it
-    "blockd.v1.ReplicationService": {"ReplicateLog": REPLICATE, "AckLog": REPLICATE},
+    # replicas' log stream (blockd serve --etcd): a follower's peer credentials
+    # (--peer-tls-*, --peer-token-file) must name an admin
+    "blockd.v1.ReplicationService": {"ReplicateLog": REPLICATE, "AckLog": REPLICATE,
+                                     "StreamAcks": REPLICATE},
     "grpc.health.v1.Health": {"Check": OPEN, "Watch": OPEN, "List": OPEN},
     "grpc.reflection.v1alpha.ServerReflection": {"ServerReflectionInfo": AUTHENTICATED},
 }

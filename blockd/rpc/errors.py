@@ -212,6 +212,24 @@ def server_stream(method: Callable[..., Iterator]) -> Callable[..., Iterator]:
     return handler
 
 
+def client_stream(method: Callable) -> Callable:
+    """Like :func:`unary`, for a servicer method that reads a stream of
+    requests: one that does not parse ends the call as INVALID_ARGUMENT."""
+    wrapped = unary(method)
+
+    def parsed(requests: Iterator) -> Iterator:
+        for request in requests:
+            if isinstance(request, MalformedRequest):
+                raise request
+            yield request
+
+    @functools.wraps(method)
+    def handler(self, requests, context: grpc.ServicerContext):
+        return wrapped(self, parsed(requests), context)
+
+    return handler
+
+
 _HANDLER_KINDS = {(False, False): grpc.unary_unary_rpc_method_handler,
                   (False, True): grpc.unary_stream_rpc_method_handler,
                   (True, False): grpc.stream_unary_rpc_method_handler,

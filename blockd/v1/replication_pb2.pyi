@@ -340,3 +340,51 @@ class AckLogResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___AckLogResponse: _TypeAlias = AckLogResponse  # noqa: Y015
+
+@_typing.final
+class StreamAcksRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REPLICA_ID_FIELD_NUMBER: _builtins.int
+    TERM_FIELD_NUMBER: _builtins.int
+    PERSISTED_LSN_FIELD_NUMBER: _builtins.int
+    replica_id: _builtins.str
+    """The follower's --replica-id (the one that opened the feed)."""
+    term: _builtins.int
+    """The term of the leader it follows."""
+    persisted_lsn: _builtins.int
+    """Every record up to here is fsynced in the follower's log."""
+    def __init__(
+        self,
+        *,
+        replica_id: _builtins.str = ...,
+        term: _builtins.int = ...,
+        persisted_lsn: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["persisted_lsn", b"persisted_lsn", "replica_id", b"replica_id", "term", b"term"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StreamAcksRequest: _TypeAlias = StreamAcksRequest  # noqa: Y015
+
+@_typing.final
+class StreamAcksResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ACKS_FIELD_NUMBER: _builtins.int
+    acks: _builtins.int
+    """How many acknowledgements the leader took on this stream."""
+    def __init__(
+        self,
+        *,
+        acks: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["acks", b"acks"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StreamAcksResponse: _TypeAlias = StreamAcksResponse  # noqa: Y015

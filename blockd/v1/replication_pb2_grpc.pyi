@@ -45,6 +45,13 @@ class ReplicationServiceStub:
     """
     AckLog: _grpc.UnaryUnaryMultiCallable[_replication_pb2.AckLogRequest, _replication_pb2.AckLogResponse]
     """A follower reports the last LSN it has persisted (fsynced)."""
+    StreamAcks: _grpc.StreamUnaryMultiCallable[_replication_pb2.StreamAcksRequest, _replication_pb2.StreamAcksResponse]
+    """The same acknowledgements on one stream for as long as the follower
+    follows: one message each instead of one call each, which halves what an
+    acknowledgement costs both sides. The leader answers once the stream
+    ends; FAILED_PRECONDITION (reason NOT_LEADER) once it does not lead the
+    term a message names.
+    """
 
 @_typing.type_check_only
 class ReplicationServiceAsyncStub(ReplicationServiceStub):
@@ -59,6 +66,13 @@ class ReplicationServiceAsyncStub(ReplicationServiceStub):
     """
     AckLog: _aio.UnaryUnaryMultiCallable[_replication_pb2.AckLogRequest, _replication_pb2.AckLogResponse]  # type: ignore[assignment]
     """A follower reports the last LSN it has persisted (fsynced)."""
+    StreamAcks: _aio.StreamUnaryMultiCallable[_replication_pb2.StreamAcksRequest, _replication_pb2.StreamAcksResponse]  # type: ignore[assignment]
+    """The same acknowledgements on one stream for as long as the follower
+    follows: one message each instead of one call each, which halves what an
+    acknowledgement costs both sides. The leader answers once the stream
+    ends; FAILED_PRECONDITION (reason NOT_LEADER) once it does not lead the
+    term a message names.
+    """
 
 class ReplicationServiceServicer(metaclass=_abc_1.ABCMeta):
     """The leader's side of log replication; followers call it."""
@@ -82,5 +96,18 @@ class ReplicationServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_replication_pb2.AckLogResponse, _abc.Awaitable[_replication_pb2.AckLogResponse]]:
         """A follower reports the last LSN it has persisted (fsynced)."""
+
+    @_abc_1.abstractmethod
+    def StreamAcks(
+        self,
+        request_iterator: _MaybeAsyncIterator[_replication_pb2.StreamAcksRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_replication_pb2.StreamAcksResponse, _abc.Awaitable[_replication_pb2.StreamAcksResponse]]:
+        """The same acknowledgements on one stream for as long as the follower
+        follows: one message each instead of one call each, which halves what an
+        acknowledgement costs both sides. The leader answers once the stream
+        ends; FAILED_PRECONDITION (reason NOT_LEADER) once it does not lead the
+        term a message names.
+        """
 
 def add_ReplicationServiceServicer_to_server(servicer: ReplicationServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
