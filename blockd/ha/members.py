@@ -2,7 +2,8 @@
 
 Bound to the replica's lease, so it vanishes with the replica (or with a
 lease it abandoned: the next write goes under the new one). Rewritten when
-what it says changes, and at least every ``refresh_s`` so that its
+what it says changes (when only the log position moved, at most every
+:data:`PROGRESS_EVERY_S`), and at least every ``refresh_s`` so that its
 ``updated_unix_s`` shows the replica is alive; never more often than the
 election's cycle. Progress (applied LSN, lag) comes from the engine through
 :meth:`MemberReport.set_progress`, from any thread.
@@ -17,6 +18,10 @@ from dataclasses import replace
 
 from blockd.ha.etcd import EtcdClient
 from blockd.ha.keys import MemberInfo
+
+
+#: how often a member key is rewritten when only its log position moved
+PROGRESS_EVERY_S = 1.0
 
 
 class MemberReport:
@@ -45,6 +50,11 @@ class MemberReport:
         if self._written is not None:
             written, lease, at = self._written
             if written == info and lease == lease_id and now < at + self._refresh_s:
+                return
+            # only the log position moved: it moves with every step, and a put every cycle cost a
+            # busy leader about a tenth of its CPU; status may trail it by PROGRESS_EVERY_S
+            if (lease == lease_id and now < at + PROGRESS_EVERY_S
+                    and replace(written, applied_lsn=applied, lag_records=lag) == info):
                 return
         kv.put(self._key, replace(info, updated_unix_s=round(time.time(), 3)).encode(), lease_id, timeout_s)
         self._written = (info, lease_id, now)
