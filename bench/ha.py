@@ -5,10 +5,13 @@ daemons run as child processes on loopback, each daemon with its own data
 dir under one temp dir, ``--fsync always``.
 
 * ``steps``: one scheduler thread sends decode steps (one ``decode_append``
-  over ``--seqs`` sequences) through the sync SDK for ``--seconds``, first
-  to a single daemon (no ``--etcd``), then to the leader of a three-replica
-  ``sync`` group, then of an ``async`` one (what three daemons on one
-  machine cost without waiting for the followers), in the same run. Fields:
+  over ``--seqs`` sequences) through the sync SDK for ``--seconds`` to each
+  of a single daemon (no ``--etcd``), the leader of a three-replica
+  ``sync`` group and that of an ``async`` one (what three daemons on one
+  machine cost without waiting for the followers). All three run at once
+  and take turns, ``--rounds`` windows each, the other two frozen
+  (SIGSTOP) meanwhile: background load on a shared machine falls on each
+  alike. Fields:
   ``mode``, ``steps_per_s``, ``p50_ms``, ``p99_ms``; the groups' rows add
   ``ratio_steps_per_s`` and ``added_p50_ms`` against the single daemon,
   and the followers' lag as the leader reports it (its last LSN minus
@@ -159,30 +162,74 @@ def row(mode: str, latencies: list[float], seconds: float) -> dict:
             "p50_ms": round(percentile(latencies, 0.5) * 1e3, 3), "p99_ms": round(percentile(latencies, 0.99) * 1e3, 3)}
 
 
+class Frozen:
+    """SIGSTOP these processes for a while (another setup's measuring window), then SIGCONT them."""
+
+    def __init__(self, pids: list[int]) -> None:
+        self.pids = pids
+
+    def __enter__(self) -> Frozen:
+        for pid in self.pids:
+            os.kill(pid, signal.SIGSTOP)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for pid in self.pids:
+            os.kill(pid, signal.SIGCONT)
+
+
 def part_steps(args, root: str, etcd: EtcdServer) -> None:
+    """The single daemon and both groups run side by side and take turns: ``--rounds``
+    windows each, in the same order every round, the other two frozen (SIGSTOP) meanwhile,
+    so a shared machine's background load falls on all three alike and the idle ones cost
+    nothing. The groups' lease TTL is long enough to outlast two frozen windows."""
+    window = args.seconds / args.rounds
+    ttl = max(args.ttl_s, int(3 * window) + 5)
     single = daemon(os.path.join(root, "single"))
+    groups = {mode: Group(os.path.join(root, f"steps-{mode}"), etcd.url, ttl, "--replication", mode,
+                          name=f"steps-{mode}") for mode in ("sync", "async")}
+    clients: dict[str, BlockdClient] = {}
+    pids = {"single": [single.pid]}
     try:
-        with BlockdClient(single.address) as client:
-            setup_pool(client, args.seqs, args.seconds)
-            base = row("single", load(client, args.seqs, args.seconds), args.seconds)
-    finally:
-        single.stop()
-    print(json.dumps(base), flush=True)
-    for mode in ("sync", "async"):
-        group = Group(os.path.join(root, f"steps-{mode}"), etcd.url, args.ttl_s, "--replication", mode,
-                      name=f"steps-{mode}")
-        try:
+        for mode, group in groups.items():
             for rid in ("r0", "r1", "r2"):
                 group.start(rid)
-            with group.client() as client:
-                setup_pool(client, args.seqs, args.seconds)
-                with LagSampler(group.metrics_ports[group.leader()]) as lag:
-                    result = row(mode, load(client, args.seqs, args.seconds), args.seconds)
-                result.update(lag.fields())
-        finally:
+            pids[mode] = [p.pid for p in group.procs.values()]
+        clients["single"] = BlockdClient(single.address)
+        for mode, group in groups.items():
+            clients[mode] = group.client()
+        leaders = {mode: group.leader() for mode, group in groups.items()}
+        for client in clients.values():
+            setup_pool(client, args.seqs, args.seconds)
+        latencies: dict[str, list[float]] = {mode: [] for mode in clients}
+        lags: dict[str, list[float]] = {mode: [] for mode in groups}
+        for _ in range(args.rounds):
+            for mode, client in clients.items():
+                others = [pid for m, ps in pids.items() if m != mode for pid in ps]
+                with Frozen(others):
+                    if mode == "single":
+                        latencies[mode] += load(client, args.seqs, window)
+                        continue
+                    with LagSampler(groups[mode].metrics_ports[leaders[mode]]) as lag:
+                        latencies[mode] += load(client, args.seqs, window)
+                    lags[mode] += lag.samples
+    finally:
+        for client in clients.values():
+            client.close()
+        single.stop()
+        for group in groups.values():
             group.close()
+    base = row("single", latencies["single"], args.seconds)
+    base["rounds"] = args.rounds
+    print(json.dumps(base), flush=True)
+    for mode in groups:
+        result = row(mode, latencies[mode], args.seconds)
+        sampler = LagSampler(0)
+        sampler.samples = lags[mode]
+        result.update(sampler.fields())
         result["ratio_steps_per_s"] = round(result["steps_per_s"] / base["steps_per_s"], 3)
         result["added_p50_ms"] = round(result["p50_ms"] - base["p50_ms"], 3)
+        result.update(rounds=args.rounds, lease_ttl_s=ttl)
         print(json.dumps(result), flush=True)
 
 
@@ -243,7 +290,8 @@ PARTS = {"steps": part_steps, "failover": part_failover}
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--part", action="append", choices=sorted(PARTS))
-    parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument("--seconds", type=float, default=5.0, help="load time per setup (steps), in all")
+    parser.add_argument("--rounds", type=int, default=5, help="windows per setup (steps), taken in turns")
     parser.add_argument("--seqs", type=int, default=64)
     parser.add_argument("--kills", type=int, default=10)
     parser.add_argument("--ttl-s", type=int, default=2)
