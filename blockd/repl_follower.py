@@ -81,6 +81,8 @@ class AckStream:
 
     def send(self, replica_id: str, term: int, persisted_lsn: int) -> None:
         if not self._unary and self._call.done():
+            if self._call.cancelled():
+                raise ConnectionError("this feed's acknowledgement stream is closed")
             err = self._call.exception()
             if not isinstance(err, grpc.RpcError) or err.code() != grpc.StatusCode.UNIMPLEMENTED:
                 if isinstance(err, grpc.RpcError):

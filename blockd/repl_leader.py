@@ -244,6 +244,7 @@ class Leading(Protocol):
     tail: LogTail
     commits: Commits
     data_dir: str
+    address: str
     stopping: threading.Event
 
     def leading_term(self) -> int: ...
@@ -330,6 +331,9 @@ class ReplicationServicer(rpb_grpc.ReplicationServiceServicer):
     def _ack(self, request: rpb.AckLogRequest | rpb.StreamAcksRequest) -> None:
         r = self._replica
         term = r.leading_term()
+        if term and request.term < term:  # a feed opened in an older term: the follower opens it again
+            raise NotLeader(f"acknowledgement for term {request.term}; this replica leads term {term}: open the "
+                            f"feed again", leader_id=r.commits.replica_id, leader_address=r.address, term=term)
         if not term or request.term != term:
             raise r.not_leader(f"acknowledgement for term {request.term}; this replica does not lead it")
         r.commits.ack(term, request.replica_id, request.persisted_lsn)

@@ -14,7 +14,8 @@ long it campaigns alone, and rejoins the in-sync set once caught up; each
 replica's /metrics shows its role, the leader's view of every follower (lag,
 in-sync) and the follower's feed, and a killed follower's lag and removal;
 a group serving mutual TLS, or tokens, replicates with its peer credentials
-(an admin identity) and refuses the replication stream to anyone else.
+(an admin identity) and refuses the replication stream to anyone else;
+acknowledgements on ``StreamAcks`` are checked as calls are.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ from blockd.ha.insync import InSyncSet
 from blockd.v1 import replication_pb2 as rpb
 from blockd.v1 import replication_pb2_grpc as rpb_grpc
 from client.aio import AsyncBlockdClient
-from client.errors import BlockdClientError, FailedPreconditionError
+from client.errors import BlockdClientError, FailedPreconditionError, from_rpc_error
 from client.sdk import BlockdClient
 from tests.ha_fixtures import wait_for
 from tests.procs import Proc, free_port, start_blockd
@@ -556,6 +557,39 @@ def _open_feed(address: str, tls: TlsConfig | None, token: str | None) -> grpc.R
         return info.value
 
 
+def _stream_acks(address: str, *acks: rpb.StreamAcksRequest, tls: TlsConfig | None = None,
+                 token: str | None = None) -> rpb.StreamAcksResponse:
+    with open_channel(address, tls, token) as channel:
+        return rpb_grpc.ReplicationServiceStub(channel).StreamAcks(iter(acks), timeout=10)
+
+
+def test_acknowledgements_on_a_stream_are_checked_like_calls(group):
+    """The followers of every test here acknowledge on ``StreamAcks`` (a sync step waits
+    for that); a stream naming a term the replica does not lead, or sent to a follower,
+    is refused with NOT_LEADER naming the leader and its term, and a message that does
+    not parse ends it as INVALID_ARGUMENT."""
+    g = group()
+    leader = ready(g)
+    term = g.clients[leader].step("p", [Allocate("acked", [1])], request_id="acked").term
+    assert term > 0
+    address = g.procs[leader].address
+    assert _stream_acks(address).acks == 0
+    for target, ack in ((address, rpb.StreamAcksRequest(replica_id="r9", term=term - 1, persisted_lsn=1)),
+                        (g.procs[next(r for r in g.procs if r != leader)].address,
+                         rpb.StreamAcksRequest(replica_id="r9", term=term, persisted_lsn=1))):
+        with pytest.raises(grpc.RpcError) as info:
+            _stream_acks(target, ack)
+        refused = from_rpc_error(info.value)
+        assert isinstance(refused, FailedPreconditionError) and refused.reason == "NOT_LEADER", refused
+        assert refused.metadata["leader_id"] == leader and refused.metadata["term"] == str(term), refused.metadata
+    with grpc.insecure_channel(address) as channel:
+        raw = channel.stream_unary("/blockd.v1.ReplicationService/StreamAcks")
+        with pytest.raises(grpc.RpcError) as info:
+            raw(iter([b"\xff\xff\xff"]), timeout=10)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value
+    g.clients[leader].step("p", [Allocate("after", [2])], request_id="after")  # the group still commits
+
+
 def test_a_group_serving_mutual_tls_replicates_with_an_admin_certificate(group, pki):
     server = pki.server_tls()
     g = group("--tls-cert", server.cert, "--tls-key", server.key, "--tls-client-ca", pki.ca,
@@ -580,3 +614,6 @@ def test_a_group_serving_tokens_replicates_with_an_admin_token(group, tmp_path):
     address = g.procs[leader].address
     assert _open_feed(address, None, scheduler).code() == grpc.StatusCode.PERMISSION_DENIED
     assert _open_feed(address, None, None).code() == grpc.StatusCode.UNAUTHENTICATED
+    with pytest.raises(grpc.RpcError) as info:  # nor may a scheduler acknowledge records
+        _stream_acks(address, rpb.StreamAcksRequest(replica_id="r9", term=1, persisted_lsn=1), token=scheduler)
+    assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED

@@ -19,7 +19,6 @@ from dataclasses import replace
 from blockd.ha.etcd import EtcdClient
 from blockd.ha.keys import MemberInfo
 
-
 #: how often a member key is rewritten when only its log position moved
 PROGRESS_EVERY_S = 1.0
 
