@@ -7,9 +7,11 @@ dir under one temp dir, ``--fsync always``.
 * ``steps``: one scheduler thread sends decode steps (one ``decode_append``
   over ``--seqs`` sequences) through the sync SDK for ``--seconds`` to each
   of a single daemon (no ``--etcd``), the leader of a three-replica
-  ``sync`` group and that of an ``async`` one (what three daemons on one
-  machine cost without waiting for the followers). All three run at once
-  and take turns, ``--rounds`` windows each, the other two frozen
+  ``sync`` group, of one with ``--sync-followers 1`` (mode
+  ``sync_first_follower``: steps wait for one follower, the first to have
+  caught up) and of an ``async`` one (what three daemons on one
+  machine cost without waiting for the followers). All four run at once
+  and take turns, ``--rounds`` windows each, the others frozen
   (SIGSTOP) meanwhile: background load on a shared machine falls on each
   alike. Fields:
   ``mode``, ``steps_per_s``, ``p50_ms``, ``p99_ms``; the groups' rows add
@@ -179,15 +181,17 @@ class Frozen:
 
 
 def part_steps(args, root: str, etcd: EtcdServer) -> None:
-    """The single daemon and both groups run side by side and take turns: ``--rounds``
-    windows each, in the same order every round, the other two frozen (SIGSTOP) meanwhile,
-    so a shared machine's background load falls on all three alike and the idle ones cost
-    nothing. The groups' lease TTL is long enough to outlast two frozen windows."""
+    """The single daemon and the groups run side by side and take turns: ``--rounds``
+    windows each, in the same order every round, the others frozen (SIGSTOP) meanwhile,
+    so a shared machine's background load falls on all alike and the idle ones cost
+    nothing. The groups' lease TTL is long enough to outlast the frozen windows."""
     window = args.seconds / args.rounds
-    ttl = max(args.ttl_s, int(3 * window) + 5)
+    ttl = max(args.ttl_s, int(4 * window) + 5)
     single = daemon(os.path.join(root, "single"))
-    groups = {mode: Group(os.path.join(root, f"steps-{mode}"), etcd.url, ttl, "--replication", mode,
-                          name=f"steps-{mode}") for mode in ("sync", "async")}
+    setups = {"sync": ("--replication", "sync"), "sync_first_follower": ("--replication", "sync", "--sync-followers",
+                                                                        "1"), "async": ("--replication", "async")}
+    groups = {mode: Group(os.path.join(root, f"steps-{mode}"), etcd.url, ttl, *flags, name=f"steps-{mode}")
+              for mode, flags in setups.items()}
     clients: dict[str, BlockdClient] = {}
     pids = {"single": [single.pid]}
     try:

@@ -86,6 +86,11 @@ def _add_replication(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--max-lag-records", type=int, default=100,
                        help="async: a step waits (up to --ack-timeout-s) while a live follower trails the leader "
                             "by more records than this, bounding what a failover can lose; 0: unbounded")
+    serve.add_argument("--sync-followers", type=int, default=0,
+                       help="sync: at most this many followers in the in-sync set; a step waits for them, not "
+                            "for the slower others (they replicate without holding steps back and fill a place "
+                            "that opens). 0: every follower that has caught up (a failover keeps every "
+                            "acknowledged step while any one of them lives)")
     serve.add_argument("--lease-ttl-s", type=int, default=2,
                        help="the leader's etcd lease; failover takes about this plus 1 s")
     peers = serve.add_argument_group(
@@ -314,7 +319,7 @@ def _replica(args: argparse.Namespace, tls):
         peer_tls, peer_token = _peer_security(args, tls)
         config = ReplicaConfig(args.etcd, args.replica_id, args.group, args.replication, args.min_in_sync,
                                args.ack_timeout_s, args.lease_ttl_s, max_lag_records=args.max_lag_records,
-                               peer_tls=peer_tls, peer_token=peer_token)
+                               sync_followers=args.sync_followers, peer_tls=peer_tls, peer_token=peer_token)
     except ValueError as err:
         raise SystemExit(str(err)) from None
     return Replica(config, args.data_dir)

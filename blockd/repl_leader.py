@@ -9,7 +9,11 @@ fewer than ``min_in_sync`` replicas left the call is refused
 (:class:`~blockd.core.errors.NotReplicated`: retry with the same request id).
 A follower joins the set once it has persisted every record acknowledged
 so far (the term's first record included); from then on no record is
-acknowledged without it. ``async`` mode commits a record once
+acknowledged without it. With ``max_members`` (``--sync-followers``) the set
+holds at most that many followers besides the leader: the others replicate
+as in ``async`` mode and take a free place once it opens (a member dropped
+at the deadline), so a step waits for the first followers to catch up, not
+for the slowest (what a failover may then need: one of those members). ``async`` mode commits a record once
 the leader has logged it; followers trail, by at most ``max_lag_records``:
 a step whose record is further ahead of a live follower (one that has
 acknowledged within ``live_s``) than that waits for it, until the deadline
@@ -87,8 +91,9 @@ class Commits:
 
     def __init__(self, replica_id: str, mode: str, min_in_sync: int, store: InSyncStore,
                  clock: Callable[[], float] = time.monotonic, max_lag_records: int = 0,
-                 live_s: float = 1.0) -> None:
+                 live_s: float = 1.0, max_members: int = 0) -> None:
         self.replica_id, self.mode, self.min_in_sync = replica_id, mode, min_in_sync
+        self.max_members = max_members  #: followers the set may hold (0: every one caught up)
         self.max_lag_records, self.live_s = max_lag_records, live_s
         self._store, self._clock = store, clock
         self._cond = threading.Condition()
@@ -106,6 +111,10 @@ class Commits:
         if previous_leader and previous_leader in members and previous_leader != self.replica_id:
             self._store.remove(term, previous_leader)  # it may be dead; it rejoins once caught up
             members.discard(previous_leader)
+        if self.max_members and len(members) > self.max_members:  # set up under a larger limit
+            for extra in sorted(members)[self.max_members:]:
+                self._store.remove(term, extra)  # leaving is always safe; it may join again later
+                members.discard(extra)
         with self._cond:
             self.term, self.members, self.followers, self.member_logs = term, members, {}, logs
             self.acked = 0
@@ -164,6 +173,8 @@ class Commits:
             self._cond.notify_all()
             if self.mode == "async" or replica_id in self.members:
                 return
+            if self.max_members and len(self.members) >= self.max_members:
+                return  # no place free: it follows without holding steps back
             # It joins once it holds every record acknowledged so far (all at or below ``acked``,
             # which moves under this lock): from then on every commit counts it in. Waiting for it
             # to reach the leader's *last* record instead never happens under steady load.
@@ -183,24 +194,17 @@ class Commits:
 
     def wait(self, lsn: int, last_lsn: int, deadline: float, leading: Callable[[], bool]) -> None:
         """Return once ``lsn`` is committed; by ``deadline`` drop the members
-        that did not confirm it, then refuse if too few remain. In ``async``
-        mode: return at once, or once every live follower is within
-        ``max_lag_records`` of ``lsn`` (by the deadline at the latest)."""
+        that did not confirm it (a live follower outside the set then gets
+        one more ``live_s`` to take a free place and confirm), then refuse if
+        too few remain. In ``async`` mode: return at once, or once every live
+        follower is within ``max_lag_records`` of ``lsn`` (by the deadline at
+        the latest)."""
         if self.mode == "async":
             self._bound_lag(lsn, deadline, leading)
             return
         with self._cond:
             term = self.term
-            while self._commit_locked(last_lsn) < lsn:
-                if not leading() or self.term != term:
-                    raise NotLeader("this replica stopped leading before the step was committed; retry it "
-                                    "with the same request id against the new leader")
-                left = deadline - self._clock()
-                if left <= 0:
-                    break
-                self._cond.wait(min(left, 0.05))
-            else:
-                self.acked = max(self.acked, lsn)
+            if self._committed_by(lsn, last_lsn, deadline, leading, term):
                 return
             laggards = sorted(m for m in self.members
                               if (self.followers[m].persisted_lsn if m in self.followers else 0) < lsn)
@@ -210,12 +214,26 @@ class Commits:
                 self.members.discard(member)
             log.warning("replica %s left the in-sync set: it did not confirm lsn %d in time", member, lsn)
         with self._cond:
-            if self._commit_locked(last_lsn) >= lsn:
-                self.acked = max(self.acked, lsn)
+            now = self._clock()
+            joinable = any(f.replica_id not in self.members and f.last_ack and now - f.last_ack <= self.live_s
+                           for f in self.followers.values())
+            if self._committed_by(lsn, last_lsn, now + self.live_s if joinable else now, leading, term):
                 return
         raise NotReplicated(f"not acknowledged: no in-sync follower confirmed lsn {lsn} in time (at least "
                             f"{self.min_in_sync} replicas must hold a step); retry with the same request id")
 
+    def _committed_by(self, lsn: int, last_lsn: int, until: float, leading: Callable[[], bool], term: int) -> bool:
+        """Under the lock: wait until ``lsn`` is committed (True) or ``until`` passes (False)."""
+        while self._commit_locked(last_lsn) < lsn:
+            if not leading() or self.term != term:
+                raise NotLeader("this replica stopped leading before the step was committed; retry it "
+                                "with the same request id against the new leader")
+            left = until - self._clock()
+            if left <= 0:
+                return False
+            self._cond.wait(min(left, 0.05))
+        self.acked = max(self.acked, lsn)
+        return True
 
     def _bound_lag(self, lsn: int, deadline: float, leading: Callable[[], bool]) -> None:
         if self.max_lag_records <= 0:

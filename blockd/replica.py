@@ -64,6 +64,8 @@ class ReplicaConfig:
     margin_s: float = 0.5
     #: async mode: how far a live follower may trail the leader before steps wait (0: unbounded)
     max_lag_records: int = 100
+    #: sync mode: followers in the in-sync set at most, steps wait for these (0: every caught-up one)
+    sync_followers: int = 0
     #: what a follower dials its leader with (``--peer-tls-*``, ``--peer-token-file``); None: plain text
     peer_tls: TlsConfig | None = None
     peer_token: str | None = None
@@ -77,6 +79,12 @@ class ReplicaConfig:
             raise ValueError(f"--ack-timeout-s must be > 0, got {self.ack_timeout_s}")
         if self.max_lag_records < 0:
             raise ValueError(f"--max-lag-records must be >= 0 (0: unbounded), got {self.max_lag_records}")
+        if self.sync_followers < 0:
+            raise ValueError(f"--sync-followers must be >= 0 (0: every follower that has caught up), got "
+                             f"{self.sync_followers}")
+        if self.sync_followers and self.sync_followers + 1 < self.min_in_sync:
+            raise ValueError(f"--sync-followers {self.sync_followers} leaves fewer replicas in the in-sync set "
+                             f"than --min-in-sync {self.min_in_sync} needs: no step could be acknowledged")
 
 
 def log_identity(data_dir: str, empty: bool) -> str:
@@ -140,7 +148,8 @@ class Replica:
         self.tail = LogTail()
         self.commits = Commits(config.replica_id, config.mode, config.min_in_sync,
                                _EtcdInSync(config.etcd, config.group, 1.0),
-                               max_lag_records=config.max_lag_records, live_s=config.ack_timeout_s)
+                               max_lag_records=config.max_lag_records, live_s=config.ack_timeout_s,
+                               max_members=config.sync_followers)
         self.stopping = threading.Event()
         self.engine: Engine
         self.election: Election | None = None

@@ -58,7 +58,7 @@ from tests.procs import Proc, free_port, start_blockd
 from worker.follower import Follower
 from worker.runtime import WorkerRuntime
 
-pytest_plugins = ["tests.etcd", "tests.auth_fixtures"]
+pytest_plugins = ["tests.etcd", "tests.auth_fixtures", "tests.grpc_fixtures"]
 
 KILLS = int(os.environ.get("BLOCKD_HA_KILLS", "20"))
 #: a loaded test machine must not make a healthy leader miss its keepalives
@@ -555,6 +555,45 @@ def _open_feed(address: str, tls: TlsConfig | None, token: str | None) -> grpc.R
         with pytest.raises(grpc.RpcError) as info:
             next(iter(stream))
         return info.value
+
+
+def _set_members(g: Group) -> set[str]:
+    return {e.replica_id for e in InSyncSet(EtcdClient(g.etcd_url), g.name).members()}
+
+
+def test_sync_followers_caps_the_in_sync_set_and_a_free_place_is_taken(group):
+    """``--sync-followers 1``: the set holds the leader and one follower, however long both
+    followers keep up; when that member dies, the first step after it waits out the ack
+    deadline, the member is dropped, the other follower takes its place, and the step is
+    acknowledged (held by the new member) without the caller retrying."""
+    g = group("--sync-followers", "1")
+    leader = ready(g)
+    for n in range(20):
+        g.clients[leader].step("p", [Allocate(f"s{n}", [n])], request_id=f"s{n}")
+    members = wait_for(lambda: (lambda m: m if len(m) == 2 else None)(_set_members(g)),
+                       "the leader and one follower in the set")
+    assert leader in members
+    time.sleep(1.0)  # both followers acknowledge every heartbeat meanwhile: the cap holds
+    assert _set_members(g) == members
+    (member,) = members - {leader}
+    (other,) = set(g.procs) - {leader, member}
+    g.kill(member)
+    g.clients[leader].step("p", [Allocate("after", [99])], request_id="after")
+    assert _set_members(g) == {leader, other}
+    g.start(member)  # a follower again, outside the set: only `other` may lead next
+    g.kill(leader)
+    wait_for(lambda: g.leader() == other, "the remaining member to lead", timeout_s=60)
+    tables = g.clients[other].get_tables("p")[1]
+    assert {"after", *(f"s{n}" for n in range(20))} <= set(tables)
+
+
+def test_sync_followers_must_leave_room_for_min_in_sync(tmp_path, etcd_server, run_module):
+    data_dir = tmp_path / "d"
+    proc = run_module("blockd.cli", "serve", "--listen", "127.0.0.1:0", "--data-dir", str(data_dir), "--etcd",
+                      etcd_server.url, "--replica-id", "r0", "--min-in-sync", "3", "--sync-followers", "1")
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr
+    assert "--sync-followers 1 leaves fewer replicas in the in-sync set than --min-in-sync 3" in proc.stderr
+    assert not data_dir.exists()
 
 
 def _stream_acks(address: str, *acks: rpb.StreamAcksRequest, tls: TlsConfig | None = None,
