@@ -26,7 +26,8 @@ checks where the follower's log stops agreeing with the leader's (their term
 histories, :func:`blockd.core.terms.common_prefix`) and tells it to cut its
 tail there, streams the newest snapshot when the follower is behind the
 retained window (:class:`blockd.repl_log.LogTail`), then records as they are
-logged and a heartbeat when idle; ``StreamAcks`` takes a follower's
+logged and a heartbeat when idle; ``GetReplicaStatus`` answers the
+replica's view (:meth:`blockd.replica.Replica.status`); ``StreamAcks`` takes a follower's
 acknowledgements on one stream (``AckLog``, one call each, stays for
 followers that do not stream them).
 """
@@ -44,8 +45,10 @@ from typing import Protocol
 
 from blockd.core.errors import NoLeader, NotLeader, NotReplicated
 from blockd.core.terms import TermHistory, common_prefix
+from blockd.core.types import ReplicaStatus
 from blockd.engine import Engine
 from blockd.repl_log import LogTail
+from blockd.rpc.convert import replica_status_to_proto
 from blockd.rpc.errors import client_stream, server_stream, unary
 from blockd.v1 import replication_pb2 as rpb
 from blockd.v1 import replication_pb2_grpc as rpb_grpc
@@ -267,6 +270,7 @@ class Leading(Protocol):
 
     def leading_term(self) -> int: ...
     def not_leader(self, why: str) -> NotLeader | NoLeader: ...
+    def status(self) -> ReplicaStatus: ...
 
 
 class ReplicationServicer(rpb_grpc.ReplicationServiceServicer):
@@ -345,6 +349,10 @@ class ReplicationServicer(rpb_grpc.ReplicationServiceServicer):
             self._ack(request)
             acks += 1
         return rpb.StreamAcksResponse(acks=acks)
+
+    @unary
+    def GetReplicaStatus(self, request: rpb.GetReplicaStatusRequest, context) -> rpb.GetReplicaStatusResponse:
+        return replica_status_to_proto(self._replica.status())
 
     def _ack(self, request: rpb.AckLogRequest | rpb.StreamAcksRequest) -> None:
         r = self._replica

@@ -73,26 +73,23 @@ class ReplicationCollector(Collector):
 
     def collect(self) -> Iterable[Metric]:
         r = self._replica
-        group = r.config.group
+        status = r.status()  # the same view GetReplicaStatus answers
+        group = status.group
         fam = self._families()
-        last = r.engine.log_state()[0]
-        leading = bool(r.term)
-        follower = r.follower
-        fam["mode"].add_metric([group], 1 if r.config.mode == "sync" else 0)
+        leading = status.role == "leader"
+        fam["mode"].add_metric([group], 1 if status.mode == "sync" else 0)
         fam["leading"].add_metric([group], 1 if leading else 0)
-        fam["last"].add_metric([group], last)
-        fam["streaming"].add_metric([group], 1 if follower is not None and follower.streaming else 0)
+        fam["last"].add_metric([group], status.last_lsn)
+        fam["streaming"].add_metric([group], 1 if status.streaming else 0)
         fam["snapshots"].add_metric([group], r.snapshots_installed)
         fam["truncations"].add_metric([group], r.truncations)
+        if leading or r.follower is not None:
+            fam["commit"].add_metric([group], status.commit_lsn)
         if leading:
-            view = r.commits.view(last)
-            fam["commit"].add_metric([group], view.commit_lsn)
-            fam["in_sync"].add_metric([group], len(view.members) + 1)
-            for state in view.followers:
-                labels = [group, state.replica_id]
-                fam["lag"].add_metric(labels, max(0, last - state.persisted_lsn))
-                fam["member"].add_metric(labels, 1 if state.replica_id in view.members else 0)
-                fam["ack_age"].add_metric(labels, max(0.0, view.now - state.last_ack) if state.last_ack else 0.0)
-        elif follower is not None:
-            fam["commit"].add_metric([group], follower.leader_commit_lsn)
+            fam["in_sync"].add_metric([group], status.in_sync_replicas)
+            for f in status.followers:
+                labels = [group, f.replica_id]
+                fam["lag"].add_metric(labels, f.lag_records)
+                fam["member"].add_metric(labels, 1 if f.in_sync else 0)
+                fam["ack_age"].add_metric(labels, f.last_ack_age_s)
         return fam.values()

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 from blockd.auth.config import TlsConfig
 from blockd.core.errors import NoLeader, NotLeader
+from blockd.core.types import FollowerStatus, ReplicaStatus
 from blockd.engine import Engine
 from blockd.ha.election import Election, ElectionConfig, Leadership
 from blockd.ha.etcd import EtcdClient
@@ -193,6 +194,27 @@ class Replica:
 
     def leading_term(self) -> int:
         return self._term
+
+    # --- what the metrics and GetReplicaStatus read ----------------------------------------------
+    def status(self) -> ReplicaStatus:
+        """This replica's view of its group now (``GetReplicaStatus``, :mod:`blockd.repl_metrics`)."""
+        cfg, election, follower, term = self.config, self.election, self._follower, self._term
+        last = self.engine.log_state()[0]
+        leader = election.leader() if election is not None else None
+        role = "leader" if term else "follower" if leader is not None and leader.replica_id != cfg.replica_id \
+            else "candidate"
+        if not term:
+            return ReplicaStatus(cfg.replica_id, cfg.group, role, max(self._known_term, leader.term if leader else 0),
+                                 leader.replica_id if leader else "", leader.address if leader else "", last,
+                                 follower.leader_commit_lsn if follower is not None else 0, cfg.mode,
+                                 streaming=follower is not None and follower.streaming)
+        view = self.commits.view(last)
+        followers = tuple(FollowerStatus(f.replica_id, f.address, f.persisted_lsn, max(0, last - f.persisted_lsn),
+                                         f.replica_id in view.members,
+                                         max(0.0, view.now - f.last_ack) if f.last_ack else 0.0)
+                          for f in sorted(view.followers, key=lambda f: f.replica_id))
+        return ReplicaStatus(cfg.replica_id, cfg.group, role, term, cfg.replica_id, self.address, last,
+                             view.commit_lsn, cfg.mode, in_sync_replicas=len(view.members) + 1, followers=followers)
 
     # --- what the metrics read (blockd.repl_metrics) ---------------------------------------------
     @property

@@ -35,6 +35,7 @@ from blockd.core.types import (
     OpResult,
     PoolConfig,
     PoolStats,
+    ReplicaStatus,
     SequenceInfo,
     Snapshot,
     StepResult,
@@ -45,6 +46,8 @@ from blockd.core.types import (
 from blockd.rpc import convert
 from blockd.v1 import blockd_pb2 as pb
 from blockd.v1 import blockd_pb2_grpc as pb_grpc
+from blockd.v1 import replication_pb2 as rpb
+from blockd.v1 import replication_pb2_grpc as rpb_grpc
 from client import messages
 from client.channel import DEFAULT_MAX_ATTEMPTS, DEFAULT_TARGET, DEFAULT_TIMEOUT_S, dial
 from client.errors import from_rpc_error
@@ -82,6 +85,10 @@ class AsyncBlockdClient:
     @property
     def _workers(self) -> pb_grpc.WorkerServiceStub:
         return self._replicas.workers
+
+    @property
+    def _replication(self) -> rpb_grpc.ReplicationServiceStub:
+        return self._replicas.replication
 
     async def close(self) -> None:
         for channel in self._replicas.channels():
@@ -225,3 +232,10 @@ class AsyncBlockdClient:
     async def list_workers(self, pool: str | None = None) -> list[WorkerStatus]:
         reply = await self._unary(self._workers.ListWorkers, pb.ListWorkersRequest(pool=pool or ""))
         return [convert.worker_status_from_proto(w) for w in reply.workers]
+
+    # --- replica groups ----------------------------------------------------------------
+    async def replica_status(self) -> ReplicaStatus:
+        """The replica this client calls now: its view of its group (``blockd serve --etcd``;
+        a daemon without ``--etcd`` answers UNIMPLEMENTED)."""
+        reply = await self._unary(self._replication.GetReplicaStatus, rpb.GetReplicaStatusRequest())
+        return convert.replica_status_from_proto(reply)

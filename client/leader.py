@@ -31,6 +31,7 @@ from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
 from blockd.v1 import blockd_pb2_grpc as pb_grpc
+from blockd.v1 import replication_pb2_grpc as rpb_grpc
 from client.errors import BlockdClientError, FailedPreconditionError, UnavailableError
 
 C = TypeVar("C")
@@ -81,26 +82,28 @@ class Targets:
 
 
 class ReplicaStubs(Generic[C]):
-    """The channel (made by ``dial(address)``) and pool, block and worker
-    stubs of each replica a client has called; thread-safe. Stub methods
-    are looked up at call time through :attr:`pools`, :attr:`blocks` and
-    :attr:`workers`, so a call goes to the replica :attr:`targets` names now."""
+    """The channel (made by ``dial(address)``) and pool, block, worker and
+    replication stubs of each replica a client has called; thread-safe. Stub
+    methods are looked up at call time through :attr:`pools`, :attr:`blocks`,
+    :attr:`workers` and :attr:`replication`, so a call goes to the replica
+    :attr:`targets` names now."""
 
     def __init__(self, target: str, dial: Callable[[str], C]) -> None:
         self.targets = Targets(target)
         self._dial = dial
         self._lock = threading.Lock()
         # the stubs are sync or asyncio ones, as the channel is
-        self._stubs: dict[str, tuple[C, Any, Any, Any]] = {}
+        self._stubs: dict[str, tuple[C, Any, Any, Any, Any]] = {}
         self.at(self.targets.current)  # bad TLS settings or a token in plain text fail here, not at a call
 
-    def at(self, address: str) -> tuple[C, Any, Any, Any]:
+    def at(self, address: str) -> tuple[C, Any, Any, Any, Any]:
         with self._lock:
             found = self._stubs.get(address)
             if found is None:
                 channel: Any = self._dial(address)
                 found = self._stubs[address] = (channel, pb_grpc.PoolServiceStub(channel),
-                                                pb_grpc.BlockServiceStub(channel), pb_grpc.WorkerServiceStub(channel))
+                                                pb_grpc.BlockServiceStub(channel), pb_grpc.WorkerServiceStub(channel),
+                                                rpb_grpc.ReplicationServiceStub(channel))
             return found
 
     @property
@@ -119,6 +122,10 @@ class ReplicaStubs(Generic[C]):
     @property
     def workers(self) -> Any:
         return self.at(self.targets.current)[3]
+
+    @property
+    def replication(self) -> Any:
+        return self.at(self.targets.current)[4]
 
     def channels(self) -> list[C]:
         with self._lock:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import random
 import shutil
@@ -555,6 +556,48 @@ def _open_feed(address: str, tls: TlsConfig | None, token: str | None) -> grpc.R
         with pytest.raises(grpc.RpcError) as info:
             next(iter(stream))
         return info.value
+
+
+def test_cluster_status_asks_the_replicas_without_etcd(group, capsys):
+    """``blockctl --target A,B,C cluster status`` (no ``--etcd``): every replica's
+    ``GetReplicaStatus``; a dead follower is unreachable and the leader still reports it."""
+    from client.cli import main as blockctl
+
+    g = group()
+    leader = ready(g)
+    term = g.clients[leader].step("p", [Allocate("x", [1])], request_id="x").term
+    target = ",".join(p.address for p in g.procs.values())
+
+    def status() -> tuple[int, dict]:
+        code = blockctl(["--target", target, "--timeout-s", "5", "cluster", "status", "--json"])
+        return code, json.loads(capsys.readouterr().out)
+
+    def settled() -> tuple[int, dict] | None:
+        code, found = status()
+        rows = {r["replica_id"]: r for r in found["replicas"]}
+        return (code, found) if len(rows) == 3 and all(r["in_sync"] for r in rows.values()) else None
+
+    code, found = wait_for(settled, "three replicas, all in sync")
+    assert code == 0 and found["term"] == term and found["leader"] == {"replica_id": leader,
+                                                                       "address": g.procs[leader].address}
+    rows = {r["replica_id"]: r for r in found["replicas"]}
+    assert rows[leader]["role"] == "leader" and found["in_sync_replicas"] == 3 and found["replication"] == "sync"
+    for rid, row in rows.items():
+        assert row["address"] == g.procs[rid].address and row["term"] == term and row["behind_leader"] >= 0
+        assert rid == leader or (row["role"] == "follower" and row["leader_id"] == leader and row["streaming"])
+    async def ask() -> str:  # the asyncio SDK asks the same
+        async with AsyncBlockdClient(g.procs[leader].address) as aio:
+            return (await aio.replica_status()).role
+
+    assert asyncio.run(ask()) == "leader"
+    dead = next(rid for rid in g.procs if rid != leader)
+    g.kill(dead)
+    code, found = status()
+    assert code == 0 and [u["address"] for u in found["unreachable"]] == [g.procs[dead].address]
+    assert {r["replica_id"]: r["role"] for r in found["replicas"]}[dead] == "follower (leader's view)"
+    g.kill(leader)
+    code = blockctl(["--target", g.procs[leader].address, "--timeout-s", "2", "cluster", "status"])
+    assert code == 69 and "no replica answered" in capsys.readouterr().err
 
 
 def _set_members(g: Group) -> set[str]:

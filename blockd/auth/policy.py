@@ -7,7 +7,7 @@ same kind of thing:
 permission         RPCs
 =================  ===========================================================
 ``pool.admin``     CreatePool, DeletePool, ResetPrefixCache
-``pool.read``      GetPool, ListPools, ListWorkers (sizes, versions, addresses)
+``pool.read``      GetPool, ListPools, ListWorkers, GetReplicaStatus (sizes, versions, addresses)
 ``tables.read``    GetTables, GetSequence, Watch (block tables)
 ``cache.read``     Events, LookupPrefix (block hashes and token ids: prompts)
 ``step``           Step (allocate/append/commit/fork/free)
@@ -83,7 +83,7 @@ _BLOCKD = {
     # replicas' log stream (blockd serve --etcd): a follower's peer credentials
     # (--peer-tls-*, --peer-token-file) must name an admin
     "blockd.v1.ReplicationService": {"ReplicateLog": REPLICATE, "AckLog": REPLICATE,
-                                     "StreamAcks": REPLICATE},
+                                     "StreamAcks": REPLICATE, "GetReplicaStatus": POOL_READ},
     "grpc.health.v1.Health": {"Check": OPEN, "Watch": OPEN, "List": OPEN},
     "grpc.reflection.v1alpha.ServerReflection": {"ServerReflectionInfo": AUTHENTICATED},
 }

@@ -287,6 +287,42 @@ class WorkerStatus:
 
 
 @dataclass(frozen=True)
+class FollowerStatus:
+    """The leader's view of one follower (``GetReplicaStatus``)."""
+
+    replica_id: str
+    address: str
+    persisted_lsn: int
+    lag_records: int
+    in_sync: bool
+    last_ack_age_s: float
+
+
+@dataclass(frozen=True)
+class ReplicaStatus:
+    """One replica's view of its group (``GetReplicaStatus``; ``blockctl cluster status``).
+
+    ``role`` is ``leader``, ``follower`` or ``candidate``; ``term`` the term it
+    leads or the newest it knows; ``commit_lsn`` the leader's commit point (a
+    follower: as last streamed to it); ``followers`` and ``in_sync_replicas``
+    are the leader's only.
+    """
+
+    replica_id: str
+    group: str
+    role: str
+    term: int
+    leader_id: str
+    leader_address: str
+    last_lsn: int
+    commit_lsn: int
+    mode: str
+    streaming: bool = False
+    in_sync_replicas: int = 0
+    followers: tuple[FollowerStatus, ...] = ()
+
+
+@dataclass(frozen=True)
 class SamplingSpec:
     """How one sequence of a model step chooses its next token(s): the
     ``SamplingParams`` message of ``ModelStep`` (see worker.proto), shared by

@@ -30,6 +30,7 @@ from blockd.core.types import (
     Append,
     Commit,
     DecodeAppend,
+    FollowerStatus,
     Fork,
     Free,
     KVEvent,
@@ -37,6 +38,7 @@ from blockd.core.types import (
     OpResult,
     PoolConfig,
     PoolStats,
+    ReplicaStatus,
     SequenceInfo,
     Snapshot,
     StepResult,
@@ -48,6 +50,7 @@ from blockd.core.types import (
 from blockd.core.validate import MAX_EXTRA_KEY_LEN, MAX_ID_LEN
 from blockd.rpc.errors import BadField
 from blockd.v1 import blockd_pb2 as pb
+from blockd.v1 import replication_pb2 as rpb
 
 _OP_KINDS = "allocate, append, decode_append, commit, fork, free"
 _STATS_FIELDS = tuple(PoolStats.__dataclass_fields__)
@@ -321,3 +324,21 @@ def worker_status_to_proto(status: WorkerStatus) -> pb.WorkerStatus:
 def worker_status_from_proto(msg: pb.WorkerStatus) -> WorkerStatus:
     info = WorkerInfo(**{name: getattr(msg.info, name) for name in _WORKER_FIELDS})
     return WorkerStatus(info, msg.is_up, msg.last_heartbeat_age_s, msg.applied_version)
+
+
+# --- replicas ---------------------------------------------------------------------------
+_FOLLOWER_FIELDS = tuple(FollowerStatus.__dataclass_fields__)
+_REPLICA_FIELDS = tuple(f for f in ReplicaStatus.__dataclass_fields__ if f != "followers")
+
+
+def replica_status_to_proto(status: ReplicaStatus) -> rpb.GetReplicaStatusResponse:
+    return rpb.GetReplicaStatusResponse(
+        **{name: getattr(status, name) for name in _REPLICA_FIELDS},
+        followers=[rpb.FollowerStatus(**{name: getattr(f, name) for name in _FOLLOWER_FIELDS})
+                   for f in status.followers])
+
+
+def replica_status_from_proto(msg: rpb.GetReplicaStatusResponse) -> ReplicaStatus:
+    return ReplicaStatus(**{name: getattr(msg, name) for name in _REPLICA_FIELDS},
+                         followers=tuple(FollowerStatus(**{name: getattr(f, name) for name in _FOLLOWER_FIELDS})
+                                         for f in msg.followers))

@@ -370,6 +370,124 @@ class StreamAcksRequest(_message.Message):
 Global___StreamAcksRequest: _TypeAlias = StreamAcksRequest  # noqa: Y015
 
 @_typing.final
+class GetReplicaStatusRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetReplicaStatusRequest: _TypeAlias = GetReplicaStatusRequest  # noqa: Y015
+
+@_typing.final
+class GetReplicaStatusResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REPLICA_ID_FIELD_NUMBER: _builtins.int
+    GROUP_FIELD_NUMBER: _builtins.int
+    ROLE_FIELD_NUMBER: _builtins.int
+    TERM_FIELD_NUMBER: _builtins.int
+    LEADER_ID_FIELD_NUMBER: _builtins.int
+    LEADER_ADDRESS_FIELD_NUMBER: _builtins.int
+    LAST_LSN_FIELD_NUMBER: _builtins.int
+    COMMIT_LSN_FIELD_NUMBER: _builtins.int
+    MODE_FIELD_NUMBER: _builtins.int
+    STREAMING_FIELD_NUMBER: _builtins.int
+    IN_SYNC_REPLICAS_FIELD_NUMBER: _builtins.int
+    FOLLOWERS_FIELD_NUMBER: _builtins.int
+    replica_id: _builtins.str
+    """The replica's --replica-id and --group."""
+    group: _builtins.str
+    role: _builtins.str
+    """"leader" (it serves), "follower" (it knows a leader) or "candidate"."""
+    term: _builtins.int
+    """The term it leads, or the newest it knows."""
+    leader_id: _builtins.str
+    """The leader it knows (empty when none)."""
+    leader_address: _builtins.str
+    last_lsn: _builtins.int
+    """The last record in its log."""
+    commit_lsn: _builtins.int
+    """The leader: its commit point; a follower: the leader's, as last streamed."""
+    mode: _builtins.str
+    """--replication: "sync" or "async"."""
+    streaming: _builtins.bool
+    """A follower: its feed from the leader is open."""
+    in_sync_replicas: _builtins.int
+    """The leader: replicas in the in-sync set, itself included."""
+    @_builtins.property
+    def followers(self) -> _containers.RepeatedCompositeFieldContainer[Global___FollowerStatus]:
+        """The leader: each follower that opened a feed in this term."""
+
+    def __init__(
+        self,
+        *,
+        replica_id: _builtins.str = ...,
+        group: _builtins.str = ...,
+        role: _builtins.str = ...,
+        term: _builtins.int = ...,
+        leader_id: _builtins.str = ...,
+        leader_address: _builtins.str = ...,
+        last_lsn: _builtins.int = ...,
+        commit_lsn: _builtins.int = ...,
+        mode: _builtins.str = ...,
+        streaming: _builtins.bool = ...,
+        in_sync_replicas: _builtins.int = ...,
+        followers: _abc.Iterable[Global___FollowerStatus] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["commit_lsn", b"commit_lsn", "followers", b"followers", "group", b"group", "in_sync_replicas", b"in_sync_replicas", "last_lsn", b"last_lsn", "leader_address", b"leader_address", "leader_id", b"leader_id", "mode", b"mode", "replica_id", b"replica_id", "role", b"role", "streaming", b"streaming", "term", b"term"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetReplicaStatusResponse: _TypeAlias = GetReplicaStatusResponse  # noqa: Y015
+
+@_typing.final
+class FollowerStatus(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REPLICA_ID_FIELD_NUMBER: _builtins.int
+    ADDRESS_FIELD_NUMBER: _builtins.int
+    PERSISTED_LSN_FIELD_NUMBER: _builtins.int
+    LAG_RECORDS_FIELD_NUMBER: _builtins.int
+    IN_SYNC_FIELD_NUMBER: _builtins.int
+    LAST_ACK_AGE_S_FIELD_NUMBER: _builtins.int
+    replica_id: _builtins.str
+    """The follower's --replica-id and advertised address."""
+    address: _builtins.str
+    persisted_lsn: _builtins.int
+    """The last LSN it confirmed persisted."""
+    lag_records: _builtins.int
+    """The leader's last LSN minus persisted_lsn."""
+    in_sync: _builtins.bool
+    """In the in-sync set: steps wait for it."""
+    last_ack_age_s: _builtins.float
+    """Seconds since its last acknowledgement."""
+    def __init__(
+        self,
+        *,
+        replica_id: _builtins.str = ...,
+        address: _builtins.str = ...,
+        persisted_lsn: _builtins.int = ...,
+        lag_records: _builtins.int = ...,
+        in_sync: _builtins.bool = ...,
+        last_ack_age_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "in_sync", b"in_sync", "lag_records", b"lag_records", "last_ack_age_s", b"last_ack_age_s", "persisted_lsn", b"persisted_lsn", "replica_id", b"replica_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FollowerStatus: _TypeAlias = FollowerStatus  # noqa: Y015
+
+@_typing.final
 class StreamAcksResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -50,6 +50,11 @@ class ReplicationServiceStub:
                 request_serializer=blockd_dot_v1_dot_replication__pb2.StreamAcksRequest.SerializeToString,
                 response_deserializer=blockd_dot_v1_dot_replication__pb2.StreamAcksResponse.FromString,
                 _registered_method=True)
+        self.GetReplicaStatus = channel.unary_unary(
+                '/blockd.v1.ReplicationService/GetReplicaStatus',
+                request_serializer=blockd_dot_v1_dot_replication__pb2.GetReplicaStatusRequest.SerializeToString,
+                response_deserializer=blockd_dot_v1_dot_replication__pb2.GetReplicaStatusResponse.FromString,
+                _registered_method=True)
 
 
 class ReplicationServiceServicer:
@@ -84,6 +89,16 @@ class ReplicationServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetReplicaStatus(self, request, context):
+        """This replica's view of its group, for operators (`blockctl cluster
+        status --target A,B,C` without etcd): its role and term, the leader it
+        knows, its log position; the leader adds every follower's (lag, in-sync,
+        last acknowledgement). Every replica answers, leader or not.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ReplicationServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -101,6 +116,11 @@ def add_ReplicationServiceServicer_to_server(servicer, server):
                     servicer.StreamAcks,
                     request_deserializer=blockd_dot_v1_dot_replication__pb2.StreamAcksRequest.FromString,
                     response_serializer=blockd_dot_v1_dot_replication__pb2.StreamAcksResponse.SerializeToString,
+            ),
+            'GetReplicaStatus': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetReplicaStatus,
+                    request_deserializer=blockd_dot_v1_dot_replication__pb2.GetReplicaStatusRequest.FromString,
+                    response_serializer=blockd_dot_v1_dot_replication__pb2.GetReplicaStatusResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -185,6 +205,33 @@ class ReplicationService:
             '/blockd.v1.ReplicationService/StreamAcks',
             blockd_dot_v1_dot_replication__pb2.StreamAcksRequest.SerializeToString,
             blockd_dot_v1_dot_replication__pb2.StreamAcksResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetReplicaStatus(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/blockd.v1.ReplicationService/GetReplicaStatus',
+            blockd_dot_v1_dot_replication__pb2.GetReplicaStatusRequest.SerializeToString,
+            blockd_dot_v1_dot_replication__pb2.GetReplicaStatusResponse.FromString,
             options,
             channel_credentials,
             insecure,

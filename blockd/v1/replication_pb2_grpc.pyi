@@ -52,6 +52,12 @@ class ReplicationServiceStub:
     ends; FAILED_PRECONDITION (reason NOT_LEADER) once it does not lead the
     term a message names.
     """
+    GetReplicaStatus: _grpc.UnaryUnaryMultiCallable[_replication_pb2.GetReplicaStatusRequest, _replication_pb2.GetReplicaStatusResponse]
+    """This replica's view of its group, for operators (`blockctl cluster
+    status --target A,B,C` without etcd): its role and term, the leader it
+    knows, its log position; the leader adds every follower's (lag, in-sync,
+    last acknowledgement). Every replica answers, leader or not.
+    """
 
 @_typing.type_check_only
 class ReplicationServiceAsyncStub(ReplicationServiceStub):
@@ -72,6 +78,12 @@ class ReplicationServiceAsyncStub(ReplicationServiceStub):
     acknowledgement costs both sides. The leader answers once the stream
     ends; FAILED_PRECONDITION (reason NOT_LEADER) once it does not lead the
     term a message names.
+    """
+    GetReplicaStatus: _aio.UnaryUnaryMultiCallable[_replication_pb2.GetReplicaStatusRequest, _replication_pb2.GetReplicaStatusResponse]  # type: ignore[assignment]
+    """This replica's view of its group, for operators (`blockctl cluster
+    status --target A,B,C` without etcd): its role and term, the leader it
+    knows, its log position; the leader adds every follower's (lag, in-sync,
+    last acknowledgement). Every replica answers, leader or not.
     """
 
 class ReplicationServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -108,6 +120,18 @@ class ReplicationServiceServicer(metaclass=_abc_1.ABCMeta):
         acknowledgement costs both sides. The leader answers once the stream
         ends; FAILED_PRECONDITION (reason NOT_LEADER) once it does not lead the
         term a message names.
+        """
+
+    @_abc_1.abstractmethod
+    def GetReplicaStatus(
+        self,
+        request: _replication_pb2.GetReplicaStatusRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_replication_pb2.GetReplicaStatusResponse, _abc.Awaitable[_replication_pb2.GetReplicaStatusResponse]]:
+        """This replica's view of its group, for operators (`blockctl cluster
+        status --target A,B,C` without etcd): its role and term, the leader it
+        knows, its log position; the leader adds every follower's (lag, in-sync,
+        last acknowledgement). Every replica answers, leader or not.
         """
 
 def add_ReplicationServiceServicer_to_server(servicer: ReplicationServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
