@@ -2,6 +2,7 @@
 
     blockctl cluster status --etcd http://HOST:2379[,...] [--group main]
     blockctl --target A,B,C cluster status   # no --etcd: asks each replica
+    blockctl --target etcd://HOST:2379/main cluster status   # as --etcd --group
 
 With ``--etcd`` it reads ``/blockd/<group>/`` (one consistent etcd read,
 :func:`blockd.ha.cluster.read_status`): the leader and its term, the last
@@ -27,6 +28,7 @@ from blockd.core.types import ReplicaStatus
 from client.cli_cluster import check_health
 from client.cli_common import CommandFailed, Exit, emit, render_table
 from client.errors import BlockdClientError
+from client.leader import parse_etcd_target
 from client.sdk import BlockdClient
 
 _MEMBER_COLUMNS = ("replica_id", "role", "address", "term", "applied_lsn", "behind_leader", "in_sync",
@@ -127,6 +129,9 @@ def _from_replicas(client: BlockdClient, args: argparse.Namespace) -> bool:
 
 
 def _status(client: BlockdClient, args: argparse.Namespace) -> None:
+    named = parse_etcd_target(client.target)
+    if named is not None and not args.etcd:  # --target etcd://HOST:PORT/GROUP: the same as --etcd --group
+        args.etcd, args.group = ",".join(named[0]), named[1]
     if args.etcd:
         _from_etcd(args)
         return

@@ -13,6 +13,12 @@ call, whether and where to try again:
 * UNAVAILABLE otherwise (the replica is down) with several targets: the next
   one, after a backoff.
 
+A target may instead name the group in etcd, ``etcd://HOST:PORT[,HOST:PORT]/GROUP``
+(:func:`parse_etcd_target`): the leader's address is read from etcd's leader
+key (:func:`blockd.ha.cluster.read_leader`, the ``ha`` extra) when the client
+is made and again whenever the replica it calls is down or refuses without
+naming a leader, so replicas need no stable addresses.
+
 The caller resends the *same* request, so its request id is the same: a step
 the old leader logged is answered from the replicated request table, never
 applied twice (docs/ha.md 2.7). A single plain target behaves as before:
@@ -41,14 +47,52 @@ BACKOFF_S = (0.05, 0.5)
 RETRY_REASONS = ("NO_LEADER", "NOT_REPLICATED")
 
 
+ETCD_SCHEME = "etcd://"
+
+
+def parse_etcd_target(target: str) -> tuple[list[str], str] | None:
+    """``(etcd endpoints as http://HOST:PORT, group)`` of an ``etcd://HOST:PORT[,...]/GROUP``
+    target; None for a list of replica addresses; ValueError for a malformed one."""
+    if not target.startswith(ETCD_SCHEME):
+        return None
+    hosts, _, group = target[len(ETCD_SCHEME):].partition("/")
+    endpoints = [f"http://{h.strip()}" for h in hosts.split(",") if h.strip()]
+    if not endpoints or not group or "/" in group:
+        raise ValueError(f"target {target!r}: an etcd target is etcd://HOST:PORT[,HOST:PORT...]/GROUP")
+    return endpoints, group
+
+
+def etcd_leader(endpoints: list[str], group: str, timeout_s: float = 2.0) -> str:
+    """The address etcd's leader key names now; UnavailableError when there is none or etcd does not answer."""
+    try:
+        from blockd.ha.cluster import read_leader
+        from blockd.ha.etcd import EtcdUnavailable
+    except ImportError as err:
+        raise ValueError(f"an etcd:// target needs the ha extra (pip install 'blockd[ha]'): {err}") from None
+    where = ",".join(endpoints)
+    try:
+        leader = read_leader(endpoints, group, timeout_s)
+    except EtcdUnavailable as err:
+        raise UnavailableError(f"cannot find the leader of group {group}: etcd at {where} does not answer "
+                               f"({err})") from None
+    if leader is None:
+        raise UnavailableError(f"group {group} has no leader in etcd at {where} now (an election may be under "
+                               f"way): retry shortly")
+    return leader.address
+
+
 class Targets:
     """The replicas a client may call and the one it calls now; thread-safe."""
 
     def __init__(self, target: str) -> None:
-        self.all = [t.strip() for t in target.split(",") if t.strip()]
+        self._lock = threading.Lock()
+        self._etcd = parse_etcd_target(target.strip())
+        if self._etcd is not None:
+            self.all = [etcd_leader(*self._etcd)]
+        else:
+            self.all = [t.strip() for t in target.split(",") if t.strip()]
         if not self.all:
             raise ValueError(f"target {target!r} names no address")
-        self._lock = threading.Lock()
         self.current = self.all[0]
 
     def next_attempt(self, err: BlockdClientError, tried_on: str, attempt: int) -> tuple[str, float] | None:
@@ -58,13 +102,15 @@ class Targets:
         pause = min(BACKOFF_S[0] * 2 ** attempt, BACKOFF_S[1])
         if isinstance(err, FailedPreconditionError) and err.reason == "NOT_LEADER":
             leader = err.metadata.get("leader_address", "")
-            if not leader or leader == tried_on:
-                return None
-            return self._use(leader), 0.0
+            if leader and leader != tried_on:
+                return self._use(leader), 0.0
+            return self._from_etcd(tried_on, pause)
         if not isinstance(err, UnavailableError):
             return None
         if err.reason in RETRY_REASONS:
             return tried_on, pause
+        if self._etcd is not None:
+            return self._from_etcd(tried_on, pause)
         if len(self.all) < 2:
             return None
         with self._lock:
@@ -72,6 +118,16 @@ class Targets:
                 i = self.all.index(tried_on) if tried_on in self.all else -1
                 self.current = self.all[(i + 1) % len(self.all)]
             return self.current, pause
+
+    def _from_etcd(self, tried_on: str, pause: float) -> tuple[str, float] | None:
+        """The leader etcd names now (the same replica again while etcd names it or none:
+        an election takes a lease TTL); None without an etcd target."""
+        if self._etcd is None:
+            return None
+        try:
+            return self._use(etcd_leader(*self._etcd)), pause
+        except UnavailableError:
+            return tried_on, pause
 
     def _use(self, address: str) -> str:
         with self._lock:

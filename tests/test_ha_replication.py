@@ -426,6 +426,36 @@ def test_the_sdk_follows_the_leader_across_a_failover(group):
         client.close()
 
 
+def test_an_etcd_target_finds_the_leader_and_follows_it_across_a_failover(group, etcd_server, capsys):
+    """``etcd://HOST:PORT/GROUP``: the SDK reads the leader from etcd, and again when it dies;
+    ``blockctl --target etcd://...`` reads the group's status there; a malformed one is refused."""
+    from client.cli import main as blockctl
+
+    g = group()
+    leader = ready(g)
+    target = f"etcd://{etcd_server.url.removeprefix('http://')}/{g.name}"
+    client = BlockdClient(target, timeout_s=60, max_attempts=1)
+    try:
+        assert client._replicas.targets.current == g.procs[leader].address
+        for i in range(60):
+            if i == 20:
+                g.kill(leader)
+            client.step("p", [Allocate(f"e{i}", [i, i + 1])], request_id=f"e-{i}")
+        tables = client.get_tables("p")[1]
+        assert all(f"e{i}" in tables for i in range(60))
+        new = g.leader()
+        assert new not in (None, leader) and client._replicas.targets.current == g.procs[new].address
+    finally:
+        client.close()
+    code = blockctl(["--target", target, "cluster", "status", "--json"])
+    assert code == 0 and json.loads(capsys.readouterr().out)["leader"]["replica_id"] == new
+    for bad in ("etcd://", "etcd://127.0.0.1:1", "etcd:///g", "etcd://h:1/a/b"):
+        with pytest.raises(ValueError, match="an etcd target is etcd://HOST:PORT"):
+            BlockdClient(bad)
+    with pytest.raises(BlockdClientError, match="has no leader in etcd"):
+        BlockdClient(f"etcd://{etcd_server.url.removeprefix('http://')}/nobody-leads-this")
+
+
 def test_the_asyncio_sdk_follows_the_leader_across_a_failover(group):
     """The asyncio SDK, given every replica's address, steps through a SIGKILL
     of the leader as the sync one does (same request id on each resend)."""
