@@ -411,10 +411,18 @@ class Engine:
 
     # --- followers -----------------------------------------------------------------------
     def watch(self, pool: str, from_version: int, should_stop: Callable[[], bool],
-              incarnation: str = "") -> Iterator[Snapshot | VersionDelta]:
-        """See :meth:`blockd.followers.Followers.watch`; NOT_FOUND at once for an unknown pool."""
+              incarnation: str = "", min_term: int = 0) -> Iterator[Snapshot | VersionDelta]:
+        """See :meth:`blockd.followers.Followers.watch`; NOT_FOUND at once for an unknown pool.
+
+        ``min_term``: the newest leader term that served the caller. Where a
+        failover may lose committed records (``async`` replication), a caller
+        that holds versions (``from_version`` > 0) served in another term than
+        this leader's may hold versions this leader never had, or made
+        otherwise: it gets a snapshot first, never deltas on top of them."""
         entry = self._read(lambda: self._entry(pool))
-        return self._followers.watch(entry, from_version, should_stop, incarnation)
+        gate = self._gate
+        resync = (gate is not None and from_version > 0 and min_term != gate.term and not gate.keeps_committed)
+        return self._followers.watch(entry, from_version, should_stop, incarnation, resync=resync)
 
     def events(self, pool: str, from_seq_no: int, should_stop: Callable[[], bool]) -> Iterator[KVEvent]:
         """See :meth:`blockd.followers.Followers.events`."""

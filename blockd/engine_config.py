@@ -62,6 +62,12 @@ class Replication(Protocol):
         NOT_LEADER) when it cannot say so in time. Called outside the engine
         lock."""
 
+    @property
+    def keeps_committed(self) -> bool:
+        """True when a failover keeps every committed record (``sync`` with at
+        least one follower in the set); False when a new leader may lack
+        records the old one committed (``async``, or ``--min-in-sync 1``)."""
+
 
 @dataclass(frozen=True)
 class EngineConfig:

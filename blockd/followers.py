@@ -52,13 +52,13 @@ class Followers:
         self._changed.notify_all()
 
     def watch(self, entry: PoolEntry, from_version: int, should_stop: Callable[[], bool],
-              incarnation: str = "") -> Iterator[Snapshot | VersionDelta]:
+              incarnation: str = "", resync: bool = False) -> Iterator[Snapshot | VersionDelta]:
         """Deltas after ``from_version`` in order (a snapshot first when they are
-        no longer retained, or when ``incarnation``, the follower's, is set and
-        is not the pool's), then new ones as they commit."""
+        no longer retained, when ``incarnation``, the follower's, is set and
+        is not the pool's, or when ``resync``), then new ones as they commit."""
         with self._lock:
             version = from_version
-            if incarnation and incarnation != entry.identity.incarnation:
+            if resync or (incarnation and incarnation != entry.identity.incarnation):
                 pending: list = [entry.snapshot()]
             else:
                 pending = self._since(entry, version)

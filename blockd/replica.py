@@ -185,6 +185,10 @@ class Replica:
         election.report_progress(self.tail.last_lsn, 0)
         return term
 
+    @property
+    def keeps_committed(self) -> bool:
+        return self.config.mode == "sync" and self.config.min_in_sync >= 2
+
     def not_leader(self, why: str) -> NotLeader | NoLeader:
         leader = self.election.leader() if self.election is not None else None
         if leader is None or leader.replica_id == self.config.replica_id:  # stale: it names this replica

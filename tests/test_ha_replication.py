@@ -8,7 +8,9 @@ load, and after each failover every acknowledged step is on the new leader,
 the steps in flight at the kill, resent there with their request ids, are
 applied at most once, and the worker's tables equal the leader's; a leader paused
 past its lease acknowledges nothing once resumed and steps down; a follower
-stopped past the retained window catches up from the leader's snapshot; a
+stopped past the retained window catches up from the leader's snapshot; in
+``async`` mode a worker that received versions a failover lost resyncs from
+a snapshot; a
 replica whose data dir was lost does not lead with its empty log, however
 long it campaigns alone, and rejoins the in-sync set once caught up; each
 replica's /metrics shows its role, the leader's view of every follower (lag,
@@ -233,6 +235,61 @@ def test_chaos_leader_killed_under_a_worker_and_four_schedulers(group):
     assert load.count() >= 20 * KILLS and len(failovers) == KILLS
     print(f"chaos: {KILLS} kills, {load.count()} steps acknowledged, failover (kill to the next ack) "
           f"max {max(failovers):.2f} s")
+
+
+def test_async_a_worker_holding_versions_the_new_leader_lacks_resyncs_from_a_snapshot(group):
+    """``async``: both followers are killed, the leader acknowledges steps that a worker
+    receives over Watch, then the leader dies and the followers come back. The new leader never had those versions and
+    makes others under the same numbers; the worker, reconnecting with the old term, gets a
+    snapshot rather than deltas on top of what it holds, and its tables equal the new
+    leader's (without it they would mix the lost steps with the new ones)."""
+    g = group("--replication", "async")
+    leader = ready(g)
+    addresses = ",".join(p.address for p in g.procs.values())
+    config = PoolConfig("w", num_blocks=1024, block_size=4, num_layers=1, num_kv_heads=1, head_dim=4,
+                        dtype="float32")
+    g.clients[leader].create_pool(config, request_id="create-w")
+    for i in range(5):
+        g.clients[leader].step("w", [Allocate(f"base{i}", [i, i, i])], request_id=f"base{i}")
+    runtime = WorkerRuntime(config, device="cpu")
+    worker_client = BlockdClient(addresses, timeout_s=60)
+    follower = Follower(worker_client, runtime, WorkerInfo("w0", "w", "", 0, 1, 0, 1,
+                                                           incarnation=runtime.incarnation),
+                        heartbeat_interval_s=0.2)
+    follower.start()
+    followers = [rid for rid in g.procs if rid != leader]
+    try:
+        version = g.clients[leader].get_tables("w")[0]
+        wait_for(lambda: runtime.replica.received_version >= version, "the worker to catch up")
+        def replicated() -> bool:  # both followers hold everything so far (GetReplicaStatus)
+            status = g.clients[leader].replica_status()
+            return len(status.followers) == 2 and all(f.lag_records == 0 for f in status.followers)
+
+        wait_for(replicated, "both followers to hold the pool and its first steps")
+        for rid in followers:
+            g.kill(rid)
+        for i in range(5):  # acknowledged (async), seen by the worker, never replicated
+            g.clients[leader].step("w", [Allocate(f"lost{i}", [7, 7, 7, 7, 7])], request_id=f"lost{i}")
+        lost_version = g.clients[leader].get_tables("w")[0]
+        wait_for(lambda: runtime.replica.received_version >= lost_version, "the worker to receive the lost steps")
+        assert runtime.replica.num_snapshots == 0
+        g.kill(leader)
+        for rid in followers:
+            g.start(rid)  # on their own logs, which lack the lost steps
+        new = wait_for(lambda: (lambda r: r if r not in (None, leader) else None)(g.leader()), "a new leader",
+                       timeout_s=60)
+        for i in range(10):
+            g.clients[new].step("w", [Allocate(f"new{i}", [i + 1, i + 2])], request_id=f"new{i}")
+        version, tables = g.clients[new].get_tables("w")
+        assert version > lost_version and not any(s.startswith("lost") for s in tables)
+        wait_for(lambda: runtime.replica.received_version >= version and runtime.replica.term > 0,
+                 "the worker to follow the new leader", timeout_s=60)
+        runtime.replica.advance_to(version, 10.0)
+        assert runtime.replica.tables == tables
+        assert runtime.replica.num_snapshots == 1
+    finally:
+        follower.stop()
+        worker_client.close()
 
 
 def _check(client: BlockdClient, load: _Load, runtime: WorkerRuntime, delivered: list[int], kill: int) -> None:

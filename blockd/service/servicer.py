@@ -101,7 +101,8 @@ class BlockServicer(pb_grpc.BlockServiceServicer):
         # starts, the engine sees the mismatch and opens with a snapshot.
         incarnation = optional_id(request.pool_incarnation, "pool_incarnation") or self._engine.pool_incarnation(pool)
         self._engine.check_min_term(request.min_term)
-        stream = self._engine.watch(pool, request.from_version, _stopper(context, self._shutdown), incarnation)
+        stream = self._engine.watch(pool, request.from_version, _stopper(context, self._shutdown), incarnation,
+                                    request.min_term)
         for item in stream:
             if isinstance(item, Snapshot):
                 incarnation = item.incarnation

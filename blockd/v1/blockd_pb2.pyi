@@ -991,7 +991,10 @@ class WatchRequest(_message.Message):
     min_term: _builtins.int
     """The newest leader term the caller has seen (0: none). A replica whose
     own term is lower (a deposed leader) refuses with NOT_LEADER, so a
-    worker never follows an older leader after a newer one.
+    worker never follows an older leader after a newer one. Where a failover
+    may lose committed versions (async replication), a caller with
+    from_version > 0 and another term than the leader's gets a snapshot
+    first: the versions it holds may not be this leader's.
     """
     def __init__(
         self,
