@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from itertools import islice
 
 from blockd.core import InvalidArgument, KVEvent, SnapshotRequired, VersionDelta, WrongState
@@ -55,11 +56,14 @@ class Followers:
               incarnation: str = "", resync: bool = False) -> Iterator[Snapshot | VersionDelta]:
         """Deltas after ``from_version`` in order (a snapshot first when they are
         no longer retained, when ``incarnation``, the follower's, is set and
-        is not the pool's, or when ``resync``), then new ones as they commit."""
+        is not the pool's, or when ``resync``: then marked so, see
+        ``WatchResponse.resync``), then new ones as they commit."""
         with self._lock:
             version = from_version
-            if resync or (incarnation and incarnation != entry.identity.incarnation):
+            if incarnation and incarnation != entry.identity.incarnation:
                 pending: list = [entry.snapshot()]
+            elif resync:
+                pending = [replace(entry.snapshot(), resync=True)]
             else:
                 pending = self._since(entry, version)
             lsn = self._position()

@@ -44,7 +44,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from blockd.auth import TlsConfig, tokens
 from blockd.auth.channels import open_channel
-from blockd.core import Allocate, Free, PoolConfig
+from blockd.core import Allocate, DecodeAppend, Free, PoolConfig
 from blockd.core.types import WorkerInfo
 from blockd.engine import Engine
 from blockd.engine_config import EngineConfig
@@ -242,7 +242,9 @@ def test_async_a_worker_holding_versions_the_new_leader_lacks_resyncs_from_a_sna
     receives over Watch, then the leader dies and the followers come back. The new leader never had those versions and
     makes others under the same numbers; the worker, reconnecting with the old term, gets a
     snapshot rather than deltas on top of what it holds, and its tables equal the new
-    leader's (without it they would mix the lost steps with the new ones)."""
+    leader's (without it they would mix the lost steps with the new ones); it registers as a
+    new worker incarnation, so blockd marks every sequence's KV lost (the KV it wrote for the
+    lost steps may sit in blocks the new leader gives to others)."""
     g = group("--replication", "async")
     leader = ready(g)
     addresses = ",".join(p.address for p in g.procs.values())
@@ -252,6 +254,7 @@ def test_async_a_worker_holding_versions_the_new_leader_lacks_resyncs_from_a_sna
     for i in range(5):
         g.clients[leader].step("w", [Allocate(f"base{i}", [i, i, i])], request_id=f"base{i}")
     runtime = WorkerRuntime(config, device="cpu")
+    first_incarnation = runtime.incarnation
     worker_client = BlockdClient(addresses, timeout_s=60)
     follower = Follower(worker_client, runtime, WorkerInfo("w0", "w", "", 0, 1, 0, 1,
                                                            incarnation=runtime.incarnation),
@@ -287,6 +290,15 @@ def test_async_a_worker_holding_versions_the_new_leader_lacks_resyncs_from_a_sna
         runtime.replica.advance_to(version, 10.0)
         assert runtime.replica.tables == tables
         assert runtime.replica.num_snapshots == 1
+        # nor is the KV trusted: the worker came back as a new incarnation, so blockd marked every
+        # sequence's KV lost (a scheduler recomputes) and cleared the prefix cache
+        assert follower.info.incarnation == runtime.incarnation != first_incarnation
+        pool = wait_for(lambda: (lambda p: p if p.num_kv_lost_seqs == len(tables) else None)(
+            g.clients[new].get_pool("w")), "blockd to mark the KV of every sequence lost", timeout_s=30)
+        assert pool.num_kv_lost_seqs == 15
+        with pytest.raises(FailedPreconditionError) as info:
+            g.clients[new].step("w", [DecodeAppend(["base0"], [5])], request_id="after-resync")
+        assert info.value.reason == "KV_LOST"
     finally:
         follower.stop()
         worker_client.close()

@@ -16,7 +16,12 @@ Two daemon threads, both bounded and stoppable:
 * with a replicated blockd (docs/ha.md) each Watch message names the term
   of the leader serving it: the replica refuses one older than a term it
   has seen, and the stream is reopened with ``min_term``, so a deposed
-  leader that still streams is never followed after a newer one;
+  leader that still streams is never followed after a newer one. Where
+  the group may lose committed versions in a failover (``async``), the new
+  leader's stream opens with a snapshot marked ``resync``: the replica loads
+  it and the worker registers as a new worker incarnation (its KV may hold
+  steps the new leader does not have), so blockd marks every sequence's KV
+  lost and schedulers recompute;
 * the heartbeat thread reports the applied version every ``interval_s``; a
   NOT_FOUND answer (blockd restarted and forgot its in-memory registry) makes
   it register again, with the same worker incarnation (its KV is intact).
@@ -86,6 +91,8 @@ class Follower:
                     if isinstance(item, Snapshot) and item.incarnation != replica.incarnation:
                         if not self._resync(item):
                             return
+                    elif isinstance(item, Snapshot) and item.resync:
+                        self._forget_kv(item)
                     elif isinstance(item, Snapshot):
                         log.warning("replica of %s fell behind; loading the snapshot of version %d",
                                     self.info.pool, item.version)
@@ -130,6 +137,24 @@ class Follower:
             return False
         runtime.replica.load_snapshot(snapshot.version, snapshot.tables, snapshot.incarnation)
         return True
+
+    def _forget_kv(self, snapshot: Snapshot) -> None:
+        """A new leader that may lack versions this replica holds (``WatchResponse.resync``):
+        load its snapshot and register as a new incarnation, so blockd marks the KV lost."""
+        runtime = self.runtime
+        runtime.replica.load_snapshot(snapshot.version, snapshot.tables)
+        self.info = replace(self.info, incarnation=runtime.new_incarnation())
+        log.warning("blockd's new leader (term %d) may lack versions of pool %s this worker held (async "
+                    "replication): loaded its snapshot of version %d; registering as incarnation %s, so every "
+                    "sequence's KV is marked lost and schedulers recompute it", snapshot.term, self.info.pool,
+                    snapshot.version, self.info.incarnation)
+        while not self._stop.is_set():  # the next Watch names the new term: this is the one chance
+            try:
+                self.client.register_worker(self.info)
+                return
+            except BlockdClientError as err:
+                log.warning("registering the new incarnation failed (%s); retrying", err)
+                self._stop.wait(0.2)
 
     def _report_lag(self) -> None:
         if self.metrics is not None:

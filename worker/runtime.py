@@ -183,6 +183,15 @@ class WorkerRuntime:
             self._plan_key = None
         return incarnation
 
+    def new_incarnation(self) -> str:
+        """Become a new worker incarnation, as a restart would, with no KV written
+        (the KV it holds may belong to steps blockd's leader does not have)."""
+        with self._lock:
+            self.incarnation = new_incarnation()
+            self.written.clear()
+            self._plan_key = None
+            return self.incarnation
+
     def advance(self, version: int, pool_incarnation: str | None = None) -> str:
         """Bring the replica to exactly ``version`` (its copy ops included) of
         ``pool_incarnation`` (None: the one it holds) under the execution lock,

@@ -245,6 +245,8 @@ class Snapshot:
     incarnation: str = ""
     #: as :attr:`VersionDelta.term`
     term: int = 0
+    #: the follower's versions may not be this leader's (``WatchResponse.resync``)
+    resync: bool = False
 
 
 @dataclass(frozen=True)

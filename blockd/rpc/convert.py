@@ -271,7 +271,7 @@ def watch_item_to_proto(item: Snapshot | VersionDelta, incarnation: str, term: i
     own); ``term``: the serving leader's (0: not replicated)."""
     if isinstance(item, Snapshot):
         return pb.WatchResponse(snapshot=pb.Snapshot(version=item.version, tables=tables_to_proto(item.tables)),
-                                pool_incarnation=item.incarnation, term=term)
+                                pool_incarnation=item.incarnation, term=term, resync=item.resync)
     updates = [pb.TableUpdate(seq_id=u.seq_id, keep=u.keep, block_ids=u.block_ids, freed=u.freed)
                for u in item.updates]
     return pb.WatchResponse(delta=pb.VersionDelta(version=item.version, updates=updates,
@@ -284,7 +284,7 @@ def watch_item_from_proto(msg: pb.WatchResponse) -> Snapshot | VersionDelta:
     opened with (or the last snapshot's)."""
     if msg.WhichOneof("kind") == "snapshot":
         return Snapshot(msg.snapshot.version, tables_from_proto(msg.snapshot.tables), msg.pool_incarnation,
-                        msg.term)
+                        msg.term, msg.resync)
     delta = msg.delta
     updates = tuple(TableUpdate(u.seq_id, u.keep, tuple(u.block_ids), u.freed) for u in delta.updates)
     return VersionDelta(delta.version, updates, _copies_from_proto(delta.copy_ops), msg.term)

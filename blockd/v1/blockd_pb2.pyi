@@ -1109,6 +1109,7 @@ class WatchResponse(_message.Message):
     DELTA_FIELD_NUMBER: _builtins.int
     POOL_INCARNATION_FIELD_NUMBER: _builtins.int
     TERM_FIELD_NUMBER: _builtins.int
+    RESYNC_FIELD_NUMBER: _builtins.int
     pool_incarnation: _builtins.str
     """The pool incarnation of this message's version (the same for every
     message of one stream, except after a snapshot that changes it).
@@ -1116,6 +1117,13 @@ class WatchResponse(_message.Message):
     term: _builtins.int
     """The term of the leader serving this message (0: not replicated). A
     follower refuses a message whose term is lower than one it has seen.
+    """
+    resync: _builtins.bool
+    """On a snapshot: the versions the follower held may not be this leader's
+    (async replication lost versions in a failover, see WatchRequest.min_term),
+    so neither may the KV written for them. A worker loads the snapshot and
+    registers as a new worker incarnation: blockd then marks every
+    sequence's KV lost and clears the prefix cache, and schedulers recompute.
     """
     @_builtins.property
     def snapshot(self) -> Global___Snapshot: ...
@@ -1128,10 +1136,11 @@ class WatchResponse(_message.Message):
         delta: Global___VersionDelta | None = ...,
         pool_incarnation: _builtins.str = ...,
         term: _builtins.int = ...,
+        resync: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["delta", b"delta", "kind", b"kind", "snapshot", b"snapshot"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["delta", b"delta", "kind", b"kind", "pool_incarnation", b"pool_incarnation", "snapshot", b"snapshot", "term", b"term"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["delta", b"delta", "kind", b"kind", "pool_incarnation", b"pool_incarnation", "resync", b"resync", "snapshot", b"snapshot", "term", b"term"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["snapshot", "delta"]  # noqa: Y015
     _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
