@@ -83,9 +83,10 @@ class ModelBatch:
 class ModelExecutor(Protocol):
     """What the scheduler needs from a model replica."""
 
-    def run(self, version: int, batch: ModelBatch, *, pool_incarnation: str = "") -> list[int]:
+    def run(self, version: int, batch: ModelBatch, *, pool_incarnation: str = "", term: int = 0) -> list[int]:
         """The ``batch.num_draws`` next tokens of ``batch`` (in batch order, a
-        sequence's draws together), at pool ``version`` of ``pool_incarnation``.
+        sequence's draws together), at pool ``version`` of ``pool_incarnation``,
+        acknowledged in leader ``term`` (a replicated blockd; 0: not).
         May also have ``reconnect(timeout_s)``, which the scheduler calls
         after a worker fault (see :class:`client.model_group.WorkerGroup`)."""
         ...

@@ -41,7 +41,8 @@ if TYPE_CHECKING:
     from client.serving import PagingAdmission, RequestOutput, RequestState, ReservationAdmission
 
 #: model-step refusals a worker fault explains: recompute and carry on
-WORKER_FAULTS = frozenset({"KV_NOT_WRITTEN", "WORKER_INCARNATION_MISMATCH", "POOL_INCARNATION_UNAVAILABLE"})
+WORKER_FAULTS = frozenset({"KV_NOT_WRITTEN", "WORKER_INCARNATION_MISMATCH", "POOL_INCARNATION_UNAVAILABLE",
+                           "TERM_NOT_SEEN"})
 _UNREACHABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 
 

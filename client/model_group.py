@@ -80,10 +80,11 @@ class WorkerGroup:
                     time.sleep(0.2)
         return changed
 
-    def _step(self, worker: WorkerClient, version: int, batch: ModelBatch, incarnation: str) -> list[int]:
+    def _step(self, worker: WorkerClient, version: int, batch: ModelBatch, incarnation: str,
+              term: int = 0) -> list[int]:
         tokens, _ = worker.model_step(self.pool, version, batch.seq_ids, batch.query_lens, batch.context_lens,
                                       batch.token_ids, batch.slot_mapping, pool_incarnation=incarnation,
-                                      sampling=batch.wire_sampling)
+                                      sampling=batch.wire_sampling, term=term)
         return tokens
 
     def _group_error(self, failed: list[tuple[int, BaseException]]) -> BaseException:
@@ -100,10 +101,10 @@ class WorkerGroup:
                    f"{err.message}" + (f" [also failed: {others}]" if others else ""))
         return type(err)(message, code=err.code, details=err.details)
 
-    def run(self, version: int, batch: ModelBatch, *, pool_incarnation: str = "") -> list[int]:
+    def run(self, version: int, batch: ModelBatch, *, pool_incarnation: str = "", term: int = 0) -> list[int]:
         if self._threads is None:
-            return self._step(self.workers[0], version, batch, pool_incarnation)
-        futures = [self._threads.submit(self._step, worker, version, batch, pool_incarnation)
+            return self._step(self.workers[0], version, batch, pool_incarnation, term)
+        futures = [self._threads.submit(self._step, worker, version, batch, pool_incarnation, term)
                    for worker in self.workers]
         # wait for every rank before raising any rank's error: no call is left running
         wait(futures)

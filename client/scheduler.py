@@ -233,7 +233,7 @@ class Scheduler(FaultRecovery, StepPlanner):
         if not batch.num_seqs:
             return
         try:
-            tokens = self.executor.run(result.version, batch, pool_incarnation=result.incarnation)
+            tokens = self.executor.run(result.version, batch, pool_incarnation=result.incarnation, term=result.term)
         except BlockdClientError as err:
             self._on_model_fault(err, entries)
             return

@@ -101,7 +101,7 @@ class WorkerClient:
     def model_step(self, pool: str, version: int, seq_ids: Sequence[str], query_lens: Sequence[int],
                    context_lens: Sequence[int], token_ids: Sequence[int], slot_mapping: Sequence[int],
                    return_logits: bool = False, *, pool_incarnation: str,
-                   sampling: Sequence[SamplingSpec] = ()) -> tuple[list[int], torch.Tensor | None]:
+                   sampling: Sequence[SamplingSpec] = (), term: int = 0) -> tuple[list[int], torch.Tensor | None]:
         """One forward step of the worker's model (see ``ModelStepRequest``).
 
         ``token_ids`` and ``slot_mapping`` hold ``sum(query_lens)`` entries, the
@@ -109,13 +109,15 @@ class WorkerClient:
         sequence greedy) or has one entry per sequence. Returns the next
         tokens (one per sequence, ``num_samples`` where a sequence asks for
         more) and, with ``return_logits``, the ``[batch, vocab]`` float32
-        logits of each sequence's last new token (else None).
+        logits of each sequence's last new token (else None). ``term``: the
+        leader term of the Step response whose version this names (0: not
+        replicated); the worker waits until it follows that leader.
         """
         request = pb.ModelStepRequest(
             pool=pool, version=version, seq_ids=list(seq_ids), query_lens=list(query_lens),
             context_lens=list(context_lens), token_ids=list(token_ids), slot_mapping=list(slot_mapping),
             return_logits=return_logits, pool_incarnation=pool_incarnation,
-            worker_incarnation=self._worker_incarnation(),
+            worker_incarnation=self._worker_incarnation(), term=term,
             sampling=[pb.SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed,
                                         sample_index=s.sample_index, num_samples=s.num_samples)
                       for s in sampling])

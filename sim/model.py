@@ -31,7 +31,7 @@ class StubModel:
         self.num_steps = 0
         self.num_tokens = 0
 
-    def run(self, version: int, batch: ModelBatch, *, pool_incarnation: str = "") -> list[int]:
+    def run(self, version: int, batch: ModelBatch, *, pool_incarnation: str = "", term: int = 0) -> list[int]:
         self.num_steps += 1
         self.num_tokens += batch.num_tokens
         tokens = []

@@ -82,7 +82,7 @@ class SlotModel:
                     self.slots[dst * BLOCK + offset] = self.slots[src * BLOCK + offset]
         return result
 
-    def run(self, version: int, batch: ModelBatch, *, pool_incarnation: str = "") -> list[int]:
+    def run(self, version: int, batch: ModelBatch, *, pool_incarnation: str = "", term: int = 0) -> list[int]:
         self.num_steps += 1
         self.batches.append(batch)
         _, tables = self.client.get_tables(self.pool, batch.seq_ids)

@@ -252,6 +252,26 @@ def test_model_step_without_a_model_is_failed_precondition():
         server.stop(0)
 
 
+def test_a_model_step_planned_on_a_term_the_worker_has_not_followed_is_refused():
+    """ModelStep names the leader term of its Step response (a replicated blockd): a worker whose
+    Watch has not been served in that term yet waits for it, then refuses, TERM_NOT_SEEN, before
+    anything else is checked or run (its tables may still be an older leader's)."""
+    local = Local("tiny-llama")
+    local.runtime.version_timeout_s = 0.3
+    local.runtime.replica.note_term(4)
+    server = WorkerServer(local.runtime, "w")
+    server.start()
+    try:
+        with WorkerClient(server.address, timeout_s=10) as worker:
+            with pytest.raises(FailedPreconditionError, match="planned on leader term 5") as info:
+                worker.model_step("m", 0, ["a"], [1], [1], [1], [0], pool_incarnation="any", term=5)
+            assert info.value.reason == "TERM_NOT_SEEN"
+            with pytest.raises(FailedPreconditionError, match="runs no model"):  # its own term: on to the model
+                worker.model_step("m", 0, ["a"], [1], [1], [1], [0], pool_incarnation="any", term=4)
+    finally:
+        server.stop(0)
+
+
 # --- a tensor-parallel pair over gRPC ----------------------------------------------
 
 class TPCluster:

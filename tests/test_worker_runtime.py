@@ -1,12 +1,15 @@
 """The worker's in-process API on real tensors: a core Pool drives the replica
 through its deltas; attention at each version equals dense attention."""
 
+import threading
+import time
+
 import pytest
 import torch
 
 from blockd.core import Allocate, Append, BlockdError, Fork, Free, NotFound, Pool, PoolConfig
 from blockd.core.errors import InvalidArgument
-from blockd.core.incarnations import KVNotWritten, PoolIncarnationMismatch, PoolIncarnationUnavailable
+from blockd.core.incarnations import KVNotWritten, PoolIncarnationMismatch, PoolIncarnationUnavailable, TermNotSeen
 from tests.dense import dense_attention
 from worker.replica import StaleVersion, TableReplica, VersionUnavailable
 from worker.runtime import ShardSpec, WorkerRuntime
@@ -120,13 +123,36 @@ def test_replica_refuses_gaps_and_ignores_duplicates():
 
 def test_replica_refuses_a_deposed_leaders_term():
     replica = TableReplica(lambda copies: None)
-    replica.note_term(0)  # not replicated: nothing to check
-    replica.note_term(5)
-    replica.note_term(7)
+    for term in (0, 5, 7):  # 0: not replicated, nothing to check
+        replica.check_term(term)
+        replica.note_term(term)
     with pytest.raises(BlockdError, match="term 5 after term 7: it comes from a deposed leader"):
-        replica.note_term(5)
-    replica.note_term(0)
+        replica.check_term(5)
+    replica.check_term(0)
+    replica.note_term(5)  # never lowers it
     assert replica.term == 7
+
+
+def test_a_call_planned_on_a_newer_term_waits_until_the_replica_is_served_in_it():
+    """``wait_term``: a model step named with the new leader's term runs only once the
+    replica's Watch has taken in a message of that term (a resync first, where one comes)."""
+    replica = TableReplica(lambda copies: None)
+    replica.note_term(3)
+    replica.wait_term(0, 0.01)  # not replicated
+    replica.wait_term(3, 0.01)
+    replica.wait_term(2, 0.01)  # planned in an older term: its version is this replica's to check
+    start = time.monotonic()
+    with pytest.raises(TermNotSeen, match="planned on leader term 4, but this worker's tables were last served in "
+                                          "term 3") as info:
+        replica.wait_term(4, 0.1)
+    assert info.value.reason == "TERM_NOT_SEEN" and time.monotonic() - start >= 0.09
+    done = threading.Event()
+    waiter = threading.Thread(target=lambda: (replica.wait_term(4, 10.0), done.set()))
+    waiter.start()
+    assert not done.wait(0.2)
+    replica.note_term(4)
+    assert done.wait(5), "note_term(4) did not release the call waiting for term 4"
+    waiter.join()
 
 
 def test_shard_checks():

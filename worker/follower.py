@@ -87,7 +87,7 @@ class Follower:
                                                   timeout_s=None)
                 self.connected.set()
                 for item in stream:
-                    replica.note_term(item.term)  # a deposed leader's message is refused: reconnect
+                    replica.check_term(item.term)  # a deposed leader's message is refused: reconnect
                     if isinstance(item, Snapshot) and item.incarnation != replica.incarnation:
                         if not self._resync(item):
                             return
@@ -99,6 +99,9 @@ class Follower:
                         replica.load_snapshot(item.version, item.tables)
                     else:
                         replica.push(item)
+                    # only now: a model step planned on this term waits for it (wait_term), so it never
+                    # runs on the tables (or KV) an older leader's stream left before a resync replaced them
+                    replica.note_term(item.term)
                     if replica.lag > replica.max_pending:
                         self.runtime.catch_up()
                     self._report_lag()

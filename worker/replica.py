@@ -30,7 +30,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 
 from blockd.core.errors import InvalidArgument, NotFound, WrongState, shown
-from blockd.core.incarnations import PoolIncarnationMismatch, PoolIncarnationUnavailable, short
+from blockd.core.incarnations import PoolIncarnationMismatch, PoolIncarnationUnavailable, TermNotSeen, short
 from blockd.core.types import VersionDelta
 
 CopyFn = Callable[[Sequence[tuple[int, int]]], None]
@@ -91,14 +91,37 @@ class TableReplica:
             self.num_snapshots += 1
             self._cond.notify_all()
 
-    def note_term(self, term: int) -> None:
+    def check_term(self, term: int) -> None:
         """A Watch message served by the leader of ``term`` (0: not replicated) is about to be
         applied: refuse it when a newer leader has served this replica (a deposed leader's stream)."""
         with self._cond:
             if term and term < self.term:
                 raise WrongState(f"a Watch message of leader term {term} after term {self.term}: it comes from a "
                                  "deposed leader; reconnecting to the current one")
-            self.term = max(self.term, term)
+
+    def note_term(self, term: int) -> None:
+        """A Watch message of leader ``term`` has been taken in (after :meth:`check_term`): calls
+        planned on that term may run (:meth:`wait_term`)."""
+        with self._cond:
+            if term > self.term:
+                self.term = term
+                self._cond.notify_all()
+
+    def wait_term(self, term: int, timeout_s: float) -> None:
+        """Return once this replica has taken in a Watch message of leader ``term`` or newer
+        (0: not replicated, at once); :class:`~blockd.core.incarnations.TermNotSeen` after
+        ``timeout_s``. A call planned on a new leader's version must not run on tables an older
+        leader served: with ``async`` replication those may hold versions the new leader lacks,
+        and the new leader's stream (a snapshot marked resync) is what replaces them."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while term > self.term:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TermNotSeen(f"the call was planned on leader term {term}, but this worker's tables were "
+                                      f"last served in term {self.term} and the new leader's stream has not reached "
+                                      f"it within {timeout_s:g} s; retry once the worker follows the new leader")
+                self._cond.wait(left)
 
     def push(self, delta: VersionDelta) -> None:
         """Queue the next delta; it must follow the last one received."""

@@ -73,6 +73,8 @@ class KVShardServicer:
                            "or ListWorkers, so a restarted worker cannot answer for KV it lost")
         require_id(request.pool_incarnation, "pool_incarnation")
         require_id(request.worker_incarnation, "worker_incarnation")
+        # before the incarnation check: a resync on the new leader's stream changes the incarnation
+        self.runtime.replica.wait_term(getattr(request, "term", 0), self.runtime.version_timeout_s)
         mine = self.runtime.incarnation
         if request.worker_incarnation != mine:
             raise WorkerIncarnationMismatch(

@@ -84,6 +84,14 @@ class KVNotWritten(IdentityError):
     reason = "KV_NOT_WRITTEN"
 
 
+class TermNotSeen(IdentityError):
+    """A call planned on a leader term the worker's table replica has not
+    been served in yet: its tables may still be an older leader's (with
+    ``async`` replication, versions the new leader does not have)."""
+
+    reason = "TERM_NOT_SEEN"
+
+
 __all__ = [
     "MAX_LISTED_BYTES",
     "IdentityError",

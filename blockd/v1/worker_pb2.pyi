@@ -347,6 +347,7 @@ class ModelStepRequest(_message.Message):
     POOL_INCARNATION_FIELD_NUMBER: _builtins.int
     WORKER_INCARNATION_FIELD_NUMBER: _builtins.int
     SAMPLING_FIELD_NUMBER: _builtins.int
+    TERM_FIELD_NUMBER: _builtins.int
     pool: _builtins.str
     version: _builtins.int
     return_logits: _builtins.bool
@@ -355,6 +356,13 @@ class ModelStepRequest(_message.Message):
     """The pool incarnation `version` belongs to (required)."""
     worker_incarnation: _builtins.str
     """The worker incarnation the caller planned against (required)."""
+    term: _builtins.int
+    """The leader term of the Step response whose version this names (a
+    replicated blockd; 0: not checked). The worker first waits until its
+    table replica has been served in that term (its Watch follows the new
+    leader, and has resynced where a failover may have lost versions), then
+    refuses with FAILED_PRECONDITION, reason TERM_NOT_SEEN.
+    """
     @_builtins.property
     def seq_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     @_builtins.property
@@ -391,10 +399,11 @@ class ModelStepRequest(_message.Message):
         pool_incarnation: _builtins.str = ...,
         worker_incarnation: _builtins.str = ...,
         sampling: _abc.Iterable[Global___SamplingParams] | None = ...,
+        term: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["context_lens", b"context_lens", "pool", b"pool", "pool_incarnation", b"pool_incarnation", "query_lens", b"query_lens", "return_logits", b"return_logits", "sampling", b"sampling", "seq_ids", b"seq_ids", "slot_mapping", b"slot_mapping", "token_ids", b"token_ids", "version", b"version", "worker_incarnation", b"worker_incarnation"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["context_lens", b"context_lens", "pool", b"pool", "pool_incarnation", b"pool_incarnation", "query_lens", b"query_lens", "return_logits", b"return_logits", "sampling", b"sampling", "seq_ids", b"seq_ids", "slot_mapping", b"slot_mapping", "term", b"term", "token_ids", b"token_ids", "version", b"version", "worker_incarnation", b"worker_incarnation"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
