@@ -183,7 +183,7 @@ def test_tensor_parallel_ranks_must_agree(monkeypatch):
     batch.add("b", 1, [5], [20])
     with WorkerGroup("p", ["127.0.0.1:1", "127.0.0.1:2"]) as group:  # channels connect lazily
         answers = {group.workers[0].target: [7, 8], group.workers[1].target: [7, 8]}
-        monkeypatch.setattr(group, "_step", lambda worker, version, b, incarnation: answers[worker.target])
+        monkeypatch.setattr(group, "_step", lambda worker, version, b, incarnation, term=0: answers[worker.target])
         assert group.run(3, batch) == [7, 8]
         answers[group.workers[1].target] = [7, 9]
         with pytest.raises(TensorParallelMismatch, match=r"rank 1 .* sequence 'b'"):
