@@ -34,6 +34,7 @@ from transformers import PreTrainedModel
 from blockd.core import arith
 from blockd.core.errors import BlockdError, InvalidArgument, shown
 from worker.model.build import check_pool, model_geometry
+from worker.model.fused import fuse_layers
 from worker.model.linear import LINEAR_KERNELS, pack_linears, packing_available
 from worker.model.paged import PagedBatch
 from worker.runtime import WorkerRuntime
@@ -95,6 +96,8 @@ class ModelRunner:
         self.model = model.to(runtime.device)
         # last: the weights are final once sharded and on the device
         self.packed_linears = pack_linears(self.model) if linear == "auto" and packing_available(self.model) else 0
+        # on the packed path, Llama/Qwen2 layers also run fused (worker.model.fused)
+        self.fused_layers = fuse_layers(self.model) if self.packed_linears else 0
         self.runtime = runtime
         self.tp = tp
         self.vocab_size = model.config.vocab_size
