@@ -73,8 +73,13 @@ class WrittenSlots:
         if not slots.numel():
             return
         blocks = torch.div(slots, self.block_size, rounding_mode="floor")
-        self.bits[layer, blocks, slots - blocks * self.block_size] = True
-        touched = torch.unique(blocks)
+        self.mark_split(layer, blocks, slots - blocks * self.block_size, torch.unique(blocks))
+
+    def mark_split(self, layer: int, blocks: torch.Tensor, offsets: torch.Tensor, touched: torch.Tensor) -> None:
+        """:meth:`mark` with the slots already split (int64 CPU ``blocks``,
+        ``offsets``, no padding) and ``touched`` = ``unique(blocks)``: a model
+        step splits its slots once for every layer."""
+        self.bits[layer, blocks, offsets] = True
         rows = self.bits[layer].index_select(0, touched).to(torch.int32)
         self.lead[layer, touched] = rows.cumprod(1).sum(1, dtype=torch.int32)
 
