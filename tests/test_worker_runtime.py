@@ -48,6 +48,8 @@ class Harness:
             key, value = kv[:, :, 0].contiguous(), kv[:, :, 1].contiguous()
             if step is not None:
                 out = self.runtime.step_attention(step, layer, query, key, value)
+                if layer == 1:
+                    self.runtime.finish_step(step)
             else:
                 out = self.runtime.attention(version, layer, seq_ids, new_counts, ctx, query, key=key, value=value,
                                              slot_mapping=slots)

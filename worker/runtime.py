@@ -262,7 +262,10 @@ class WorkerRuntime:
         K/V (``[T, local_kv_heads, head_dim]``) into their slots, then paged
         attention of ``query`` ``[T, local_q_heads, head_dim]``. The cached
         context was checked written by the runner, and the new tokens are
-        written here, so only the pool incarnation is re-checked per layer."""
+        written here, so only the pool incarnation is re-checked per layer.
+        The written-slot record learns of the new tokens in
+        :meth:`finish_step`, once for every layer, after the last one (a step
+        that fails half-way leaves them unrecorded: they get recomputed)."""
         local = self._local_layer(layer)
         geometry = self.geometry
         heads = query.shape[1] if isinstance(query, torch.Tensor) and query.dim() == 3 else -1
@@ -279,7 +282,6 @@ class WorkerRuntime:
             rows = self.kv[local].view(-1, geometry.head_dim)
             rows.index_copy_(0, step.key_rows, key.reshape(-1, geometry.head_dim))
             rows.index_copy_(0, step.key_rows + self._value_offset, value.reshape(-1, geometry.head_dim))
-            self.written.mark_split(local, step.blocks, step.offsets, step.touched)
             self.metrics.observe_kernel("write_kv", time.perf_counter() - start)
             self._plan_from((*step.plan_key, heads, scale), step.seq_ids, step.query_lens, step.context_lens,
                             heads, scale)
@@ -289,6 +291,16 @@ class WorkerRuntime:
         self.tokens_processed += step.total
         self.metrics.add_tokens(step.total)
         return out
+
+    def finish_step(self, step: PreparedStep) -> None:
+        """Record the step's new tokens as written in every layer of this shard
+        (call after :meth:`step_attention` ran for each of them)."""
+        with self._lock:
+            if self._kv_incarnation != step.incarnation:
+                return  # the record was cleared for another pool incarnation: nothing of this step is kept
+            start = time.perf_counter()
+            self.written.mark_split(slice(None), step.blocks, step.offsets, step.touched)
+            self.metrics.observe_kernel("write_kv", time.perf_counter() - start)
 
     def write_kv(self, version: int, layer: int, key: torch.Tensor, value: torch.Tensor,
                  slot_mapping: Sequence[int] | torch.Tensor, *, pool_incarnation: str | None = None) -> None:

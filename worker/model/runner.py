@@ -197,4 +197,5 @@ class ModelRunner:
             out = self.model(input_ids=batch.token_ids.to(device).unsqueeze(0),
                              position_ids=positions.to(device).unsqueeze(0), use_cache=False,
                              logits_to_keep=last.to(device), blockd_batch=paged)
+        self.runtime.finish_step(prepared)
         return out.logits[0].float().cpu()
