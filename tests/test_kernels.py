@@ -396,6 +396,21 @@ def test_compiled_layer_ops_match_torch(tokens, hidden, q_heads, kv_heads, head_
         assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_copy_rows_matches_index_copy(dtype):
+    """The prepared step's K/V write: the compiled row copy equals index_copy_ and refuses rows past the end."""
+    gen = torch.Generator().manual_seed(1)
+    dst = torch.randn(50, 16, generator=gen).to(dtype)
+    rows = torch.randperm(50, generator=gen)[:13]
+    src = torch.randn(13, 16, generator=gen).to(dtype)
+    want = dst.clone().index_copy_(0, rows, src)
+    layer_ops(compiled=True).copy_rows(dst, rows, src)
+    assert torch.equal(dst, want)
+    with pytest.raises(RuntimeError, match="row 50 is outside"):
+        layer_ops(compiled=True).copy_rows(dst, torch.tensor([3, 50]), src[:2])
+    assert torch.equal(dst, want), "nothing is written when a row is refused"
+
+
 def test_compiled_layer_ops_refuse_bad_input():
     ops = layer_ops(compiled=True)
     x = torch.randn(4, 8)

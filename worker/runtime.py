@@ -33,7 +33,7 @@ import torch
 from blockd.core.errors import InvalidArgument, WrongState, shown
 from blockd.core.incarnations import new_incarnation
 from blockd.core.types import PoolConfig
-from worker.kernels import PagedAttention, copy_blocks, select_device, write_kv
+from worker.kernels import PagedAttention, copy_blocks, native, select_device, write_kv
 from worker.layout import KVGeometry, allocate_kv_pool, split_slots
 from worker.replica import TableReplica
 from worker.written import ContextBlocks, WrittenSlots
@@ -85,8 +85,9 @@ class PreparedStep:
     offsets: torch.Tensor
     touched: torch.Tensor
     #: rows of a layer's K half seen as ``[2 * N * H * b, D]``, token-major then head ([T * H]),
-    #: on the pool's device; V's rows are these plus ``N * H * b``
+    #: on the pool's device; ``value_rows``: the same for V (``N * H * b`` rows further)
     key_rows: torch.Tensor
+    value_rows: torch.Tensor
     plan_key: tuple
 
 
@@ -153,6 +154,9 @@ class WorkerRuntime:
         self._lock = threading.Lock()
         #: a layer's V rows follow its K rows in ``kv[layer].view(-1, head_dim)``
         self._value_offset = self.geometry.num_blocks * self.geometry.num_kv_heads * self.geometry.block_size
+        # a prepared step's K/V rows go in by the compiled library's copy (one memcpy per
+        # row) where the attention kernel is that library; index_copy_ otherwise
+        self._copy_rows = native.layer_ops().copy_rows if self._attention.backend == "native" else None
 
     @property
     def pool_bytes(self) -> int:
@@ -254,7 +258,8 @@ class WorkerRuntime:
         rows = (block[:, None] * heads + torch.arange(heads, dtype=torch.int64)[None, :]) * b + offset[:, None]
         plan_key = (version, incarnation, tuple(seq_ids), tuple(q_lens.tolist()), tuple(ctx.tolist()))
         return PreparedStep(version, pool_incarnation, incarnation, list(seq_ids), q_lens, ctx, total, slots,
-                            block, offset, torch.unique(block), rows.reshape(-1).to(self.device), plan_key)
+                            block, offset, torch.unique(block), rows.reshape(-1).to(self.device),
+                            (rows.reshape(-1) + self._value_offset).to(self.device), plan_key)
 
     def step_attention(self, step: PreparedStep, layer: int, query: torch.Tensor, key: torch.Tensor,
                        value: torch.Tensor, scale: float | None = None) -> torch.Tensor:
@@ -280,8 +285,11 @@ class WorkerRuntime:
                 raise WrongState("the pool incarnation changed during the step; plan it again")
             start = time.perf_counter()
             rows = self.kv[local].view(-1, geometry.head_dim)
-            rows.index_copy_(0, step.key_rows, key.reshape(-1, geometry.head_dim))
-            rows.index_copy_(0, step.key_rows + self._value_offset, value.reshape(-1, geometry.head_dim))
+            for index, new in ((step.key_rows, key), (step.value_rows, value)):
+                if self._copy_rows is not None:
+                    self._copy_rows(rows, index, new.reshape(-1, geometry.head_dim).contiguous())
+                else:
+                    rows.index_copy_(0, index, new.reshape(-1, geometry.head_dim))
             self.metrics.observe_kernel("write_kv", time.perf_counter() - start)
             self._plan_from((*step.plan_key, heads, scale), step.seq_ids, step.query_lens, step.context_lens,
                             heads, scale)

@@ -8,6 +8,8 @@
 //       sum = residual + x; out = rms_norm(sum)
 //   rotary(qkv [T, (Hq + 2 Hkv) D], cos [T, D], sin [T, D], Hq, Hkv) -> (q [T, Hq, D], k, v [T, Hkv, D])
 //       q, k rotated (rotate-half form: x * cos + rotate_half(x) * sin), v copied
+//   copy_rows(dst [R, W], rows int64 [n], src [n, W]) -> ()
+//       dst[rows[i]] = src[i], any dtype (the prepared step's K/V write, worker/runtime.py)
 //
 // Why: transformers' Llama layer runs these as 6-10 separate torch ops each
 // (pow, mean, add, rsqrt, mul, mul; rotate_half's slices, neg and cat), every
@@ -30,6 +32,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <tuple>
 
 namespace blockd_layer {
@@ -149,6 +152,25 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rotary(const at::Tensor& qkv, con
   return {q, k, v};
 }
 
+// dst[rows[i]] = src[i] for whole rows of any dtype (a layer's new K or V
+// into its pool rows): one memcpy per row, on the calling thread (a decode
+// step writes a few hundred rows of a few hundred bytes).
+void copy_rows(at::Tensor& dst, const at::Tensor& rows, const at::Tensor& src) {
+  TORCH_CHECK(dst.dim() == 2 && src.dim() == 2 && dst.is_contiguous() && src.is_contiguous() &&
+              dst.device().is_cpu() && src.device().is_cpu(), "dst and src must be contiguous 2-D CPU tensors");
+  TORCH_CHECK(dst.scalar_type() == src.scalar_type() && dst.size(1) == src.size(1),
+              "dst and src must have one dtype and row width");
+  TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong && rows.is_contiguous() &&
+              rows.size(0) == src.size(0), "rows must be a contiguous int64 [src rows]");
+  const int64_t n = rows.size(0), limit = dst.size(0);
+  const int64_t bytes = src.size(1) * static_cast<int64_t>(src.element_size());
+  const int64_t* r = rows.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) TORCH_CHECK(r[i] >= 0 && r[i] < limit, "row ", r[i], " is outside [0, ", limit, ")");
+  char* d = static_cast<char*>(dst.data_ptr());
+  const char* s = static_cast<const char*>(src.data_ptr());
+  for (int64_t i = 0; i < n; ++i) std::memcpy(d + r[i] * bytes, s + i * bytes, bytes);
+}
+
 }  // namespace
 }  // namespace blockd_layer
 
@@ -156,6 +178,7 @@ TORCH_LIBRARY(blockd_layer, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &blockd_layer::rms_norm);
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)",
         &blockd_layer::add_rms_norm);
+  m.def("copy_rows(Tensor(a!) dst, Tensor rows, Tensor src) -> ()", &blockd_layer::copy_rows);
   m.def("rotary(Tensor qkv, Tensor cos, Tensor sin, int q_heads, int kv_heads) -> (Tensor, Tensor, Tensor)",
         &blockd_layer::rotary);
 }
