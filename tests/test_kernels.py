@@ -396,6 +396,16 @@ def test_compiled_layer_ops_match_torch(tokens, hidden, q_heads, kv_heads, head_
         assert torch.equal(got, want)
 
 
+def test_compiled_residual_add_is_exact():
+    ops = layer_ops(compiled=True)
+    gen = torch.Generator().manual_seed(5)
+    for tokens in (1, 64, 300):
+        a, b = torch.randn(tokens, 576, generator=gen), torch.randn(tokens, 576, generator=gen)
+        assert torch.equal(ops.add(a, b), a + b)
+    with pytest.raises(RuntimeError, match="differ in shape"):
+        ops.add(torch.randn(2, 4), torch.randn(2, 5))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_compiled_copy_rows_matches_index_copy(dtype):
     """The prepared step's K/V write: the compiled row copy equals index_copy_ and refuses rows past the end."""

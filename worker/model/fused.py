@@ -11,8 +11,9 @@ forward, which computes the same function as vLLM's CPU path does:
 * q/k/v as one oneDNN-packed projection and gate/up as one (the weights
   concatenated along their outputs; the originals keep their parameters
   for the state dict, but drop their packed copies, so memory stays the same);
-* RMSNorm, residual add + RMSNorm, and RoPE (+ the q/k/v split into
-  token-major tensors) as one compiled op each (``csrc/layer_ops.cpp``), or
+* RMSNorm, residual add + RMSNorm, RoPE (+ the q/k/v split into
+  token-major tensors) and the closing residual add as one compiled op each
+  (SiLU-and-mul stays torch's, whose vectorised exp is faster) (``csrc/layer_ops.cpp``), or
   as the same torch math when the compiled library is unavailable or
   ``BLOCKD_ATTENTION_BACKEND=torch``;
 * attention straight through :func:`worker.model.paged.attend`.
@@ -82,6 +83,7 @@ class _TorchOps:
     rms_norm = staticmethod(rms_norm_torch)
     add_rms_norm = staticmethod(add_rms_norm_torch)
     rotary = staticmethod(rotary_torch)
+    add = staticmethod(torch.add)
 
 
 def layer_ops(compiled: bool | None = None):
@@ -126,11 +128,12 @@ class FusedLayer(nn.Module):
         out = attend(blockd_batch, attn.layer_idx, q, k, v, attn.scaling)
         x, h = ops.add_rms_norm(attn.o_proj(out.reshape(shape[1], -1)), x,  # type: ignore[attr-defined]
                                 norm2.weight, norm2.variance_epsilon)
+        # SiLU-and-mul stays torch's: its vectorised exp beat a compiled one (~55 vs ~80 us here)
         gate_up = self._gate_up(h)
         inter = gate_up.shape[1] // 2
         act = nn.functional.silu(gate_up[:, :inter])
         act.mul_(gate_up[:, inter:])
-        return (x + mlp.down_proj(act)).view(shape)
+        return ops.add(x, mlp.down_proj(act)).view(shape)  # type: ignore[attr-defined]
 
 
 class FusedNorm(nn.Module):

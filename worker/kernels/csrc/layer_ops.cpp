@@ -8,6 +8,7 @@
 //       sum = residual + x; out = rms_norm(sum)
 //   rotary(qkv [T, (Hq + 2 Hkv) D], cos [T, D], sin [T, D], Hq, Hkv) -> (q [T, Hq, D], k, v [T, Hkv, D])
 //       q, k rotated (rotate-half form: x * cos + rotate_half(x) * sin), v copied
+//   add(a [T, H], b [T, H]) -> a + b
 //   copy_rows(dst [R, W], rows int64 [n], src [n, W]) -> ()
 //       dst[rows[i]] = src[i], any dtype (the prepared step's K/V write, worker/runtime.py)
 //
@@ -152,6 +153,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rotary(const at::Tensor& qkv, con
   return {q, k, v};
 }
 
+// a + b, elementwise (the residual add closing a layer) on the calling thread
+// for a decode batch.
+at::Tensor add(const at::Tensor& a, const at::Tensor& b) {
+  check_rows(a, "a");
+  check_rows(b, "b");
+  TORCH_CHECK(a.sizes() == b.sizes(), "a and b differ in shape");
+  const int64_t T = a.size(0), H = a.size(1);
+  at::Tensor out = at::empty({T, H}, a.options());
+  const float* ap = a.data_ptr<float>();
+  const float* bp = b.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, T, grain(H), [&](int64_t lo, int64_t hi) {
+    for (int64_t i = lo * H; i < hi * H; ++i) op[i] = ap[i] + bp[i];
+  });
+  return out;
+}
+
 // dst[rows[i]] = src[i] for whole rows of any dtype (a layer's new K or V
 // into its pool rows): one memcpy per row, on the calling thread (a decode
 // step writes a few hundred rows of a few hundred bytes).
@@ -178,6 +196,7 @@ TORCH_LIBRARY(blockd_layer, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &blockd_layer::rms_norm);
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)",
         &blockd_layer::add_rms_norm);
+  m.def("add(Tensor a, Tensor b) -> Tensor", &blockd_layer::add);
   m.def("copy_rows(Tensor(a!) dst, Tensor rows, Tensor src) -> ()", &blockd_layer::copy_rows);
   m.def("rotary(Tensor qkv, Tensor cos, Tensor sin, int q_heads, int kv_heads) -> (Tensor, Tensor, Tensor)",
         &blockd_layer::rotary);
