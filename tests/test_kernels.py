@@ -17,6 +17,9 @@ tiled torch kernels), ``native`` (the compiled CPU kernel; its vector, 4-wide
 and scalar code paths are checked separately) and ``flashinfer`` (CUDA; skips
 when torch sees no GPU or flashinfer is not installed; bf16/fp16 only).
 CUDA variants run the same checks on a GPU and skip when torch sees none.
+
+The decoder layer's compiled elementwise ops (``csrc/layer_ops.cpp``) are
+checked against their torch fallbacks in :mod:`worker.model.fused`.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from worker.kernels import (
     write_kv,
 )
 from worker.layout import KVGeometry, allocate_kv_pool, as_rows, gather_rows, split_slots
+from worker.model.fused import add_rms_norm_torch, layer_ops, rms_norm_torch, rotary_torch
 
 TOLERANCE = {
     torch.float32: {"atol": 1e-4, "rtol": 1e-4},
@@ -359,6 +363,77 @@ def test_backend_setting_is_validated(monkeypatch):
         PagedAttention("cpu")
     with pytest.raises(ValueError, match="CUDA devices only"):
         PagedAttention("cpu", backend="flashinfer")
+
+
+# ---------------------------------------------------------------- the fused layer ops
+
+# (tokens, hidden, q heads, kv heads, head dim): a decode batch (one thread), a
+# prefill (parallel chunks), a width that is not a multiple of the 16 partial sums
+LAYER_SHAPES = [(64, 576, 9, 3, 64), (700, 576, 9, 3, 64), (3, 100, 4, 2, 10)]
+
+
+@pytest.mark.parametrize(("tokens", "hidden", "q_heads", "kv_heads", "head_dim"), LAYER_SHAPES)
+def test_compiled_layer_ops_match_torch(tokens, hidden, q_heads, kv_heads, head_dim):
+    """The compiled RMSNorm, add + RMSNorm and RoPE (csrc/layer_ops.cpp) against
+    their torch fallbacks (transformers' math): RoPE is bit-identical (the same
+    roundings, no FMA contraction), the norms differ only by the order of the
+    mean's sum (float32 rounding, ~1e-7 relative)."""
+    ops = layer_ops(compiled=True)
+    gen = torch.Generator().manual_seed(tokens)
+    x, residual = (torch.randn(tokens, hidden, generator=gen) * 3 for _ in range(2))
+    weight = torch.rand(hidden, generator=gen) + 0.5
+    torch.testing.assert_close(ops.rms_norm(x, weight, 1e-5), rms_norm_torch(x, weight, 1e-5), atol=1e-6, rtol=1e-5)
+    total, normed = ops.add_rms_norm(x, residual, weight, 1e-6)
+    want_total, want_normed = add_rms_norm_torch(x, residual, weight, 1e-6)
+    assert torch.equal(total, want_total)
+    torch.testing.assert_close(normed, want_normed, atol=1e-6, rtol=1e-5)
+    qkv = torch.randn(tokens, (q_heads + 2 * kv_heads) * head_dim, generator=gen)
+    angles = torch.rand(tokens, head_dim // 2, generator=gen) * 100
+    cos, sin = (torch.cat((f(angles), f(angles)), dim=-1) for f in (torch.cos, torch.sin))
+    for got, want in zip(ops.rotary(qkv, cos, sin, q_heads, kv_heads),
+                         rotary_torch(qkv, cos, sin, q_heads, kv_heads)):
+        assert got.is_contiguous() and got.shape == want.shape
+        assert torch.equal(got, want)
+
+
+def test_compiled_residual_add_is_exact():
+    ops = layer_ops(compiled=True)
+    gen = torch.Generator().manual_seed(5)
+    for tokens in (1, 64, 300):
+        a, b = torch.randn(tokens, 576, generator=gen), torch.randn(tokens, 576, generator=gen)
+        assert torch.equal(ops.add(a, b), a + b)
+    with pytest.raises(RuntimeError, match="differ in shape"):
+        ops.add(torch.randn(2, 4), torch.randn(2, 5))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_copy_rows_matches_index_copy(dtype):
+    """The prepared step's K/V write: the compiled row copy equals index_copy_ and refuses rows past the end."""
+    gen = torch.Generator().manual_seed(1)
+    dst = torch.randn(50, 16, generator=gen).to(dtype)
+    rows = torch.randperm(50, generator=gen)[:13]
+    src = torch.randn(13, 16, generator=gen).to(dtype)
+    want = dst.clone().index_copy_(0, rows, src)
+    layer_ops(compiled=True).copy_rows(dst, rows, src)
+    assert torch.equal(dst, want)
+    with pytest.raises(RuntimeError, match="row 50 is outside"):
+        layer_ops(compiled=True).copy_rows(dst, torch.tensor([3, 50]), src[:2])
+    assert torch.equal(dst, want), "nothing is written when a row is refused"
+
+
+def test_compiled_layer_ops_refuse_bad_input():
+    ops = layer_ops(compiled=True)
+    x = torch.randn(4, 8)
+    for call, match in [
+        (lambda: ops.rms_norm(x.t(), torch.ones(4), 1e-6), "contiguous float32"),
+        (lambda: ops.rms_norm(x.double(), torch.ones(8), 1e-6), "contiguous float32"),
+        (lambda: ops.rms_norm(x, torch.ones(7), 1e-6), "weight must be"),
+        (lambda: ops.add_rms_norm(x, torch.randn(3, 8), torch.ones(8), 1e-6), "differ in shape"),
+        (lambda: ops.rotary(torch.randn(4, 40), torch.ones(4, 8), torch.ones(4, 8), 2, 2), "q_heads \\+ 2 kv_heads"),
+        (lambda: ops.rotary(torch.randn(4, 32), torch.ones(3, 8), torch.ones(3, 8), 2, 1), "cos and sin"),
+    ]:
+        with pytest.raises(RuntimeError, match=match):
+            call()
 
 
 # ---------------------------------------------------------------- plan once, run per layer

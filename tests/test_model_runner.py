@@ -148,9 +148,34 @@ def test_runner_matches_hf_logits_and_greedy_generate(spec, linear):
     local = Local(spec, linear=linear)
     linears = sum(type(m) in (nn.Linear, PackedLinear) for m in local.runner.model.modules())
     assert local.runner.packed_linears == (linears if linear == "auto" else 0)
+    # Llama and Qwen2 layers run fused on the packed path (GPT-2 keeps transformers' layers)
+    assert local.runner.fused_layers == (2 if linear == "auto" and spec != "tiny-gpt2" else 0)
     scenario = Scenario(local.step, local.runner.step, reference(spec))
     scenario.drive()
     assert scenario.max_diff < TOL
+
+
+@pytest.mark.parametrize("spec", ["tiny-llama", "tiny-qwen2"])
+def test_fused_layers_with_the_torch_ops_keep_weights_and_hooks(spec, monkeypatch):
+    """The fused layers on the torch fallback of their compiled ops (as where
+    nothing compiles) match transformers too; fusing adds no state-dict entry,
+    changes no weight, and o_proj's forward hook (tensor parallelism's
+    all-reduce) still runs."""
+    monkeypatch.setenv("BLOCKD_ATTENTION_BACKEND", "torch")
+    model = build_model(spec, seed=0)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    seen = []
+    model.model.layers[1].self_attn.o_proj.register_forward_hook(lambda mod, args, out: seen.append(out.shape))
+    local = Local(spec, model)
+    assert local.runner.fused_layers == 2
+    assert type(model.model.layers[0]).__name__.startswith("FusedLayer")
+    assert model.model.layers[0]._ops.__name__ == "_TorchOps"
+    assert state.keys() == model.state_dict().keys()
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+    scenario = Scenario(local.step, local.runner.step, reference(spec))
+    scenario.drive()
+    assert scenario.max_diff < TOL
+    assert seen
 
 
 def test_packed_linears_keep_outputs_hooks_and_weights():

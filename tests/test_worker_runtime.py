@@ -38,17 +38,24 @@ class Harness:
     def rand(self, *shape):
         return torch.randn(*shape, generator=self.gen).to(self.runtime.dtype)
 
-    def run(self, version, seq_ids, new_counts, slots):
-        """Write new K/V for each sequence and check attention on every layer."""
+    def run(self, version, seq_ids, new_counts, slots, prepared=False):
+        """Write new K/V for each sequence and check attention on every layer
+        (``prepared``: as a model step does, the batch prepared once)."""
         total = sum(new_counts)
         ctx = [len(self.history.get(s, [torch.empty(0, HEADS, 2, DIM)])[0]) + n
                for s, n in zip(seq_ids, new_counts)]
+        step = self.runtime.prepare_step(version, seq_ids, new_counts, ctx, torch.tensor(slots)) if prepared else None
         for layer in range(2):
             kv = self.rand(total, HEADS, 2, DIM)
             query = self.rand(total, Q_HEADS, DIM)
-            out = self.runtime.attention(version, layer, seq_ids, new_counts, ctx, query,
-                                         key=kv[:, :, 0].contiguous(), value=kv[:, :, 1].contiguous(),
-                                         slot_mapping=slots)
+            key, value = kv[:, :, 0].contiguous(), kv[:, :, 1].contiguous()
+            if step is not None:
+                out = self.runtime.step_attention(step, layer, query, key, value)
+                if layer == 1:
+                    self.runtime.finish_step(step)
+            else:
+                out = self.runtime.attention(version, layer, seq_ids, new_counts, ctx, query, key=key, value=value,
+                                             slot_mapping=slots)
             row = 0
             for s, n in zip(seq_ids, new_counts):
                 hist = self.history.setdefault(s, [torch.empty(0, HEADS, 2, DIM, dtype=kv.dtype)] * 2)
@@ -59,20 +66,43 @@ class Harness:
                 row += n
 
 
+@pytest.mark.parametrize("prepared", [False, True])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_runtime_follows_versions_and_matches_dense(dtype):
+def test_runtime_follows_versions_and_matches_dense(dtype, prepared):
+    """Per-layer calls, and a model step's path (the batch prepared once, then
+    ``step_attention`` per layer): the same pool contents and results."""
     h = Harness(dtype)
     r = h.step([Allocate("a", list(range(7))), Allocate("b", list(range(100, 105)))])
-    h.run(r.version, ["a", "b"], [7, 5], list(r.results[0].slot_mapping + r.results[1].slot_mapping))
+    h.run(r.version, ["a", "b"], [7, 5], list(r.results[0].slot_mapping + r.results[1].slot_mapping), prepared)
     r = h.step([Fork("a", "c")])
     h.history["c"] = [t.clone() for t in h.history["a"]]
     r = h.step([Append("a", [1]), Append("c", [2])])  # a copies the shared half-full block on write
     assert r.copy_ops
-    h.run(r.version, ["a", "c"], [1, 1], [r.results[0].slot_mapping[0], r.results[1].slot_mapping[0]])
+    h.run(r.version, ["a", "c"], [1, 1], [r.results[0].slot_mapping[0], r.results[1].slot_mapping[0]], prepared)
     r = h.step([Free("b"), Allocate("d", list(range(200, 209)))])  # reuses b's blocks
-    h.run(r.version, ["d"], [9], list(r.results[1].slot_mapping))
+    h.run(r.version, ["d"], [9], list(r.results[1].slot_mapping), prepared)
     assert h.runtime.replica.num_copy_ops == 1
     assert h.runtime.replica.tables == h.pool.tables()
+    # either way the written-slot record covers exactly the written tokens
+    tables = h.runtime.replica.tables_of(["a", "c", "d"], r.version, h.runtime.replica.incarnation)
+    h.runtime.check_written(["a", "c", "d"], tables, [8, 8, 9])
+    with pytest.raises(KVNotWritten):
+        h.runtime.check_written(["d"], tables[2:], [10])  # d's 10th slot is allocated, not written
+
+
+def test_prepared_step_refuses_bad_input():
+    h = Harness()
+    r = h.step([Allocate("a", list(range(5)))])
+    slots = torch.tensor(r.results[0].slot_mapping)
+    with pytest.raises(InvalidArgument, match="no padding"):
+        h.runtime.prepare_step(r.version, ["a"], [5], [5], torch.tensor([-1, *slots[1:].tolist()]))
+    with pytest.raises(InvalidArgument, match="1 <= query_len <= context_len"):
+        h.runtime.prepare_step(r.version, ["a"], [5], [4], slots)
+    step = h.runtime.prepare_step(r.version, ["a"], [5], [5], slots)
+    with pytest.raises(InvalidArgument, match="key must have shape"):
+        h.runtime.step_attention(step, 0, h.rand(5, Q_HEADS, DIM), h.rand(4, HEADS, DIM), h.rand(5, HEADS, DIM))
+    with pytest.raises(InvalidArgument, match="layer 2 is not held"):
+        h.runtime.step_attention(step, 2, h.rand(5, Q_HEADS, DIM), h.rand(5, HEADS, DIM), h.rand(5, HEADS, DIM))
 
 
 def test_versions_stale_future_and_bad_input():

@@ -33,8 +33,8 @@ import torch
 from blockd.core.errors import InvalidArgument, WrongState, shown
 from blockd.core.incarnations import new_incarnation
 from blockd.core.types import PoolConfig
-from worker.kernels import PagedAttention, copy_blocks, select_device, write_kv
-from worker.layout import KVGeometry, allocate_kv_pool
+from worker.kernels import PagedAttention, copy_blocks, native, select_device, write_kv
+from worker.layout import KVGeometry, allocate_kv_pool, split_slots
 from worker.replica import TableReplica
 from worker.written import ContextBlocks, WrittenSlots
 
@@ -63,6 +63,32 @@ class ShardSpec:
         if not 0 <= self.kv_head_start < self.kv_head_end <= config.num_kv_heads:
             raise InvalidArgument(f"KV head range [{self.kv_head_start}, {self.kv_head_end}) is not inside "
                                   f"the pool's {config.num_kv_heads} KV heads")
+
+
+@dataclass(frozen=True)
+class PreparedStep:
+    """One model step's batch, validated and indexed once for every layer
+    (:meth:`WorkerRuntime.prepare_step`): the per-layer calls
+    (:meth:`WorkerRuntime.step_attention`) only write, mark and attend."""
+
+    version: int
+    pool_incarnation: str | None
+    #: the pool incarnation the replica served when the step was prepared
+    incarnation: str
+    seq_ids: list[str]
+    query_lens: torch.Tensor  # int64 [batch]
+    context_lens: torch.Tensor  # int64 [batch]
+    total: int
+    slots: torch.Tensor  # int64 [T], CPU
+    #: the slots split once (CPU): block and offset of each, and the distinct blocks
+    blocks: torch.Tensor
+    offsets: torch.Tensor
+    touched: torch.Tensor
+    #: rows of a layer's K half seen as ``[2 * N * H * b, D]``, token-major then head ([T * H]),
+    #: on the pool's device; ``value_rows``: the same for V (``N * H * b`` rows further)
+    key_rows: torch.Tensor
+    value_rows: torch.Tensor
+    plan_key: tuple
 
 
 class _NoMetrics:
@@ -126,6 +152,11 @@ class WorkerRuntime:
         self._attention = PagedAttention(self.device)
         self._plan_key: tuple | None = None
         self._lock = threading.Lock()
+        #: a layer's V rows follow its K rows in ``kv[layer].view(-1, head_dim)``
+        self._value_offset = self.geometry.num_blocks * self.geometry.num_kv_heads * self.geometry.block_size
+        # a prepared step's K/V rows go in by the compiled library's copy (one memcpy per
+        # row) where the attention kernel is that library; index_copy_ otherwise
+        self._copy_rows = native.layer_ops().copy_rows if self._attention.backend == "native" else None
 
     @property
     def pool_bytes(self) -> int:
@@ -210,6 +241,84 @@ class WorkerRuntime:
         with self._lock:
             self.written.check(slice(None), context, seq_ids, lengths)
 
+    def prepare_step(self, version: int, seq_ids: Sequence[str], query_lens: Sequence[int],
+                     context_lens: Sequence[int], slot_mapping: torch.Tensor,
+                     pool_incarnation: str | None = None) -> PreparedStep:
+        """Validate and index a model step's batch once (a runner calls this
+        after checking the slots against the tables and the cached context
+        with :meth:`check_written`); :meth:`step_attention` then runs each
+        layer. ``slot_mapping``: int64 ``[sum(query_lens)]`` on the CPU, every
+        slot a real one (no padding)."""
+        q_lens = _int_tensor(query_lens, "query_lens")
+        ctx = _int_tensor(context_lens, "context_lens")
+        if not (len(seq_ids) == q_lens.numel() == ctx.numel()) or not seq_ids:
+            raise InvalidArgument("seq_ids, query_lens and context_lens need one entry per sequence, "
+                                  f"got {len(seq_ids)}, {q_lens.numel()}, {ctx.numel()}")
+        if bool((q_lens < 1).any()) or bool((ctx < q_lens).any()):
+            raise InvalidArgument("each sequence needs 1 <= query_len <= context_len")
+        total = int(q_lens.sum())
+        slots = self._check_slots(slot_mapping, total)
+        if total and int(slots.min()) < 0:
+            raise InvalidArgument("a model step's slots are all real slots (no padding)")
+        with self._lock:
+            incarnation = self._advance(version, pool_incarnation)
+        b, heads = self.config.block_size, self.geometry.num_kv_heads
+        block, offset = split_slots(slots, b)
+        rows = (block[:, None] * heads + torch.arange(heads, dtype=torch.int64)[None, :]) * b + offset[:, None]
+        plan_key = (version, incarnation, tuple(seq_ids), tuple(q_lens.tolist()), tuple(ctx.tolist()))
+        return PreparedStep(version, pool_incarnation, incarnation, list(seq_ids), q_lens, ctx, total, slots,
+                            block, offset, torch.unique(block), rows.reshape(-1).to(self.device),
+                            (rows.reshape(-1) + self._value_offset).to(self.device), plan_key)
+
+    def step_attention(self, step: PreparedStep, layer: int, query: torch.Tensor, key: torch.Tensor,
+                       value: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+        """:meth:`attention` of one layer of a prepared step: the new tokens'
+        K/V (``[T, local_kv_heads, head_dim]``) into their slots, then paged
+        attention of ``query`` ``[T, local_q_heads, head_dim]``. The cached
+        context was checked written by the runner, and the new tokens are
+        written here, so only the pool incarnation is re-checked per layer.
+        The written-slot record learns of the new tokens in
+        :meth:`finish_step`, once for every layer, after the last one (a step
+        that fails half-way leaves them unrecorded: they get recomputed)."""
+        local = self._local_layer(layer)
+        geometry = self.geometry
+        heads = query.shape[1] if isinstance(query, torch.Tensor) and query.dim() == 3 else -1
+        if heads <= 0 or heads % geometry.num_kv_heads:
+            raise InvalidArgument(f"query must be [tokens, q_heads, head_dim] with q_heads a multiple of the "
+                                  f"worker's {geometry.num_kv_heads} KV heads")
+        query = self._check_tensor(query, "query", (step.total, heads, geometry.head_dim))
+        shape = (step.total, geometry.num_kv_heads, geometry.head_dim)
+        key, value = self._check_tensor(key, "key", shape), self._check_tensor(value, "value", shape)
+        with self._lock:
+            if self._advance(step.version, step.pool_incarnation) != step.incarnation:
+                raise WrongState("the pool incarnation changed during the step; plan it again")
+            start = time.perf_counter()
+            rows = self.kv[local].view(-1, geometry.head_dim)
+            for index, new in ((step.key_rows, key), (step.value_rows, value)):
+                if self._copy_rows is not None:
+                    self._copy_rows(rows, index, new.reshape(-1, geometry.head_dim).contiguous())
+                else:
+                    rows.index_copy_(0, index, new.reshape(-1, geometry.head_dim))
+            self.metrics.observe_kernel("write_kv", time.perf_counter() - start)
+            self._plan_from((*step.plan_key, heads, scale), step.seq_ids, step.query_lens, step.context_lens,
+                            heads, scale)
+            start = time.perf_counter()
+            out = self._attention.run(query, self.kv[local])
+            self.metrics.observe_kernel("attention", time.perf_counter() - start)
+        self.tokens_processed += step.total
+        self.metrics.add_tokens(step.total)
+        return out
+
+    def finish_step(self, step: PreparedStep) -> None:
+        """Record the step's new tokens as written in every layer of this shard
+        (call after :meth:`step_attention` ran for each of them)."""
+        with self._lock:
+            if self._kv_incarnation != step.incarnation:
+                return  # the record was cleared for another pool incarnation: nothing of this step is kept
+            start = time.perf_counter()
+            self.written.mark_split(slice(None), step.blocks, step.offsets, step.touched)
+            self.metrics.observe_kernel("write_kv", time.perf_counter() - start)
+
     def write_kv(self, version: int, layer: int, key: torch.Tensor, value: torch.Tensor,
                  slot_mapping: Sequence[int] | torch.Tensor, *, pool_incarnation: str | None = None) -> None:
         """Store ``key``/``value`` ``[num_tokens, local_kv_heads, head_dim]`` in their slots."""
@@ -275,8 +384,12 @@ class WorkerRuntime:
         """Plan once per batch: every layer of a forward pass reuses it. Returns
         the batch's context blocks (for the written-slot check)."""
         key = (version, incarnation, tuple(seq_ids), tuple(q_lens.tolist()), tuple(ctx.tolist()), heads, scale)
+        return self._plan_from(key, seq_ids, q_lens, ctx, heads, scale)
+
+    def _plan_from(self, key: tuple, seq_ids, q_lens, ctx, heads, scale) -> ContextBlocks:
         if key == self._plan_key and self._context is not None:
             return self._context
+        version, incarnation = key[0], key[1]
         tables = self.replica.tables_of(seq_ids, version, incarnation)
         b = self.config.block_size
         for seq_id, table, n in zip(seq_ids, tables, ctx.tolist()):

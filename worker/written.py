@@ -73,10 +73,17 @@ class WrittenSlots:
         if not slots.numel():
             return
         blocks = torch.div(slots, self.block_size, rounding_mode="floor")
-        self.bits[layer, blocks, slots - blocks * self.block_size] = True
-        touched = torch.unique(blocks)
-        rows = self.bits[layer].index_select(0, touched).to(torch.int32)
-        self.lead[layer, touched] = rows.cumprod(1).sum(1, dtype=torch.int32)
+        self.mark_split(layer, blocks, slots - blocks * self.block_size, torch.unique(blocks))
+
+    def mark_split(self, layers: int | slice, blocks: torch.Tensor, offsets: torch.Tensor,
+                   touched: torch.Tensor) -> None:
+        """:meth:`mark` for one local layer or a slice of them, with the slots
+        already split (int64 CPU ``blocks``, ``offsets``, no padding) and
+        ``touched`` = ``unique(blocks)``: a model step splits its slots once and
+        marks every layer at its end."""
+        self.bits[layers, blocks, offsets] = True
+        rows = self.bits[layers].index_select(-2, touched).to(torch.int32)
+        self.lead[layers, touched] = rows.cumprod(-1).sum(-1, dtype=torch.int32)
 
     def copy(self, pairs: torch.Tensor) -> None:
         """Blocks copied ``src -> dst`` in every layer (``pairs``: ``[n, 2]``);

@@ -1,5 +1,9 @@
 """The compiled CPU attention kernel (``csrc/paged_attention.cpp``): building, caching, choosing.
 
+The same library holds the decoder layer's fused elementwise ops
+(``csrc/layer_ops.cpp``, namespace ``blockd_layer``, used by
+:mod:`worker.model.fused`); :func:`layer_ops` hands them out.
+
 The kernel is a torch C++ extension compiled on first use with
 ``torch.utils.cpp_extension.load`` (needs a C++ compiler and the ``ninja``
 package), with ``-march=native`` so its vector code is what this CPU offers
@@ -41,11 +45,14 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["ISAS", "KernelUnavailable", "backend_setting", "isa_setting", "load", "ops"]
+__all__ = ["ISAS", "KernelUnavailable", "backend_setting", "isa_setting", "layer_ops", "load", "ops"]
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("csrc") / "paged_attention.cpp"
+_CSRC = Path(__file__).with_name("csrc")
+#: one library: the attention kernel and the decoder layer's elementwise ops
+#: (``blockd_layer``, used by :mod:`worker.model.fused`)
+_SOURCES = (_CSRC / "paged_attention.cpp", _CSRC / "layer_ops.cpp")
 _CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno")
 _LDFLAGS = ("-fopenmp",)
 BACKENDS = ("auto", "native", "torch")
@@ -92,7 +99,7 @@ def _cpu_signature() -> str:
 
 def _build_dir() -> tuple[str, Path]:
     digest = hashlib.sha256()
-    sources = [path.read_bytes() for path in sorted(_SOURCE.parent.iterdir()) if path.is_file()]
+    sources = [path.read_bytes() for path in sorted(_CSRC.iterdir()) if path.is_file()]
     for part in (*sources, " ".join(_CFLAGS + _LDFLAGS).encode(), torch.__version__.encode(),
                  _cpu_signature().encode(), sys.version.encode()):
         digest.update(part)
@@ -123,7 +130,7 @@ def _build() -> None:
         pass
     try:
         # (copies: load() appends to the flag lists it is given)
-        cpp_extension.load(name=name, sources=[str(_SOURCE)], extra_cflags=list(_CFLAGS),
+        cpp_extension.load(name=name, sources=[str(path) for path in _SOURCES], extra_cflags=list(_CFLAGS),
                            extra_ldflags=list(_LDFLAGS), build_directory=str(directory),
                            is_python_module=False, verbose=False)
     finally:
@@ -158,6 +165,11 @@ def failure() -> str:
 def ops():
     """The kernel's ops (``plan``, ``run``, ``best_isa``); call :func:`load` first."""
     return torch.ops.blockd_attention
+
+
+def layer_ops():
+    """The fused layer ops (``rms_norm``, ``add_rms_norm``, ``rotary``); call :func:`load` first."""
+    return torch.ops.blockd_layer
 
 
 def main() -> None:

@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["LINEAR_KERNELS", "PackedLinear", "pack_linears", "packing_available"]
+__all__ = ["LINEAR_KERNELS", "PackedLinear", "pack", "pack_linears", "packing_available", "unpack"]
 
 #: ``--cpu-linear``: ``auto`` packs the weights (:func:`pack_linears`) where
 #: :func:`packing_available`, ``torch`` leaves every ``nn.Linear`` as it is
@@ -65,14 +65,26 @@ def pack_linears(model: nn.Module) -> int:
     if not packing_available(model):
         raise ValueError("packed linears need oneDNN (torch.backends.mkldnn) and float32 weights on the CPU")
     count = 0
-    with torch.no_grad():
-        for module in model.modules():
-            if type(module) is not nn.Linear:
-                continue
-            packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), BATCH_HINT)
-            module.__class__ = PackedLinear
-            # a plain attribute, not a buffer: an opaque oneDNN tensor has no
-            # storage for state_dict or .to() to handle
-            module._packed = packed
+    for module in model.modules():
+        if type(module) is nn.Linear:
+            pack(module)
             count += 1
     return count
+
+
+def pack(module: nn.Linear) -> PackedLinear:
+    """Turn one plain float32 CPU ``nn.Linear`` into a :class:`PackedLinear` in place."""
+    with torch.no_grad():
+        packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), BATCH_HINT)
+    module.__class__ = PackedLinear
+    # a plain attribute, not a buffer: an opaque oneDNN tensor has no
+    # storage for state_dict or .to() to handle
+    module._packed = packed  # type: ignore[attr-defined]
+    return module  # type: ignore[return-value]
+
+
+def unpack(module: PackedLinear) -> nn.Linear:
+    """Back to a plain ``nn.Linear`` (same weight), dropping the packed copy."""
+    module.__class__ = nn.Linear
+    del module._packed
+    return module

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from transformers import AttentionInterface
 
-from worker.runtime import WorkerRuntime
+from worker.runtime import PreparedStep, WorkerRuntime
 
 ATTN_IMPLEMENTATION = "blockd_paged"
 
@@ -47,6 +47,8 @@ class PagedBatch:
     slot_mapping: torch.Tensor
     #: the pool incarnation the step was planned against (None: not checked)
     pool_incarnation: str | None = None
+    #: the batch validated and indexed once for every layer (None: each layer validates it)
+    prepared: PreparedStep | None = None
 
 
 def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -69,13 +71,21 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         raise ValueError(f"the paged path packs a batch as one row; got query of shape {list(query.shape)}")
     if kwargs.get("sliding_window") is not None or kwargs.get("softcap") is not None:
         raise ValueError("sliding-window and soft-capped attention are not supported by the paged pool")
-    batch = blockd_batch
-    out = batch.runtime.attention(
-        batch.version, module.layer_idx, batch.seq_ids, batch.query_lens, batch.context_lens,
-        query[0].transpose(0, 1).contiguous(), key=key[0].transpose(0, 1).contiguous(),
-        value=value[0].transpose(0, 1).contiguous(), slot_mapping=batch.slot_mapping, scale=scaling,
-        pool_incarnation=batch.pool_incarnation)
+    out = attend(blockd_batch, module.layer_idx, query[0].transpose(0, 1).contiguous(),
+                 key[0].transpose(0, 1).contiguous(), value[0].transpose(0, 1).contiguous(), scaling)
     return out.unsqueeze(0), None
+
+
+def attend(batch: PagedBatch, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+           scaling: float | None) -> torch.Tensor:
+    """Token-major paged attention of one layer: ``query`` ``[T, Hq_local, D]``,
+    ``key``, ``value`` ``[T, Hkv_local, D]`` (after RoPE); returns ``[T, Hq_local, D]``.
+    The fused decoder layers (:mod:`worker.model.fused`) call this directly."""
+    if batch.prepared is not None:
+        return batch.runtime.step_attention(batch.prepared, layer_idx, query, key, value, scaling)
+    return batch.runtime.attention(
+        batch.version, layer_idx, batch.seq_ids, batch.query_lens, batch.context_lens, query, key=key,
+        value=value, slot_mapping=batch.slot_mapping, scale=scaling, pool_incarnation=batch.pool_incarnation)
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)

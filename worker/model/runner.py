@@ -34,9 +34,10 @@ from transformers import PreTrainedModel
 from blockd.core import arith
 from blockd.core.errors import BlockdError, InvalidArgument, shown
 from worker.model.build import check_pool, model_geometry
+from worker.model.fused import fuse_layers
 from worker.model.linear import LINEAR_KERNELS, pack_linears, packing_available
 from worker.model.paged import PagedBatch
-from worker.runtime import WorkerRuntime
+from worker.runtime import PreparedStep, WorkerRuntime
 
 #: a batch larger than this is a caller's bug, not a workload
 MAX_STEP_TOKENS = 1 << 20
@@ -95,6 +96,8 @@ class ModelRunner:
         self.model = model.to(runtime.device)
         # last: the weights are final once sharded and on the device
         self.packed_linears = pack_linears(self.model) if linear == "auto" and packing_available(self.model) else 0
+        # on the packed path, Llama/Qwen2 layers also run fused (worker.model.fused)
+        self.fused_layers = fuse_layers(self.model) if self.packed_linears else 0
         self.runtime = runtime
         self.tp = tp
         self.vocab_size = model.config.vocab_size
@@ -109,15 +112,16 @@ class ModelRunner:
         """Logits ``[batch, vocab]`` (float32, CPU) of each sequence's last new token."""
         batch = self.check(version, seq_ids, query_lens, context_lens, token_ids, slot_mapping, pool_incarnation)
         with self._lock:
-            error = self._prepare(batch)
+            prepared = self._prepare(batch)
+            error = prepared if isinstance(prepared, BlockdError) else None
             if self.tp is None:
                 if error is not None:
                     raise error
-                return self._forward(batch)
+                return self._forward(batch, prepared)  # type: ignore[arg-type]
             with self.tp.collective():
                 self.tp.agree(error, batch.digest())
             with self.tp.collective(agreed=True):
-                return self._forward(batch)
+                return self._forward(batch, prepared)  # type: ignore[arg-type]
 
     def check(self, version, seq_ids, query_lens, context_lens, token_ids, slot_mapping,
               pool_incarnation: str | None = None) -> StepInput:
@@ -151,19 +155,21 @@ class ModelRunner:
         return StepInput(version, seq_ids, q_lens, ctx, torch.tensor(tokens, dtype=torch.int64),
                          torch.tensor(slots, dtype=torch.int64), pool_incarnation)
 
-    def _prepare(self, batch: StepInput) -> BlockdError | None:
-        """Bring the replica to ``batch.version`` and check the slots against its
+    def _prepare(self, batch: StepInput) -> PreparedStep | BlockdError:
+        """Bring the replica to ``batch.version``, check the slots against its
         tables and that the cached context of every sequence is written in this
-        incarnation; return (not raise) the error so TP ranks can agree on it."""
+        incarnation, and index the batch once for every layer; return (not
+        raise) the error so TP ranks can agree on it."""
         try:
             incarnation = self.runtime.advance(batch.version, batch.pool_incarnation)
             tables = self.runtime.replica.tables_of(batch.seq_ids, batch.version, incarnation)
             self._check_slots(batch, tables)
             self.runtime.check_written(batch.seq_ids, tables,
                                        [n - q for q, n in zip(batch.query_lens, batch.context_lens)])
+            return self.runtime.prepare_step(batch.version, batch.seq_ids, batch.query_lens, batch.context_lens,
+                                             batch.slot_mapping, batch.pool_incarnation)
         except BlockdError as err:
             return err
-        return None
 
     def _check_slots(self, batch: StepInput, tables: list[list[int]]) -> None:
         """Each new token's slot must be the one its table gives at this version:
@@ -181,14 +187,15 @@ class ModelRunner:
                                       f"{batch.version} (expected {want[:8]}...)")
             row += q
 
-    def _forward(self, batch: StepInput) -> torch.Tensor:
+    def _forward(self, batch: StepInput, prepared: PreparedStep) -> torch.Tensor:
         device = self.runtime.device
         positions = torch.cat([torch.arange(n - q, n) for q, n in zip(batch.query_lens, batch.context_lens)])
         last = torch.tensor(batch.query_lens).cumsum(0) - 1
         paged = PagedBatch(self.runtime, batch.version, batch.seq_ids, batch.query_lens, batch.context_lens,
-                           batch.slot_mapping, batch.pool_incarnation)
+                           batch.slot_mapping, batch.pool_incarnation, prepared)
         with torch.inference_mode():
             out = self.model(input_ids=batch.token_ids.to(device).unsqueeze(0),
                              position_ids=positions.to(device).unsqueeze(0), use_cache=False,
                              logits_to_keep=last.to(device), blockd_batch=paged)
+        self.runtime.finish_step(prepared)
         return out.logits[0].float().cpu()

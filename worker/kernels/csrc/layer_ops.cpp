@@ -1,0 +1,203 @@
+// A decoder layer's elementwise math in one pass each (float32, CPU), for
+// worker/model/fused.py; compiled into the same library as paged_attention.cpp
+// (worker/kernels/native.py). Registers, in the `blockd_layer` namespace:
+//
+//   rms_norm(x [T, H], weight [H], eps) -> out [T, H]
+//       out = weight * (x * 1/sqrt(mean(x^2) + eps))
+//   add_rms_norm(x [T, H], residual [T, H], weight [H], eps) -> (sum [T, H], out [T, H])
+//       sum = residual + x; out = rms_norm(sum)
+//   rotary(qkv [T, (Hq + 2 Hkv) D], cos [T, D], sin [T, D], Hq, Hkv) -> (q [T, Hq, D], k, v [T, Hkv, D])
+//       q, k rotated (rotate-half form: x * cos + rotate_half(x) * sin), v copied
+//   add(a [T, H], b [T, H]) -> a + b
+//   copy_rows(dst [R, W], rows int64 [n], src [n, W]) -> ()
+//       dst[rows[i]] = src[i], any dtype (the prepared step's K/V write, worker/runtime.py)
+//
+// Why: transformers' Llama layer runs these as 6-10 separate torch ops each
+// (pow, mean, add, rsqrt, mul, mul; rotate_half's slices, neg and cat), every
+// one a pass over the activations and, past torch's grain size, an OpenMP
+// region of its own. Here each is one pass, and a decode step's few rows run
+// on the calling thread (a parallel region costs more than the work, and
+// much more when another process holds a core).
+//
+// Numerics: the products and sums are the ones transformers computes, each
+// rounded to float32 as torch rounds them (no FMA contraction: see the pragma);
+// only the order of the mean's sum differs (float32 rounding, ~1e-7 relative).
+// worker/model/fused.py has the torch fallback; tests/test_kernels.py compares the two.
+
+#pragma GCC optimize("fp-contract=off")
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <tuple>
+
+namespace blockd_layer {
+namespace {
+
+// Rows per parallel chunk: at least ~64K elements of work per chunk, so a
+// decode batch (tens of rows) stays on the calling thread.
+int64_t grain(int64_t width) { return std::max<int64_t>(1, 65536 / std::max<int64_t>(1, width)); }
+
+void check_rows(const at::Tensor& x, const char* name) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat && x.device().is_cpu(),
+              name, " must be a contiguous float32 CPU tensor [tokens, width]");
+}
+
+// 1/sqrt(mean(x^2) + eps) of one row; 16 partial sums so the loop vectorises.
+inline float inv_rms(const float* x, int64_t n, float eps) {
+  float acc[16] = {0};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (int j = 0; j < 16; ++j) acc[j] += x[i + j] * x[i + j];
+  float sum = 0.f;
+  for (int j = 0; j < 16; ++j) sum += acc[j];
+  for (; i < n; ++i) sum += x[i] * x[i];
+  float mean = sum / static_cast<float>(n);
+  return 1.f / std::sqrt(mean + eps);
+}
+
+inline void norm_row(const float* x, const float* w, float* out, int64_t n, float eps) {
+  const float r = inv_rms(x, n, eps);
+  for (int64_t i = 0; i < n; ++i) out[i] = w[i] * (x[i] * r);
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_rows(x, "x");
+  const int64_t T = x.size(0), H = x.size(1);
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == H && weight.is_contiguous() &&
+              weight.scalar_type() == at::kFloat, "weight must be a contiguous float32 [", H, "]");
+  at::Tensor out = at::empty({T, H}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, T, grain(H), [&](int64_t lo, int64_t hi) {
+    for (int64_t t = lo; t < hi; ++t) norm_row(xp + t * H, wp, op + t * H, H, static_cast<float>(eps));
+  });
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+                                                const at::Tensor& weight, double eps) {
+  check_rows(x, "x");
+  check_rows(residual, "residual");
+  TORCH_CHECK(x.sizes() == residual.sizes(), "x and residual differ in shape");
+  const int64_t T = x.size(0), H = x.size(1);
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == H && weight.is_contiguous() &&
+              weight.scalar_type() == at::kFloat, "weight must be a contiguous float32 [", H, "]");
+  at::Tensor sum = at::empty({T, H}, x.options());
+  at::Tensor out = at::empty({T, H}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* rp = residual.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  float* sp = sum.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, T, grain(H), [&](int64_t lo, int64_t hi) {
+    for (int64_t t = lo; t < hi; ++t) {
+      float* s = sp + t * H;
+      for (int64_t i = 0; i < H; ++i) s[i] = rp[t * H + i] + xp[t * H + i];
+      norm_row(s, wp, op + t * H, H, static_cast<float>(eps));
+    }
+  });
+  return {sum, out};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> rotary(const at::Tensor& qkv, const at::Tensor& cos,
+                                                      const at::Tensor& sin, int64_t q_heads, int64_t kv_heads) {
+  check_rows(qkv, "qkv");
+  check_rows(cos, "cos");
+  check_rows(sin, "sin");
+  const int64_t T = qkv.size(0), D = cos.size(1), half = D / 2;
+  TORCH_CHECK(D % 2 == 0 && q_heads > 0 && kv_heads > 0 && qkv.size(1) == (q_heads + 2 * kv_heads) * D,
+              "qkv must be [tokens, (q_heads + 2 kv_heads) * head_dim] with an even head_dim");
+  TORCH_CHECK(cos.sizes() == sin.sizes() && cos.size(0) == T, "cos and sin must be [tokens, head_dim]");
+  at::Tensor q = at::empty({T, q_heads, D}, qkv.options());
+  at::Tensor k = at::empty({T, kv_heads, D}, qkv.options());
+  at::Tensor v = at::empty({T, kv_heads, D}, qkv.options());
+  const int64_t W = qkv.size(1);
+  const float* src = qkv.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  float* qp = q.data_ptr<float>();
+  float* kp = k.data_ptr<float>();
+  float* vp = v.data_ptr<float>();
+  at::parallel_for(0, T, grain(W), [&](int64_t lo, int64_t hi) {
+    for (int64_t t = lo; t < hi; ++t) {
+      const float* row = src + t * W;
+      const float* c = cp + t * D;
+      const float* s = sp + t * D;
+      for (int64_t h = 0; h < q_heads + kv_heads; ++h) {
+        const float* x = row + h * D;
+        float* o = h < q_heads ? qp + (t * q_heads + h) * D : kp + (t * kv_heads + h - q_heads) * D;
+        // rotate_half(x) = (-x2, x1): each product rounded, then the sum, as torch does
+        for (int64_t i = 0; i < half; ++i) {
+          float a = x[i] * c[i];
+          float b = -x[i + half] * s[i];
+          o[i] = a + b;
+        }
+        for (int64_t i = half; i < D; ++i) {
+          float a = x[i] * c[i];
+          float b = x[i - half] * s[i];
+          o[i] = a + b;
+        }
+      }
+      const float* vs = row + (q_heads + kv_heads) * D;
+      float* vo = vp + t * kv_heads * D;
+      for (int64_t i = 0; i < kv_heads * D; ++i) vo[i] = vs[i];
+    }
+  });
+  return {q, k, v};
+}
+
+// a + b, elementwise (the residual add closing a layer) on the calling thread
+// for a decode batch.
+at::Tensor add(const at::Tensor& a, const at::Tensor& b) {
+  check_rows(a, "a");
+  check_rows(b, "b");
+  TORCH_CHECK(a.sizes() == b.sizes(), "a and b differ in shape");
+  const int64_t T = a.size(0), H = a.size(1);
+  at::Tensor out = at::empty({T, H}, a.options());
+  const float* ap = a.data_ptr<float>();
+  const float* bp = b.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, T, grain(H), [&](int64_t lo, int64_t hi) {
+    for (int64_t i = lo * H; i < hi * H; ++i) op[i] = ap[i] + bp[i];
+  });
+  return out;
+}
+
+// dst[rows[i]] = src[i] for whole rows of any dtype (a layer's new K or V
+// into its pool rows): one memcpy per row, on the calling thread (a decode
+// step writes a few hundred rows of a few hundred bytes).
+void copy_rows(at::Tensor& dst, const at::Tensor& rows, const at::Tensor& src) {
+  TORCH_CHECK(dst.dim() == 2 && src.dim() == 2 && dst.is_contiguous() && src.is_contiguous() &&
+              dst.device().is_cpu() && src.device().is_cpu(), "dst and src must be contiguous 2-D CPU tensors");
+  TORCH_CHECK(dst.scalar_type() == src.scalar_type() && dst.size(1) == src.size(1),
+              "dst and src must have one dtype and row width");
+  TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong && rows.is_contiguous() &&
+              rows.size(0) == src.size(0), "rows must be a contiguous int64 [src rows]");
+  const int64_t n = rows.size(0), limit = dst.size(0);
+  const int64_t bytes = src.size(1) * static_cast<int64_t>(src.element_size());
+  const int64_t* r = rows.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) TORCH_CHECK(r[i] >= 0 && r[i] < limit, "row ", r[i], " is outside [0, ", limit, ")");
+  char* d = static_cast<char*>(dst.data_ptr());
+  const char* s = static_cast<const char*>(src.data_ptr());
+  for (int64_t i = 0; i < n; ++i) std::memcpy(d + r[i] * bytes, s + i * bytes, bytes);
+}
+
+}  // namespace
+}  // namespace blockd_layer
+
+TORCH_LIBRARY(blockd_layer, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &blockd_layer::rms_norm);
+  m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)",
+        &blockd_layer::add_rms_norm);
+  m.def("add(Tensor a, Tensor b) -> Tensor", &blockd_layer::add);
+  m.def("copy_rows(Tensor(a!) dst, Tensor rows, Tensor src) -> ()", &blockd_layer::copy_rows);
+  m.def("rotary(Tensor qkv, Tensor cos, Tensor sin, int q_heads, int kv_heads) -> (Tensor, Tensor, Tensor)",
+        &blockd_layer::rotary);
+}
