@@ -89,6 +89,8 @@ class PreparedStep:
     key_rows: torch.Tensor
     value_rows: torch.Tensor
     plan_key: tuple
+    #: this worker's incarnation when the step was prepared (a resync may start another meanwhile)
+    worker_incarnation: str = ""
 
 
 class _NoMetrics:
@@ -262,13 +264,14 @@ class WorkerRuntime:
             raise InvalidArgument("a model step's slots are all real slots (no padding)")
         with self._lock:
             incarnation = self._advance(version, pool_incarnation)
+            worker_incarnation = self.incarnation
         b, heads = self.config.block_size, self.geometry.num_kv_heads
         block, offset = split_slots(slots, b)
         rows = (block[:, None] * heads + torch.arange(heads, dtype=torch.int64)[None, :]) * b + offset[:, None]
         plan_key = (version, incarnation, tuple(seq_ids), tuple(q_lens.tolist()), tuple(ctx.tolist()))
         return PreparedStep(version, pool_incarnation, incarnation, list(seq_ids), q_lens, ctx, total, slots,
                             block, offset, torch.unique(block), rows.reshape(-1).to(self.device),
-                            (rows.reshape(-1) + self._value_offset).to(self.device), plan_key)
+                            (rows.reshape(-1) + self._value_offset).to(self.device), plan_key, worker_incarnation)
 
     def step_attention(self, step: PreparedStep, layer: int, query: torch.Tensor, key: torch.Tensor,
                        value: torch.Tensor, scale: float | None = None) -> torch.Tensor:
@@ -313,8 +316,8 @@ class WorkerRuntime:
         """Record the step's new tokens as written in every layer of this shard
         (call after :meth:`step_attention` ran for each of them)."""
         with self._lock:
-            if self._kv_incarnation != step.incarnation:
-                return  # the record was cleared for another pool incarnation: nothing of this step is kept
+            if self._kv_incarnation != step.incarnation or self.incarnation != step.worker_incarnation:
+                return  # the record was cleared for another pool or worker incarnation: nothing of this step is kept
             start = time.perf_counter()
             self.written.mark_split(slice(None), step.blocks, step.offsets, step.touched)
             self.metrics.observe_kernel("write_kv", time.perf_counter() - start)
