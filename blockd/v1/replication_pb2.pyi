@@ -343,6 +343,8 @@ Global___AckLogResponse: _TypeAlias = AckLogResponse  # noqa: Y015
 
 @_typing.final
 class StreamAcksRequest(_message.Message):
+    """One acknowledgement on a follower's StreamAcks stream (as AckLogRequest)."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     REPLICA_ID_FIELD_NUMBER: _builtins.int
@@ -371,6 +373,8 @@ Global___StreamAcksRequest: _TypeAlias = StreamAcksRequest  # noqa: Y015
 
 @_typing.final
 class GetReplicaStatusRequest(_message.Message):
+    """GetReplicaStatus input: nothing; the replica called answers for itself."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     def __init__(
@@ -386,6 +390,8 @@ Global___GetReplicaStatusRequest: _TypeAlias = GetReplicaStatusRequest  # noqa: 
 
 @_typing.final
 class GetReplicaStatusResponse(_message.Message):
+    """One replica's view of its group (blockctl cluster status)."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     REPLICA_ID_FIELD_NUMBER: _builtins.int
@@ -450,6 +456,8 @@ Global___GetReplicaStatusResponse: _TypeAlias = GetReplicaStatusResponse  # noqa
 
 @_typing.final
 class FollowerStatus(_message.Message):
+    """The leader's view of one follower."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     REPLICA_ID_FIELD_NUMBER: _builtins.int
@@ -489,6 +497,8 @@ Global___FollowerStatus: _TypeAlias = FollowerStatus  # noqa: Y015
 
 @_typing.final
 class StreamAcksResponse(_message.Message):
+    """The leader's answer once a StreamAcks stream ends."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     ACKS_FIELD_NUMBER: _builtins.int
