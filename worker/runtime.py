@@ -99,6 +99,19 @@ class _NoMetrics:
     def add_copy_ops(self, n: int) -> None: ...
 
 
+def _batch_lengths(seq_ids: Sequence[str], query_lens, context_lens) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """A batch's query and context lengths as int64 tensors, checked (one of each per
+    sequence, ``1 <= query_len <= context_len``), and the number of new tokens."""
+    q_lens = _int_tensor(query_lens, "query_lens")
+    ctx = _int_tensor(context_lens, "context_lens")
+    if not (len(seq_ids) == q_lens.numel() == ctx.numel()) or not seq_ids:
+        raise InvalidArgument("seq_ids, query_lens and context_lens need one entry per sequence, "
+                              f"got {len(seq_ids)}, {q_lens.numel()}, {ctx.numel()}")
+    if bool((q_lens < 1).any()) or bool((ctx < q_lens).any()):
+        raise InvalidArgument("each sequence needs 1 <= query_len <= context_len")
+    return q_lens, ctx, int(q_lens.sum())
+
+
 def _int_tensor(values: Sequence[int] | torch.Tensor, name: str) -> torch.Tensor:
     if isinstance(values, torch.Tensor):
         return values.to(torch.int64)
@@ -251,14 +264,7 @@ class WorkerRuntime:
         with :meth:`check_written`); :meth:`step_attention` then runs each
         layer. ``slot_mapping``: int64 ``[sum(query_lens)]`` on the CPU, every
         slot a real one (no padding)."""
-        q_lens = _int_tensor(query_lens, "query_lens")
-        ctx = _int_tensor(context_lens, "context_lens")
-        if not (len(seq_ids) == q_lens.numel() == ctx.numel()) or not seq_ids:
-            raise InvalidArgument("seq_ids, query_lens and context_lens need one entry per sequence, "
-                                  f"got {len(seq_ids)}, {q_lens.numel()}, {ctx.numel()}")
-        if bool((q_lens < 1).any()) or bool((ctx < q_lens).any()):
-            raise InvalidArgument("each sequence needs 1 <= query_len <= context_len")
-        total = int(q_lens.sum())
+        q_lens, ctx, total = _batch_lengths(seq_ids, query_lens, context_lens)
         slots = self._check_slots(slot_mapping, total)
         if total and int(slots.min()) < 0:
             raise InvalidArgument("a model step's slots are all real slots (no padding)")
@@ -349,14 +355,7 @@ class WorkerRuntime:
         refuses (KVNotWritten) when a context slot is not written in this
         incarnation."""
         local = self._local_layer(layer)
-        q_lens = _int_tensor(query_lens, "query_lens")
-        ctx = _int_tensor(context_lens, "context_lens")
-        if not (len(seq_ids) == q_lens.numel() == ctx.numel()) or not seq_ids:
-            raise InvalidArgument("seq_ids, query_lens and context_lens need one entry per sequence, "
-                                  f"got {len(seq_ids)}, {q_lens.numel()}, {ctx.numel()}")
-        if bool((q_lens < 1).any()) or bool((ctx < q_lens).any()):
-            raise InvalidArgument("each sequence needs 1 <= query_len <= context_len")
-        total = int(q_lens.sum())
+        q_lens, ctx, total = _batch_lengths(seq_ids, query_lens, context_lens)
         heads = query.shape[1] if isinstance(query, torch.Tensor) and query.dim() == 3 else -1
         if heads <= 0 or heads % self.geometry.num_kv_heads:
             raise InvalidArgument(f"query must be [tokens, q_heads, head_dim] with q_heads a multiple of the "
