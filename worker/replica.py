@@ -113,6 +113,8 @@ class TableReplica:
         ``timeout_s``. A call planned on a new leader's version must not run on tables an older
         leader served: with ``async`` replication those may hold versions the new leader lacks,
         and the new leader's stream (a snapshot marked resync) is what replaces them."""
+        if term <= self.term:  # every call but the first after a failover: no lock, no clock
+            return
         deadline = time.monotonic() + timeout_s
         with self._cond:
             while term > self.term:
