@@ -731,13 +731,20 @@ def test_sync_followers_caps_the_in_sync_set_and_a_free_place_is_taken(group):
     assert {"after", *(f"s{n}" for n in range(20))} <= set(tables)
 
 
-def test_sync_followers_must_leave_room_for_min_in_sync(tmp_path, etcd_server, run_module):
+def test_replication_settings_that_cannot_work_are_refused_before_anything_starts(tmp_path, etcd_server,
+                                                                                   run_module):
     data_dir = tmp_path / "d"
-    proc = run_module("blockd.cli", "serve", "--listen", "127.0.0.1:0", "--data-dir", str(data_dir), "--etcd",
-                      etcd_server.url, "--replica-id", "r0", "--min-in-sync", "3", "--sync-followers", "1")
-    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr
-    assert "--sync-followers 1 leaves fewer replicas in the in-sync set than --min-in-sync 3" in proc.stderr
-    assert not data_dir.exists()
+    for flags, wanted in [
+        (("--min-in-sync", "3", "--sync-followers", "1"),
+         "--sync-followers 1 leaves fewer replicas in the in-sync set than --min-in-sync 3"),
+        (("--sync-followers", "-1"), "--sync-followers must be >= 0"),
+        (("--max-lag-records", "-5"), "--max-lag-records must be >= 0"),
+    ]:
+        proc = run_module("blockd.cli", "serve", "--listen", "127.0.0.1:0", "--data-dir", str(data_dir), "--etcd",
+                          etcd_server.url, "--replica-id", "r0", *flags)
+        assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr
+        assert wanted in proc.stderr, proc.stderr
+        assert not data_dir.exists()
 
 
 def _stream_acks(address: str, *acks: rpb.StreamAcksRequest, tls: TlsConfig | None = None,
