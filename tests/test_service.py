@@ -208,7 +208,9 @@ def test_not_found_already_exists_exhausted_precondition(client: BlockdClient) -
     _raises(ce.NotFoundError, client.get_pool, "nope")
     _raises(ce.NotFoundError, client.allocate, "nope", "a", [1])
     err = _raises(ce.NotFoundError, client.free, "p", "ghost")
-    assert err.reason == "NOT_FOUND" and err.op_index == 0
+    assert err.reason == "NOT_FOUND" and err.op_index == 0 and err.seq_ids == ["ghost"]
+    err = _raises(ce.NotFoundError, client.step, "p", [DecodeAppend(["ghost"], [1])])
+    assert err.seq_ids == ["ghost"]  # the unknown sequence is named, as KV_LOST names its sequences
     _raises(ce.NotFoundError, client.get_sequence, "p", "ghost")
     _raises(ce.NotFoundError, client.get_tables, "p", ["ghost"])
     _raises(ce.NotFoundError, client.heartbeat, "no-such-worker", 0)

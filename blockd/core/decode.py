@@ -58,7 +58,8 @@ def apply_decode(batch: Batch, op: DecodeAppend) -> OpResult:
             seq = seqs.get(seq_id) if type(seq_id) is str else None
             if seq is None:
                 batch.get_seq(seq_id)  # raises NotFound, or WrongState for a freed id
-                raise NotFound(f"sequence #{len(slots)} {shown(seq_id)} is not in pool {shown(batch.config.name)}")
+                raise NotFound(f"sequence #{len(slots)} {shown(seq_id)} is not in pool {shown(batch.config.name)}",
+                               seq_id=seq_id)
             tokens, table = seq.token_ids, seq.table
             num_tokens, committed = len(tokens), seq.num_committed
             mark((seq, num_tokens, committed, table[-1] if table else -1))  # as Batch.mark

@@ -18,6 +18,7 @@ library.
 
 from __future__ import annotations
 
+import json
 import reprlib
 
 #: how many characters of a caller's value a message shows
@@ -63,9 +64,23 @@ class InvalidArgument(BlockdError):
 
 
 class NotFound(BlockdError):
-    """Unknown pool or sequence."""
+    """Unknown pool or sequence. An unknown sequence is named in ``metadata``
+    (``seq_ids``, ``num_seq_ids``, as KV_LOST names its sequences): a
+    scheduler whose sequence a failover lost (``async`` replication)
+    recomputes that request rather than guess."""
 
     code = "NOT_FOUND"
+
+    def __init__(self, message: str, *, op_index: int | None = None, seq_id: str | None = None) -> None:
+        super().__init__(message, op_index=op_index)
+        self.seq_id = seq_id
+        # ids are checked (short, printable) before a sequence is looked up; this keeps
+        # the trailers bounded should a caller reach here with another
+        named = type(seq_id) is str and 0 < len(seq_id) <= 256
+        self.metadata = {"seq_ids": json.dumps([seq_id]), "num_seq_ids": "1"} if named else {}
+
+    def at_op(self, op_index: int, what: str) -> BlockdError:
+        return NotFound(f"operation {op_index} ({what}): {self.message}", op_index=op_index, seq_id=self.seq_id)
 
 
 class AlreadyExists(BlockdError):

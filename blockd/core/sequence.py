@@ -40,5 +40,6 @@ def find_seq(seqs: Mapping[str, Sequence], seq_id: object, pool_name: str,
         if version is not None:
             raise WrongState(f"sequence {shown(seq_id)} was freed at version {version} of pool "
                              f"{shown(pool_name)}; allocate it again to reuse the id")
-        raise NotFound(f"pool {shown(pool_name)} has no sequence {shown(seq_id)}")
+        raise NotFound(f"pool {shown(pool_name)} has no sequence {shown(seq_id)}",
+                       seq_id=seq_id if type(seq_id) is str else None)
     return seq
