@@ -62,7 +62,7 @@ from blockd.core import (
     check_invariants,
 )
 from blockd.core.errors import NotFound, shown
-from blockd.core.incarnations import new_incarnation
+from blockd.core.incarnations import TermChanged, new_incarnation
 from blockd.core.terms import TermHistory
 from blockd.core.types import SequenceInfo, Snapshot, WorkerInfo, WorkerStatus
 from blockd.core.validate import check_config, check_name
@@ -346,15 +346,36 @@ class Engine:
         self._tenancy.check_step(config, ops, lambda: self._live_seqs(owner_of(config)), consume=not dry_run)
         return entry
 
+    def _check_previous_term(self, previous_term: int) -> None:
+        """Under the lock: refuse a step planned on what a leader of another
+        term acknowledged when this term may lack it (see StepRequest.previous_term).
+        A retried request id this leader logged is answered before this check:
+        its log then holds the caller's earlier steps too."""
+        gate = self._gate
+        if gate is None or not previous_term or not gate.term or previous_term == gate.term:
+            return
+        if previous_term > gate.term:
+            raise gate.not_leader(f"the caller's previous step was acknowledged in term {previous_term}, newer "
+                                  f"than this replica's term {gate.term}")
+        if not gate.keeps_committed:
+            raise TermChanged(f"the leader changed since the caller's previous step (term {previous_term}, now "
+                              f"{gate.term}) and this group's failover may lose acknowledged steps (async "
+                              f"replication or --min-in-sync 1): its sequences may lack steps it was told of; "
+                              f"rebuild them (a scheduler recomputes its requests) and step again naming term "
+                              f"{gate.term}", metadata={"term": str(gate.term)})
+
     def _live_seqs(self, tenant: str) -> int:
         return sum(len(e.pool.seqs) for e in self._pools.values() if owner_of(e.pool.config) == tenant)
 
     def step(self, pool: str, ops: list[Op], request_id: str = "", *, dry_run: bool = False,
-             incarnation: str = "") -> StepResult:
+             incarnation: str = "", previous_term: int = 0) -> StepResult:
         """``incarnation``: the pool incarnation the caller planned against
-        (refused when it is not the current one); empty: not checked."""
+        (refused when it is not the current one); empty: not checked.
+        ``previous_term``: the term its previous step was acknowledged in
+        (:meth:`_check_previous_term`); 0: not checked."""
         if dry_run:  # answers what the batch would do; nothing is remembered or logged
             def would() -> StepResult:
+                self._check_previous_term(previous_term)
                 entry = self._checked_entry(pool, ops, incarnation, dry_run=True)
                 return entry.identity.result(entry.pool.step(ops, dry_run=True))
 
@@ -362,8 +383,11 @@ class Engine:
         start, outcome = time.perf_counter(), "ok"
         try:
             self._guard(pool)
-            result, term = self._mutate_in_term(records.Step(pool, ops), request_id,
-                                                lambda: self._checked_entry(pool, ops, incarnation))
+            def check() -> PoolEntry:
+                self._check_previous_term(previous_term)
+                return self._checked_entry(pool, ops, incarnation)
+
+            result, term = self._mutate_in_term(records.Step(pool, ops), request_id, check)
             assert isinstance(result, StepResult), "a step record answers with a StepResult"
             return replace(result, term=term) if term else result
         except BlockdError as err:

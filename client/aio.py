@@ -158,9 +158,10 @@ class AsyncBlockdClient:
 
     # --- steps ---------------------------------------------------------------------
     async def step(self, pool: str, ops: Sequence[Op], *, request_id: str | None = None,
-                   timeout_s: float | None = None, dry_run: bool = False, incarnation: str = "") -> StepResult:
+                   timeout_s: float | None = None, dry_run: bool = False, incarnation: str = "",
+                   previous_term: int = 0) -> StepResult:
         """Like :meth:`client.sdk.BlockdClient.step`."""
-        request = messages.step_request(pool, ops, request_id, dry_run, incarnation)
+        request = messages.step_request(pool, ops, request_id, dry_run, incarnation, previous_term)
         return convert.step_result_from_proto(await self._unary(self._blocks.Step, request, timeout_s))
 
     async def _one(self, pool: str, op: Op, request_id: str | None) -> OpResult:

@@ -96,10 +96,15 @@ class BlockdBackend(Protocol):
     """What the scheduler needs from blockd (a subset of :class:`client.sdk.BlockdClient`)."""
 
     def step(self, pool: str, ops: Sequence[Op], *, request_id: str | None = None,
-             timeout_s: float | None = None, dry_run: bool = False, incarnation: str = "") -> StepResult:
+             timeout_s: float | None = None, dry_run: bool = False, incarnation: str = "",
+             previous_term: int = 0) -> StepResult:
         """Apply ``ops`` atomically (see :meth:`client.sdk.BlockdClient.step`)."""
         ...
 
     def reset_prefix_cache(self, pool: str, *, request_id: str | None = None) -> None:
         """Drop every cached prefix block of ``pool``."""
+        ...
+
+    def get_tables(self, pool: str, seq_ids: Sequence[str] = ()) -> tuple[int, dict[str, list[int]]]:
+        """``(version, block table per sequence)``: the named sequences, or every one."""
         ...

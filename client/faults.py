@@ -13,6 +13,11 @@ to, so nothing planned on one pool runs on another:
   committing: their KV must not enter the prefix cache), the workers are
   waited for, and serving carries on; ``counters.num_kv_loss_preemptions``
   counts them.
+* A leader change that may have lost acknowledged steps (``async``): each
+  step names the term of the previous one, and a new leader of such a group
+  refuses it (``TERM_CHANGED``). Every running request is recomputed (the
+  workers resync and re-register too); ``counters.num_term_changes`` counts
+  these.
 * The pool deleted or re-created under the scheduler (``POOL_INCARNATION_MISMATCH``
   or NOT_FOUND for the pool): its sequences are gone, so every request held
   fails with an error saying so; later requests run on the new pool.
@@ -27,7 +32,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from blockd.core.types import Commit
+from blockd.core.types import Commit, Free
 from client.errors import BlockdClientError, FailedPreconditionError
 from client.serving import finish
 
@@ -64,8 +69,10 @@ class FaultRecovery:
         waiting: deque[RequestState]
         running: list[RequestState]
         pool_incarnation: str
+        term: int
         _finished: list[RequestOutput]
         _release: list[Op]
+        _recent_frees: deque[list[str]]
         _admission_blocked: bool
 
         def _preempt(self, state: RequestState, *, kv_lost: bool = False) -> None: ...
@@ -86,6 +93,31 @@ class FaultRecovery:
             raise err  # names nothing this scheduler holds: acting on it would loop
         self._release = kept
         self._preempt_lost(owners)
+
+    def _on_term_changed(self, err: FailedPreconditionError) -> None:
+        """The group's leader changed, and its failover may have lost steps this
+        scheduler was told were acknowledged (``async``): on the new leader its
+        sequences may lack tokens or be missing. Recompute every running request:
+        free (without committing) the sequences the new leader holds, send
+        nothing for the others, and step on in the new term."""
+        _, tables = self.client.get_tables(self.pool)
+        running = set()
+        for state in self.running:
+            for seq in state.samples:
+                running.add(seq.seq_id)
+                if seq.seq_id not in tables:
+                    self.counters.num_lost_seqs += 1
+                    seq.evict()  # so the preemption sends no Free for it
+        # a finished sequence's Commit may name tokens the new leader lacks: only Frees stay
+        frees = [op for op in self._release if isinstance(op, Free) and op.seq_id in tables]
+        # and a Free the old leader acknowledged may be lost: the new leader still holds that sequence
+        pending = {op.seq_id for op in frees}
+        freed = {seq_id for step in self._recent_frees for seq_id in step}
+        self._release = [*frees, *(Free(seq_id) for seq_id in sorted(freed & tables.keys() - pending - running))]
+        self._recent_frees.clear()
+        self.term = int(err.metadata.get("term", "0"))
+        self.counters.num_term_changes += 1
+        self._preempt_lost(list(self.running))
 
     def _on_model_fault(self, err: BlockdClientError, entries: list) -> None:
         """The model step failed. A worker fault (restarted, unreachable, KV

@@ -42,9 +42,9 @@ def reset_prefix_cache_request(pool: str, request_id: str | None) -> pb.ResetPre
 
 # --- steps and reads ------------------------------------------------------------------
 def step_request(pool: str, ops: Sequence[Op], request_id: str | None, dry_run: bool = False,
-                 incarnation: str = "") -> pb.StepRequest:
+                 incarnation: str = "", previous_term: int = 0) -> pb.StepRequest:
     request = convert.step_request_to_proto(pool, ops, _rid(request_id), incarnation)
-    request.dry_run = dry_run
+    request.dry_run, request.previous_term = dry_run, previous_term
     return request
 
 

@@ -101,6 +101,11 @@ class SchedulerConfig:
                              f"sequence decodes each step), got {self.max_num_batched_tokens!r}")
 
 
+#: steps whose Frees are sent again when a failover may have lost them: an ``async`` group's
+#: followers trail by at most ``--max-lag-records`` (100 by default) records
+RECENT_FREE_STEPS = 1024
+
+
 @dataclass
 class SchedulerCounters:
     num_steps: int = 0
@@ -120,6 +125,10 @@ class SchedulerCounters:
     num_kv_loss_preemptions: int = 0
     #: model steps that failed on a worker fault (and were recomputed)
     num_worker_faults: int = 0
+    #: sequences a new leader no longer knew (lost in an ``async`` failover; their requests recomputed)
+    num_lost_seqs: int = 0
+    #: leader changes after which steps this scheduler had acknowledged may be lost (``async``)
+    num_term_changes: int = 0
     #: requests failed because the pool was deleted or re-created under them
     num_failed: int = 0
 
@@ -156,6 +165,10 @@ class Scheduler(FaultRecovery, StepPlanner):
         self._admission_blocked = False
         #: the pool incarnation of the last step ("" before the first)
         self.pool_incarnation = ""
+        #: the leader term of the last step (0 before the first, or without replication)
+        self.term = 0
+        #: the sequences each of the last steps of this term freed: an ``async`` failover may lose those Frees
+        self._recent_frees: deque[list[str]] = deque(maxlen=RECENT_FREE_STEPS)
         self._streams: dict[str, RequestStream] = {}
         self._loop = None  # a ServingLoop stepping this scheduler, if any
         # steps and submissions may come from different threads (ServingLoop)
@@ -228,7 +241,7 @@ class Scheduler(FaultRecovery, StepPlanner):
             return True
 
     def _run_model(self, plan: StepPlan, result: StepResult) -> None:
-        self.pool_incarnation = result.incarnation
+        self.pool_incarnation, self.term = result.incarnation, result.term
         entries, batch = self._apply_result(plan, result)
         if not batch.num_seqs:
             return
@@ -259,7 +272,8 @@ class Scheduler(FaultRecovery, StepPlanner):
             if not plan.ops:
                 return None
             try:
-                result = self.client.step(self.pool, plan.ops, incarnation=self.pool_incarnation)
+                result = self.client.step(self.pool, plan.ops, incarnation=self.pool_incarnation,
+                                          previous_term=self.term)
             except ResourceExhaustedError as err:
                 self.counters.num_refused_batches += 1
                 admit_limit, refused = self._on_refused(plan, err)
@@ -269,6 +283,10 @@ class Scheduler(FaultRecovery, StepPlanner):
                 if err.reason == "KV_LOST":
                     self.counters.num_refused_batches += 1
                     self._on_kv_lost(err)
+                    continue
+                if err.reason == "TERM_CHANGED":
+                    self.counters.num_refused_batches += 1
+                    self._on_term_changed(err)
                     continue
                 if err.reason == "POOL_INCARNATION_MISMATCH":
                     self._pool_gone(err)
@@ -283,6 +301,9 @@ class Scheduler(FaultRecovery, StepPlanner):
             elif plan.has_frees:
                 self._admission_blocked = False
             self._release.clear()
+            if result.term != self.term:
+                self._recent_frees.clear()
+            self._recent_frees.append([op.seq_id for op in plan.ops if type(op) is Free])
             return plan, result
 
     def _on_refused(self, plan: StepPlan, err: ResourceExhaustedError) -> tuple[int | None, bool]:

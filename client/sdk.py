@@ -182,7 +182,8 @@ class BlockdClient:
 
     # --- steps ---------------------------------------------------------------------
     def step(self, pool: str, ops: Sequence[Op], *, request_id: str | None = None,
-             timeout_s: float | None = None, dry_run: bool = False, incarnation: str = "") -> StepResult:
+             timeout_s: float | None = None, dry_run: bool = False, incarnation: str = "",
+             previous_term: int = 0) -> StepResult:
         """Apply ``ops`` atomically; on error nothing changed and the exception's
         ``op_index`` names the failing operation. With ``dry_run`` nothing changes
         either way: the answer says what the batch would do now.
@@ -191,8 +192,13 @@ class BlockdClient:
         ``incarnation``); a re-created pool then refuses the step
         (FailedPreconditionError, reason ``POOL_INCARNATION_MISMATCH``). A step
         naming a sequence whose KV a worker restart lost fails with reason
-        ``KV_LOST``; the error's ``seq_ids`` lists them."""
-        request = messages.step_request(pool, ops, request_id, dry_run, incarnation)
+        ``KV_LOST``; the error's ``seq_ids`` lists them.
+
+        ``previous_term``: the ``term`` of the caller's previous result; a
+        replicated group whose failover may have lost it (``async``) refuses
+        the step with reason ``TERM_CHANGED`` (metadata ``term``: the new
+        one) rather than apply it to sequences that may lack earlier steps."""
+        request = messages.step_request(pool, ops, request_id, dry_run, incarnation, previous_term)
         return convert.step_result_from_proto(self._unary(self._blocks.Step, request, timeout_s))
 
     def _one(self, pool: str, op: Op, request_id: str | None) -> OpResult:

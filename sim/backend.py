@@ -69,10 +69,12 @@ class InProcessBlockd:
         return self._call("LookupPrefix", lambda: self.engine.lookup_prefix(list(token_ids), extra, list(pools)))
 
     def step(self, pool: str, ops: Sequence[Op], *, request_id: str | None = None,
-             timeout_s: float | None = None, dry_run: bool = False, incarnation: str = "") -> StepResult:
+             timeout_s: float | None = None, dry_run: bool = False, incarnation: str = "",
+             previous_term: int = 0) -> StepResult:
         """Like :meth:`client.sdk.BlockdClient.step` (``timeout_s`` is unused: nothing waits)."""
         return _copied(self._call("Step", lambda: self.engine.step(
-            pool, list(ops), request_id or "", dry_run=dry_run, incarnation=incarnation)))
+            pool, list(ops), request_id or "", dry_run=dry_run, incarnation=incarnation,
+            previous_term=previous_term)))
 
     def reset_prefix_cache(self, pool: str, *, request_id: str | None = None) -> None:
         self._call("ResetPrefixCache", lambda: self.engine.reset_prefix_cache(pool, request_id or ""))

@@ -55,9 +55,13 @@ from blockd.v1 import replication_pb2 as rpb
 from blockd.v1 import replication_pb2_grpc as rpb_grpc
 from client.aio import AsyncBlockdClient
 from client.errors import BlockdClientError, FailedPreconditionError, from_rpc_error
+from client.scheduler import SchedulerConfig
 from client.sdk import BlockdClient
+from client.serving import GenerationRequest
 from tests.ha_fixtures import wait_for
 from tests.procs import Proc, free_port, start_blockd
+from tests.slot_model import make
+from tests.test_scheduler import check_outputs
 from worker.follower import Follower
 from worker.runtime import WorkerRuntime
 
@@ -303,6 +307,65 @@ def test_async_a_worker_holding_versions_the_new_leader_lacks_resyncs_from_a_sna
     finally:
         follower.stop()
         worker_client.close()
+
+
+def test_async_a_scheduler_recomputes_what_a_failover_lost(group):
+    """``async``: the leader alone acknowledges the steps that admit some requests and
+    decode the others, then dies; the new leader never had those steps. Planned on them,
+    the scheduler's next step would name sequences the leader lacks (``late*``) or append at
+    the wrong position (``early*``). It names the term of its previous step, so the new
+    leader refuses it (TERM_CHANGED); the scheduler recomputes every running request and
+    every request ends with the reference tokens. A step that names no term, or the new
+    one, is not refused."""
+    g = group("--replication", "async")
+    leader = ready(g)
+    addresses = ",".join(p.address for p in g.procs.values())
+    client = BlockdClient(addresses, timeout_s=60)
+    try:
+        # "short" finishes while only the leader logs, so the Free of its sequence is lost too
+        early = [GenerationRequest(f"early{i}", (1 + i, 2, 3, 4, 5), 40) for i in range(3)]
+        early.append(GenerationRequest("short", (6, 5, 4, 3, 2), 5))
+        late = [GenerationRequest(f"late{i}", (9, 8, 7 + i), 40) for i in range(3)]
+        client.delete_pool("p")  # ready()'s; make() creates its own
+        sched, model = make(client, 256, SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=16))
+        for req in early:
+            sched.add_request(req)
+        for _ in range(3):
+            sched.step()
+
+        def replicated() -> bool:
+            status = client.replica_status()
+            return len(status.followers) == 2 and all(f.lag_records == 0 for f in status.followers)
+
+        wait_for(replicated, "both followers to hold the first steps")
+        followers = [rid for rid in g.procs if rid != leader]
+        for rid in followers:
+            g.kill(rid)
+        for req in late:  # admitted by steps only the leader logs
+            sched.add_request(req)
+        for _ in range(3):
+            sched.step()
+        assert {s.request.request_id for s in sched.running} >= {req.request_id for req in late}
+        assert "short" not in {s.request.request_id for s in sched.running}  # finished and freed
+        g.kill(leader)
+        for rid in followers:
+            g.start(rid)
+        wait_for(lambda: g.leader() not in (None, leader), "a new leader", timeout_s=60)
+        model.slots.clear()  # the worker's resync (a new incarnation): its KV is not trusted
+        with pytest.raises(FailedPreconditionError) as refused:
+            client.step("p", [], previous_term=sched.term, dry_run=True)
+        new_term = int(refused.value.metadata["term"])
+        assert refused.value.reason == "TERM_CHANGED" and new_term > sched.term
+        client.step("p", [], previous_term=new_term, dry_run=True)
+        client.step("p", [], dry_run=True)
+        outputs = sched.run()
+        check_outputs(outputs, early + late)
+        c = sched.counters
+        # every sequence is freed at the end: "short.0" too, whose Free the failover lost
+        assert c.num_term_changes == 1 and c.num_lost_seqs >= len(late) and sched.term == new_term
+        assert client.get_pool("p").num_seqs == 0
+    finally:
+        client.close()
 
 
 def _check(client: BlockdClient, load: _Load, runtime: WorkerRuntime, delivered: list[int], kill: int) -> None:

@@ -92,6 +92,14 @@ class TermNotSeen(IdentityError):
     reason = "TERM_NOT_SEEN"
 
 
+class TermChanged(IdentityError):
+    """A step planned on what an older leader acknowledged, sent to a leader of
+    a group whose failover may lose acknowledged steps (``async``): the
+    caller's view of its sequences may be ahead of this leader's."""
+
+    reason = "TERM_CHANGED"
+
+
 __all__ = [
     "MAX_LISTED_BYTES",
     "IdentityError",
@@ -99,6 +107,7 @@ __all__ = [
     "KVNotWritten",
     "PoolIncarnationMismatch",
     "PoolIncarnationUnavailable",
+    "TermChanged",
     "WorkerIncarnationMismatch",
     "listed",
     "new_incarnation",

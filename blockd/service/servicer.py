@@ -79,7 +79,7 @@ class BlockServicer(pb_grpc.BlockServiceServicer):
         request_id = optional_id(request.request_id, "request_id")
         incarnation = optional_id(request.pool_incarnation, "pool_incarnation")
         result = self._engine.step(pool, convert.ops_from_proto(request.ops), request_id, dry_run=request.dry_run,
-                                   incarnation=incarnation)
+                                   incarnation=incarnation, previous_term=request.previous_term)
         return convert.step_result_to_proto(result)
 
     @unary

@@ -753,6 +753,7 @@ class StepRequest(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     DRY_RUN_FIELD_NUMBER: _builtins.int
     POOL_INCARNATION_FIELD_NUMBER: _builtins.int
+    PREVIOUS_TERM_FIELD_NUMBER: _builtins.int
     pool: _builtins.str
     request_id: _builtins.str
     """Names this step for retries (see the idempotency window above); the
@@ -769,6 +770,16 @@ class StepRequest(_message.Message):
     step is refused with FAILED_PRECONDITION, reason POOL_INCARNATION_MISMATCH:
     the pool was deleted and re-created since. Empty: not checked.
     """
+    previous_term: _builtins.int
+    """The term of the leader that acknowledged the caller's previous step
+    (StepResponse.term); 0: not checked. Where a failover may lose
+    acknowledged steps (async replication, or --min-in-sync 1), a leader of
+    a newer term refuses the step with FAILED_PRECONDITION, reason
+    TERM_CHANGED (metadata "term": its own): steps the caller had
+    acknowledged may be missing here, so what it planned from them may not
+    hold (a scheduler recomputes its requests, then steps again naming the
+    new term). A leader of an older term answers NOT_LEADER.
+    """
     @_builtins.property
     def ops(self) -> _containers.RepeatedCompositeFieldContainer[Global___Op]: ...
     def __init__(
@@ -779,10 +790,11 @@ class StepRequest(_message.Message):
         request_id: _builtins.str = ...,
         dry_run: _builtins.bool = ...,
         pool_incarnation: _builtins.str = ...,
+        previous_term: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dry_run", b"dry_run", "ops", b"ops", "pool", b"pool", "pool_incarnation", b"pool_incarnation", "request_id", b"request_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dry_run", b"dry_run", "ops", b"ops", "pool", b"pool", "pool_incarnation", b"pool_incarnation", "previous_term", b"previous_term", "request_id", b"request_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
