@@ -50,7 +50,7 @@ from blockd.v1 import replication_pb2 as rpb
 from blockd.v1 import replication_pb2_grpc as rpb_grpc
 from client import messages
 from client.channel import DEFAULT_MAX_ATTEMPTS, DEFAULT_TARGET, DEFAULT_TIMEOUT_S, dial
-from client.errors import from_rpc_error
+from client.errors import BlockdClientError, from_rpc_error
 from client.leader import ReplicaStubs
 
 if TYPE_CHECKING:
@@ -100,6 +100,15 @@ class AsyncBlockdClient:
     async def __aexit__(self, *exc) -> None:
         await self.close()
 
+    async def _next_call(self, method: Callable[..., Any], error: BlockdClientError,
+                         attempt: int) -> tuple[Callable[..., Any], float] | None:
+        """:meth:`client.leader.ReplicaStubs.next_call`; an etcd read (blocking)
+        runs on a thread, so the event loop's other calls go on meanwhile."""
+        replicas = self._replicas
+        if not replicas.targets.reads_etcd:
+            return replicas.next_call(method, error, attempt)
+        return replicas.method_at(await asyncio.to_thread(replicas.next_target, method, error, attempt))
+
     async def _unary(self, method: Callable[..., Any], request: Any, timeout_s: float | None = None) -> Any:
         """As the sync client's: within the deadline, the same request follows
         the leader of a replicated group (:mod:`client.leader`)."""
@@ -110,7 +119,7 @@ class AsyncBlockdClient:
                 return await method(request, timeout=max(0.001, deadline - time.monotonic()))
             except grpc.RpcError as err:
                 error = from_rpc_error(err)
-            step = self._replicas.next_call(method, error, attempt) if self._follow else None
+            step = await self._next_call(method, error, attempt) if self._follow else None
             if step is None or time.monotonic() + step[1] >= deadline:
                 raise error from None
             await asyncio.sleep(step[1])
@@ -128,7 +137,7 @@ class AsyncBlockdClient:
         except grpc.RpcError as err:
             error = from_rpc_error(err)
             if self._follow:
-                self._replicas.next_call(method, error, 0)
+                await self._next_call(method, error, 0)
             raise error from None
         finally:
             stream.cancel()

@@ -87,6 +87,8 @@ class Targets:
     def __init__(self, target: str) -> None:
         self._lock = threading.Lock()
         self._etcd = parse_etcd_target(target.strip())
+        #: leader look-ups read etcd (blocking): see :meth:`ReplicaStubs.next_target`
+        self.reads_etcd = self._etcd is not None
         if self._etcd is not None:
             self.all = [etcd_leader(*self._etcd)]
         else:
@@ -192,6 +194,14 @@ class ReplicaStubs(Generic[C]):
         """After ``method`` failed with ``err`` (the ``attempt``-th failure, from 0):
         ``(the same method at the replica to try next, pause in seconds)``, or
         None: give up. Either way :attr:`targets` now names where the next call goes."""
+        return self.method_at(self.next_target(method, err, attempt))
+
+    def next_target(self, method: Callable[..., Any], err: BlockdClientError,
+                    attempt: int) -> tuple[str, int, str, float] | None:
+        """:meth:`next_call`'s choice, ``(address, stub index, method name, pause)``,
+        without dialing: with an ``etcd://`` target it may read etcd (blocking,
+        up to 2 s), so an asyncio caller runs it off its event loop and dials
+        on it (:meth:`method_at`)."""
         where = self._locate(method)
         if where is None:
             return None
@@ -199,7 +209,14 @@ class ReplicaStubs(Generic[C]):
         step = self.targets.next_attempt(err, address, attempt)
         if step is None:
             return None
-        return getattr(self.at(step[0])[index], name), step[1]
+        return step[0], index, name, step[1]
+
+    def method_at(self, target: tuple[str, int, str, float] | None) -> tuple[Callable[..., Any], float] | None:
+        """``(the stub method, pause)`` for a :meth:`next_target` answer (None: None)."""
+        if target is None:
+            return None
+        address, index, name, pause = target
+        return getattr(self.at(address)[index], name), pause
 
     def _locate(self, method: Callable[..., Any]) -> tuple[str, int, str] | None:
         """``(address, stub index, method name)`` of a stub method made here."""
