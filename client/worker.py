@@ -76,22 +76,24 @@ class WorkerClient:
         return self.incarnation if self.incarnation is not None else self.refresh()
 
     def write_kv(self, pool: str, version: int, layer: int, key: torch.Tensor, value: torch.Tensor,
-                 slot_mapping: Sequence[int], *, pool_incarnation: str) -> None:
+                 slot_mapping: Sequence[int], *, pool_incarnation: str, term: int = 0) -> None:
+        """Write K/V rows (see ``WriteKVRequest``); ``term`` as :meth:`model_step`'s."""
         self._call(self._stub.WriteKV, pb.WriteKVRequest(
             pool=pool, version=version, layer=layer, key=to_proto(key), value=to_proto(value),
             slot_mapping=list(slot_mapping), pool_incarnation=pool_incarnation,
-            worker_incarnation=self._worker_incarnation()))
+            worker_incarnation=self._worker_incarnation(), term=term))
 
     def attention(self, pool: str, version: int, layer: int, seq_ids: Sequence[str],
                   query_lens: Sequence[int], context_lens: Sequence[int], query: torch.Tensor, *,
                   pool_incarnation: str, key: torch.Tensor | None = None, value: torch.Tensor | None = None,
-                  slot_mapping: Sequence[int] = (), scale: float = 0.0) -> torch.Tensor:
-        """``[sum(query_lens), q_heads, head_dim]`` (see ``AttentionRequest``)."""
+                  slot_mapping: Sequence[int] = (), scale: float = 0.0, term: int = 0) -> torch.Tensor:
+        """``[sum(query_lens), q_heads, head_dim]`` (see ``AttentionRequest``); ``term``
+        as :meth:`model_step`'s."""
         request = pb.AttentionRequest(pool=pool, version=version, layer=layer, seq_ids=list(seq_ids),
                                       query_lens=list(query_lens), context_lens=list(context_lens),
                                       query=to_proto(query), slot_mapping=list(slot_mapping), scale=scale,
                                       pool_incarnation=pool_incarnation,
-                                      worker_incarnation=self._worker_incarnation())
+                                      worker_incarnation=self._worker_incarnation(), term=term)
         if key is not None:
             request.key.CopyFrom(to_proto(key))
         if value is not None:

@@ -278,9 +278,9 @@ def test_model_step_without_a_model_is_failed_precondition():
 
 
 def test_a_model_step_planned_on_a_term_the_worker_has_not_followed_is_refused():
-    """ModelStep names the leader term of its Step response (a replicated blockd): a worker whose
-    Watch has not been served in that term yet waits for it, then refuses, TERM_NOT_SEEN, before
-    anything else is checked or run (its tables may still be an older leader's)."""
+    """ModelStep (and WriteKV, Attention) names the leader term of its Step response (a replicated
+    blockd): a worker whose Watch has not been served in that term yet waits for it, then refuses,
+    TERM_NOT_SEEN, before anything else is checked or run (its tables may still be an older leader's)."""
     local = Local("tiny-llama")
     local.runtime.version_timeout_s = 0.3
     local.runtime.replica.note_term(4)
@@ -291,6 +291,12 @@ def test_a_model_step_planned_on_a_term_the_worker_has_not_followed_is_refused()
             with pytest.raises(FailedPreconditionError, match="planned on leader term 5") as info:
                 worker.model_step("m", 0, ["a"], [1], [1], [1], [0], pool_incarnation="any", term=5)
             assert info.value.reason == "TERM_NOT_SEEN"
+            rows = torch.zeros(1, local.config.num_kv_heads, local.config.head_dim)
+            with pytest.raises(FailedPreconditionError, match="planned on leader term 5"):
+                worker.write_kv("m", 0, 0, rows, rows, [0], pool_incarnation="any", term=5)
+            query = torch.zeros(1, 4, local.config.head_dim)
+            with pytest.raises(FailedPreconditionError, match="planned on leader term 5"):
+                worker.attention("m", 0, 0, ["a"], [1], [1], query, pool_incarnation="any", term=5)
             with pytest.raises(FailedPreconditionError, match="runs no model"):  # its own term: on to the model
                 worker.model_step("m", 0, ["a"], [1], [1], [1], [0], pool_incarnation="any", term=4)
     finally:

@@ -173,6 +173,7 @@ class WriteKVRequest(_message.Message):
     SLOT_MAPPING_FIELD_NUMBER: _builtins.int
     POOL_INCARNATION_FIELD_NUMBER: _builtins.int
     WORKER_INCARNATION_FIELD_NUMBER: _builtins.int
+    TERM_FIELD_NUMBER: _builtins.int
     pool: _builtins.str
     version: _builtins.int
     layer: _builtins.int
@@ -180,6 +181,10 @@ class WriteKVRequest(_message.Message):
     """The pool incarnation `version` belongs to (required)."""
     worker_incarnation: _builtins.str
     """The worker incarnation the caller planned against (required)."""
+    term: _builtins.int
+    """As ModelStepRequest.term: the leader term of the Step response whose
+    version this names (0: not checked); TERM_NOT_SEEN once the wait ends.
+    """
     @_builtins.property
     def key(self) -> Global___Tensor: ...
     @_builtins.property
@@ -199,10 +204,11 @@ class WriteKVRequest(_message.Message):
         slot_mapping: _abc.Iterable[_builtins.int] | None = ...,
         pool_incarnation: _builtins.str = ...,
         worker_incarnation: _builtins.str = ...,
+        term: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "layer", b"layer", "pool", b"pool", "pool_incarnation", b"pool_incarnation", "slot_mapping", b"slot_mapping", "value", b"value", "version", b"version", "worker_incarnation", b"worker_incarnation"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "layer", b"layer", "pool", b"pool", "pool_incarnation", b"pool_incarnation", "slot_mapping", b"slot_mapping", "term", b"term", "value", b"value", "version", b"version", "worker_incarnation", b"worker_incarnation"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -251,6 +257,7 @@ class AttentionRequest(_message.Message):
     SCALE_FIELD_NUMBER: _builtins.int
     POOL_INCARNATION_FIELD_NUMBER: _builtins.int
     WORKER_INCARNATION_FIELD_NUMBER: _builtins.int
+    TERM_FIELD_NUMBER: _builtins.int
     pool: _builtins.str
     version: _builtins.int
     layer: _builtins.int
@@ -260,6 +267,10 @@ class AttentionRequest(_message.Message):
     """The pool incarnation `version` belongs to (required)."""
     worker_incarnation: _builtins.str
     """The worker incarnation the caller planned against (required)."""
+    term: _builtins.int
+    """As ModelStepRequest.term: the leader term of the Step response whose
+    version this names (0: not checked); TERM_NOT_SEEN once the wait ends.
+    """
     @_builtins.property
     def seq_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     @_builtins.property
@@ -292,10 +303,11 @@ class AttentionRequest(_message.Message):
         scale: _builtins.float = ...,
         pool_incarnation: _builtins.str = ...,
         worker_incarnation: _builtins.str = ...,
+        term: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "query", b"query", "value", b"value"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["context_lens", b"context_lens", "key", b"key", "layer", b"layer", "pool", b"pool", "pool_incarnation", b"pool_incarnation", "query", b"query", "query_lens", b"query_lens", "scale", b"scale", "seq_ids", b"seq_ids", "slot_mapping", b"slot_mapping", "value", b"value", "version", b"version", "worker_incarnation", b"worker_incarnation"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["context_lens", b"context_lens", "key", b"key", "layer", b"layer", "pool", b"pool", "pool_incarnation", b"pool_incarnation", "query", b"query", "query_lens", b"query_lens", "scale", b"scale", "seq_ids", b"seq_ids", "slot_mapping", b"slot_mapping", "term", b"term", "value", b"value", "version", b"version", "worker_incarnation", b"worker_incarnation"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
