@@ -4,8 +4,9 @@ Prints one JSON object per line. A real etcd (``etcd`` on PATH) and the
 daemons run as child processes on loopback, each daemon with its own data
 dir under one temp dir, ``--fsync always``.
 
-* ``steps``: one scheduler thread sends decode steps (one ``decode_append``
-  over ``--seqs`` sequences) through the sync SDK for ``--seconds`` to each
+* ``steps``: ``--schedulers`` threads (1 by default), each a scheduler of its
+  own ``--seqs`` sequences with its own client, send decode steps (one
+  ``decode_append`` each) through the sync SDK for ``--seconds`` to each
   of a single daemon (no ``--etcd``), the leader of a three-replica
   ``sync`` group, of one with ``--sync-followers 1`` (mode
   ``sync_first_follower``: steps wait for one follower, the first to have
@@ -105,19 +106,31 @@ class Group:
             proc.kill()
 
 
-def setup_pool(client: BlockdClient, seqs: int, seconds: float) -> None:
-    blocks = seqs * (int(seconds * 2000) // BLOCK_SIZE + 4)
+def setup_pool(client: BlockdClient, seqs: int, seconds: float, schedulers: int = 1) -> None:
+    blocks = schedulers * seqs * (int(seconds * 2000) // BLOCK_SIZE + 4)
     client.create_pool(PoolConfig("bench", num_blocks=blocks, block_size=BLOCK_SIZE), request_id="create-bench")
-    client.step("bench", [Allocate(f"s{i}", [i]) for i in range(seqs)], request_id="admit-bench")
+    client.step("bench", [Allocate(f"c{c}s{i}", [i]) for c in range(schedulers) for i in range(seqs)],
+                request_id="admit-bench")
 
 
-def load(client: BlockdClient, seqs: int, seconds: float) -> list[float]:
-    ids, tokens, out = [f"s{i}" for i in range(seqs)], [1] * seqs, []
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        t = time.perf_counter()
-        client.step("bench", [DecodeAppend(ids, tokens)])
-        out.append(time.perf_counter() - t)
+def load(clients: list[BlockdClient], seqs: int, seconds: float) -> list[float]:
+    """Each client (a scheduler of its own ``seqs`` sequences) steps on its own thread for ``seconds``."""
+    out: list[float] = []
+
+    def run(c: int, client: BlockdClient) -> None:
+        ids, tokens, mine = [f"c{c}s{i}" for i in range(seqs)], [1] * seqs, []
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            t = time.perf_counter()
+            client.step("bench", [DecodeAppend(ids, tokens)])
+            mine.append(time.perf_counter() - t)
+        out.extend(mine)  # one extend per thread: atomic under the GIL
+
+    threads = [threading.Thread(target=run, args=(c, client)) for c, client in enumerate(clients)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
     return out
 
 
@@ -192,39 +205,40 @@ def part_steps(args, root: str, etcd: EtcdServer) -> None:
                                                                         "1"), "async": ("--replication", "async")}
     groups = {mode: Group(os.path.join(root, f"steps-{mode}"), etcd.url, ttl, *flags, name=f"steps-{mode}")
               for mode, flags in setups.items()}
-    clients: dict[str, BlockdClient] = {}
+    clients: dict[str, list[BlockdClient]] = {}
     pids = {"single": [single.pid]}
     try:
         for mode, group in groups.items():
             for rid in ("r0", "r1", "r2"):
                 group.start(rid)
             pids[mode] = [p.pid for p in group.procs.values()]
-        clients["single"] = BlockdClient(single.address)
+        clients["single"] = [BlockdClient(single.address) for _ in range(args.schedulers)]
         for mode, group in groups.items():
-            clients[mode] = group.client()
+            clients[mode] = [group.client() for _ in range(args.schedulers)]
         leaders = {mode: group.leader() for mode, group in groups.items()}
-        for client in clients.values():
-            setup_pool(client, args.seqs, args.seconds)
+        for each in clients.values():
+            setup_pool(each[0], args.seqs, args.seconds, args.schedulers)
         latencies: dict[str, list[float]] = {mode: [] for mode in clients}
         lags: dict[str, list[float]] = {mode: [] for mode in groups}
         for _ in range(args.rounds):
-            for mode, client in clients.items():
+            for mode, each in clients.items():
                 others = [pid for m, ps in pids.items() if m != mode for pid in ps]
                 with Frozen(others):
                     if mode == "single":
-                        latencies[mode] += load(client, args.seqs, window)
+                        latencies[mode] += load(each, args.seqs, window)
                         continue
                     with LagSampler(groups[mode].metrics_ports[leaders[mode]]) as lag:
-                        latencies[mode] += load(client, args.seqs, window)
+                        latencies[mode] += load(each, args.seqs, window)
                     lags[mode] += lag.samples
     finally:
-        for client in clients.values():
-            client.close()
+        for each in clients.values():
+            for client in each:
+                client.close()
         single.stop()
         for group in groups.values():
             group.close()
     base = row("single", latencies["single"], args.seconds)
-    base["rounds"] = args.rounds
+    base.update(rounds=args.rounds, schedulers=args.schedulers)
     print(json.dumps(base), flush=True)
     for mode in groups:
         result = row(mode, latencies[mode], args.seconds)
@@ -233,7 +247,7 @@ def part_steps(args, root: str, etcd: EtcdServer) -> None:
         result.update(sampler.fields())
         result["ratio_steps_per_s"] = round(result["steps_per_s"] / base["steps_per_s"], 3)
         result["added_p50_ms"] = round(result["p50_ms"] - base["p50_ms"], 3)
-        result.update(rounds=args.rounds, lease_ttl_s=ttl)
+        result.update(rounds=args.rounds, lease_ttl_s=ttl, schedulers=args.schedulers)
         print(json.dumps(result), flush=True)
 
 
@@ -297,6 +311,8 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=5.0, help="load time per setup (steps), in all")
     parser.add_argument("--rounds", type=int, default=5, help="windows per setup (steps), taken in turns")
     parser.add_argument("--seqs", type=int, default=64)
+    parser.add_argument("--schedulers", type=int, default=1,
+                        help="steps: clients stepping at once, each on its own sequences and thread")
     parser.add_argument("--kills", type=int, default=10)
     parser.add_argument("--ttl-s", type=int, default=2)
     args = parser.parse_args()
