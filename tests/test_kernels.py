@@ -44,7 +44,7 @@ from worker.kernels import (
     write_kv,
 )
 from worker.layout import KVGeometry, allocate_kv_pool, as_rows, gather_rows, split_slots
-from worker.model.fused import add_rms_norm_torch, layer_ops, rms_norm_torch, rotary_torch
+from worker.model.fused import add_rms_norm_torch, layer_ops, rms_norm_torch, rotary_torch, silu_mul_torch
 
 TOLERANCE = {
     torch.float32: {"atol": 1e-4, "rtol": 1e-4},
@@ -404,6 +404,20 @@ def test_compiled_residual_add_is_exact():
         assert torch.equal(ops.add(a, b), a + b)
     with pytest.raises(RuntimeError, match="differ in shape"):
         ops.add(torch.randn(2, 4), torch.randn(2, 5))
+
+
+def test_compiled_silu_mul_matches_torch():
+    """SiLU-and-mul runs torch's own kernels on the calling thread: the same
+    floats as the torch fallback (which may split the work across threads)."""
+    ops = layer_ops(compiled=True)
+    gen = torch.Generator().manual_seed(7)
+    for tokens, width in ((64, 3072), (700, 3072), (3, 22)):
+        gate_up = torch.randn(tokens, width, generator=gen) * 4
+        got = ops.silu_mul(gate_up)
+        assert got.shape == (tokens, width // 2) and got.is_contiguous()
+        assert torch.equal(got, silu_mul_torch(gate_up))
+    with pytest.raises(RuntimeError, match="even width"):
+        ops.silu_mul(torch.randn(2, 5))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -9,6 +9,7 @@
 //   rotary(qkv [T, (Hq + 2 Hkv) D], cos [T, D], sin [T, D], Hq, Hkv) -> (q [T, Hq, D], k, v [T, Hkv, D])
 //       q, k rotated (rotate-half form: x * cos + rotate_half(x) * sin), v copied
 //   add(a [T, H], b [T, H]) -> a + b
+//   silu_mul(gate_up [T, 2I]) -> silu(gate_up[:, :I]) * gate_up[:, I:]  [T, I]
 //   copy_rows(dst [R, W], rows int64 [n], src [n, W]) -> ()
 //       dst[rows[i]] = src[i], any dtype (the prepared step's K/V write, worker/runtime.py)
 //
@@ -29,6 +30,8 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/silu.h>
+#include <omp.h>
 #include <torch/library.h>
 
 #include <cmath>
@@ -170,6 +173,31 @@ at::Tensor add(const at::Tensor& a, const at::Tensor& b) {
   return out;
 }
 
+// The SiLU-gated MLP's activation: torch's own silu and mul kernels (their
+// vectorised exp; the same float32 results as the torch fallback), held on
+// the calling thread. A decode batch's [64, 1536] is ~100K elements, past
+// torch's grain, so each of the two ops opened an OpenMP region: ~60-75 us
+// each in the model against ~20 us of work (the worker's threads sleep
+// between regions, cluster/local.py's OMP_WAIT_POLICY=PASSIVE, so each
+// region first wakes one). at::parallel_for asks omp_get_max_threads(), a
+// per-thread setting, so lowering it for this call keeps torch's loops here
+// (c10::ParallelGuard does not: at::in_parallel_region() ignores it).
+struct OnCallingThread {
+  const int previous = omp_get_max_threads();
+  OnCallingThread() { omp_set_num_threads(1); }
+  ~OnCallingThread() { omp_set_num_threads(previous); }
+};
+
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  check_rows(gate_up, "gate_up");
+  TORCH_CHECK(gate_up.size(1) % 2 == 0, "gate_up needs an even width (gate and up side by side)");
+  const int64_t inter = gate_up.size(1) / 2;
+  OnCallingThread serial;
+  at::Tensor out = at::silu(gate_up.narrow(1, 0, inter));
+  out.mul_(gate_up.narrow(1, inter, inter));
+  return out;
+}
+
 // dst[rows[i]] = src[i] for whole rows of any dtype (a layer's new K or V
 // into its pool rows): one memcpy per row, on the calling thread (a decode
 // step writes a few hundred rows of a few hundred bytes).
@@ -197,6 +225,7 @@ TORCH_LIBRARY(blockd_layer, m) {
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)",
         &blockd_layer::add_rms_norm);
   m.def("add(Tensor a, Tensor b) -> Tensor", &blockd_layer::add);
+  m.def("silu_mul(Tensor gate_up) -> Tensor", &blockd_layer::silu_mul);
   m.def("copy_rows(Tensor(a!) dst, Tensor rows, Tensor src) -> ()", &blockd_layer::copy_rows);
   m.def("rotary(Tensor qkv, Tensor cos, Tensor sin, int q_heads, int kv_heads) -> (Tensor, Tensor, Tensor)",
         &blockd_layer::rotary);
