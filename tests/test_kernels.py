@@ -420,6 +420,30 @@ def test_compiled_silu_mul_matches_torch():
         ops.silu_mul(torch.randn(2, 5))
 
 
+def test_compiled_argmax_rows_is_torchs_argmax():
+    """The greedy pick (worker/sampling.py): torch's argmax exactly, over ties
+    (the first maximum wins, also across vector lanes and in the tail), NaNs
+    (the first NaN wins), rows of -inf, and widths that are not a multiple of 16."""
+    ops = layer_ops(compiled=True)
+    gen = torch.Generator().manual_seed(11)
+    for rows, width in ((64, 49152), (5, 1), (7, 15), (9, 17), (33, 1000)):
+        x = torch.randn(rows, width, generator=gen)
+        assert torch.equal(ops.argmax_rows(x), x.argmax(-1))
+        x = torch.randint(-3, 3, (rows, width), generator=gen).float()  # many ties
+        assert torch.equal(ops.argmax_rows(x), x.argmax(-1))
+    x = torch.zeros(6, 100)
+    x[0, 40] = x[0, 7] = 2.0  # a tie in two lanes
+    x[1, 99] = x[1, 98] = 3.0  # a tie in the tail
+    x[2, 50] = float("nan")
+    x[2, 60] = 9.0
+    x[3] = float("-inf")
+    x[4, 20] = x[4, 90] = float("nan")
+    x[5, 3] = -0.0
+    assert torch.equal(ops.argmax_rows(x), x.argmax(-1))
+    with pytest.raises(RuntimeError, match="at least one column"):
+        ops.argmax_rows(torch.zeros(2, 0))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_compiled_copy_rows_matches_index_copy(dtype):
     """The prepared step's K/V write: the compiled row copy equals index_copy_ and refuses rows past the end."""
