@@ -44,7 +44,7 @@ from worker.kernels import (
     write_kv,
 )
 from worker.layout import KVGeometry, allocate_kv_pool, as_rows, gather_rows, split_slots
-from worker.model.fused import add_rms_norm_torch, layer_ops, rms_norm_torch, rotary_torch
+from worker.model.fused import add_rms_norm_torch, layer_ops, rms_norm_torch, rotary_torch, silu_mul_torch
 
 TOLERANCE = {
     torch.float32: {"atol": 1e-4, "rtol": 1e-4},
@@ -404,6 +404,44 @@ def test_compiled_residual_add_is_exact():
         assert torch.equal(ops.add(a, b), a + b)
     with pytest.raises(RuntimeError, match="differ in shape"):
         ops.add(torch.randn(2, 4), torch.randn(2, 5))
+
+
+def test_compiled_silu_mul_matches_torch():
+    """SiLU-and-mul runs torch's own kernels on the calling thread: the same
+    floats as the torch fallback (which may split the work across threads)."""
+    ops = layer_ops(compiled=True)
+    gen = torch.Generator().manual_seed(7)
+    for tokens, width in ((64, 3072), (700, 3072), (3, 22)):
+        gate_up = torch.randn(tokens, width, generator=gen) * 4
+        got = ops.silu_mul(gate_up)
+        assert got.shape == (tokens, width // 2) and got.is_contiguous()
+        assert torch.equal(got, silu_mul_torch(gate_up))
+    with pytest.raises(RuntimeError, match="even width"):
+        ops.silu_mul(torch.randn(2, 5))
+
+
+def test_compiled_argmax_rows_is_torchs_argmax():
+    """The greedy pick (worker/sampling.py): torch's argmax exactly, over ties
+    (the first maximum wins, also across vector lanes and in the tail), NaNs
+    (the first NaN wins), rows of -inf, and widths that are not a multiple of 16."""
+    ops = layer_ops(compiled=True)
+    gen = torch.Generator().manual_seed(11)
+    for rows, width in ((64, 49152), (5, 1), (7, 15), (9, 17), (33, 1000)):
+        x = torch.randn(rows, width, generator=gen)
+        assert torch.equal(ops.argmax_rows(x), x.argmax(-1))
+        x = torch.randint(-3, 3, (rows, width), generator=gen).float()  # many ties
+        assert torch.equal(ops.argmax_rows(x), x.argmax(-1))
+    x = torch.zeros(6, 100)
+    x[0, 40] = x[0, 7] = 2.0  # a tie in two lanes
+    x[1, 99] = x[1, 98] = 3.0  # a tie in the tail
+    x[2, 50] = float("nan")
+    x[2, 60] = 9.0
+    x[3] = float("-inf")
+    x[4, 20] = x[4, 90] = float("nan")
+    x[5, 3] = -0.0
+    assert torch.equal(ops.argmax_rows(x), x.argmax(-1))
+    with pytest.raises(RuntimeError, match="at least one column"):
+        ops.argmax_rows(torch.zeros(2, 0))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

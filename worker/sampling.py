@@ -20,10 +20,14 @@ order (ties by vocabulary index, so ``top_k = 1`` is the argmax); ranks
 ``top_p`` cut (the most likely token always stays); the draw is the first
 token at which the cumulative mass exceeds ``u * kept mass`` (inverse CDF;
 the kept mass is 1 when nothing is cut). Temperature 0 is the argmax of the
-float32 logits, exactly what transformers' greedy ``generate`` picks.
+float32 logits, exactly what transformers' greedy ``generate`` picks (torch's
+``argmax``, or the compiled row argmax of ``csrc/layer_ops.cpp`` with the same
+answer when the kernel library is loaded: ~0.2 ms instead of ~0.85 ms on a
+64-row SmolLM2 step).
 
-Imports torch and :mod:`blockd.core.errors` only (no transformers: a worker
-without a model imports its service, which imports this); no worker state.
+Imports torch, :mod:`blockd.core.errors` and :mod:`worker.kernels.native`
+(which never builds the library from here; no transformers: a worker without
+a model imports its service, which imports this); no worker state.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ import torch
 
 from blockd.core.errors import InvalidArgument
 from blockd.core.types import SamplingSpec
+from worker.kernels import native
 
 #: draws one sequence may ask for in one step (the samples forked from it)
 MAX_SAMPLES_PER_SEQ = 1024
@@ -72,6 +77,16 @@ def uniform(seed: int, sample_index: int, position: int) -> float:
     return (int.from_bytes(digest, "little") >> 11) * (1.0 / (1 << 53))
 
 
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(dim=-1)`` (int64 ``[batch]``): by the compiled row argmax
+    for contiguous float32 CPU logits when the kernel library is loaded
+    (the model runner loads it), else by torch; the two give the same answer."""
+    if (native.loaded() and logits.dim() == 2 and logits.dtype == torch.float32 and logits.device.type == "cpu"
+            and logits.is_contiguous() and logits.shape[1] > 0):
+        return native.layer_ops().argmax_rows(logits)
+    return logits.argmax(dim=-1)
+
+
 def next_tokens(logits: torch.Tensor, specs: Sequence[SamplingSpec] | None,
                 positions: Sequence[int]) -> list[int]:
     """The chosen tokens, flattened in batch order: ``specs[i].num_samples``
@@ -80,7 +95,7 @@ def next_tokens(logits: torch.Tensor, specs: Sequence[SamplingSpec] | None,
     * ``logits``: ``[batch, vocab]``, float32 on the CPU;
     * ``positions[i]``: the index row ``i``'s new token takes in its sequence.
     """
-    greedy = logits.argmax(dim=-1).tolist()
+    greedy = greedy_tokens(logits).tolist()
     if not specs:
         return greedy
     if len(specs) != len(greedy) or len(positions) != len(greedy):

@@ -45,7 +45,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["ISAS", "KernelUnavailable", "backend_setting", "isa_setting", "layer_ops", "load", "ops"]
+__all__ = ["ISAS", "KernelUnavailable", "backend_setting", "isa_setting", "layer_ops", "load", "loaded", "ops"]
 
 log = logging.getLogger(__name__)
 
@@ -157,6 +157,11 @@ def load(required: bool = False) -> bool:
     return bool(_loaded)
 
 
+def loaded() -> bool:
+    """Whether :func:`load` has loaded the library in this process (never builds it)."""
+    return bool(_loaded)
+
+
 def failure() -> str:
     """Why the last :func:`load` failed ('' when it did not)."""
     return _failure
@@ -168,7 +173,8 @@ def ops():
 
 
 def layer_ops():
-    """The fused layer ops (``rms_norm``, ``add_rms_norm``, ``rotary``); call :func:`load` first."""
+    """The fused layer ops (``rms_norm``, ``add_rms_norm``, ``rotary``, ``silu_mul``, ``add``,
+    ``copy_rows``, ``argmax_rows``); call :func:`load` first."""
     return torch.ops.blockd_layer
 
 

@@ -9,6 +9,9 @@
 //   rotary(qkv [T, (Hq + 2 Hkv) D], cos [T, D], sin [T, D], Hq, Hkv) -> (q [T, Hq, D], k, v [T, Hkv, D])
 //       q, k rotated (rotate-half form: x * cos + rotate_half(x) * sin), v copied
 //   add(a [T, H], b [T, H]) -> a + b
+//   silu_mul(gate_up [T, 2I]) -> silu(gate_up[:, :I]) * gate_up[:, I:]  [T, I]
+//   argmax_rows(x [B, V]) -> int64 [B]: torch.argmax(x, -1) (first maximum; a NaN counts as the
+//       maximum, the first NaN wins), for worker/sampling.py's greedy tokens
 //   copy_rows(dst [R, W], rows int64 [n], src [n, W]) -> ()
 //       dst[rows[i]] = src[i], any dtype (the prepared step's K/V write, worker/runtime.py)
 //
@@ -29,11 +32,17 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/silu.h>
+#include <omp.h>
 #include <torch/library.h>
 
 #include <cmath>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <tuple>
 
 namespace blockd_layer {
@@ -170,6 +179,103 @@ at::Tensor add(const at::Tensor& a, const at::Tensor& b) {
   return out;
 }
 
+// The SiLU-gated MLP's activation: torch's own silu and mul kernels (their
+// vectorised exp; the same float32 results as the torch fallback), held on
+// the calling thread. A decode batch's [64, 1536] is ~100K elements, past
+// torch's grain, so each of the two ops opened an OpenMP region: ~60-75 us
+// each in the model against ~20 us of work (the worker's threads sleep
+// between regions, cluster/local.py's OMP_WAIT_POLICY=PASSIVE, so each
+// region first wakes one). at::parallel_for asks omp_get_max_threads(), a
+// per-thread setting, so lowering it for this call keeps torch's loops here
+// (c10::ParallelGuard does not: at::in_parallel_region() ignores it).
+struct OnCallingThread {
+  const int previous = omp_get_max_threads();
+  OnCallingThread() { omp_set_num_threads(1); }
+  ~OnCallingThread() { omp_set_num_threads(previous); }
+};
+
+// Up to this many gate_up elements (a decode batch of 64 rows is 196,608 for
+// SmolLM2) the calling thread does the work; a prefill's thousands of rows
+// keep torch's threads (serial, 1,152 rows took ~0.85 + 0.42 ms a layer).
+constexpr int64_t kSerialSiluElements = int64_t(1) << 18;
+
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  check_rows(gate_up, "gate_up");
+  TORCH_CHECK(gate_up.size(1) % 2 == 0, "gate_up needs an even width (gate and up side by side)");
+  const int64_t inter = gate_up.size(1) / 2;
+  std::optional<OnCallingThread> serial;
+  if (gate_up.numel() <= kSerialSiluElements) serial.emplace();
+  at::Tensor out = at::silu(gate_up.narrow(1, 0, inter));
+  out.mul_(gate_up.narrow(1, inter, inter));
+  return out;
+}
+
+// The greedy pick over a step's logits ([64, 49152] for SmolLM2: 12.6 MB).
+// torch's argmax reduces a row with scalar compares (~0.9 ms here, 2
+// threads); this keeps 16 running maxima and their first indices in
+// AVX-512 lanes. The answer is torch's exactly: strict > keeps each lane's
+// first occurrence, lanes tie-break to the smaller index, and a row with a
+// NaN is rescanned in torch's order (the first NaN is the answer).
+int64_t argmax_scalar(const float* x, int64_t n) {
+  int64_t best_i = 0;
+  float best = x[0];
+  if (std::isnan(best)) return 0;
+  for (int64_t j = 1; j < n; ++j) {
+    if (std::isnan(x[j])) return j;
+    if (x[j] > best) best = x[j], best_i = j;
+  }
+  return best_i;
+}
+
+int64_t argmax_row(const float* x, int64_t n) {
+#ifdef __AVX512F__
+  if (n >= 16 && n < (int64_t(1) << 31)) {
+    __m512 best = _mm512_loadu_ps(x);
+    __m512i idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512i best_i = idx;
+    const __m512i step = _mm512_set1_epi32(16);
+    __mmask16 nan = _mm512_cmp_ps_mask(best, best, _CMP_UNORD_Q);
+    int64_t j = 16;
+    for (; j + 16 <= n; j += 16) {
+      idx = _mm512_add_epi32(idx, step);
+      const __m512 v = _mm512_loadu_ps(x + j);
+      nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+      const __mmask16 gt = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);
+      best = _mm512_mask_mov_ps(best, gt, v);
+      best_i = _mm512_mask_mov_epi32(best_i, gt, idx);
+    }
+    if (nan) return argmax_scalar(x, n);
+    alignas(64) float lane[16];
+    alignas(64) int32_t lane_i[16];
+    _mm512_store_ps(lane, best);
+    _mm512_store_si512(reinterpret_cast<void*>(lane_i), best_i);
+    float top = lane[0];
+    int64_t top_i = lane_i[0];
+    for (int l = 1; l < 16; ++l)
+      if (lane[l] > top || (lane[l] == top && lane_i[l] < top_i)) top = lane[l], top_i = lane_i[l];
+    for (; j < n; ++j) {  // past every lane's index, so strict > keeps the first occurrence
+      if (std::isnan(x[j])) return j;
+      if (x[j] > top) top = x[j], top_i = j;
+    }
+    return top_i;
+  }
+#endif
+  return argmax_scalar(x, n);
+}
+
+at::Tensor argmax_rows(const at::Tensor& x) {
+  check_rows(x, "x");
+  const int64_t B = x.size(0), V = x.size(1);
+  TORCH_CHECK(V > 0, "x needs at least one column");
+  at::Tensor out = at::empty({B}, x.options().dtype(at::kLong));
+  const float* xp = x.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, B, std::max<int64_t>(1, (int64_t(1) << 18) / V), [&](int64_t lo, int64_t hi) {
+    for (int64_t r = lo; r < hi; ++r) op[r] = argmax_row(xp + r * V, V);
+  });
+  return out;
+}
+
 // dst[rows[i]] = src[i] for whole rows of any dtype (a layer's new K or V
 // into its pool rows): one memcpy per row, on the calling thread (a decode
 // step writes a few hundred rows of a few hundred bytes).
@@ -197,6 +303,8 @@ TORCH_LIBRARY(blockd_layer, m) {
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)",
         &blockd_layer::add_rms_norm);
   m.def("add(Tensor a, Tensor b) -> Tensor", &blockd_layer::add);
+  m.def("silu_mul(Tensor gate_up) -> Tensor", &blockd_layer::silu_mul);
+  m.def("argmax_rows(Tensor x) -> Tensor", &blockd_layer::argmax_rows);
   m.def("copy_rows(Tensor(a!) dst, Tensor rows, Tensor src) -> ()", &blockd_layer::copy_rows);
   m.def("rotary(Tensor qkv, Tensor cos, Tensor sin, int q_heads, int kv_heads) -> (Tensor, Tensor, Tensor)",
         &blockd_layer::rotary);
