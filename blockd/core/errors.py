@@ -53,8 +53,13 @@ class BlockdError(Exception):
         self.op_index = op_index
 
     def at_op(self, op_index: int, what: str) -> BlockdError:
-        """The same error, re-worded to name the failing operation of a batch."""
-        return type(self)(f"operation {op_index} ({what}): {self.message}", op_index=op_index)
+        """The same error, re-worded to name the failing operation of a batch
+        (a copy: what a subclass carries, such as the ids it names, stays)."""
+        err = type(self).__new__(type(self))  # no __init__: subclasses take other arguments
+        err.__dict__.update(self.__dict__)
+        err.message = f"operation {op_index} ({what}): {self.message}"
+        err.args, err.op_index = (err.message,), op_index
+        return err
 
 
 class InvalidArgument(BlockdError):
@@ -65,22 +70,17 @@ class InvalidArgument(BlockdError):
 
 class NotFound(BlockdError):
     """Unknown pool or sequence. An unknown sequence is named in ``metadata``
-    (``seq_ids``, ``num_seq_ids``, as KV_LOST names its sequences): a
-    scheduler whose sequence a failover lost (``async`` replication)
-    recomputes that request rather than guess."""
+    (``seq_ids``, ``num_seq_ids``, as KV_LOST names its sequences), so a
+    caller knows which of its sequences is gone."""
 
     code = "NOT_FOUND"
 
     def __init__(self, message: str, *, op_index: int | None = None, seq_id: str | None = None) -> None:
         super().__init__(message, op_index=op_index)
-        self.seq_id = seq_id
         # ids are checked (short, printable) before a sequence is looked up; this keeps
         # the trailers bounded should a caller reach here with another
         named = type(seq_id) is str and 0 < len(seq_id) <= 256
         self.metadata = {"seq_ids": json.dumps([seq_id]), "num_seq_ids": "1"} if named else {}
-
-    def at_op(self, op_index: int, what: str) -> BlockdError:
-        return NotFound(f"operation {op_index} ({what}): {self.message}", op_index=op_index, seq_id=self.seq_id)
 
 
 class AlreadyExists(BlockdError):
