@@ -87,8 +87,6 @@ class Targets:
     def __init__(self, target: str) -> None:
         self._lock = threading.Lock()
         self._etcd = parse_etcd_target(target.strip())
-        #: leader look-ups read etcd (blocking): see :meth:`ReplicaStubs.next_target`
-        self.reads_etcd = self._etcd is not None
         if self._etcd is not None:
             self.all = [etcd_leader(*self._etcd)]
         else:
@@ -96,6 +94,11 @@ class Targets:
         if not self.all:
             raise ValueError(f"target {target!r} names no address")
         self.current = self.all[0]
+
+    @property
+    def reads_etcd(self) -> bool:
+        """Leader look-ups read etcd (blocking): see :meth:`ReplicaStubs.next_target`."""
+        return self._etcd is not None
 
     def next_attempt(self, err: BlockdClientError, tried_on: str, attempt: int) -> tuple[str, float] | None:
         """``(address, pause in seconds)`` for the next attempt after ``err``
