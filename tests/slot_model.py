@@ -65,6 +65,16 @@ def reference(prompt: tuple[int, ...], max_new_tokens: int, sampling: SamplingPa
     return tuple(tokens[len(prompt):])
 
 
+def check_outputs(outputs, requests) -> None:
+    """Every request ended without error, each sample with the reference greedy tokens."""
+    by_id = {out.request_id: out for out in outputs}
+    assert set(by_id) == {req.request_id for req in requests}
+    for req in requests:
+        out = by_id[req.request_id]
+        assert out.error is None, out.error
+        assert out.output_token_ids == (reference(req.prompt_token_ids, req.max_new_tokens),) * req.n
+
+
 class SlotModel:
     """The fake model; ``step`` wraps the client's so it sees each version's copy ops."""
 

@@ -60,8 +60,7 @@ from client.sdk import BlockdClient
 from client.serving import GenerationRequest
 from tests.ha_fixtures import wait_for
 from tests.procs import Proc, free_port, start_blockd
-from tests.slot_model import make
-from tests.test_scheduler import check_outputs
+from tests.slot_model import check_outputs, make
 from worker.follower import Follower
 from worker.runtime import WorkerRuntime
 

@@ -13,7 +13,7 @@ from blockd.core.types import WorkerInfo
 from client.backends import ModelBatch
 from client.scheduler import Scheduler, SchedulerConfig
 from client.serving import GenerationRequest, ReservationAdmission, percentile
-from tests.slot_model import BLOCK, VOCAB, SlotModel, StepThrough, make, reference
+from tests.slot_model import BLOCK, VOCAB, SlotModel, StepThrough, check_outputs, make, reference
 
 pytest_plugins = ["tests.grpc_fixtures"]
 
@@ -27,15 +27,6 @@ def workload(seed: int, count: int) -> list[GenerationRequest]:
         prompt = prefix + tuple(rng.randrange(VOCAB) for _ in range(rng.randint(1, 12)))
         requests.append(GenerationRequest(f"r{i}", prompt, rng.randint(1, 14), n=rng.choice((1, 1, 2, 3))))
     return requests
-
-
-def check_outputs(outputs, requests) -> None:
-    by_id = {out.request_id: out for out in outputs}
-    assert set(by_id) == {req.request_id for req in requests}
-    for req in requests:
-        out = by_id[req.request_id]
-        assert out.error is None, out.error
-        assert out.output_token_ids == (reference(req.prompt_token_ids, req.max_new_tokens),) * req.n
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
