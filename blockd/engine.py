@@ -355,8 +355,9 @@ class Engine:
         if gate is None or not previous_term or not gate.term or previous_term == gate.term:
             return
         if previous_term > gate.term:
-            raise gate.not_leader(f"the caller's previous step was acknowledged in term {previous_term}, newer "
-                                  f"than this replica's term {gate.term}")
+            # writable() passed: this replica leads and can prove its lease, so no newer term exists
+            raise InvalidArgument(f"previous_term {previous_term} is newer than any term of this group (its "
+                                  f"leader serves term {gate.term}): name the term of your previous step's answer")
         if not gate.keeps_committed:
             raise TermChanged(f"the leader changed since the caller's previous step (term {previous_term}, now "
                               f"{gate.term}) and this group's failover may lose acknowledged steps (async "

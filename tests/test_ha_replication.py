@@ -54,7 +54,7 @@ from blockd.ha.insync import InSyncSet
 from blockd.v1 import replication_pb2 as rpb
 from blockd.v1 import replication_pb2_grpc as rpb_grpc
 from client.aio import AsyncBlockdClient
-from client.errors import BlockdClientError, FailedPreconditionError, from_rpc_error
+from client.errors import BlockdClientError, FailedPreconditionError, InvalidArgumentError, from_rpc_error
 from client.scheduler import SchedulerConfig
 from client.sdk import BlockdClient
 from client.serving import GenerationRequest
@@ -357,6 +357,8 @@ def test_async_a_scheduler_recomputes_what_a_failover_lost(group):
         assert refused.value.reason == "TERM_CHANGED" and new_term > sched.term
         client.step("p", [], previous_term=new_term, dry_run=True)
         client.step("p", [], dry_run=True)
+        with pytest.raises(InvalidArgumentError, match="newer than any term"):
+            client.step("p", [], previous_term=new_term + 1, dry_run=True)
         outputs = sched.run()
         check_outputs(outputs, early + late)
         c = sched.counters
@@ -569,12 +571,16 @@ def test_an_etcd_target_finds_the_leader_and_follows_it_across_a_failover(group,
     client = BlockdClient(target, timeout_s=60, max_attempts=1)
     try:
         assert client._replicas.targets.current == g.procs[leader].address
+        terms = []
         for i in range(60):
             if i == 20:
                 g.kill(leader)
-            client.step("p", [Allocate(f"e{i}", [i, i + 1])], request_id=f"e-{i}")
+            terms.append(client.step("p", [Allocate(f"e{i}", [i, i + 1])], request_id=f"e-{i}").term)
         tables = client.get_tables("p")[1]
         assert all(f"e{i}" in tables for i in range(60))
+        # sync keeps every acknowledged step: a step naming the old leader's term is not refused
+        assert terms[-1] > terms[0]
+        client.step("p", [], previous_term=terms[0], dry_run=True)
         new = g.leader()
         assert new not in (None, leader) and client._replicas.targets.current == g.procs[new].address
     finally:

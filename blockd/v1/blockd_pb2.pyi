@@ -778,7 +778,8 @@ class StepRequest(_message.Message):
     TERM_CHANGED (metadata "term": its own): steps the caller had
     acknowledged may be missing here, so what it planned from them may not
     hold (a scheduler recomputes its requests, then steps again naming the
-    new term). A leader of an older term answers NOT_LEADER.
+    new term). A term newer than the leader's is INVALID_ARGUMENT (a
+    leader that can prove its lease knows the newest term).
     """
     @_builtins.property
     def ops(self) -> _containers.RepeatedCompositeFieldContainer[Global___Op]: ...
