@@ -53,6 +53,7 @@ from blockd.ha.etcd import EtcdClient
 from blockd.ha.insync import InSyncSet
 from blockd.v1 import replication_pb2 as rpb
 from blockd.v1 import replication_pb2_grpc as rpb_grpc
+from blockd.wal import parse_name
 from client.aio import AsyncBlockdClient
 from client.errors import BlockdClientError, FailedPreconditionError, InvalidArgumentError, from_rpc_error
 from client.scheduler import SchedulerConfig
@@ -517,11 +518,27 @@ def test_a_follower_behind_the_retained_log_catches_up_from_a_snapshot(group):
     g = group("--snapshot-every", "30")
     leader = ready(g)
     lagging = next(rid for rid in g.clients if rid != leader)
-    g.kill(lagging)  # the third replica keeps the group committing
     client = g.clients[leader]
+    killed_at = client.replica_status().last_lsn  # the lagging replica holds no more than this
+    g.kill(lagging)  # the third replica keeps the group committing
     for i in range(150):  # several snapshots: the lagging replica's position leaves the window
         client.step("p", [Allocate(f"a{i}", [i, i + 1]), *([Free(f"a{i - 1}")] if i % 3 == 0 and i else [])],
                     request_id=f"a-{i}")
+
+    # The leader keeps the records after its snapshot before the newest. Snapshots are written in
+    # the background (on a loaded machine they trail the steps, and may be skipped), so step on
+    # until two have been seen past the lagging replica's position: its records are gone then.
+    seen: set[int] = set()
+
+    def past_the_window() -> bool:
+        seen.update(found[1] for n in os.listdir(os.path.join(g.root, leader))
+                    if (found := parse_name(n)) is not None and found[0] == "snapshot" and found[1] > killed_at)
+        if len(seen) >= 2:
+            return True
+        client.step("p", [Allocate(f"more{len(seen)}-{time.monotonic_ns()}", [1])])
+        return False
+
+    wait_for(past_the_window, "the leader's snapshots to leave the lagging replica's position behind", timeout_s=60)
     g.start(lagging)
     data_dir = os.path.join(g.root, lagging)
     wait_for(lambda: any(n.startswith("quarantine-") and n.endswith("replaced") for n in os.listdir(data_dir)),
