@@ -9,7 +9,10 @@ fewer than ``min_in_sync`` replicas left the call is refused
 (:class:`~blockd.core.errors.NotReplicated`: retry with the same request id).
 A follower joins the set once it has persisted every record acknowledged
 so far (the term's first record included); from then on no record is
-acknowledged without it. With ``max_members`` (``--sync-followers``) the set
+acknowledged without it. It counts towards ``min_in_sync`` only once its
+entry is in etcd: a leader that dies in between has acknowledged nothing
+that only a replica outside the etcd set holds (no other replica could
+lead then, and the group would wait for the dead one). With ``max_members`` (``--sync-followers``) the set
 holds at most that many followers besides the leader: the others replicate
 as in ``async`` mode and take a free place once it opens (a member dropped
 at the deadline), so a step waits for the first followers to catch up, not
@@ -102,7 +105,10 @@ class Commits:
         self._cond = threading.Condition()
         self.term = 0
         self.followers: dict[str, FollowerState] = {}
-        self.members: set[str] = set()  #: in-sync members other than this leader
+        self.members: set[str] = set()  #: in-sync members other than this leader (in etcd)
+        #: followers being added to the set: commits wait for them, but they do not count
+        #: towards ``min_in_sync`` before etcd holds their entry
+        self.joining: set[str] = set()
         self.member_logs: dict[str, str] = {}  #: member -> the log id its entry names ("": not known)
         #: every record acknowledged in this term (and every earlier term's) is at or below this
         self.acked = 0
@@ -120,6 +126,7 @@ class Commits:
                 members.discard(extra)
         with self._cond:
             self.term, self.members, self.followers, self.member_logs = term, members, {}, logs
+            self.joining = set()
             self.acked = 0
             self._cond.notify_all()
 
@@ -147,7 +154,8 @@ class Commits:
             return last_lsn
         if len(self.members) + 1 < self.min_in_sync:
             return 0
-        persisted = [self.followers[m].persisted_lsn if m in self.followers else 0 for m in self.members]
+        persisted = [self.followers[m].persisted_lsn if m in self.followers else 0
+                     for m in self.members | self.joining]
         return min([last_lsn, *persisted])
 
     def opened(self, term: int, replica_id: str, address: str, lsn: int, log_id: str = "") -> None:
@@ -174,25 +182,36 @@ class Commits:
             state = self.followers.setdefault(replica_id, FollowerState(replica_id))
             state.persisted_lsn, state.last_ack = max(state.persisted_lsn, lsn), self._clock()
             self._cond.notify_all()
-            if self.mode == "async" or replica_id in self.members:
+            if self.mode == "async" or replica_id in self.members or replica_id in self.joining:
                 return
-            if self.max_members and len(self.members) >= self.max_members:
+            if self.max_members and len(self.members) + len(self.joining) >= self.max_members:
                 return  # no place free: it follows without holding steps back
             # It joins once it holds every record acknowledged so far (all at or below ``acked``,
-            # which moves under this lock): from then on every commit counts it in. Waiting for it
+            # which moves under this lock): from then on every commit waits for it. Waiting for it
             # to reach the leader's *last* record instead never happens under steady load.
             if state.persisted_lsn < self.acked:
                 return
-            self.members.add(replica_id)
+            self.joining.add(replica_id)
             log_id = state.log_id
         try:
             self._store.add(term, replica_id, lsn, log_id)
         except Exception:
             with self._cond:
-                self.members.discard(replica_id)
+                self.joining.discard(replica_id)
+                self._cond.notify_all()
             raise
         with self._cond:
-            self.member_logs[replica_id] = log_id
+            current = self.term == term
+            joined = current and replica_id in self.joining
+            self.joining.discard(replica_id)
+            if joined:  # counts towards min_in_sync from now on
+                self.members.add(replica_id)
+                self.member_logs[replica_id] = log_id
+                self._cond.notify_all()
+        if not joined:
+            if current:  # dropped at a deadline while its entry was written: leaving is always safe
+                self._store.remove(term, replica_id)
+            return
         log.info("replica %s joined the in-sync set at lsn %d (term %d)", replica_id, lsn, term)
 
     def wait(self, lsn: int, last_lsn: int, deadline: float, leading: Callable[[], bool]) -> None:
@@ -209,16 +228,18 @@ class Commits:
             term = self.term
             if self._committed_by(lsn, last_lsn, deadline, leading, term):
                 return
-            laggards = sorted(m for m in self.members
+            laggards = sorted(m for m in self.members | self.joining
                               if (self.followers[m].persisted_lsn if m in self.followers else 0) < lsn)
         for member in laggards:
             self._store.remove(term, member)  # before anything is acknowledged without it
             with self._cond:
                 self.members.discard(member)
+                self.joining.discard(member)  # its adder removes the entry again once written
             log.warning("replica %s left the in-sync set: it did not confirm lsn %d in time", member, lsn)
         with self._cond:
             now = self._clock()
-            joinable = any(f.replica_id not in self.members and f.last_ack and now - f.last_ack <= self.live_s
+            inside = self.members | self.joining
+            joinable = any(f.replica_id not in inside and f.last_ack and now - f.last_ack <= self.live_s
                            for f in self.followers.values())
             if self._committed_by(lsn, last_lsn, now + self.live_s if joinable else now, leading, term):
                 return

@@ -1,10 +1,17 @@
-"""The leader's commit point in ``async`` mode (blockd/repl_leader.py ``Commits``): the lag bound.
+"""The leader's commit point (blockd/repl_leader.py ``Commits``).
 
-A step waits while a live follower (one that acknowledged within ``live_s``)
-trails its record by more than ``max_lag_records``; a follower that stopped
-acknowledging does not hold steps back; the deadline ends the wait; a
-replica that stops leading refuses. The in-sync set (etcd) is not used in
-``async`` mode: the store here fails any call to it.
+``async`` mode, the lag bound: a step waits while a live follower (one that
+acknowledged within ``live_s``) trails its record by more than
+``max_lag_records``; a follower that stopped acknowledging does not hold
+steps back; the deadline ends the wait; a replica that stops leading
+refuses. The in-sync set (etcd) is not used in ``async`` mode: the store
+here fails any call to it.
+
+``sync`` mode, joining the set: a follower counts towards ``min_in_sync``
+only once etcd holds its entry (a leader paused in between had acknowledged
+a step that no replica allowed to lead held, and the group stalled: a CI
+failure); one dropped at the deadline while its entry is written ends
+outside the set.
 """
 
 from __future__ import annotations
@@ -14,7 +21,7 @@ import time
 
 import pytest
 
-from blockd.core.errors import NotLeader
+from blockd.core.errors import NotLeader, NotReplicated
 from blockd.repl_leader import Commits
 
 
@@ -67,3 +74,56 @@ def test_a_follower_that_stopped_acknowledging_does_not_hold_steps_back():
     start = time.monotonic()
     commits.wait(1000, 1000, start + 5, lambda: True)
     assert time.monotonic() - start < 0.5
+
+
+class _SlowInSyncSet:
+    """An in-sync set whose writes wait for ``release`` (an etcd round trip, stretched)."""
+
+    def __init__(self) -> None:
+        self.entries: dict[str, str] = {}
+        self.release = threading.Event()
+        self.adding = threading.Event()
+
+    def members(self) -> dict[str, str]:
+        return dict(self.entries)
+
+    def add(self, term: int, replica_id: str, lsn: int, log_id: str = "") -> None:
+        self.adding.set()
+        assert self.release.wait(10)
+        self.entries[replica_id] = log_id
+
+    def remove(self, term: int, replica_id: str) -> None:
+        self.entries.pop(replica_id, None)
+
+
+def _joining(store: _SlowInSyncSet) -> tuple[Commits, threading.Thread]:
+    commits = Commits("r0", "sync", 2, store)
+    commits.begin(3, "")
+    commits.started(1)
+    commits.opened(3, "r1", "r1:1", 0)
+    adder = threading.Thread(target=commits.ack, args=(3, "r1", 1))
+    adder.start()
+    assert store.adding.wait(5)
+    return commits, adder
+
+
+def test_a_joining_follower_counts_only_once_etcd_holds_its_entry():
+    store = _SlowInSyncSet()
+    commits, adder = _joining(store)
+    assert commits.commit_lsn(1) == 0, "a step was committed with a member etcd does not know"
+    store.release.set()
+    adder.join(5)
+    assert commits.commit_lsn(1) == 1
+    assert set(store.entries) == {"r1"} and commits.view(1).members == {"r1"}
+
+
+def test_a_follower_dropped_while_joining_ends_outside_the_set():
+    store = _SlowInSyncSet()
+    commits, adder = _joining(store)
+    with pytest.raises(NotReplicated):  # lsn 2 is not on r1: it is dropped, and one replica is too few
+        commits.wait(2, 2, time.monotonic() + 0.2, lambda: True)
+    store.release.set()
+    adder.join(5)
+    assert store.entries == {} and commits.view(2).members == frozenset()
+    commits.ack(3, "r1", 2)  # it joins again once it holds everything acknowledged
+    assert set(store.entries) == {"r1"} and commits.commit_lsn(2) == 2
