@@ -23,6 +23,14 @@ The stream carries the follower's peer credentials (``--peer-tls-*``,
 A message from a term older than the newest this replica knows ends the
 stream (a deposed leader's feed). Any failure closes the stream and the loop
 dials again after a short pause.
+
+A watchdog (:class:`FeedWatch`) cancels a feed that cannot end by itself:
+one whose leader the election no longer names, or one silent for
+``silence_s`` while the follower waits for it (the leader sends a heartbeat
+every 0.1 s when idle). A leader that is paused (SIGSTOP, a VM frozen, a
+partition that drops packets) keeps its TCP connection open and sends
+nothing; without the watchdog the follower waited on it for ever, and a new
+leader that needs it in the in-sync set could not commit its first record.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ import logging
 import os
 import queue
 import threading
+import time
 import zlib
 from collections.abc import Callable, Iterator
 
@@ -47,6 +56,9 @@ log = logging.getLogger("blockd.replication")
 
 RETRY_S = 0.2
 ACK_TIMEOUT_S = 2.0
+#: a feed silent this long while the follower waits is given up (heartbeats come every 0.1 s)
+SILENCE_S = 2.0
+WATCH_S = 0.1
 #: a snapshot being received (not ".tmp": the compactor removes those)
 INCOMING = ".incoming"
 
@@ -100,14 +112,51 @@ class AckStream:
         self._call.cancel()
 
 
+class FeedWatch:
+    """Cancels one feed's call once ``leader()`` names another address than
+    ``target``, or once the follower has waited ``silence_s`` for a message.
+    The time the follower spends applying a message does not count."""
+
+    def __init__(self, call: grpc.Call, target: str, leader: Callable[[], str], silence_s: float) -> None:
+        self._call, self._target, self._leader, self._silence_s = call, target, leader, silence_s
+        self._waiting_since: float | None = time.monotonic()
+        self._done = threading.Event()
+        self.why = ""  #: why it cancelled the call ("" if it did not)
+        self._thread = threading.Thread(target=self._run, name="feed-watch", daemon=True)
+        self._thread.start()
+
+    def waiting(self) -> None:
+        self._waiting_since = time.monotonic()
+
+    def handling(self) -> None:
+        self._waiting_since = None
+
+    def close(self) -> None:
+        self._done.set()
+
+    def _run(self) -> None:
+        while not self._done.wait(WATCH_S):
+            named = self._leader()
+            since = self._waiting_since
+            if named and named != self._target:
+                self.why = f"the election names another leader ({named})"
+            elif since is not None and time.monotonic() - since > self._silence_s:
+                self.why = f"nothing arrived for {self._silence_s:g} s (the leader sends a heartbeat every 0.1 s)"
+            else:
+                continue
+            self._call.cancel()
+            return
+
+
 class FollowerLoop:
     """Follows whichever replica ``leader()`` names while ``following()``; see the module docstring."""
 
     def __init__(self, replica_id: str, address: str, engine: Engine, data_dir: str,
                  leader: Callable[[], str], following: Callable[[], bool], known_term: Callable[[], int],
                  saw_term: Callable[[int], None], progress: Callable[[int], None], log_id: str = "",
-                 tls: TlsConfig | None = None, token: str | None = None) -> None:
+                 tls: TlsConfig | None = None, token: str | None = None, silence_s: float = SILENCE_S) -> None:
         self.replica_id, self.address, self.engine, self.data_dir = replica_id, address, engine, data_dir
+        self.silence_s = silence_s
         self.log_id, self._tls, self._token = log_id, tls, token
         self._leader, self._following, self._known_term, self._saw_term = leader, following, known_term, saw_term
         self._progress = progress
@@ -144,6 +193,9 @@ class FollowerLoop:
             except grpc.RpcError as err:
                 if not self._stop.is_set():
                     log.info("replication from %s ended: %s %s", target, err.code(), err.details())
+            except _GaveUp as err:
+                if not self._stop.is_set():
+                    log.warning("replication from %s given up: %s; dialling the leader again", target, err)
             except Exception:  # the loop must survive and retry; the log has the details
                 log.exception("replication from %s failed; reloading from disk and retrying", target)
                 self.engine.reload()
@@ -158,10 +210,11 @@ class FollowerLoop:
         with open_channel(target, self._tls, self._token) as channel:
             stub = rpb_grpc.ReplicationServiceStub(channel)
             self._call = call = stub.ReplicateLog(request)
+            watch = FeedWatch(call, target, self._leader, self.silence_s)
             acks = AckStream(stub)
             snapshot: list[rpb.SnapshotChunk] = []
             try:
-                for msg in call:
+                for msg in _watched(call, watch):
                     if self._stop.is_set() or not self._following():
                         return
                     if msg.term < self._known_term():
@@ -173,6 +226,7 @@ class FollowerLoop:
                     if not self._handle(acks, msg, snapshot):
                         return
             finally:
+                watch.close()
                 self.streaming = False
                 acks.close()
                 call.cancel()
@@ -226,3 +280,24 @@ class FollowerLoop:
         why = f"this replica was behind the log the leader of term {term} retains; it sent snapshot lsn {last.lsn}"
         self.engine.reload(lambda d: d.replace_with_snapshot(path, last.name, why))
         log.info("installed the leader's snapshot %s (lsn %d, %d bytes)", last.name, last.lsn, len(data))
+
+
+class _GaveUp(Exception):
+    """The watchdog cancelled the feed (:class:`FeedWatch`)."""
+
+
+def _watched(call: Iterator[rpb.ReplicateLogResponse], watch: FeedWatch) -> Iterator[rpb.ReplicateLogResponse]:
+    """The feed's messages, the time between them watched; a cancel by the
+    watch ends it with :class:`_GaveUp`."""
+    while True:
+        watch.waiting()
+        try:
+            msg = next(call)
+        except StopIteration:
+            return
+        except grpc.RpcError as err:
+            if watch.why and err.code() == grpc.StatusCode.CANCELLED:
+                raise _GaveUp(watch.why) from None
+            raise
+        watch.handling()
+        yield msg

@@ -105,6 +105,11 @@ class Group:
             self.procs[rid].popen.wait()
             self.dead.append(self.clients.pop(rid))  # closed at the end: a load thread may still hold it
 
+    def outputs(self, lines: int = 30) -> str:
+        """The last lines each replica printed, for a failure's message."""
+        return "\n".join(f"--- {rid}:\n" + "\n".join(proc.output().splitlines()[-lines:])
+                         for rid, proc in self.procs.items())
+
     def leader(self) -> str | None:
         for rid, client in list(self.clients.items()):
             try:
@@ -476,11 +481,18 @@ class _Load:
 def test_a_paused_leader_acknowledges_nothing_and_steps_down(group):
     g = group()
     leader = ready(g)
+    # Both followers in the in-sync set: the one that does not win must leave the paused leader's
+    # open feed (it sends nothing, and never ends) for the new leader's, or the new leader cannot
+    # commit its first record. That follower used to wait on the paused leader for ever.
+    wait_for(lambda: sum(f.in_sync for f in g.clients[leader].replica_status().followers) == 2,
+             "both followers in the in-sync set")
     g.kill(leader, signal.SIGSTOP)
     others = {rid: c for rid, c in g.clients.items() if rid != leader}
     try:
         new = wait_for(lambda: next((rid for rid, c in others.items() if _serves(c)), None), "a new leader",
                        timeout_s=60)
+    except AssertionError as err:
+        raise AssertionError(f"{err}\n{g.outputs()}") from None
     finally:
         g.kill(leader, signal.SIGCONT)
     old = g.clients[leader]
