@@ -22,6 +22,15 @@ calls and closes the old one ``grace_s`` later (calls and streams still on
 it end then, and are retried or resumed on the new one). Servers pick up
 their own new files by themselves (:mod:`blockd.auth.tls`).
 
+Keepalive: while a call is open the channel pings the server every 2 s and
+gives the connection up when a ping is not answered within 4 s
+(:data:`KEEPALIVE_OPTIONS`), so the call fails UNAVAILABLE and the caller
+moves on. A server that is paused (SIGSTOP, a frozen VM) or cut off by a
+partition that drops packets keeps its connection open and answers nothing:
+a stream to it (a worker's Watch, a follower's feed) waited for ever, and a
+unary call until its deadline. Our servers accept pings that often
+(:mod:`blockd.rpc.server`).
+
 Imports the standard library and grpc.
 """
 
@@ -43,6 +52,16 @@ log = logging.getLogger("blockd.auth")
 
 DEFAULT_CHECK_INTERVAL_S = 5.0
 DEFAULT_GRACE_S = 30.0
+#: gRPC's own keepalive (see the module docstring); caller options with the same keys win
+KEEPALIVE_OPTIONS: tuple[tuple[str, int], ...] = (
+    ("grpc.keepalive_time_ms", 2000),
+    # grpcio 1.85 gives a keepalive ping up after the ping timeout (measured: with keepalive_timeout_ms
+    # alone a paused server's stream hung for ever), so both are set
+    ("grpc.keepalive_timeout_ms", 4000),
+    ("grpc.http2.ping_timeout_ms", 4000),
+    ("grpc.keepalive_permit_without_calls", 0),  # an idle channel need not be watched
+    ("grpc.http2.max_pings_without_data", 0),  # keep pinging a stream that is quiet for long
+)
 
 
 def _check_token(target: str, tls: TlsConfig | None, token: str | None) -> None:
@@ -116,7 +135,8 @@ def _make_aio(target: str, tls: TlsConfig | None, token: str | None, options: li
 
 def _make(target: str, tls: TlsConfig | None, token: str | None, options: Sequence, aio: bool):
     _check_token(target, tls, token)
-    options = [*options, *tls_options(tls)]
+    given = {key for key, _ in options}
+    options = [*(o for o in KEEPALIVE_OPTIONS if o[0] not in given), *options, *tls_options(tls)]
     if aio:
         return _make_aio(target, tls, token, options)
     if tls is None:

@@ -13,6 +13,11 @@ Handlers are built from the service descriptors
 raise, or gRPC answers INTERNAL (and logs a traceback) for a request whose
 bytes do not parse; :func:`blockd.rpc.errors.lenient_parser` makes that
 INVALID_ARGUMENT instead. The same goes for health and reflection.
+
+The server accepts a client's keepalive pings every second even on a quiet
+stream (gRPC's default refuses more than one in 5 minutes without data, and
+ends the connection): our clients ping every 2 s while a call is open
+(:data:`blockd.auth.channels.KEEPALIVE_OPTIONS`) to notice a paused server.
 Imports grpc and the rest of :mod:`blockd.rpc`; never the daemon.
 """
 
@@ -51,7 +56,10 @@ class GrpcEndpoint:
         executor = futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=thread_name_prefix)
         self.server = grpc.server(executor, interceptors=list(interceptors), options=[
             ("grpc.max_receive_message_length", max_message_bytes),
-            ("grpc.max_send_message_length", max_message_bytes), *options])
+            ("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.http2.min_ping_interval_without_data_ms", 1000),  # ..._MIN_RECV_PING_INTERVAL_..._MS in C
+            ("grpc.keepalive_permit_without_calls", 1),
+            *options])
         names = []
         for servicer, descriptor in services:
             self.server.add_registered_method_handlers(descriptor.full_name, method_handlers(servicer, descriptor))
