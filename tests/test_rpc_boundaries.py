@@ -236,3 +236,38 @@ def _shout_method() -> descriptor.MethodDescriptor:
     proto.service.add(name="Loud").method.add(name="Shout", input_type=".test.Empty", output_type=".test.Empty")
     pool.Add(proto)
     return pool.FindMethodByName("test.Loud.Shout")
+
+
+class _Broken(grpc.RpcError):
+    pass
+
+
+class _Context:
+    """What a client-streaming handler may call when the caller is gone: nothing."""
+
+    def abort_with_status(self, status):  # pragma: no cover - failing path
+        raise AssertionError(f"answered a caller that is gone: {status}")
+
+
+def test_a_client_stream_that_the_caller_cancels_is_not_an_incident(caplog):
+    """A follower that gives up its feed cancels its acknowledgement stream; the
+    leader's handler ends quietly (it logged an INTERNAL incident with a traceback)."""
+    from blockd.rpc.errors import client_stream
+
+    seen: list[int] = []
+
+    class Servicer:
+        @client_stream
+        def StreamThings(self, requests, context):
+            seen.extend(requests)
+            return "answered"
+
+    def requests():
+        yield 1
+        raise _Broken()
+
+    with caplog.at_level(logging.DEBUG):
+        assert Servicer().StreamThings(requests(), _Context()) is None
+    assert seen == [1]
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.records
+    assert Servicer().StreamThings(iter([1, 2]), _Context()) == "answered"

@@ -175,6 +175,11 @@ def status_for(err: BaseException, rpc: str) -> grpc.Status:
     return internal_status(rpc, err)
 
 
+class CallerGone(Exception):
+    """The caller's request stream ended with an error: it cancelled the call, or
+    its connection is gone. Nobody is left to answer, and nothing went wrong here."""
+
+
 def unary(method: Callable) -> Callable:
     """Wrap a unary servicer method so every failure leaves through :func:`status_for`."""
     rpc = method.__name__
@@ -185,6 +190,8 @@ def unary(method: Callable) -> Callable:
             if isinstance(request, MalformedRequest):
                 raise request
             return method(self, request, context)
+        except CallerGone:
+            return None  # not an incident: a follower that gave up its feed cancels its acks, for one
         except Exception as err:  # noqa: BLE001 - the one place that classifies failures
             status = status_for(err, rpc)
         # abort raises, so it must run outside the try above
@@ -218,7 +225,14 @@ def client_stream(method: Callable) -> Callable:
     wrapped = unary(method)
 
     def parsed(requests: Iterator) -> Iterator:
-        for request in requests:
+        it = iter(requests)
+        while True:
+            try:
+                request = next(it)
+            except StopIteration:
+                return
+            except grpc.RpcError:
+                raise CallerGone() from None
             if isinstance(request, MalformedRequest):
                 raise request
             yield request
