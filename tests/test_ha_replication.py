@@ -7,7 +7,8 @@ health is SERVING; the chaos test kills the leader (SIGKILL)
 load, and after each failover every acknowledged step is on the new leader,
 the steps in flight at the kill, resent there with their request ids, are
 applied at most once, and the worker's tables equal the leader's; a leader paused
-past its lease acknowledges nothing once resumed and steps down; a follower
+past its lease acknowledges nothing once resumed and steps down, and a worker
+moves to the new leader while the old one is still paused; a follower
 stopped past the retained window catches up from the leader's snapshot; in
 ``async`` mode a worker that received versions a failover lost resyncs from
 a snapshot; a
@@ -481,20 +482,41 @@ class _Load:
 def test_a_paused_leader_acknowledges_nothing_and_steps_down(group):
     g = group()
     leader = ready(g)
+    # a worker follows Watch: it must move to the new leader while the old one is still paused
+    config = PoolConfig("w", num_blocks=64, block_size=4, num_layers=1, num_kv_heads=1, head_dim=4,
+                        dtype="float32")
+    g.clients[leader].create_pool(config, request_id="create-w")
+    runtime = WorkerRuntime(config, device="cpu")
+    worker_client = BlockdClient(",".join(p.address for p in g.procs.values()), timeout_s=60)
+    follower = Follower(worker_client, runtime, WorkerInfo("w0", "w", "", 0, 1, 0, 1, incarnation=runtime.incarnation),
+                        heartbeat_interval_s=0.2)
     # Both followers in the in-sync set: the one that does not win must leave the paused leader's
     # open feed (it sends nothing, and never ends) for the new leader's, or the new leader cannot
     # commit its first record. That follower used to wait on the paused leader for ever.
     wait_for(lambda: sum(f.in_sync for f in g.clients[leader].replica_status().followers) == 2,
              "both followers in the in-sync set")
-    g.kill(leader, signal.SIGSTOP)
-    others = {rid: c for rid, c in g.clients.items() if rid != leader}
     try:
-        new = wait_for(lambda: next((rid for rid, c in others.items() if _serves(c)), None), "a new leader",
-                       timeout_s=60)
-    except AssertionError as err:
-        raise AssertionError(f"{err}\n{g.outputs()}") from None
+        follower.start()
+        g.clients[leader].step("w", [Allocate("before", [1, 2])], request_id="w-before")
+        wait_for(lambda: runtime.replica.received_version >= 1, "the worker to follow the leader")
+        g.kill(leader, signal.SIGSTOP)
+        others = {rid: c for rid, c in g.clients.items() if rid != leader}
+        try:
+            new = wait_for(lambda: next((rid for rid, c in others.items() if _serves(c)), None), "a new leader",
+                           timeout_s=60)
+            # the worker's Watch to the paused leader gets no error by itself; gRPC keepalive ends it
+            version = g.clients[new].step("w", [Allocate("after", [3])], request_id="w-after").version
+            wait_for(lambda: runtime.replica.received_version >= version,
+                     "the worker to follow the new leader while the old one is paused", timeout_s=30)
+        except AssertionError as err:
+            raise AssertionError(f"{err}\n{g.outputs()}") from None
+        finally:
+            g.kill(leader, signal.SIGCONT)
+        runtime.replica.advance_to(version, 10.0)
+        assert runtime.replica.tables == g.clients[new].get_tables("w")[1]
     finally:
-        g.kill(leader, signal.SIGCONT)
+        follower.stop()
+        worker_client.close()
     old = g.clients[leader]
     with pytest.raises(BlockdClientError) as info:
         old.step("p", [Allocate("late", [1])], request_id="to-the-old-leader")
