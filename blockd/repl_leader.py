@@ -12,8 +12,9 @@ so far (the term's first record included); from then on no record is
 acknowledged without it. It counts towards ``min_in_sync`` only once its
 entry is in etcd: a leader that dies in between has acknowledged nothing
 that only a replica outside the etcd set holds (no other replica could
-lead then, and the group would wait for the dead one). With ``max_members`` (``--sync-followers``) the set
-holds at most that many followers besides the leader: the others replicate
+lead then, and the group would wait for the dead one). With
+``max_members`` (``--sync-followers``) the set holds at most that many
+followers besides the leader: the others replicate
 as in ``async`` mode and take a free place once it opens (a member dropped
 at the deadline), so a step waits for the first followers to catch up, not
 for the slowest (what a failover may then need: one of those members). ``async`` mode commits a record once
@@ -149,13 +150,16 @@ class Commits:
             return CommitView(self._commit_locked(last_lsn), frozenset(self.members),
                               tuple(replace(f) for f in self.followers.values()), self._clock())
 
+    def _waited_for(self) -> set[str]:
+        """Under the lock: the followers every commit waits for (members, and those joining)."""
+        return self.members | self.joining
+
     def _commit_locked(self, last_lsn: int) -> int:
         if self.mode == "async":
             return last_lsn
         if len(self.members) + 1 < self.min_in_sync:
             return 0
-        persisted = [self.followers[m].persisted_lsn if m in self.followers else 0
-                     for m in self.members | self.joining]
+        persisted = [self.followers[m].persisted_lsn if m in self.followers else 0 for m in self._waited_for()]
         return min([last_lsn, *persisted])
 
     def opened(self, term: int, replica_id: str, address: str, lsn: int, log_id: str = "") -> None:
@@ -182,9 +186,9 @@ class Commits:
             state = self.followers.setdefault(replica_id, FollowerState(replica_id))
             state.persisted_lsn, state.last_ack = max(state.persisted_lsn, lsn), self._clock()
             self._cond.notify_all()
-            if self.mode == "async" or replica_id in self.members or replica_id in self.joining:
+            if self.mode == "async" or replica_id in self._waited_for():
                 return
-            if self.max_members and len(self.members) + len(self.joining) >= self.max_members:
+            if self.max_members and len(self._waited_for()) >= self.max_members:
                 return  # no place free: it follows without holding steps back
             # It joins once it holds every record acknowledged so far (all at or below ``acked``,
             # which moves under this lock): from then on every commit waits for it. Waiting for it
@@ -228,7 +232,7 @@ class Commits:
             term = self.term
             if self._committed_by(lsn, last_lsn, deadline, leading, term):
                 return
-            laggards = sorted(m for m in self.members | self.joining
+            laggards = sorted(m for m in self._waited_for()
                               if (self.followers[m].persisted_lsn if m in self.followers else 0) < lsn)
         for member in laggards:
             self._store.remove(term, member)  # before anything is acknowledged without it
@@ -238,7 +242,7 @@ class Commits:
             log.warning("replica %s left the in-sync set: it did not confirm lsn %d in time", member, lsn)
         with self._cond:
             now = self._clock()
-            inside = self.members | self.joining
+            inside = self._waited_for()
             joinable = any(f.replica_id not in inside and f.last_ack and now - f.last_ack <= self.live_s
                            for f in self.followers.values())
             if self._committed_by(lsn, last_lsn, now + self.live_s if joinable else now, leading, term):

@@ -112,13 +112,7 @@ class Group:
                          for rid, proc in self.procs.items())
 
     def leader(self) -> str | None:
-        for rid, client in list(self.clients.items()):
-            try:
-                client.list_pools()
-            except BlockdClientError:
-                continue
-            return rid
-        return None
+        return next((rid for rid, client in list(self.clients.items()) if _serves(client)), None)
 
     def close(self) -> None:
         for client in [*self.clients.values(), *self.dead]:
@@ -161,6 +155,19 @@ def ready(g: Group) -> str:
     return wait_for(step_ok, "a leader that acknowledges a replicated step", timeout_s=60)
 
 
+def _worker(g: Group, leader: str, num_blocks: int) -> tuple[WorkerRuntime, BlockdClient, Follower]:
+    """Pool ``w`` made on the leader and an in-process worker for it (not started) that
+    follows Watch through every replica's address, as a real worker's SDK does."""
+    config = PoolConfig("w", num_blocks=num_blocks, block_size=4, num_layers=1, num_kv_heads=1, head_dim=4,
+                        dtype="float32")
+    g.clients[leader].create_pool(config, request_id="create-w")
+    runtime = WorkerRuntime(config, device="cpu")
+    client = BlockdClient(",".join(p.address for p in g.procs.values()), timeout_s=60)
+    follower = Follower(client, runtime, WorkerInfo("w0", "w", "", 0, 1, 0, 1, incarnation=runtime.incarnation),
+                        heartbeat_interval_s=0.2)
+    return runtime, client, follower
+
+
 def test_followers_refuse_naming_the_leader(group):
     g = group()
     leader = ready(g)
@@ -198,10 +205,7 @@ def test_chaos_leader_killed_under_a_worker_and_four_schedulers(group):
     g = group()
     leader = ready(g)
     addresses = ",".join(p.address for p in g.procs.values())
-    config = PoolConfig("w", num_blocks=8192, block_size=4, num_layers=1, num_kv_heads=1, head_dim=4,
-                        dtype="float32")
-    g.clients[leader].create_pool(config, request_id="create-w")
-    runtime = WorkerRuntime(config, device="cpu")
+    runtime, worker_client, follower = _worker(g, leader, 8192)
     delivered: list[int] = []
     push = runtime.replica.push
 
@@ -210,10 +214,6 @@ def test_chaos_leader_killed_under_a_worker_and_four_schedulers(group):
         push(delta)
 
     runtime.replica.push = recording_push  # type: ignore[method-assign]
-    worker_client = BlockdClient(addresses, timeout_s=60)
-    follower = Follower(worker_client, runtime, WorkerInfo("w0", "w", "", 0, 1, 0, 1,
-                                                           incarnation=runtime.incarnation),
-                        heartbeat_interval_s=0.2)
     follower.start()
     load = _Load(addresses, schedulers=4)
     rng = random.Random(int(os.environ.get("BLOCKD_HA_SEED", "14")))
@@ -257,18 +257,10 @@ def test_async_a_worker_holding_versions_the_new_leader_lacks_resyncs_from_a_sna
     lost steps may sit in blocks the new leader gives to others)."""
     g = group("--replication", "async")
     leader = ready(g)
-    addresses = ",".join(p.address for p in g.procs.values())
-    config = PoolConfig("w", num_blocks=1024, block_size=4, num_layers=1, num_kv_heads=1, head_dim=4,
-                        dtype="float32")
-    g.clients[leader].create_pool(config, request_id="create-w")
+    runtime, worker_client, follower = _worker(g, leader, 1024)
     for i in range(5):
         g.clients[leader].step("w", [Allocate(f"base{i}", [i, i, i])], request_id=f"base{i}")
-    runtime = WorkerRuntime(config, device="cpu")
     first_incarnation = runtime.incarnation
-    worker_client = BlockdClient(addresses, timeout_s=60)
-    follower = Follower(worker_client, runtime, WorkerInfo("w0", "w", "", 0, 1, 0, 1,
-                                                           incarnation=runtime.incarnation),
-                        heartbeat_interval_s=0.2)
     follower.start()
     followers = [rid for rid in g.procs if rid != leader]
     try:
@@ -483,13 +475,7 @@ def test_a_paused_leader_acknowledges_nothing_and_steps_down(group):
     g = group()
     leader = ready(g)
     # a worker follows Watch: it must move to the new leader while the old one is still paused
-    config = PoolConfig("w", num_blocks=64, block_size=4, num_layers=1, num_kv_heads=1, head_dim=4,
-                        dtype="float32")
-    g.clients[leader].create_pool(config, request_id="create-w")
-    runtime = WorkerRuntime(config, device="cpu")
-    worker_client = BlockdClient(",".join(p.address for p in g.procs.values()), timeout_s=60)
-    follower = Follower(worker_client, runtime, WorkerInfo("w0", "w", "", 0, 1, 0, 1, incarnation=runtime.incarnation),
-                        heartbeat_interval_s=0.2)
+    runtime, worker_client, follower = _worker(g, leader, 64)
     # Both followers in the in-sync set: the one that does not win must leave the paused leader's
     # open feed (it sends nothing, and never ends) for the new leader's, or the new leader cannot
     # commit its first record. That follower used to wait on the paused leader for ever.
