@@ -42,6 +42,7 @@ import threading
 import time
 import zlib
 from collections.abc import Callable, Iterator
+from typing import cast
 
 import grpc
 
@@ -119,17 +120,28 @@ class FeedWatch:
 
     def __init__(self, call: grpc.Call, target: str, leader: Callable[[], str], silence_s: float) -> None:
         self._call, self._target, self._leader, self._silence_s = call, target, leader, silence_s
+        self._feed = cast(Iterator[rpb.ReplicateLogResponse], call)  # a unary-stream call iterates
         self._waiting_since: float | None = time.monotonic()
         self._done = threading.Event()
         self.why = ""  #: why it cancelled the call ("" if it did not)
         self._thread = threading.Thread(target=self._run, name="feed-watch", daemon=True)
         self._thread.start()
 
-    def waiting(self) -> None:
-        self._waiting_since = time.monotonic()
-
-    def handling(self) -> None:
-        self._waiting_since = None
+    def messages(self) -> Iterator[rpb.ReplicateLogResponse]:
+        """The call's messages, the waits between them watched; a cancel by
+        this watch ends them with :class:`_GaveUp`."""
+        while True:
+            self._waiting_since = time.monotonic()
+            try:
+                msg = next(self._feed)
+            except StopIteration:
+                return
+            except grpc.RpcError as err:
+                if self.why and err.code() == grpc.StatusCode.CANCELLED:
+                    raise _GaveUp(self.why) from None
+                raise
+            self._waiting_since = None  # applying it is not the leader's silence
+            yield msg
 
     def close(self) -> None:
         self._done.set()
@@ -214,7 +226,7 @@ class FollowerLoop:
             acks = AckStream(stub)
             snapshot: list[rpb.SnapshotChunk] = []
             try:
-                for msg in _watched(call, watch):
+                for msg in watch.messages():
                     if self._stop.is_set() or not self._following():
                         return
                     if msg.term < self._known_term():
@@ -284,20 +296,3 @@ class FollowerLoop:
 
 class _GaveUp(Exception):
     """The watchdog cancelled the feed (:class:`FeedWatch`)."""
-
-
-def _watched(call: Iterator[rpb.ReplicateLogResponse], watch: FeedWatch) -> Iterator[rpb.ReplicateLogResponse]:
-    """The feed's messages, the time between them watched; a cancel by the
-    watch ends it with :class:`_GaveUp`."""
-    while True:
-        watch.waiting()
-        try:
-            msg = next(call)
-        except StopIteration:
-            return
-        except grpc.RpcError as err:
-            if watch.why and err.code() == grpc.StatusCode.CANCELLED:
-                raise _GaveUp(watch.why) from None
-            raise
-        watch.handling()
-        yield msg
