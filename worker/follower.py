@@ -37,6 +37,7 @@ from blockd.core.errors import BlockdError
 from blockd.core.hashing import DEFAULT_TENANT
 from blockd.core.types import PoolConfig, Snapshot, WorkerInfo
 from client.errors import BlockdClientError, NotFoundError
+from client.leader import BACKOFF_S
 from client.sdk import BlockdClient
 from worker.runtime import WorkerRuntime
 
@@ -119,7 +120,10 @@ class Follower:
                 log.info("Watch stream broke (%s); reconnecting from version %d", err,
                          replica.received_version)
                 self._stop.wait(backoff)
-                backoff = min(backoff * 2, 2.0)
+                # capped as the SDK's own leader search is: after a failover the first
+                # reconnect that reaches the new leader ends the worker's lag, and every
+                # model step planned on the new leader's versions waits for it
+                backoff = min(backoff * 2, BACKOFF_S[1])
 
     def _resync(self, snapshot: Snapshot) -> bool:
         """Move the replica to a new pool incarnation; False (and the worker
