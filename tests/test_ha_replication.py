@@ -24,6 +24,7 @@ acknowledgements on ``StreamAcks`` are checked as calls are.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import json
 import os
@@ -234,9 +235,13 @@ def test_chaos_leader_killed_under_a_worker_and_four_schedulers(group):
             assert not load.errors, load.errors
             old, leader = leader, wait_for(g.leader, "the new leader", timeout_s=60)
             assert leader != old
-            with load.paused():
-                _check(g.clients[leader], load, runtime, delivered, kill)
-            g.start(old)  # rejoins as a follower; its uncommitted tail, if any, is cut
+            # the killed replica restarts (as a follower; its uncommitted tail, if any, is cut)
+            # while the load is paused and checked
+            with concurrent.futures.ThreadPoolExecutor(1) as restart:
+                restarted = restart.submit(g.start, old)
+                with load.paused():
+                    _check(g.clients[leader], load, runtime, delivered, kill)
+                restarted.result()
     finally:
         load.stop()
         follower.stop()
