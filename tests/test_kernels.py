@@ -285,7 +285,7 @@ def native_isas():
     return [name for name, value in native.ISAS.items() if name != "auto" and value <= best]
 
 
-@pytest.mark.parametrize("head_dim", [128, 36, 18])  # 8-wide, 4-wide and scalar-only head sizes
+@pytest.mark.parametrize("head_dim", [128, 24, 36, 18])  # 16-wide (bf16 pairs), 8-wide, 4-wide, scalar only
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_native_every_code_path_matches_dense(dtype, head_dim):
     """Each vector width of the compiled kernel (forced through its ``isa`` argument) on a

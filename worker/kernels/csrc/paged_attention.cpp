@@ -41,6 +41,7 @@
 #include <cstring>
 #include <limits>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "vector_ops.h"
@@ -87,12 +88,17 @@ inline void qk_rows(const float* q, int D, const T* const* krow, int n, float* S
   for (; j < n; ++j) qk_tile<P, T, RB, 1>(q, D, krow + j, S + j, ldS);
 }
 
+// Tiles sized for 16 vector registers; a policy whose vector spans kRegs
+// registers takes proportionally fewer keys (or output columns) per tile.
+template <class P>
+constexpr int tiles(int n) { return n / P::kRegs > 0 ? n / P::kRegs : 1; }
+
 template <class P, class T>
 void qk(const float* q, int R, int D, const T* const* krow, int n, float* S, int ldS) {
   int r = 0;
-  for (; r + 4 <= R; r += 4) qk_rows<P, T, 4, 2>(q + r * D, D, krow, n, S + r * ldS, ldS);
-  for (; r + 2 <= R; r += 2) qk_rows<P, T, 2, 4>(q + r * D, D, krow, n, S + r * ldS, ldS);
-  for (; r < R; ++r) qk_rows<P, T, 1, 4>(q + r * D, D, krow, n, S + r * ldS, ldS);
+  for (; r + 4 <= R; r += 4) qk_rows<P, T, 4, tiles<P>(2)>(q + r * D, D, krow, n, S + r * ldS, ldS);
+  for (; r + 2 <= R; r += 2) qk_rows<P, T, 2, tiles<P>(4)>(q + r * D, D, krow, n, S + r * ldS, ldS);
+  for (; r < R; ++r) qk_rows<P, T, 1, tiles<P>(4)>(q + r * D, D, krow, n, S + r * ldS, ldS);
 }
 
 // O[i][d0 : d0 + CW*W] += sum_j P[i][j] * v_j[d0 : ...] for RB rows.
@@ -130,9 +136,9 @@ inline void pv_rows(const float* Pm, int ldP, const T* const* vrow, int n, float
 template <class P, class T>
 void pv(const float* Pm, int ldP, int R, const T* const* vrow, int n, float* O, int D) {
   int r = 0;
-  for (; r + 4 <= R; r += 4) pv_rows<P, T, 4, 2>(Pm + r * ldP, ldP, vrow, n, O + r * D, D);
-  for (; r + 2 <= R; r += 2) pv_rows<P, T, 2, 4>(Pm + r * ldP, ldP, vrow, n, O + r * D, D);
-  for (; r < R; ++r) pv_rows<P, T, 1, 8>(Pm + r * ldP, ldP, vrow, n, O + r * D, D);
+  for (; r + 4 <= R; r += 4) pv_rows<P, T, 4, tiles<P>(2)>(Pm + r * ldP, ldP, vrow, n, O + r * D, D);
+  for (; r + 2 <= R; r += 2) pv_rows<P, T, 2, tiles<P>(4)>(Pm + r * ldP, ldP, vrow, n, O + r * D, D);
+  for (; r < R; ++r) pv_rows<P, T, 1, tiles<P>(8)>(Pm + r * ldP, ldP, vrow, n, O + r * D, D);
 }
 
 // ------------------------------------------------------------ one work item
@@ -199,9 +205,9 @@ void softmax_update(float* S, int ldS, int R, int n, float* m, float* l, float* 
     const typename P::V vm = P::set1(m_new);
     typename P::V sum = P::zero();
     for (int j = 0; j < npad; j += P::W) {
-      typename P::V e = P::exp(P::loadf(row + j) - vm);
+      typename P::V e = P::exp(P::sub(P::loadf(row + j), vm));
       P::storef(row + j, e);
-      sum = sum + e;
+      sum = P::add(sum, e);
     }
     const float alpha = m_old == kNegInf ? 0.f : std::exp(m_old - m_new);
     l[r] = l[r] * alpha + P::hsum(sum);
@@ -211,6 +217,14 @@ void softmax_update(float* S, int ldS, int R, int n, float* m, float* l, float* 
       for (int d = 0; d < D; ++d) o[d] *= alpha;
     }
   }
+}
+
+// Where element i of a row (of a run of rows, D a multiple of P::W) sits in
+// the kernel's float copies: in order, or permuted like P's loads.
+template <class P>
+inline int slot(int i) {
+  if constexpr (P::kPermuted) return P::slot(i);
+  return i;
 }
 
 template <class P, class T>
@@ -225,7 +239,8 @@ void run_item(const Problem& p, const int32_t* w, Scratch& sc) {
   float* S = sc.s.data();
   for (int t = 0; t < rows; ++t) {  // the g heads of one token are contiguous
     const T* src = query + (size_t(q_start + row_lo + t) * Hq + size_t(head) * g) * D;
-    for (int i = 0; i < g * D; ++i) q[t * g * D + i] = static_cast<float>(src[i]) * p.scale;
+    float* dst = q + size_t(t) * g * D;
+    for (int i = 0; i < g * D; ++i) dst[slot<P>(i)] = static_cast<float>(src[i]) * p.scale;
   }
   std::fill(O, O + size_t(R) * D, 0.f);
   std::fill(sc.m.begin(), sc.m.begin() + R, kNegInf);
@@ -259,7 +274,7 @@ void run_item(const Problem& p, const int32_t* w, Scratch& sc) {
   if (w[6] >= 0) {  // split keys: leave (O, m, l) for merge()
     float* dst = p.partial + size_t(w[6]) * g * (D + 2);
     for (int i = 0; i < g; ++i) {
-      std::memcpy(dst + i * (D + 2), O + size_t(i) * D, sizeof(float) * D);
+      for (int d = 0; d < D; ++d) dst[i * (D + 2) + d] = O[size_t(i) * D + slot<P>(d)];
       dst[i * (D + 2) + D] = sc.m[i];
       dst[i * (D + 2) + D + 1] = sc.l[i];
     }
@@ -271,7 +286,7 @@ void run_item(const Problem& p, const int32_t* w, Scratch& sc) {
     for (int i = 0; i < g; ++i) {
       const float inv = 1.f / sc.l[t * g + i];
       const float* o = O + size_t(t * g + i) * D;
-      for (int d = 0; d < D; ++d) dst[i * D + d] = static_cast<T>(o[d] * inv);
+      for (int d = 0; d < D; ++d) dst[i * D + d] = static_cast<T>(o[slot<P>(d)] * inv);
     }
   }
 }
@@ -318,6 +333,10 @@ template <class T>
 void dispatch_isa(const Problem& p, const at::Tensor& work, const at::Tensor& merges, int max_rows,
                   int64_t isa) {
 #ifdef BLOCKD_AVX2
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if ((isa == kAuto || isa == kAvx2) && p.D % 16 == 0)
+      return run_all<Avx2Bf16PairOps, T>(p, work, merges, max_rows);
+  }
   if ((isa == kAuto || isa == kAvx2) && p.D % 8 == 0) return run_all<Avx2Ops, T>(p, work, merges, max_rows);
 #endif
   if ((isa == kAuto || isa == kAvx2 || isa == kVec4) && p.D % 4 == 0)

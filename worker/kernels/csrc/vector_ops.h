@@ -2,7 +2,9 @@
 // templates run on 8-wide AVX2+FMA (when the build machine has it: the kernel is
 // compiled with -march=native), portable 4-wide GCC vectors, or scalar floats.
 // Each policy gives loads (converting float32 / bfloat16 / float16 to float32),
-// FMA, max, horizontal sum/max and exp for softmax numerators.
+// FMA, max, horizontal sum/max and exp for softmax numerators. bfloat16 on
+// AVX2 has its own 16-wide policy (Avx2Bf16PairOps) whose loads permute the
+// elements; kPermuted says so, and kRegs how many registers one vector takes.
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -24,6 +26,10 @@ namespace blockd {
 struct ScalarOps {
   using V = float;
   static constexpr int W = 1;
+  static constexpr int kRegs = 1;
+  static constexpr bool kPermuted = false;
+  static V sub(V a, V b) { return a - b; }
+  static V add(V a, V b) { return a + b; }
   static V zero() { return 0.f; }
   static V set1(float x) { return x; }
   static V loadf(const float* p) { return *p; }
@@ -41,6 +47,10 @@ struct ScalarOps {
 struct Vec4Ops {
   typedef float V __attribute__((vector_size(16)));
   static constexpr int W = 4;
+  static constexpr int kRegs = 1;
+  static constexpr bool kPermuted = false;
+  static V sub(V a, V b) { return a - b; }
+  static V add(V a, V b) { return a + b; }
   static V zero() { return V{0.f, 0.f, 0.f, 0.f}; }
   static V set1(float x) { return V{x, x, x, x}; }
   static V loadf(const float* p) { V v; std::memcpy(&v, p, sizeof(V)); return v; }
@@ -61,6 +71,10 @@ struct Vec4Ops {
 struct Avx2Ops {
   using V = __m256;
   static constexpr int W = 8;
+  static constexpr int kRegs = 1;
+  static constexpr bool kPermuted = false;
+  static V sub(V a, V b) { return a - b; }
+  static V add(V a, V b) { return a + b; }
   static V zero() { return _mm256_setzero_ps(); }
   static V set1(float x) { return _mm256_set1_ps(x); }
   static V loadf(const float* p) { return _mm256_loadu_ps(p); }
@@ -114,6 +128,39 @@ struct Avx2Ops {
     return _mm256_load_ps(f);
 #endif
   }
+};
+
+// bfloat16 on AVX2 as 16-wide pairs of float vectors: one 256-bit load of 16
+// bf16 values widens into the even elements (shift left 16) and the odd ones
+// (mask the high halves), 2 cheap ops per 16 values where Avx2Ops::load
+// needs a widening shuffle and a shift per 8. Elements come out permuted
+// (evens, then odds, per 16): every float vector the kernel keeps alongside
+// (the scaled query rows, the output accumulators) is stored in the same
+// order (kPermuted), so dot products and row updates are unchanged; the
+// kernel puts values back in order when it writes them out.
+struct Avx2Bf16PairOps {
+  struct V { __m256 e, o; };
+  static constexpr int W = 16;
+  static constexpr int kRegs = 2;
+  static constexpr bool kPermuted = true;
+  static V zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+  static V set1(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
+  static V loadf(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+  static void storef(float* p, V v) { _mm256_storeu_ps(p, v.e); _mm256_storeu_ps(p + 8, v.o); }
+  static V fma(V a, V b, V c) { return {_mm256_fmadd_ps(a.e, b.e, c.e), _mm256_fmadd_ps(a.o, b.o, c.o)}; }
+  static V max(V a, V b) { return {_mm256_max_ps(a.e, b.e), _mm256_max_ps(a.o, b.o)}; }
+  static V sub(V a, V b) { return {_mm256_sub_ps(a.e, b.e), _mm256_sub_ps(a.o, b.o)}; }
+  static V add(V a, V b) { return {_mm256_add_ps(a.e, b.e), _mm256_add_ps(a.o, b.o)}; }
+  static float hsum(V v) { return Avx2Ops::hsum(_mm256_add_ps(v.e, v.o)); }
+  static float hmax(V v) { return Avx2Ops::hmax(_mm256_max_ps(v.e, v.o)); }
+  static V exp(V x) { return {Avx2Ops::exp(x.e), Avx2Ops::exp(x.o)}; }
+  static V load(const c10::BFloat16* p) {
+    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return {_mm256_castsi256_ps(_mm256_slli_epi32(w, 16)),
+            _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32(int(0xFFFF0000u))))};
+  }
+  // where element d of a row sits in the permuted order
+  static int slot(int d) { return (d & ~15) + ((d & 1) ? 8 : 0) + ((d & 15) >> 1); }
 };
 #endif
 
