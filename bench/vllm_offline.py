@@ -8,6 +8,12 @@ tokens per request, block size) and runs ``PY bench/vllm_offline.py FILE``;
 this prints one JSON object: wall time, output tokens and tokens/s, TTFT and
 TPOT per request (from vLLM's own request stats, so they are what vLLM
 measured), and each output's token ids so the caller can compare them.
+
+With ``--rounds`` it loads the engine and warms it up once, prints
+``ready``, then runs one timed round (prefix cache reset first) for each
+``run`` line on stdin, printing that JSON object each time, until stdin
+closes: ``bench/serve.py`` interleaves these rounds with blockd's, so a
+shared machine's drifts fall on both engines alike.
 """
 
 from __future__ import annotations
@@ -24,13 +30,12 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[index]
 
 
-def main(path: str) -> int:
+def main(path: str, rounds: bool = False) -> int:
     with open(path) as f:
         work = json.load(f)
     # the anchor's settings: a 2 GiB KV space, the engine in this process
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    import vllm
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -39,6 +44,19 @@ def main(path: str) -> int:
     params = SamplingParams(temperature=0.0, max_tokens=work["max_new_tokens"], ignore_eos=True)
     prompts = [TokensPrompt(prompt_token_ids=p) for p in work["prompts"]]
     llm.generate(prompts[:2], params)  # warm-up: the first call compiles and allocates
+    if not rounds:
+        print(json.dumps(timed_round(llm, work, prompts, params)))
+        return 0
+    print("ready", flush=True)
+    for line in sys.stdin:
+        if line.strip() == "run":
+            print(json.dumps(timed_round(llm, work, prompts, params)), flush=True)
+    return 0
+
+
+def timed_round(llm, work: dict, prompts: list, params) -> dict:
+    import vllm
+
     reset = llm.reset_prefix_cache()  # as blockd's run starts with an empty cache
     start = time.perf_counter()
     outputs = llm.generate(prompts, params)
@@ -54,7 +72,7 @@ def main(path: str) -> int:
             tpot.append((stats.last_token_ts - stats.first_token_ts) / (len(out) - 1) * 1e3)
     num_tokens = sum(len(t) for t in tokens)
     cached = sum(o.num_cached_tokens or 0 for o in outputs)  # prompt tokens vLLM did not compute
-    print(json.dumps({
+    return {
         "engine": "vllm", "version": vllm.__version__, "seconds": round(seconds, 2), "output_tokens": num_tokens,
         "tokens_per_s": round(num_tokens / seconds, 1), "prefix_cache_reset": reset,
         "cached_prompt_tokens": cached, "prompt_tokens": sum(len(p) for p in work["prompts"]),
@@ -63,11 +81,13 @@ def main(path: str) -> int:
         "tpot_p50_ms": round(_percentile(tpot, 50), 2) if tpot else None,
         "tpot_p99_ms": round(_percentile(tpot, 99), 2) if tpot else None,
         "outputs": tokens,
-    }))
-    return 0
+    }
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
-        sys.exit("usage: VLLM_VENV/bin/python bench/vllm_offline.py WORK.json (bench/serve.py writes it)")
-    sys.exit(main(sys.argv[1]))
+    args = sys.argv[1:]
+    serve_rounds = "--rounds" in args
+    args = [a for a in args if a != "--rounds"]
+    if len(args) != 1:
+        sys.exit("usage: VLLM_VENV/bin/python bench/vllm_offline.py WORK.json [--rounds] (bench/serve.py writes it)")
+    sys.exit(main(args[0], serve_rounds))
