@@ -247,8 +247,8 @@ def compare_with_vllm(args, python: str) -> dict:
     config = SchedulerConfig(max_num_batched_tokens=8192, max_num_seqs=256,
                              prefix_block_size=0 if args.no_prefix_sharing else VLLM_BLOCK_SIZE)
     spec = ClusterSpec(args.model, 1, "vs_vllm", VLLM_NUM_BLOCKS, VLLM_BLOCK_SIZE, WATERMARK_BLOCKS)
-    # both engines stay loaded and take turns, round by round (the idle one waits without
-    # spinning); each reports its best round, so a shared machine's slow spells fall on both
+    # both engines stay loaded and take turns, round by round; each reports its best round,
+    # so a shared machine's slow spells fall on both (the idle one waits on a pipe or a socket)
     vllm_rounds, blockd_rounds, pairs = [], [], []
     engine = VllmRounds(python, args.model, prompts)
     try:
