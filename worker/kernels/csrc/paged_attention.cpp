@@ -205,9 +205,9 @@ void softmax_update(float* S, int ldS, int R, int n, float* m, float* l, float* 
     const typename P::V vm = P::set1(m_new);
     typename P::V sum = P::zero();
     for (int j = 0; j < npad; j += P::W) {
-      typename P::V e = P::exp(P::sub(P::loadf(row + j), vm));
+      typename P::V e = P::exp(P::loadf(row + j) - vm);
       P::storef(row + j, e);
-      sum = P::add(sum, e);
+      sum = sum + e;
     }
     const float alpha = m_old == kNegInf ? 0.f : std::exp(m_old - m_new);
     l[r] = l[r] * alpha + P::hsum(sum);

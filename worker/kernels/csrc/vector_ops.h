@@ -28,8 +28,6 @@ struct ScalarOps {
   static constexpr int W = 1;
   static constexpr int kRegs = 1;
   static constexpr bool kPermuted = false;
-  static V sub(V a, V b) { return a - b; }
-  static V add(V a, V b) { return a + b; }
   static V zero() { return 0.f; }
   static V set1(float x) { return x; }
   static V loadf(const float* p) { return *p; }
@@ -49,8 +47,6 @@ struct Vec4Ops {
   static constexpr int W = 4;
   static constexpr int kRegs = 1;
   static constexpr bool kPermuted = false;
-  static V sub(V a, V b) { return a - b; }
-  static V add(V a, V b) { return a + b; }
   static V zero() { return V{0.f, 0.f, 0.f, 0.f}; }
   static V set1(float x) { return V{x, x, x, x}; }
   static V loadf(const float* p) { V v; std::memcpy(&v, p, sizeof(V)); return v; }
@@ -73,8 +69,6 @@ struct Avx2Ops {
   static constexpr int W = 8;
   static constexpr int kRegs = 1;
   static constexpr bool kPermuted = false;
-  static V sub(V a, V b) { return a - b; }
-  static V add(V a, V b) { return a + b; }
   static V zero() { return _mm256_setzero_ps(); }
   static V set1(float x) { return _mm256_set1_ps(x); }
   static V loadf(const float* p) { return _mm256_loadu_ps(p); }
@@ -139,7 +133,11 @@ struct Avx2Ops {
 // order (kPermuted), so dot products and row updates are unchanged; the
 // kernel puts values back in order when it writes them out.
 struct Avx2Bf16PairOps {
-  struct V { __m256 e, o; };
+  struct V {
+    __m256 e, o;
+    friend V operator+(V a, V b) { return {_mm256_add_ps(a.e, b.e), _mm256_add_ps(a.o, b.o)}; }
+    friend V operator-(V a, V b) { return {_mm256_sub_ps(a.e, b.e), _mm256_sub_ps(a.o, b.o)}; }
+  };
   static constexpr int W = 16;
   static constexpr int kRegs = 2;
   static constexpr bool kPermuted = true;
@@ -149,8 +147,6 @@ struct Avx2Bf16PairOps {
   static void storef(float* p, V v) { _mm256_storeu_ps(p, v.e); _mm256_storeu_ps(p + 8, v.o); }
   static V fma(V a, V b, V c) { return {_mm256_fmadd_ps(a.e, b.e, c.e), _mm256_fmadd_ps(a.o, b.o, c.o)}; }
   static V max(V a, V b) { return {_mm256_max_ps(a.e, b.e), _mm256_max_ps(a.o, b.o)}; }
-  static V sub(V a, V b) { return {_mm256_sub_ps(a.e, b.e), _mm256_sub_ps(a.o, b.o)}; }
-  static V add(V a, V b) { return {_mm256_add_ps(a.e, b.e), _mm256_add_ps(a.o, b.o)}; }
   static float hsum(V v) { return Avx2Ops::hsum(_mm256_add_ps(v.e, v.o)); }
   static float hmax(V v) { return Avx2Ops::hmax(_mm256_max_ps(v.e, v.o)); }
   static V exp(V x) { return {Avx2Ops::exp(x.e), Avx2Ops::exp(x.o)}; }
