@@ -262,12 +262,14 @@ def compare_with_vllm(args, python: str) -> dict:
         engine.close()
     vllm = max(vllm_rounds, key=lambda r: r["tokens_per_s"])
     blockd, outputs = max(blockd_rounds, key=lambda r: r[0]["tokens_per_s"])
-    by_id = {o.request_id: list(o.output_token_ids[0]) for o in outputs}
-    same = sum(by_id.get(f"v{i}") == tokens for i, tokens in enumerate(vllm["outputs"]))
+    def tokens(outs) -> dict[str, list]:
+        return {o.request_id: [list(sample) for sample in o.output_token_ids] for o in outs}
+
+    by_id = tokens(outputs)
+    same = sum(by_id.get(f"v{i}", [None])[0] == out for i, out in enumerate(vllm["outputs"]))
     # greedy: every round of either engine must give the same tokens
     stable = all(r["outputs"] == vllm["outputs"] for r in vllm_rounds) and all(
-        [o.output_token_ids for o in sorted(outs, key=lambda o: o.request_id)]
-        == [o.output_token_ids for o in sorted(outputs, key=lambda o: o.request_id)] for _, outs in blockd_rounds)
+        tokens(outs) == by_id for _, outs in blockd_rounds)
     keys = ("tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "seconds", "output_tokens")
     blockd_keys = (*keys, "steps", "prompt_tokens_computed", "prompt_tokens_cached")
     return {
