@@ -149,8 +149,10 @@ class Follower:
         """A new leader that may lack versions this replica holds (``WatchResponse.resync``):
         load its snapshot and register as a new incarnation, so blockd marks the KV lost."""
         runtime = self.runtime
-        runtime.replica.load_snapshot(snapshot.version, snapshot.tables)
+        # the KV is forgotten before the new leader's tables are visible: no model step
+        # ever pairs those tables with KV written for versions the new leader lacks
         self.info = replace(self.info, incarnation=runtime.new_incarnation())
+        runtime.replica.load_snapshot(snapshot.version, snapshot.tables)
         log.warning("blockd's new leader (term %d) may lack versions of pool %s this worker held (async "
                     "replication): loaded its snapshot of version %d; registering as incarnation %s, so every "
                     "sequence's KV is marked lost and schedulers recompute it", snapshot.term, self.info.pool,
