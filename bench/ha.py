@@ -19,9 +19,19 @@ dir under one temp dir, ``--fsync always``.
   ``ratio_steps_per_s`` and ``added_p50_ms`` against the single daemon,
   and the followers' lag as the leader reports it (its last LSN minus
   what the follower confirmed persisted; one record = one pool version
-  here), sampled every 100 ms from its ``/metrics``:
-  ``follower_lag_p50_records``, ``follower_lag_p99_records``,
-  ``follower_lag_max_records`` (the largest follower's at each sample).
+  here), sampled every 100 ms with ``GetReplicaStatus`` (the view its
+  ``/metrics`` exports as ``blockd_replication_follower_lag_records``;
+  a scrape costs the leader 6-7 ms of CPU, most of it prometheus_client's
+  text exposition, so ten a second were ~0.5 ms of every step measured;
+  a status call costs 1.5 ms): ``follower_lag_p50_records``,
+  ``follower_lag_p99_records``, ``follower_lag_max_records`` (the largest
+  follower's at each sample).
+  ``cpu_ms_per_step``: CPU time (user + system, from ``/proc/PID/stat``)
+  per acknowledged step of the single daemon (``daemon``) or of the
+  group's ``leader`` and its two ``followers`` together, of ``etcd``
+  (groups only), and of the stepping client threads (``client``), over
+  the measuring windows: on a machine with fewer cores than processes, a
+  group's steps/s is bounded by this sum.
 * ``failover``: a three-replica ``sync`` group under the same load from a
   client given every replica's address (it follows the leader); the leader
   is SIGKILLed ``--kills`` times (restarted as a follower after each).
@@ -45,12 +55,10 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from prometheus_client.parser import text_string_to_metric_families
 
 from blockd.core import Allocate, PoolConfig
 from blockd.core.types import DecodeAppend
@@ -113,17 +121,22 @@ def setup_pool(client: BlockdClient, seqs: int, seconds: float, schedulers: int 
                 request_id="admit-bench")
 
 
-def load(clients: list[BlockdClient], seqs: int, seconds: float) -> list[float]:
-    """Each client (a scheduler of its own ``seqs`` sequences) steps on its own thread for ``seconds``."""
+def load(clients: list[BlockdClient], seqs: int, seconds: float,
+         cpu: list[float] | None = None) -> list[float]:
+    """Each client (a scheduler of its own ``seqs`` sequences) steps on its own
+    thread for ``seconds``; each thread appends its CPU seconds to ``cpu``."""
     out: list[float] = []
 
     def run(c: int, client: BlockdClient) -> None:
         ids, tokens, mine = [f"c{c}s{i}" for i in range(seqs)], [1] * seqs, []
+        start_cpu = time.thread_time()
         end = time.perf_counter() + seconds
         while time.perf_counter() < end:
             t = time.perf_counter()
             client.step("bench", [DecodeAppend(ids, tokens)])
             mine.append(time.perf_counter() - t)
+        if cpu is not None:
+            cpu.append(time.thread_time() - start_cpu)  # list.append: atomic under the GIL
         out.extend(mine)  # one extend per thread: atomic under the GIL
 
     threads = [threading.Thread(target=run, args=(c, client)) for c, client in enumerate(clients)]
@@ -134,20 +147,40 @@ def load(clients: list[BlockdClient], seqs: int, seconds: float) -> list[float]:
     return out
 
 
-def follower_lag(port: int) -> float | None:
-    """The largest ``blockd_replication_follower_lag_records`` a leader reports now (None: no follower)."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
-        text = reply.read().decode()
-    lags = [sample.value for family in text_string_to_metric_families(text) for sample in family.samples
-            if sample.name == "blockd_replication_follower_lag_records"]
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds process ``pid`` has used (Linux ``/proc``)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()  # the command name may hold spaces
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class CpuMeter:
+    """CPU seconds each named process spends inside ``with`` blocks, summed over them."""
+
+    def __init__(self, pids: dict[str, list[int]]) -> None:
+        self.pids, self.seconds = pids, dict.fromkeys(pids, 0.0)
+        self._start: dict[str, float] = {}
+
+    def __enter__(self) -> CpuMeter:
+        self._start = {name: sum(map(cpu_seconds, pids)) for name, pids in self.pids.items()}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for name, pids in self.pids.items():
+            self.seconds[name] += sum(map(cpu_seconds, pids)) - self._start[name]
+
+
+def follower_lag(client: BlockdClient) -> float | None:
+    """The largest follower lag the leader ``client`` calls reports now (None: no follower)."""
+    lags = [f.lag_records for f in client.replica_status().followers]
     return max(lags) if lags else None
 
 
 class LagSampler:
-    """Scrapes the leader's per-follower lag every ``every_s`` while the load runs."""
+    """Asks the leader at ``address`` for its per-follower lag every ``every_s`` while the load runs."""
 
-    def __init__(self, port: int, every_s: float = 0.1) -> None:
-        self.port, self.every_s, self.samples = port, every_s, []
+    def __init__(self, address: str, every_s: float = 0.1) -> None:
+        self.address, self.every_s, self.samples = address, every_s, []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -160,10 +193,11 @@ class LagSampler:
         self._thread.join(10)
 
     def _run(self) -> None:
-        while not self._stop.wait(self.every_s):
-            lag = follower_lag(self.port)
-            if lag is not None:
-                self.samples.append(lag)
+        with BlockdClient(self.address, timeout_s=5, max_attempts=1) as client:
+            while not self._stop.wait(self.every_s):
+                lag = follower_lag(client)
+                if lag is not None:
+                    self.samples.append(lag)
 
     def fields(self) -> dict:
         return {"follower_lag_p50_records": percentile(self.samples, 0.5),
@@ -216,6 +250,11 @@ def part_steps(args, root: str, etcd: EtcdServer) -> None:
         for mode, group in groups.items():
             clients[mode] = [group.client() for _ in range(args.schedulers)]
         leaders = {mode: group.leader() for mode, group in groups.items()}
+        meters = {"single": CpuMeter({"daemon": [single.pid]})}
+        for mode, group in groups.items():
+            meters[mode] = CpuMeter({"leader": [group.procs[leaders[mode]].pid], "etcd": [etcd.popen.pid],
+                                     "followers": [p.pid for r, p in group.procs.items() if r != leaders[mode]]})
+        client_cpu: dict[str, list[float]] = {mode: [] for mode in clients}
         for each in clients.values():
             setup_pool(each[0], args.seqs, args.seconds, args.schedulers)
         latencies: dict[str, list[float]] = {mode: [] for mode in clients}
@@ -225,10 +264,11 @@ def part_steps(args, root: str, etcd: EtcdServer) -> None:
                 others = [pid for m, ps in pids.items() if m != mode for pid in ps]
                 with Frozen(others):
                     if mode == "single":
-                        latencies[mode] += load(each, args.seqs, window)
+                        with meters[mode]:
+                            latencies[mode] += load(each, args.seqs, window, client_cpu[mode])
                         continue
-                    with LagSampler(groups[mode].metrics_ports[leaders[mode]]) as lag:
-                        latencies[mode] += load(each, args.seqs, window)
+                    with LagSampler(groups[mode].procs[leaders[mode]].address) as lag, meters[mode]:
+                        latencies[mode] += load(each, args.seqs, window, client_cpu[mode])
                     lags[mode] += lag.samples
     finally:
         for each in clients.values():
@@ -237,17 +277,22 @@ def part_steps(args, root: str, etcd: EtcdServer) -> None:
         single.stop()
         for group in groups.values():
             group.close()
+    def cpu_fields(mode: str) -> dict:
+        steps = max(1, len(latencies[mode]))
+        spent = {**meters[mode].seconds, "client": sum(client_cpu[mode])}
+        return {"cpu_ms_per_step": {name: round(s / steps * 1e3, 3) for name, s in spent.items()}}
+
     base = row("single", latencies["single"], args.seconds)
-    base.update(rounds=args.rounds, schedulers=args.schedulers)
+    base.update(rounds=args.rounds, schedulers=args.schedulers, **cpu_fields("single"))
     print(json.dumps(base), flush=True)
     for mode in groups:
         result = row(mode, latencies[mode], args.seconds)
-        sampler = LagSampler(0)
+        sampler = LagSampler("")
         sampler.samples = lags[mode]
         result.update(sampler.fields())
         result["ratio_steps_per_s"] = round(result["steps_per_s"] / base["steps_per_s"], 3)
         result["added_p50_ms"] = round(result["p50_ms"] - base["p50_ms"], 3)
-        result.update(rounds=args.rounds, lease_ttl_s=ttl, schedulers=args.schedulers)
+        result.update(rounds=args.rounds, lease_ttl_s=ttl, schedulers=args.schedulers, **cpu_fields(mode))
         print(json.dumps(result), flush=True)
 
 
