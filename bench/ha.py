@@ -59,7 +59,6 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-
 from blockd.core import Allocate, PoolConfig
 from blockd.core.types import DecodeAppend
 from client.errors import BlockdClientError
@@ -277,6 +276,7 @@ def part_steps(args, root: str, etcd: EtcdServer) -> None:
         single.stop()
         for group in groups.values():
             group.close()
+
     def cpu_fields(mode: str) -> dict:
         steps = max(1, len(latencies[mode]))
         spent = {**meters[mode].seconds, "client": sum(client_cpu[mode])}
