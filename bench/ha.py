@@ -63,7 +63,7 @@ from blockd.core import Allocate, PoolConfig
 from blockd.core.types import DecodeAppend
 from client.errors import BlockdClientError
 from client.sdk import BlockdClient
-from cluster.local import ChildProcess
+from cluster.local import ChildProcess, proc_stat
 from tests.etcd import EtcdServer
 from tests.procs import free_port
 
@@ -148,8 +148,7 @@ def load(clients: list[BlockdClient], seqs: int, seconds: float,
 
 def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds process ``pid`` has used (Linux ``/proc``)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()  # the command name may hold spaces
+    fields = proc_stat(pid)
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
@@ -198,11 +197,13 @@ class LagSampler:
                 if lag is not None:
                     self.samples.append(lag)
 
-    def fields(self) -> dict:
-        return {"follower_lag_p50_records": percentile(self.samples, 0.5),
-                "follower_lag_p99_records": percentile(self.samples, 0.99),
-                "follower_lag_max_records": max(self.samples, default=float("nan")),
-                "lag_samples": len(self.samples)}
+
+def lag_fields(samples: list[float]) -> dict:
+    """A row's lag fields from the samples of all its windows."""
+    return {"follower_lag_p50_records": percentile(samples, 0.5),
+            "follower_lag_p99_records": percentile(samples, 0.99),
+            "follower_lag_max_records": max(samples, default=float("nan")),
+            "lag_samples": len(samples)}
 
 
 def row(mode: str, latencies: list[float], seconds: float) -> dict:
@@ -287,9 +288,7 @@ def part_steps(args, root: str, etcd: EtcdServer) -> None:
     print(json.dumps(base), flush=True)
     for mode in groups:
         result = row(mode, latencies[mode], args.seconds)
-        sampler = LagSampler("")
-        sampler.samples = lags[mode]
-        result.update(sampler.fields())
+        result.update(lag_fields(lags[mode]))
         result["ratio_steps_per_s"] = round(result["steps_per_s"] / base["steps_per_s"], 3)
         result["added_p50_ms"] = round(result["p50_ms"] - base["p50_ms"], 3)
         result.update(rounds=args.rounds, lease_ttl_s=ttl, schedulers=args.schedulers, **cpu_fields(mode))

@@ -257,13 +257,20 @@ def model_config(model: str):
     return load_config(model)
 
 
+def proc_stat(pid: int) -> list[str]:
+    """The fields of ``/proc/PID/stat`` after the command name (which may
+    hold spaces and parentheses): ``[0]`` the state, ``[11]`` and ``[12]``
+    user and system CPU time in clock ticks."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()
+
+
 def live_pids(pids: list[int]) -> list[int]:
     """Those of ``pids`` that are still running (not gone, not zombies), read from /proc."""
     alive = []
     for pid in pids:
         try:
-            with open(f"/proc/{pid}/stat") as f:
-                state = f.read().rsplit(")", 1)[1].split()[0]
+            state = proc_stat(pid)[0]
         except (FileNotFoundError, ProcessLookupError, IndexError):
             continue
         if state != "Z":
