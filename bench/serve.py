@@ -233,6 +233,11 @@ class VllmRounds:
         self._log.close()
 
 
+def _tokens_by_request(outputs) -> dict[str, list[list[int]]]:
+    """Each finished request's samples, by request id."""
+    return {o.request_id: [list(sample) for sample in o.output_token_ids] for o in outputs}
+
+
 def compare_with_vllm(args, python: str) -> dict:
     """The ``serve_vs_vllm`` row: the anchor's work on vLLM, then on blockd."""
     from client.scheduler import SchedulerConfig
@@ -262,14 +267,11 @@ def compare_with_vllm(args, python: str) -> dict:
         engine.close()
     vllm = max(vllm_rounds, key=lambda r: r["tokens_per_s"])
     blockd, outputs = max(blockd_rounds, key=lambda r: r[0]["tokens_per_s"])
-    def tokens(outs) -> dict[str, list]:
-        return {o.request_id: [list(sample) for sample in o.output_token_ids] for o in outs}
-
-    by_id = tokens(outputs)
+    by_id = _tokens_by_request(outputs)
     same = sum(by_id.get(f"v{i}", [None])[0] == out for i, out in enumerate(vllm["outputs"]))
     # greedy: every round of either engine must give the same tokens
     stable = all(r["outputs"] == vllm["outputs"] for r in vllm_rounds) and all(
-        tokens(outs) == by_id for _, outs in blockd_rounds)
+        _tokens_by_request(outs) == by_id for _, outs in blockd_rounds)
     keys = ("tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "seconds", "output_tokens")
     blockd_keys = (*keys, "steps", "prompt_tokens_computed", "prompt_tokens_cached")
     return {
