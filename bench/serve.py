@@ -18,8 +18,9 @@ Prints one JSON object per line, ``name="serve"``, one per scheme:
 ``tokens_per_s`` (output tokens / wall time), ``max_concurrency`` (most
 requests running at once), ``mean_concurrency`` (over scheduler steps) and
 ``mean_concurrency_saturated`` (over the steps where requests were queued),
-``ratio_concurrency``, ``ratio_concurrency_saturated`` and
-``ratio_tokens_per_s`` (paging over reservation),
+``ratio_concurrency``, ``ratio_concurrency_saturated`` (null when the
+reservation run never queued a request) and ``ratio_tokens_per_s``
+(paging over reservation),
 ``outputs_match_reference`` (the first requests' tokens equal transformers'
 contiguous-cache ``generate``), and the set-up: model config, precision,
 library versions, the length distributions and their scaling, concurrency
@@ -446,8 +447,10 @@ def serve_rows(args, num_requests: int) -> None:
     paging, reserved = results["paging"], results["max_reservation"]
     ratios = {"ratio_concurrency": round(paging["max_concurrency"] / reserved["max_concurrency"], 2),
               "ratio_tokens_per_s": round(paging["tokens_per_s"] / reserved["tokens_per_s"], 2),
+              # null when no step of the reservation run had requests waiting: neither limit bound
               "ratio_concurrency_saturated": round(paging["mean_concurrency_saturated"]
-                                                   / reserved["mean_concurrency_saturated"], 2)}
+                                                   / reserved["mean_concurrency_saturated"], 2)
+              if reserved["mean_concurrency_saturated"] else None}
     common = {"name": "serve", **setup_record(args, config, num_requests)}
     for result in results.values():
         print(json.dumps({**common, **result, **ratios}), flush=True)
