@@ -91,6 +91,14 @@ def _add_replication(serve: argparse.ArgumentParser) -> None:
                             "for the slower others (they replicate without holding steps back and fill a place "
                             "that opens). 0: every follower that has caught up (a failover keeps every "
                             "acknowledged step while any one of them lives)")
+    serve.add_argument("--replication-transport", default="socket", choices=("socket", "grpc"),
+                       help="how a follower's feed travels once ReplicateLog has opened it: socket (records "
+                            "and acknowledgements framed on a TCP connection to the leader's replication port, "
+                            "about a fifth of gRPC's cost per message) or grpc (on the call's stream). A group "
+                            "that serves TLS stays on grpc")
+    serve.add_argument("--replication-port", type=int, default=0,
+                       help="the replication port, on the host of --listen (0: any free port; followers learn "
+                            "it from the leader's ReplicateLog answer)")
     serve.add_argument("--lease-ttl-s", type=int, default=2,
                        help="the leader's etcd lease; failover takes about this plus 1 s")
     peers = serve.add_argument_group(
@@ -319,7 +327,9 @@ def _replica(args: argparse.Namespace, tls):
         peer_tls, peer_token = _peer_security(args, tls)
         config = ReplicaConfig(args.etcd, args.replica_id, args.group, args.replication, args.min_in_sync,
                                args.ack_timeout_s, args.lease_ttl_s, max_lag_records=args.max_lag_records,
-                               sync_followers=args.sync_followers, peer_tls=peer_tls, peer_token=peer_token)
+                               sync_followers=args.sync_followers, peer_tls=peer_tls, peer_token=peer_token,
+                               transport=args.replication_transport,
+                               replication_listen=f"{args.listen.rpartition(':')[0]}:{args.replication_port}")
     except ValueError as err:
         raise SystemExit(str(err)) from None
     return Replica(config, args.data_dir)

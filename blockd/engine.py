@@ -518,13 +518,18 @@ class Engine:
             self._followers.notify()
             return lsn
 
-    def apply_replicated(self, frames: list[tuple[int, int, bytes]], may_apply: Callable[[], bool]) -> int:
-        """A follower's part: apply the leader's records ``(lsn, term, body)``
-        as recovery does, then append them to the log as they are (fsynced);
+    def apply_replicated(self, frames: list[tuple[int, int, bytes]], may_apply: Callable[[], bool],
+                         persisted: Callable[[int], None] = lambda lsn: None) -> int:
+        """A follower's part: append the leader's records ``(lsn, term, body)``
+        to the log as they are (fsynced), call ``persisted(last LSN)`` (the
+        acknowledgement, which waits for the disk and not for the apply: in
+        sync mode every step waits for it), then apply them as recovery does;
         the last LSN persisted. Nothing happens unless ``may_apply()`` holds
-        under the lock (this replica still follows). A record that does not
-        apply (or a log that fails) leaves memory ahead of the disk: the
-        caller must :meth:`reload`."""
+        under the lock (this replica still follows). Every record is decoded
+        before anything is written. A log that fails, or a record that does
+        not apply, leaves memory behind the disk: the caller must
+        :meth:`reload` (and a record that does not apply fails there as in
+        any recovery, so nothing is served from a state the log disagrees with)."""
         with self._lock:
             durability = self._durability
             if durability is None or not may_apply():
@@ -532,9 +537,11 @@ class Engine:
             if frames and frames[0][0] != durability.last_lsn + 1:
                 raise WrongState(f"records from lsn {frames[0][0]} do not follow this log (at lsn "
                                  f"{durability.last_lsn})")
-            for _lsn, _term, body in frames:
-                self.apply_record(json.loads(body))
+            bodies = [json.loads(body) for _lsn, _term, body in frames]
             last = durability.log_replicated(frames)
+            persisted(last)
+            for body in bodies:
+                self.apply_record(body)
             self._followers.notify()
             return last
 

@@ -50,6 +50,7 @@ from blockd.auth.channels import open_channel
 from blockd.auth.config import TlsConfig
 from blockd.engine import Engine
 from blockd.log_cut import CannotTruncate
+from blockd.repl_frames import Framed, connect
 from blockd.v1 import replication_pb2 as rpb
 from blockd.v1 import replication_pb2_grpc as rpb_grpc
 
@@ -60,6 +61,8 @@ ACK_TIMEOUT_S = 2.0
 #: a feed silent this long while the follower waits is given up (heartbeats come every 0.1 s)
 SILENCE_S = 2.0
 WATCH_S = 0.1
+#: a follower that cannot reach its leader's replication port follows over gRPC this long
+FRAMES_OFF_S = 60.0
 #: a snapshot being received (not ".tmp": the compactor removes those)
 INCOMING = ".incoming"
 
@@ -124,6 +127,7 @@ class FeedWatch:
         self._waiting_since: float | None = time.monotonic()
         self._done = threading.Event()
         self.why = ""  #: why it cancelled the call ("" if it did not)
+        self._also: list[Callable[[], None]] = []
         self._thread = threading.Thread(target=self._run, name="feed-watch", daemon=True)
         self._thread.start()
 
@@ -143,6 +147,12 @@ class FeedWatch:
             self._waiting_since = None  # applying it is not the leader's silence
             yield msg
 
+    def also_cancel(self, cancel: Callable[[], None]) -> None:
+        """Run ``cancel`` too when this watch cancels the call (at once if it already has)."""
+        self._also.append(cancel)
+        if self.why:
+            cancel()
+
     def close(self) -> None:
         self._done.set()
 
@@ -157,6 +167,8 @@ class FeedWatch:
             else:
                 continue
             self._call.cancel()
+            for cancel in list(self._also):
+                cancel()
             return
 
 
@@ -166,9 +178,13 @@ class FollowerLoop:
     def __init__(self, replica_id: str, address: str, engine: Engine, data_dir: str,
                  leader: Callable[[], str], following: Callable[[], bool], known_term: Callable[[], int],
                  saw_term: Callable[[int], None], progress: Callable[[int], None], log_id: str = "",
-                 tls: TlsConfig | None = None, token: str | None = None, silence_s: float = SILENCE_S) -> None:
+                 tls: TlsConfig | None = None, token: str | None = None, silence_s: float = SILENCE_S,
+                 frames: bool = False) -> None:
         self.replica_id, self.address, self.engine, self.data_dir = replica_id, address, engine, data_dir
         self.silence_s = silence_s
+        self.frames = frames  #: ask for the framed socket (:mod:`blockd.repl_frames`)
+        self._frames_off_until = 0.0  #: after a failed connect: gRPC only until then
+        self._conn: Framed | None = None
         self.log_id, self._tls, self._token = log_id, tls, token
         self._leader, self._following, self._known_term, self._saw_term = leader, following, known_term, saw_term
         self._progress = progress
@@ -187,9 +203,11 @@ class FollowerLoop:
 
     def stop(self) -> None:
         self._stop.set()
-        call = self._call
+        call, conn = self._call, self._conn
         if call is not None:
             call.cancel()
+        if conn is not None:
+            conn.shutdown()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(10)
         self._thread = None
@@ -215,38 +233,90 @@ class FollowerLoop:
 
     def _follow(self, target: str) -> None:
         last, history, _ = self.engine.log_state()
+        frames = self.frames and time.monotonic() >= self._frames_off_until
         request = rpb.ReplicateLogRequest(replica_id=self.replica_id, term=self._known_term(), from_lsn=last + 1,
                                           terms=[rpb.TermRun(term=t, first_lsn=f) for t, f in history.runs()],
-                                          address=self.address, log_id=self.log_id)
+                                          address=self.address, log_id=self.log_id, frames=frames)
         # the leader checks the stream like any call (the replicate permission)
         with open_channel(target, self._tls, self._token) as channel:
             stub = rpb_grpc.ReplicationServiceStub(channel)
             self._call = call = stub.ReplicateLog(request)
             watch = FeedWatch(call, target, self._leader, self.silence_s)
-            acks = AckStream(stub)
+            acks: AckStream | None = None
             snapshot: list[rpb.SnapshotChunk] = []
+
+            def ack(term: int, lsn: int) -> None:
+                nonlocal acks
+                if acks is None:  # opened on the first one: a feed moved to the socket needs none
+                    acks = AckStream(stub)
+                acks.send(self.replica_id, term, lsn)
+
             try:
                 for msg in watch.messages():
-                    if self._stop.is_set() or not self._following():
+                    if not self._accept(target, msg):
                         return
-                    if msg.term < self._known_term():
-                        log.warning("%s streams term %d, older than term %d: not following it", target, msg.term,
-                                    self._known_term())
+                    if msg.WhichOneof("kind") == "frames":
+                        self._follow_frames(target, msg.frames, watch, snapshot)
                         return
-                    self._saw_term(msg.term)
-                    self.streaming, self.leader_commit_lsn = True, msg.commit_lsn
-                    if not self._handle(acks, msg, snapshot):
+                    if not self._handle(ack, msg, snapshot):
                         return
             finally:
                 watch.close()
                 self.streaming = False
-                acks.close()
+                if acks is not None:
+                    acks.close()
                 call.cancel()
                 self._call = None
 
-    def _handle(self, acks: AckStream, msg: rpb.ReplicateLogResponse,
+    def _follow_frames(self, target: str, offer: rpb.FramesOffer, watch: FeedWatch,
+                       snapshot: list[rpb.SnapshotChunk]) -> None:
+        """The rest of the feed on the leader's replication port (:mod:`blockd.repl_frames`)."""
+        try:
+            conn = connect(target, offer.port, offer.ticket)
+        except OSError as err:
+            self._frames_off_until = time.monotonic() + FRAMES_OFF_S
+            log.warning("cannot reach the leader's replication port %s:%d (%s); following over gRPC for %g s",
+                        target, offer.port, err, FRAMES_OFF_S)
+            return
+        self._conn = conn
+        log.info("replica %s follows %s on its replication port %d", self.replica_id, target, offer.port)
+        watch.also_cancel(conn.shutdown)  # another leader named: wake the read below
+        conn.settimeout(self.silence_s)  # the leader sends a heartbeat every 0.1 s
+
+        def ack(term: int, lsn: int) -> None:
+            conn.send(rpb.StreamAcksRequest(replica_id=self.replica_id, term=term, persisted_lsn=lsn))
+
+        try:
+            while True:
+                try:
+                    msg = conn.receive(rpb.ReplicateLogResponse.FromString)
+                except TimeoutError:
+                    raise _GaveUp(f"nothing arrived on the replication port for {self.silence_s:g} s (the leader "
+                                  f"sends a heartbeat every 0.1 s)") from None
+                if watch.why:
+                    raise _GaveUp(watch.why)
+                if msg is None or not self._accept(target, msg) or not self._handle(ack, msg, snapshot):
+                    return
+        finally:
+            self._conn = None
+            conn.close()
+
+    def _accept(self, target: str, msg: rpb.ReplicateLogResponse) -> bool:
+        """Whether to take ``msg`` (this replica still follows; not a deposed leader's term)."""
+        if self._stop.is_set() or not self._following():
+            return False
+        if msg.term < self._known_term():
+            log.warning("%s streams term %d, older than term %d: not following it", target, msg.term,
+                        self._known_term())
+            return False
+        self._saw_term(msg.term)
+        self.streaming, self.leader_commit_lsn = True, msg.commit_lsn
+        return True
+
+    def _handle(self, ack: Callable[[int, int], None], msg: rpb.ReplicateLogResponse,
                 snapshot: list[rpb.SnapshotChunk]) -> bool:
-        """Apply one message; False when the stream must be opened again."""
+        """Apply one message and acknowledge it with ``ack(term, persisted_lsn)``; False when the
+        stream must be opened again."""
         kind = msg.WhichOneof("kind")
         if kind == "records":
             frames = []
@@ -254,8 +324,20 @@ class FollowerLoop:
                 if zlib.crc32(r.body) != r.crc32:
                     raise ValueError(f"record lsn {r.lsn} arrived damaged (crc32 mismatch)")
                 frames.append((r.lsn, r.term, r.body))
-            persisted = self.engine.apply_replicated(frames, self._following)
-        elif kind == "truncate":
+            failed: list[Exception] = []
+
+            def acknowledge(lsn: int) -> None:
+                try:
+                    ack(msg.term, lsn)
+                except Exception as err:  # noqa: BLE001 - raised below: the records must be applied first
+                    failed.append(err)
+
+            persisted = self.engine.apply_replicated(frames, self._following, acknowledge)
+            self._progress(persisted)
+            if failed:
+                raise failed[0]
+            return True
+        if kind == "truncate":
             lsn = msg.truncate.lsn
             self.truncations += 1
             try:
@@ -265,17 +347,15 @@ class FollowerLoop:
                 log.error("cannot follow the leader: %s; replace this replica's data dir", err)
                 self._stop.wait(5)
             return False
-        elif kind == "snapshot":
+        if kind == "snapshot":
             snapshot.append(msg.snapshot)
             if not msg.snapshot.last:
                 return True
             self._install(snapshot, msg.term)
             self.snapshots_installed += 1
             snapshot.clear()
-            persisted = self.engine.log_state()[0]
-        else:
-            persisted = self.engine.log_state()[0]
-        acks.send(self.replica_id, msg.term, persisted)
+        persisted = self.engine.log_state()[0]
+        ack(msg.term, persisted)
         self._progress(persisted)
         return True
 

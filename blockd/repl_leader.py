@@ -51,6 +51,7 @@ from blockd.core.errors import NoLeader, NotLeader, NotReplicated
 from blockd.core.terms import TermHistory, common_prefix
 from blockd.core.types import ReplicaStatus
 from blockd.engine import Engine
+from blockd.repl_frames import CONNECT_S, Framed, FramesListener
 from blockd.repl_log import LogTail
 from blockd.rpc.convert import replica_status_to_proto
 from blockd.rpc.errors import client_stream, server_stream, unary
@@ -61,6 +62,8 @@ from blockd.wal import parse_name
 log = logging.getLogger("blockd.replication")
 
 HEARTBEAT_S = 0.1
+#: a socket feed whose follower takes no bytes for this long is closed (it may be applying a snapshot)
+FRAMES_SEND_S = 30.0
 SNAPSHOT_CHUNK = 1 << 20
 
 
@@ -292,6 +295,7 @@ class Leading(Protocol):
     data_dir: str
     address: str
     stopping: threading.Event
+    frames: FramesListener | None  #: the replication port (None: feeds stay on gRPC)
 
     def leading_term(self) -> int: ...
     def not_leader(self, why: str) -> NotLeader | NoLeader: ...
@@ -319,8 +323,34 @@ class ReplicationServicer(rpb_grpc.ReplicationServiceServicer):
             yield rpb.ReplicateLogResponse(truncate=rpb.TruncateTo(lsn=agreed), term=term)
             return
         r.commits.opened(term, request.replica_id, request.address, request.from_lsn - 1, request.log_id)
-        position, sent = request.from_lsn, time.monotonic()
-        while r.leading_term() == term and context.is_active() and not r.stopping.is_set():
+        frames = r.frames
+        if not request.frames or frames is None:
+            yield from self._feed(term, request.from_lsn, context.is_active)
+            return
+        offer = frames.offer()
+        yield rpb.ReplicateLogResponse(frames=rpb.FramesOffer(port=offer.port, ticket=offer.ticket), term=term)
+        conn = offer.wait(CONNECT_S)
+        if conn is None:
+            log.warning("replica %s did not connect to the replication port %d in %g s; it dials again (over "
+                        "gRPC if the port stays out of its reach)", request.replica_id, offer.port, CONNECT_S)
+            return
+        # a follower that stops reading (paused, partitioned) blocks a send at most this long
+        conn.settimeout(FRAMES_SEND_S)
+        acks = threading.Thread(target=self._read_acks, args=(conn, request.replica_id), name="repl-acks",
+                                daemon=True)
+        acks.start()
+        try:
+            for msg in self._feed(term, request.from_lsn, lambda: context.is_active() and not conn.closed):
+                conn.send(msg)
+        except OSError as err:
+            log.info("the feed of replica %s on the replication port ended: %s", request.replica_id, err)
+        finally:
+            conn.close()
+
+    def _feed(self, term: int, position: int, active: Callable[[], bool]) -> Iterator[rpb.ReplicateLogResponse]:
+        """A feed's messages from ``position`` on, for as long as this replica leads ``term`` and ``active()``."""
+        r, sent = self._replica, time.monotonic()
+        while r.leading_term() == term and active() and not r.stopping.is_set():
             batch = r.tail.read(position, HEARTBEAT_S)
             if batch is None:
                 lsn = yield from self._snapshot(term)
@@ -336,6 +366,20 @@ class ReplicationServicer(rpb_grpc.ReplicationServiceServicer):
             elif time.monotonic() - sent >= HEARTBEAT_S:
                 yield rpb.ReplicateLogResponse(heartbeat=rpb.ReplicateHeartbeat(), term=term, commit_lsn=commit)
                 sent = time.monotonic()
+
+    def _read_acks(self, conn: Framed, replica_id: str) -> None:
+        """A socket feed's acknowledgements, until it closes; a bad one closes it (the follower dials again)."""
+        try:
+            while True:
+                request = conn.receive(rpb.StreamAcksRequest.FromString)
+                if request is None:
+                    return
+                self._ack(request)
+        except Exception as err:  # noqa: BLE001 - any failure ends this feed; the follower opens it again
+            if not conn.closed:
+                log.info("acknowledgements of replica %s on the replication port ended: %s", replica_id, err)
+        finally:
+            conn.shutdown()  # the sender notices at its next message (a heartbeat within 0.1 s)
 
     def _snapshot(self, term: int) -> Generator[rpb.ReplicateLogResponse, None, int]:
         """Stream the newest snapshot file; returns its LSN."""

@@ -41,6 +41,7 @@ from blockd.ha.election import Election, ElectionConfig, Leadership
 from blockd.ha.etcd import EtcdClient
 from blockd.ha.insync import InSyncSet
 from blockd.repl_follower import FollowerLoop
+from blockd.repl_frames import FramesListener, split_bind
 from blockd.repl_leader import Commits, ReplicationServicer
 from blockd.repl_log import LogTail
 from blockd.v1 import replication_pb2 as rpb
@@ -49,6 +50,7 @@ from blockd.wal import fsync_dir
 log = logging.getLogger("blockd.replication")
 
 MODES = ("sync", "async")
+TRANSPORTS = ("socket", "grpc")
 #: in the data dir: the id of this copy of the log (:func:`log_identity`)
 LOG_ID_FILE = "log-id"
 
@@ -70,6 +72,16 @@ class ReplicaConfig:
     #: what a follower dials its leader with (``--peer-tls-*``, ``--peer-token-file``); None: plain text
     peer_tls: TlsConfig | None = None
     peer_token: str | None = None
+    #: the feeds' transport: "socket" (the framed socket, :mod:`blockd.repl_frames`) or "grpc"; a group
+    #: that serves TLS (``peer_tls`` given) stays on gRPC
+    transport: str = "socket"
+    #: where the replication port listens (``HOST:PORT``, port 0: any free one)
+    replication_listen: str = "127.0.0.1:0"
+
+    @property
+    def frames(self) -> bool:
+        """Whether feeds go on the framed socket."""
+        return self.transport == "socket" and self.peer_tls is None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -80,6 +92,8 @@ class ReplicaConfig:
             raise ValueError(f"--ack-timeout-s must be > 0, got {self.ack_timeout_s}")
         if self.max_lag_records < 0:
             raise ValueError(f"--max-lag-records must be >= 0 (0: unbounded), got {self.max_lag_records}")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"--replication-transport must be one of {TRANSPORTS}, got {self.transport!r}")
         if self.sync_followers < 0:
             raise ValueError(f"--sync-followers must be >= 0 (0: every follower that has caught up), got "
                              f"{self.sync_followers}")
@@ -152,6 +166,7 @@ class Replica:
                                max_lag_records=config.max_lag_records, live_s=config.ack_timeout_s,
                                max_members=config.sync_followers)
         self.stopping = threading.Event()
+        self.frames: FramesListener | None = None
         self.engine: Engine
         self.election: Election | None = None
         self._term = 0  #: the term this replica leads and serves in (0: it does not)
@@ -247,6 +262,10 @@ class Replica:
     def start(self, engine: Engine, address: str) -> None:
         self.engine, self.address = engine, address
         cfg = self.config
+        if cfg.frames:
+            host = split_bind(cfg.replication_listen)
+            self.frames = FramesListener(host, int(cfg.replication_listen.rpartition(":")[2] or 0))
+            log.info("replication port %s:%d (feeds on framed sockets)", host, self.frames.port)
         self.log_id = log_identity(self.data_dir, empty=engine.log_state()[0] == 0)
         self.election = Election(cfg.etcd, ElectionConfig(
             group=cfg.group, replica_id=cfg.replica_id, address=address, ttl_s=cfg.ttl_s, margin_s=cfg.margin_s,
@@ -266,6 +285,8 @@ class Replica:
         with self._roles:
             self._drop_follower()
         self.tail.wake()
+        if self.frames is not None:
+            self.frames.close()
 
     # --- roles ----------------------------------------------------------------------------------
     def _elected(self, leadership: Leadership) -> None:
@@ -328,5 +349,5 @@ class Replica:
         self._follower = FollowerLoop(self.config.replica_id, self.address, self.engine, self.data_dir, leader,
                                       lambda: not self._term and not self.stopping.is_set(),
                                       lambda: self._known_term, saw, election.report_progress, self.log_id,
-                                      self.config.peer_tls, self.config.peer_token)
+                                      self.config.peer_tls, self.config.peer_token, frames=self.config.frames)
         self._follower.start()

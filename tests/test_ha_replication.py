@@ -29,8 +29,10 @@ import contextlib
 import json
 import os
 import random
+import re
 import shutil
 import signal
+import socket
 import tempfile
 import threading
 import time
@@ -896,8 +898,8 @@ def _stream_acks(address: str, *acks: rpb.StreamAcksRequest, tls: TlsConfig | No
 
 
 def test_acknowledgements_on_a_stream_are_checked_like_calls(group):
-    """The followers of every test here acknowledge on ``StreamAcks`` (a sync step waits
-    for that); a stream naming a term the replica does not lead, or sent to a follower,
+    """Followers that stay on gRPC (``--replication-transport grpc``, a TLS group)
+    acknowledge on ``StreamAcks``; a stream naming a term the replica does not lead, or sent to a follower,
     is refused with NOT_LEADER naming the leader and its term, and a message that does
     not parse ends it as INVALID_ARGUMENT."""
     g = group()
@@ -920,6 +922,37 @@ def test_acknowledgements_on_a_stream_are_checked_like_calls(group):
             raw(iter([b"\xff\xff\xff"]), timeout=10)
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value
     g.clients[leader].step("p", [Allocate("after", [2])], request_id="after")  # the group still commits
+
+
+def test_feeds_move_to_the_replication_port_and_a_group_can_keep_them_on_grpc(group):
+    """By default a follower's feed moves to its leader's replication port (the
+    FramesOffer of docs/ha.md), and a sync step is acknowledged only with a
+    follower's acknowledgement from there; a connection to that port with a
+    ticket nobody was offered is closed and changes nothing. With
+    ``--replication-transport grpc`` the feeds stay on the call's stream and
+    replicate as well."""
+    g = group()
+    leader = ready(g)
+    _replicates(g, leader)
+    followers = [r for r in g.procs if r != leader]
+    said = re.compile(rf"follows {re.escape(g.procs[leader].address)} on its replication port (\d+)")
+    ports = wait_for(lambda: [m.group(1) for r in followers if (m := said.search(g.procs[r].output()))] or None,
+                     "a follower on the leader's replication port")
+    with socket.create_connection(("127.0.0.1", int(ports[0])), timeout=10) as intruder:
+        intruder.sendall(b"\0" * 32)
+        assert intruder.recv(1) == b""  # closed without a byte of the log
+    _replicates(g, leader)
+
+    def both_caught_up() -> bool:
+        status = g.clients[leader].replica_status()
+        return len(status.followers) == 2 and all(f.persisted_lsn == status.last_lsn for f in status.followers)
+
+    wait_for(both_caught_up, "both followers holding the leader's whole log")
+
+    h = group("--replication-transport", "grpc")
+    leader = ready(h)
+    _replicates(h, leader)
+    assert not any("replication port" in p.output() for p in h.procs.values()), h.outputs()
 
 
 def test_a_group_serving_mutual_tls_replicates_with_an_admin_certificate(group, pki):

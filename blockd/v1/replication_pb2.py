@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x62lockd/v1/replication.proto\x12\tblockd.v1\"\x8d\x01\n\x13ReplicateLogRequest\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0c\n\x04term\x18\x02 \x01(\x04\x12\x10\n\x08\x66rom_lsn\x18\x03 \x01(\x04\x12!\n\x05terms\x18\x04 \x03(\x0b\x32\x12.blockd.v1.TermRun\x12\x0f\n\x07\x61\x64\x64ress\x18\x05 \x01(\t\x12\x0e\n\x06log_id\x18\x06 \x01(\t\"*\n\x07TermRun\x12\x0c\n\x04term\x18\x01 \x01(\x04\x12\x11\n\tfirst_lsn\x18\x02 \x01(\x04\"\xf7\x01\n\x14ReplicateLogResponse\x12(\n\x07records\x18\x01 \x01(\x0b\x32\x15.blockd.v1.LogRecordsH\x00\x12)\n\x08truncate\x18\x02 \x01(\x0b\x32\x15.blockd.v1.TruncateToH\x00\x12,\n\x08snapshot\x18\x03 \x01(\x0b\x32\x18.blockd.v1.SnapshotChunkH\x00\x12\x32\n\theartbeat\x18\x04 \x01(\x0b\x32\x1d.blockd.v1.ReplicateHeartbeatH\x00\x12\x0c\n\x04term\x18\n \x01(\x04\x12\x12\n\ncommit_lsn\x18\x0b \x01(\x04\x42\x06\n\x04kind\"3\n\nLogRecords\x12%\n\x07records\x18\x01 \x03(\x0b\x32\x14.blockd.v1.LogRecord\"C\n\tLogRecord\x12\x0b\n\x03lsn\x18\x01 \x01(\x04\x12\x0c\n\x04term\x18\x02 \x01(\x04\x12\x0c\n\x04\x62ody\x18\x03 \x01(\x0c\x12\r\n\x05\x63rc32\x18\x04 \x01(\r\"\x19\n\nTruncateTo\x12\x0b\n\x03lsn\x18\x01 \x01(\x04\"\x7f\n\rSnapshotChunk\x12\x0b\n\x03lsn\x18\x01 \x01(\x04\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12\x13\n\x0btotal_bytes\x18\x05 \x01(\x04\x12\x12\n\nfile_crc32\x18\x06 \x01(\r\x12\x0c\n\x04last\x18\x07 \x01(\x08\"\x14\n\x12ReplicateHeartbeat\"H\n\rAckLogRequest\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0c\n\x04term\x18\x02 \x01(\x04\x12\x15\n\rpersisted_lsn\x18\x03 \x01(\x04\"\x10\n\x0e\x41\x63kLogResponse\"L\n\x11StreamAcksRequest\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0c\n\x04term\x18\x02 \x01(\x04\x12\x15\n\rpersisted_lsn\x18\x03 \x01(\x04\"\x19\n\x17GetReplicaStatusRequest\"\x93\x02\n\x18GetReplicaStatusResponse\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\r\n\x05group\x18\x02 \x01(\t\x12\x0c\n\x04role\x18\x03 \x01(\t\x12\x0c\n\x04term\x18\x04 \x01(\x04\x12\x11\n\tleader_id\x18\x05 \x01(\t\x12\x16\n\x0eleader_address\x18\x06 \x01(\t\x12\x10\n\x08last_lsn\x18\x07 \x01(\x04\x12\x12\n\ncommit_lsn\x18\x08 \x01(\x04\x12\x0c\n\x04mode\x18\t \x01(\t\x12\x11\n\tstreaming\x18\n \x01(\x08\x12\x18\n\x10in_sync_replicas\x18\x0b \x01(\r\x12,\n\tfollowers\x18\x0c \x03(\x0b\x32\x19.blockd.v1.FollowerStatus\"\x8a\x01\n\x0e\x46ollowerStatus\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x15\n\rpersisted_lsn\x18\x03 \x01(\x04\x12\x13\n\x0blag_records\x18\x04 \x01(\x04\x12\x0f\n\x07in_sync\x18\x05 \x01(\x08\x12\x16\n\x0elast_ack_age_s\x18\x06 \x01(\x01\"\"\n\x12StreamAcksResponse\x12\x0c\n\x04\x61\x63ks\x18\x01 \x01(\x04\x32\xd0\x02\n\x12ReplicationService\x12Q\n\x0cReplicateLog\x12\x1e.blockd.v1.ReplicateLogRequest\x1a\x1f.blockd.v1.ReplicateLogResponse0\x01\x12=\n\x06\x41\x63kLog\x12\x18.blockd.v1.AckLogRequest\x1a\x19.blockd.v1.AckLogResponse\x12K\n\nStreamAcks\x12\x1c.blockd.v1.StreamAcksRequest\x1a\x1d.blockd.v1.StreamAcksResponse(\x01\x12[\n\x10GetReplicaStatus\x12\".blockd.v1.GetReplicaStatusRequest\x1a#.blockd.v1.GetReplicaStatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x62lockd/v1/replication.proto\x12\tblockd.v1\"\x9d\x01\n\x13ReplicateLogRequest\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0c\n\x04term\x18\x02 \x01(\x04\x12\x10\n\x08\x66rom_lsn\x18\x03 \x01(\x04\x12!\n\x05terms\x18\x04 \x03(\x0b\x32\x12.blockd.v1.TermRun\x12\x0f\n\x07\x61\x64\x64ress\x18\x05 \x01(\t\x12\x0e\n\x06log_id\x18\x06 \x01(\t\x12\x0e\n\x06\x66rames\x18\x07 \x01(\x08\"*\n\x07TermRun\x12\x0c\n\x04term\x18\x01 \x01(\x04\x12\x11\n\tfirst_lsn\x18\x02 \x01(\x04\"\xa1\x02\n\x14ReplicateLogResponse\x12(\n\x07records\x18\x01 \x01(\x0b\x32\x15.blockd.v1.LogRecordsH\x00\x12)\n\x08truncate\x18\x02 \x01(\x0b\x32\x15.blockd.v1.TruncateToH\x00\x12,\n\x08snapshot\x18\x03 \x01(\x0b\x32\x18.blockd.v1.SnapshotChunkH\x00\x12\x32\n\theartbeat\x18\x04 \x01(\x0b\x32\x1d.blockd.v1.ReplicateHeartbeatH\x00\x12(\n\x06\x66rames\x18\x05 \x01(\x0b\x32\x16.blockd.v1.FramesOfferH\x00\x12\x0c\n\x04term\x18\n \x01(\x04\x12\x12\n\ncommit_lsn\x18\x0b \x01(\x04\x42\x06\n\x04kind\"3\n\nLogRecords\x12%\n\x07records\x18\x01 \x03(\x0b\x32\x14.blockd.v1.LogRecord\"C\n\tLogRecord\x12\x0b\n\x03lsn\x18\x01 \x01(\x04\x12\x0c\n\x04term\x18\x02 \x01(\x04\x12\x0c\n\x04\x62ody\x18\x03 \x01(\x0c\x12\r\n\x05\x63rc32\x18\x04 \x01(\r\"\x19\n\nTruncateTo\x12\x0b\n\x03lsn\x18\x01 \x01(\x04\"\x7f\n\rSnapshotChunk\x12\x0b\n\x03lsn\x18\x01 \x01(\x04\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12\x13\n\x0btotal_bytes\x18\x05 \x01(\x04\x12\x12\n\nfile_crc32\x18\x06 \x01(\r\x12\x0c\n\x04last\x18\x07 \x01(\x08\"\x14\n\x12ReplicateHeartbeat\"+\n\x0b\x46ramesOffer\x12\x0c\n\x04port\x18\x01 \x01(\r\x12\x0e\n\x06ticket\x18\x02 \x01(\x0c\"H\n\rAckLogRequest\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0c\n\x04term\x18\x02 \x01(\x04\x12\x15\n\rpersisted_lsn\x18\x03 \x01(\x04\"\x10\n\x0e\x41\x63kLogResponse\"L\n\x11StreamAcksRequest\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0c\n\x04term\x18\x02 \x01(\x04\x12\x15\n\rpersisted_lsn\x18\x03 \x01(\x04\"\x19\n\x17GetReplicaStatusRequest\"\x93\x02\n\x18GetReplicaStatusResponse\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\r\n\x05group\x18\x02 \x01(\t\x12\x0c\n\x04role\x18\x03 \x01(\t\x12\x0c\n\x04term\x18\x04 \x01(\x04\x12\x11\n\tleader_id\x18\x05 \x01(\t\x12\x16\n\x0eleader_address\x18\x06 \x01(\t\x12\x10\n\x08last_lsn\x18\x07 \x01(\x04\x12\x12\n\ncommit_lsn\x18\x08 \x01(\x04\x12\x0c\n\x04mode\x18\t \x01(\t\x12\x11\n\tstreaming\x18\n \x01(\x08\x12\x18\n\x10in_sync_replicas\x18\x0b \x01(\r\x12,\n\tfollowers\x18\x0c \x03(\x0b\x32\x19.blockd.v1.FollowerStatus\"\x8a\x01\n\x0e\x46ollowerStatus\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x15\n\rpersisted_lsn\x18\x03 \x01(\x04\x12\x13\n\x0blag_records\x18\x04 \x01(\x04\x12\x0f\n\x07in_sync\x18\x05 \x01(\x08\x12\x16\n\x0elast_ack_age_s\x18\x06 \x01(\x01\"\"\n\x12StreamAcksResponse\x12\x0c\n\x04\x61\x63ks\x18\x01 \x01(\x04\x32\xd0\x02\n\x12ReplicationService\x12Q\n\x0cReplicateLog\x12\x1e.blockd.v1.ReplicateLogRequest\x1a\x1f.blockd.v1.ReplicateLogResponse0\x01\x12=\n\x06\x41\x63kLog\x12\x18.blockd.v1.AckLogRequest\x1a\x19.blockd.v1.AckLogResponse\x12K\n\nStreamAcks\x12\x1c.blockd.v1.StreamAcksRequest\x1a\x1d.blockd.v1.StreamAcksResponse(\x01\x12[\n\x10GetReplicaStatus\x12\".blockd.v1.GetReplicaStatusRequest\x1a#.blockd.v1.GetReplicaStatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,35 +32,37 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'blockd.v1.replication_pb2',
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_REPLICATELOGREQUEST']._serialized_start=43
-  _globals['_REPLICATELOGREQUEST']._serialized_end=184
-  _globals['_TERMRUN']._serialized_start=186
-  _globals['_TERMRUN']._serialized_end=228
-  _globals['_REPLICATELOGRESPONSE']._serialized_start=231
-  _globals['_REPLICATELOGRESPONSE']._serialized_end=478
-  _globals['_LOGRECORDS']._serialized_start=480
-  _globals['_LOGRECORDS']._serialized_end=531
-  _globals['_LOGRECORD']._serialized_start=533
-  _globals['_LOGRECORD']._serialized_end=600
-  _globals['_TRUNCATETO']._serialized_start=602
-  _globals['_TRUNCATETO']._serialized_end=627
-  _globals['_SNAPSHOTCHUNK']._serialized_start=629
-  _globals['_SNAPSHOTCHUNK']._serialized_end=756
-  _globals['_REPLICATEHEARTBEAT']._serialized_start=758
-  _globals['_REPLICATEHEARTBEAT']._serialized_end=778
-  _globals['_ACKLOGREQUEST']._serialized_start=780
-  _globals['_ACKLOGREQUEST']._serialized_end=852
-  _globals['_ACKLOGRESPONSE']._serialized_start=854
-  _globals['_ACKLOGRESPONSE']._serialized_end=870
-  _globals['_STREAMACKSREQUEST']._serialized_start=872
-  _globals['_STREAMACKSREQUEST']._serialized_end=948
-  _globals['_GETREPLICASTATUSREQUEST']._serialized_start=950
-  _globals['_GETREPLICASTATUSREQUEST']._serialized_end=975
-  _globals['_GETREPLICASTATUSRESPONSE']._serialized_start=978
-  _globals['_GETREPLICASTATUSRESPONSE']._serialized_end=1253
-  _globals['_FOLLOWERSTATUS']._serialized_start=1256
-  _globals['_FOLLOWERSTATUS']._serialized_end=1394
-  _globals['_STREAMACKSRESPONSE']._serialized_start=1396
-  _globals['_STREAMACKSRESPONSE']._serialized_end=1430
-  _globals['_REPLICATIONSERVICE']._serialized_start=1433
-  _globals['_REPLICATIONSERVICE']._serialized_end=1769
+  _globals['_REPLICATELOGREQUEST']._serialized_end=200
+  _globals['_TERMRUN']._serialized_start=202
+  _globals['_TERMRUN']._serialized_end=244
+  _globals['_REPLICATELOGRESPONSE']._serialized_start=247
+  _globals['_REPLICATELOGRESPONSE']._serialized_end=536
+  _globals['_LOGRECORDS']._serialized_start=538
+  _globals['_LOGRECORDS']._serialized_end=589
+  _globals['_LOGRECORD']._serialized_start=591
+  _globals['_LOGRECORD']._serialized_end=658
+  _globals['_TRUNCATETO']._serialized_start=660
+  _globals['_TRUNCATETO']._serialized_end=685
+  _globals['_SNAPSHOTCHUNK']._serialized_start=687
+  _globals['_SNAPSHOTCHUNK']._serialized_end=814
+  _globals['_REPLICATEHEARTBEAT']._serialized_start=816
+  _globals['_REPLICATEHEARTBEAT']._serialized_end=836
+  _globals['_FRAMESOFFER']._serialized_start=838
+  _globals['_FRAMESOFFER']._serialized_end=881
+  _globals['_ACKLOGREQUEST']._serialized_start=883
+  _globals['_ACKLOGREQUEST']._serialized_end=955
+  _globals['_ACKLOGRESPONSE']._serialized_start=957
+  _globals['_ACKLOGRESPONSE']._serialized_end=973
+  _globals['_STREAMACKSREQUEST']._serialized_start=975
+  _globals['_STREAMACKSREQUEST']._serialized_end=1051
+  _globals['_GETREPLICASTATUSREQUEST']._serialized_start=1053
+  _globals['_GETREPLICASTATUSREQUEST']._serialized_end=1078
+  _globals['_GETREPLICASTATUSRESPONSE']._serialized_start=1081
+  _globals['_GETREPLICASTATUSRESPONSE']._serialized_end=1356
+  _globals['_FOLLOWERSTATUS']._serialized_start=1359
+  _globals['_FOLLOWERSTATUS']._serialized_end=1497
+  _globals['_STREAMACKSRESPONSE']._serialized_start=1499
+  _globals['_STREAMACKSRESPONSE']._serialized_end=1533
+  _globals['_REPLICATIONSERVICE']._serialized_start=1536
+  _globals['_REPLICATIONSERVICE']._serialized_end=1872
 # @@protoc_insertion_point(module_scope)

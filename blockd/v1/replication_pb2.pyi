@@ -34,6 +34,7 @@ class ReplicateLogRequest(_message.Message):
     TERMS_FIELD_NUMBER: _builtins.int
     ADDRESS_FIELD_NUMBER: _builtins.int
     LOG_ID_FIELD_NUMBER: _builtins.int
+    FRAMES_FIELD_NUMBER: _builtins.int
     replica_id: _builtins.str
     """The follower's --replica-id."""
     term: _builtins.int
@@ -46,6 +47,10 @@ class ReplicateLogRequest(_message.Message):
     """The id of the follower's copy of its log (made with its data dir): the
     leader writes it into the follower's in-sync entry, so that an entry
     earned by a lost data dir never lets a new, empty one win an election.
+    """
+    frames: _builtins.bool
+    """The follower can take its feed on a framed socket (FramesOffer): the
+    same messages, and its acknowledgements, without gRPC's cost per message.
     """
     @_builtins.property
     def terms(self) -> _containers.RepeatedCompositeFieldContainer[Global___TermRun]:
@@ -62,10 +67,11 @@ class ReplicateLogRequest(_message.Message):
         terms: _abc.Iterable[Global___TermRun] | None = ...,
         address: _builtins.str = ...,
         log_id: _builtins.str = ...,
+        frames: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "from_lsn", b"from_lsn", "log_id", b"log_id", "replica_id", b"replica_id", "term", b"term", "terms", b"terms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "frames", b"frames", "from_lsn", b"from_lsn", "log_id", b"log_id", "replica_id", b"replica_id", "term", b"term", "terms", b"terms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -107,6 +113,7 @@ class ReplicateLogResponse(_message.Message):
     TRUNCATE_FIELD_NUMBER: _builtins.int
     SNAPSHOT_FIELD_NUMBER: _builtins.int
     HEARTBEAT_FIELD_NUMBER: _builtins.int
+    FRAMES_FIELD_NUMBER: _builtins.int
     TERM_FIELD_NUMBER: _builtins.int
     COMMIT_LSN_FIELD_NUMBER: _builtins.int
     term: _builtins.int
@@ -129,6 +136,12 @@ class ReplicateLogResponse(_message.Message):
     def heartbeat(self) -> Global___ReplicateHeartbeat:
         """Nothing new; the leader is alive."""
 
+    @_builtins.property
+    def frames(self) -> Global___FramesOffer:
+        """The first message, when the follower asked for `frames` and the leader
+        serves them: the feed goes on over TCP to this leader's host at `port`.
+        """
+
     def __init__(
         self,
         *,
@@ -136,14 +149,15 @@ class ReplicateLogResponse(_message.Message):
         truncate: Global___TruncateTo | None = ...,
         snapshot: Global___SnapshotChunk | None = ...,
         heartbeat: Global___ReplicateHeartbeat | None = ...,
+        frames: Global___FramesOffer | None = ...,
         term: _builtins.int = ...,
         commit_lsn: _builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["heartbeat", b"heartbeat", "kind", b"kind", "records", b"records", "snapshot", b"snapshot", "truncate", b"truncate"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["frames", b"frames", "heartbeat", b"heartbeat", "kind", b"kind", "records", b"records", "snapshot", b"snapshot", "truncate", b"truncate"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["commit_lsn", b"commit_lsn", "heartbeat", b"heartbeat", "kind", b"kind", "records", b"records", "snapshot", b"snapshot", "term", b"term", "truncate", b"truncate"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["commit_lsn", b"commit_lsn", "frames", b"frames", "heartbeat", b"heartbeat", "kind", b"kind", "records", b"records", "snapshot", b"snapshot", "term", b"term", "truncate", b"truncate"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["records", "truncate", "snapshot", "heartbeat"]  # noqa: Y015
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["records", "truncate", "snapshot", "heartbeat", "frames"]  # noqa: Y015
     _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
 
@@ -293,6 +307,39 @@ class ReplicateHeartbeat(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ReplicateHeartbeat: _TypeAlias = ReplicateHeartbeat  # noqa: Y015
+
+@_typing.final
+class FramesOffer(_message.Message):
+    """Where the rest of a feed goes (docs/ha.md, "The replication transport").
+    The follower connects to the host it dialled at `port` and sends `ticket`;
+    then this stream's messages arrive on the socket, each as a 4-byte
+    big-endian length and a serialized ReplicateLogResponse, and the follower
+    sends its acknowledgements the same way (StreamAcksRequest). The ticket is
+    good for this one feed: the call's own authorization vouches for it. The
+    gRPC call stays open for as long as the socket: cancelling either ends both.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PORT_FIELD_NUMBER: _builtins.int
+    TICKET_FIELD_NUMBER: _builtins.int
+    port: _builtins.int
+    """The leader's replication port."""
+    ticket: _builtins.bytes
+    """A random secret, 32 bytes."""
+    def __init__(
+        self,
+        *,
+        port: _builtins.int = ...,
+        ticket: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["port", b"port", "ticket", b"ticket"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FramesOffer: _TypeAlias = FramesOffer  # noqa: Y015
 
 @_typing.final
 class AckLogRequest(_message.Message):
