@@ -10,11 +10,14 @@ dir under one temp dir, ``--fsync always``.
   of a single daemon (no ``--etcd``), the leader of a three-replica
   ``sync`` group, of one with ``--sync-followers 1`` (mode
   ``sync_first_follower``: steps wait for one follower, the first to have
-  caught up) and of an ``async`` one (what three daemons on one
-  machine cost without waiting for the followers). All four run at once
+  caught up), of a ``sync`` one whose feeds stay on gRPC (mode
+  ``sync_grpc``: ``--replication-transport grpc``, what the framed socket
+  saves) and of an ``async`` one (what three daemons on one
+  machine cost without waiting for the followers). All five run at once
   and take turns, ``--rounds`` windows each, the others frozen
   (SIGSTOP) meanwhile: background load on a shared machine falls on each
-  alike. Fields:
+  alike. A group's window begins once its followers stream again after
+  the thaw (:func:`settle`). Fields:
   ``mode``, ``steps_per_s``, ``p50_ms``, ``p99_ms``; the groups' rows add
   ``ratio_steps_per_s`` and ``added_p50_ms`` against the single daemon,
   and the followers' lag as the leader reports it (its last LSN minus
@@ -174,6 +177,23 @@ def follower_lag(client: BlockdClient) -> float | None:
     return max(lags) if lags else None
 
 
+def settle(address: str, followers: int, timeout_s: float = 10.0) -> None:
+    """Return once the leader at ``address`` has ``followers`` followers, each acknowledged
+    within the last 0.3 s and at most one record behind. A group thawed for its window was
+    frozen through the others' (longer than a follower waits on a silent feed), so its
+    followers dial their leader again first; a window that began meanwhile measured the
+    reconnection (async steps do not wait for a follower that is not live, and its lag grew
+    by the records of those ~0.3 s), not replication."""
+    deadline = time.monotonic() + timeout_s
+    with BlockdClient(address, timeout_s=5, max_attempts=1) as client:
+        while time.monotonic() < deadline:
+            found = client.replica_status().followers
+            if len(found) >= followers and all(f.last_ack_age_s < 0.3 and f.lag_records <= 1 for f in found):
+                return
+            time.sleep(0.05)
+    raise RuntimeError(f"the followers of {address} did not catch up within {timeout_s:g} s of a thaw")
+
+
 class LagSampler:
     """Asks the leader at ``address`` for its per-follower lag every ``every_s`` while the load runs."""
 
@@ -235,8 +255,10 @@ def part_steps(args, root: str, etcd: EtcdServer) -> None:
     window = args.seconds / args.rounds
     ttl = max(args.ttl_s, int(4 * window) + 5)
     single = daemon(os.path.join(root, "single"))
-    setups = {"sync": ("--replication", "sync"), "sync_first_follower": ("--replication", "sync", "--sync-followers",
-                                                                        "1"), "async": ("--replication", "async")}
+    setups = {"sync": ("--replication", "sync"),
+              "sync_first_follower": ("--replication", "sync", "--sync-followers", "1"),
+              "sync_grpc": ("--replication", "sync", "--replication-transport", "grpc"),
+              "async": ("--replication", "async")}
     groups = {mode: Group(os.path.join(root, f"steps-{mode}"), etcd.url, ttl, *flags, name=f"steps-{mode}")
               for mode, flags in setups.items()}
     clients: dict[str, list[BlockdClient]] = {}
@@ -267,6 +289,7 @@ def part_steps(args, root: str, etcd: EtcdServer) -> None:
                         with meters[mode]:
                             latencies[mode] += load(each, args.seqs, window, client_cpu[mode])
                         continue
+                    settle(groups[mode].procs[leaders[mode]].address, followers=2)
                     with LagSampler(groups[mode].procs[leaders[mode]].address) as lag, meters[mode]:
                         latencies[mode] += load(each, args.seqs, window, client_cpu[mode])
                     lags[mode] += lag.samples
