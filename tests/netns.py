@@ -24,6 +24,7 @@ import secrets
 import shutil
 import subprocess
 import time
+from collections.abc import Iterator
 
 SUBNET = "198.51.100"  # TEST-NET-2, /24
 IP_TIMEOUT_S = 20
@@ -61,6 +62,8 @@ class NetnsLab:
         self.tag = f"{LAB_PREFIX}{os.getpid()}x{secrets.token_hex(2)}"
         self.hub = f"{self.tag}-hub"
         self.namespaces: list[str] = []
+        #: processes started on the lab's hosts (``cluster.local.ChildProcess``); :func:`lab_of` kills them
+        self.children: list = []
         self.addresses = {name: f"{SUBNET}.{i + 1}" for i, name in enumerate(names)}
         began = time.monotonic()
         try:
@@ -131,3 +134,27 @@ def sweep_stale() -> list[str]:
             except (RuntimeError, subprocess.TimeoutExpired):
                 pass
     return swept
+
+
+@contextlib.contextmanager
+def lab_of(names: list[str]) -> Iterator[NetnsLab]:
+    """A pytest fixture's body: a lab of hosts ``names`` whose ``children``
+    (:class:`cluster.local.ChildProcess`) are killed and whose namespaces are
+    deleted at the end; skips where namespaces cannot be made, unless
+    ``BLOCKD_REQUIRE_NETNS=1`` (``.ci/run``), where that fails."""
+    import pytest
+
+    reason = unavailable_reason()
+    if reason is not None:
+        if os.environ.get("BLOCKD_REQUIRE_NETNS") == "1":
+            pytest.fail(f"BLOCKD_REQUIRE_NETNS=1 but {reason}")
+        pytest.skip(reason)
+    sweep_stale()  # labs of test runs that were killed outright
+    lab = NetnsLab(names)
+    try:
+        yield lab
+    finally:
+        for child in lab.children:
+            child.kill()
+        lab.close()
+        assert lab.existing() == [], "namespaces left behind"

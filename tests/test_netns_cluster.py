@@ -18,7 +18,6 @@ that is a failure. The namespaces are deleted whatever happens.
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from types import SimpleNamespace
@@ -27,7 +26,7 @@ import pytest
 
 from cluster.local import ROOT, ChildProcess, child_env, model_config
 from cluster.reference import ContiguousReference
-from tests.netns import NetnsLab, sweep_stale, unavailable_reason
+from tests.netns import NetnsLab, lab_of
 from tests.netns_scheduler import workload
 from worker.model import pool_config_for
 
@@ -39,21 +38,8 @@ DOWN_TIMEOUT_S = 30.0
 
 @pytest.fixture
 def lab():
-    reason = unavailable_reason()
-    if reason is not None:
-        if os.environ.get("BLOCKD_REQUIRE_NETNS") == "1":
-            pytest.fail(f"BLOCKD_REQUIRE_NETNS=1 but {reason}")
-        pytest.skip(reason)
-    sweep_stale()  # labs of test runs that were killed outright
-    lab = NetnsLab(["blockd", "w0", "w1", "sched"])
-    lab.children: list[ChildProcess] = []
-    try:
-        yield lab
-    finally:
-        for child in lab.children:
-            child.kill()
-        lab.close()
-        assert lab.existing() == [], "namespaces left behind"
+    with lab_of(["blockd", "w0", "w1", "sched"]) as made:
+        yield made
 
 
 def start(lab: NetnsLab, host: str, name: str, args: list[str], ready: str, **env: str) -> ChildProcess:
