@@ -94,8 +94,8 @@ def _add_replication(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--replication-transport", default="socket", choices=("socket", "grpc"),
                        help="how a follower's feed travels once ReplicateLog has opened it: socket (records "
                             "and acknowledgements framed on a TCP connection to the leader's replication port, "
-                            "about a fifth of gRPC's cost per message) or grpc (on the call's stream). A group "
-                            "that serves TLS stays on grpc")
+                            "about a fifth of gRPC's cost per message; with TLS when the server has it) or grpc "
+                            "(on the call's stream)")
     serve.add_argument("--replication-port", type=int, default=0,
                        help="the replication port, on the host of --listen (0: any free port; followers learn "
                             "it from the leader's ReplicateLog answer)")
@@ -328,7 +328,7 @@ def _replica(args: argparse.Namespace, tls):
         config = ReplicaConfig(args.etcd, args.replica_id, args.group, args.replication, args.min_in_sync,
                                args.ack_timeout_s, args.lease_ttl_s, max_lag_records=args.max_lag_records,
                                sync_followers=args.sync_followers, peer_tls=peer_tls, peer_token=peer_token,
-                               transport=args.replication_transport,
+                               transport=args.replication_transport, server_tls=tls,
                                replication_listen=f"{args.listen.rpartition(':')[0]}:{args.replication_port}")
     except ValueError as err:
         raise SystemExit(str(err)) from None

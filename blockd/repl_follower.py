@@ -50,7 +50,7 @@ from blockd.auth.channels import open_channel
 from blockd.auth.config import TlsConfig
 from blockd.engine import Engine
 from blockd.log_cut import CannotTruncate
-from blockd.repl_frames import Framed, connect
+from blockd.repl_frames import Link, connect
 from blockd.v1 import replication_pb2 as rpb
 from blockd.v1 import replication_pb2_grpc as rpb_grpc
 
@@ -184,7 +184,7 @@ class FollowerLoop:
         self.silence_s = silence_s
         self.frames = frames  #: ask for the framed socket (:mod:`blockd.repl_frames`)
         self._frames_off_until = 0.0  #: after a failed connect: gRPC only until then
-        self._conn: Framed | None = None
+        self._conn: Link | None = None
         self.log_id, self._tls, self._token = log_id, tls, token
         self._leader, self._following, self._known_term, self._saw_term = leader, following, known_term, saw_term
         self._progress = progress
@@ -272,24 +272,26 @@ class FollowerLoop:
                        snapshot: list[rpb.SnapshotChunk]) -> None:
         """The rest of the feed on the leader's replication port (:mod:`blockd.repl_frames`)."""
         try:
-            conn = connect(target, offer.port, offer.ticket)
-        except OSError as err:
+            link = connect(target, offer.port, offer.ticket, self._tls)
+        except OSError as err:  # ssl.SSLError included
             self._frames_off_until = time.monotonic() + FRAMES_OFF_S
             log.warning("cannot reach the leader's replication port %s:%d (%s); following over gRPC for %g s",
                         target, offer.port, err, FRAMES_OFF_S)
             return
-        self._conn = conn
-        log.info("replica %s follows %s on its replication port %d", self.replica_id, target, offer.port)
-        watch.also_cancel(conn.shutdown)  # another leader named: wake the read below
-        conn.settimeout(self.silence_s)  # the leader sends a heartbeat every 0.1 s
+        self._conn = link
+        log.info("replica %s follows %s on its replication port %d%s", self.replica_id, target, offer.port,
+                 " (TLS)" if self._tls is not None else "")
+        watch.also_cancel(link.shutdown)  # another leader named: wake the read below
+        link.records.settimeout(self.silence_s)  # the leader sends a heartbeat every 0.1 s
+        link.acks.settimeout(self.silence_s)
 
         def ack(term: int, lsn: int) -> None:
-            conn.send(rpb.StreamAcksRequest(replica_id=self.replica_id, term=term, persisted_lsn=lsn))
+            link.acks.send(rpb.StreamAcksRequest(replica_id=self.replica_id, term=term, persisted_lsn=lsn))
 
         try:
             while True:
                 try:
-                    msg = conn.receive(rpb.ReplicateLogResponse.FromString)
+                    msg = link.records.receive(rpb.ReplicateLogResponse.FromString)
                 except TimeoutError:
                     raise _GaveUp(f"nothing arrived on the replication port for {self.silence_s:g} s (the leader "
                                   f"sends a heartbeat every 0.1 s)") from None
@@ -299,7 +301,7 @@ class FollowerLoop:
                     return
         finally:
             self._conn = None
-            conn.close()
+            link.close()
 
     def _accept(self, target: str, msg: rpb.ReplicateLogResponse) -> bool:
         """Whether to take ``msg`` (this replica still follows; not a deposed leader's term)."""

@@ -18,9 +18,15 @@ to the feed the ticket was offered by), :func:`connect` (the follower's
 side) and :class:`Framed` (whole messages in and out). What the messages
 mean stays with :mod:`blockd.repl_leader` and :mod:`blockd.repl_follower`.
 
-Plain text only: a group that serves TLS keeps its feeds on gRPC (the
-replica does not offer or ask for frames), since its records must not cross
-the network readable.
+A group that serves TLS serves the port with TLS too: the leader with its
+server certificate (and, under mutual TLS, the client CA: a follower must
+present its peer certificate), re-read at each connection so a rotated
+certificate takes effect as gRPC's does; the follower verifies the leader
+as its gRPC channel does (``--peer-tls-ca``, ``--peer-tls-server-name``).
+An ``ssl`` connection must not be read and written by two threads at once,
+and the leader reads acknowledgements on one thread while it sends records
+on another, so a TLS feed takes two connections, one per direction (each
+presents the ticket and its role); a plain one takes one connection both ways.
 """
 
 from __future__ import annotations
@@ -30,12 +36,16 @@ import hmac
 import logging
 import secrets
 import socket
+import ssl
 import struct
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TypeVar
 
 from google.protobuf.message import Message
+
+from blockd.auth.config import TlsConfig
 
 log = logging.getLogger("blockd.replication")
 
@@ -43,6 +53,8 @@ LENGTH = struct.Struct(">I")
 #: larger than any message of the feed (a snapshot chunk or a batch of records: 1 MiB each)
 MAX_FRAME = 64 << 20
 TICKET_BYTES = 32
+#: what a connection carries, the byte after its ticket: both directions (plain text), or one (TLS)
+BOTH, RECORDS, ACKS = b"B", b"R", b"A"
 #: how long a connection may take to present its ticket, and a feed to receive its connection
 CONNECT_S = 2.0
 ACCEPT_POLL_S = 0.5
@@ -102,24 +114,60 @@ class Framed:
         self._sock.close()
 
 
+@dataclass
+class Link:
+    """A feed's connections: records leave the leader on ``records``, acknowledgements
+    come back on ``acks`` (one connection for both in plain text)."""
+
+    records: Framed
+    acks: Framed
+
+    @property
+    def closed(self) -> bool:
+        return self.records.closed or self.acks.closed
+
+    def shutdown(self) -> None:
+        self.records.shutdown()
+        self.acks.shutdown()
+
+    def close(self) -> None:
+        self.records.close()
+        if self.acks is not self.records:
+            self.acks.close()
+
+
 class Offer:
-    """One feed's ticket, waiting for its connection."""
+    """One feed's ticket, waiting for its connections."""
 
     def __init__(self, listener: FramesListener, ticket: bytes) -> None:
         self.ticket, self.port = ticket, listener.port
         self._listener = listener
         self._arrived = threading.Event()
-        self._conn: Framed | None = None
+        self._conns: dict[bytes, Framed] = {}
 
-    def deliver(self, conn: Framed) -> None:
-        self._conn = conn
-        self._arrived.set()
+    def deliver(self, role: bytes, conn: Framed) -> bool:
+        """Take a connection of ``role``; True once the feed has all it needs."""
+        if role in self._conns:  # the same role twice: not this feed's follower
+            conn.close()
+            return False
+        self._conns[role] = conn
+        done = BOTH in self._conns or (RECORDS in self._conns and ACKS in self._conns)
+        if done:
+            self._arrived.set()
+        return done
 
-    def wait(self, timeout_s: float) -> Framed | None:
-        """The connection that presented the ticket, or None by the timeout; the ticket is spent either way."""
+    def wait(self, timeout_s: float) -> Link | None:
+        """The feed's connections, or None by the timeout; the ticket is spent either way."""
         self._arrived.wait(timeout_s)
         self._listener.withdraw(self)
-        return self._conn
+        conns = self._conns
+        if BOTH in conns:
+            return Link(conns[BOTH], conns[BOTH])
+        if RECORDS in conns and ACKS in conns:
+            return Link(conns[RECORDS], conns[ACKS])
+        for conn in conns.values():
+            conn.close()
+        return None
 
 
 def split_bind(listen: str) -> str:
@@ -131,7 +179,8 @@ def split_bind(listen: str) -> str:
 class FramesListener:
     """The leader's replication port; see the module docstring."""
 
-    def __init__(self, host: str, port: int = 0) -> None:
+    def __init__(self, host: str, port: int = 0, tls: TlsConfig | None = None) -> None:
+        self.tls = tls
         ipv6 = ":" in host
         self._sock = socket.create_server((host, port), family=socket.AF_INET6 if ipv6 else socket.AF_INET,
                                           backlog=16, dualstack_ipv6=ipv6 and host == "::")
@@ -172,42 +221,82 @@ class FramesListener:
             threading.Thread(target=self._admit, args=(sock,), name="repl-frames-admit", daemon=True).start()
 
     def _admit(self, sock: socket.socket) -> None:
-        """Read the ticket (within CONNECT_S) and hand the connection to its feed, or close it."""
+        """TLS handshake (with ``tls``), then the ticket and role, all within CONNECT_S; hand
+        the connection to its feed, or close it."""
         try:
             sock.settimeout(CONNECT_S)
-            ticket = b""
-            while len(ticket) < TICKET_BYTES:
-                chunk = sock.recv(TICKET_BYTES - len(ticket))
+            if self.tls is not None:
+                sock = server_context(self.tls).wrap_socket(sock, server_side=True)
+            head = b""
+            while len(head) < TICKET_BYTES + 1:
+                chunk = sock.recv(TICKET_BYTES + 1 - len(head))
                 if not chunk:
                     break
-                ticket += chunk
+                head += chunk
             sock.settimeout(None)
-        except OSError:
+        except (OSError, ssl.SSLError, ValueError) as err:
+            log.warning("a connection to the replication port failed before its ticket: %s", err)
             sock.close()
             return
+        ticket, role = head[:TICKET_BYTES], head[TICKET_BYTES:]
         with self._lock:
             offer = next((o for o in self._pending if hmac.compare_digest(o.ticket, ticket)), None)
-            if offer is not None:
+            if offer is not None and role in (BOTH, RECORDS, ACKS) and offer.deliver(role, Framed(sock)):
                 self._pending.remove(offer)
-        if offer is None:
+                return
+        if offer is None or role not in (BOTH, RECORDS, ACKS):
             log.warning("a connection to the replication port presented no valid ticket; closed")
             sock.close()
-            return
-        offer.deliver(Framed(sock))
 
 
-def connect(target: str, port: int, ticket: bytes, timeout_s: float = CONNECT_S) -> Framed:
-    """The follower's side: connect to ``target``'s host at ``port`` and present ``ticket``."""
+def server_context(tls: TlsConfig) -> ssl.SSLContext:
+    """The leader's side, from the files as they are now (a rotation applies to the next connection)."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.load_cert_chain(tls.cert or "", tls.key)
+    if tls.ca:  # mutual TLS, as the gRPC server asks
+        ctx.verify_mode = ssl.CERT_REQUIRED
+        ctx.load_verify_locations(cafile=tls.ca)
+    return ctx
+
+
+def client_context(tls: TlsConfig) -> ssl.SSLContext:
+    """The follower's side: verify the leader against ``tls.ca`` (system roots when None), present ``tls.cert``."""
+    ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=tls.ca)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    if tls.cert:
+        ctx.load_cert_chain(tls.cert, tls.key)
+    return ctx
+
+
+def connect(target: str, port: int, ticket: bytes, tls: TlsConfig | None = None,
+            timeout_s: float = CONNECT_S) -> Link:
+    """The follower's side: connect to ``target``'s host at ``port`` and present ``ticket``
+    (over TLS with ``tls``: two connections, one per direction)."""
     for scheme in ("dns:///", "dns:", "ipv4:", "ipv6:"):
         if target.startswith(scheme):
             target = target[len(scheme):]
             break
     host = target.rpartition(":")[0].strip("[]") if ":" in target else target
+    if tls is None:
+        conn = _open(host, port, ticket + BOTH, None, timeout_s)
+        return Link(conn, conn)
+    records = _open(host, port, ticket + RECORDS, tls, timeout_s)
+    try:
+        return Link(records, _open(host, port, ticket + ACKS, tls, timeout_s))
+    except BaseException:
+        records.close()
+        raise
+
+
+def _open(host: str, port: int, head: bytes, tls: TlsConfig | None, timeout_s: float) -> Framed:
     sock = socket.create_connection((host, port), timeout=timeout_s)
     try:
-        sock.sendall(ticket)
+        if tls is not None:
+            sock = client_context(tls).wrap_socket(sock, server_hostname=tls.server_name or host)
+        sock.sendall(head)
         sock.settimeout(None)
         return Framed(sock)
-    except OSError:
+    except BaseException:
         sock.close()
         raise

@@ -51,7 +51,7 @@ from blockd.core.errors import NoLeader, NotLeader, NotReplicated
 from blockd.core.terms import TermHistory, common_prefix
 from blockd.core.types import ReplicaStatus
 from blockd.engine import Engine
-from blockd.repl_frames import CONNECT_S, Framed, FramesListener
+from blockd.repl_frames import CONNECT_S, FramesListener, Link
 from blockd.repl_log import LogTail
 from blockd.rpc.convert import replica_status_to_proto
 from blockd.rpc.errors import client_stream, server_stream, unary
@@ -329,23 +329,24 @@ class ReplicationServicer(rpb_grpc.ReplicationServiceServicer):
             return
         offer = frames.offer()
         yield rpb.ReplicateLogResponse(frames=rpb.FramesOffer(port=offer.port, ticket=offer.ticket), term=term)
-        conn = offer.wait(CONNECT_S)
-        if conn is None:
+        link = offer.wait(CONNECT_S)
+        if link is None:
             log.warning("replica %s did not connect to the replication port %d in %g s; it dials again (over "
                         "gRPC if the port stays out of its reach)", request.replica_id, offer.port, CONNECT_S)
             return
         # a follower that stops reading (paused, partitioned) blocks a send at most this long
-        conn.settimeout(FRAMES_SEND_S)
-        acks = threading.Thread(target=self._read_acks, args=(conn, request.replica_id), name="repl-acks",
+        link.records.settimeout(FRAMES_SEND_S)
+        link.acks.settimeout(FRAMES_SEND_S)
+        acks = threading.Thread(target=self._read_acks, args=(link, request.replica_id), name="repl-acks",
                                 daemon=True)
         acks.start()
         try:
-            for msg in self._feed(term, request.from_lsn, lambda: context.is_active() and not conn.closed):
-                conn.send(msg)
+            for msg in self._feed(term, request.from_lsn, lambda: context.is_active() and not link.closed):
+                link.records.send(msg)
         except OSError as err:
             log.info("the feed of replica %s on the replication port ended: %s", request.replica_id, err)
         finally:
-            conn.close()
+            link.close()
 
     def _feed(self, term: int, position: int, active: Callable[[], bool]) -> Iterator[rpb.ReplicateLogResponse]:
         """A feed's messages from ``position`` on, for as long as this replica leads ``term`` and ``active()``."""
@@ -367,19 +368,19 @@ class ReplicationServicer(rpb_grpc.ReplicationServiceServicer):
                 yield rpb.ReplicateLogResponse(heartbeat=rpb.ReplicateHeartbeat(), term=term, commit_lsn=commit)
                 sent = time.monotonic()
 
-    def _read_acks(self, conn: Framed, replica_id: str) -> None:
+    def _read_acks(self, link: Link, replica_id: str) -> None:
         """A socket feed's acknowledgements, until it closes; a bad one closes it (the follower dials again)."""
         try:
             while True:
-                request = conn.receive(rpb.StreamAcksRequest.FromString)
+                request = link.acks.receive(rpb.StreamAcksRequest.FromString)
                 if request is None:
                     return
                 self._ack(request)
         except Exception as err:  # noqa: BLE001 - any failure ends this feed; the follower opens it again
-            if not conn.closed:
+            if not link.closed:
                 log.info("acknowledgements of replica %s on the replication port ended: %s", replica_id, err)
         finally:
-            conn.shutdown()  # the sender notices at its next message (a heartbeat within 0.1 s)
+            link.shutdown()  # the sender notices at its next message (a heartbeat within 0.1 s)
 
     def _snapshot(self, term: int) -> Generator[rpb.ReplicateLogResponse, None, int]:
         """Stream the newest snapshot file; returns its LSN."""

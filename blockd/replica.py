@@ -72,16 +72,17 @@ class ReplicaConfig:
     #: what a follower dials its leader with (``--peer-tls-*``, ``--peer-token-file``); None: plain text
     peer_tls: TlsConfig | None = None
     peer_token: str | None = None
-    #: the feeds' transport: "socket" (the framed socket, :mod:`blockd.repl_frames`) or "grpc"; a group
-    #: that serves TLS (``peer_tls`` given) stays on gRPC
+    #: the feeds' transport: "socket" (the replication port, :mod:`blockd.repl_frames`) or "grpc"
     transport: str = "socket"
     #: where the replication port listens (``HOST:PORT``, port 0: any free one)
     replication_listen: str = "127.0.0.1:0"
+    #: the server's own TLS (``--tls-*``): the replication port serves it too; None: plain text
+    server_tls: TlsConfig | None = None
 
     @property
     def frames(self) -> bool:
-        """Whether feeds go on the framed socket."""
-        return self.transport == "socket" and self.peer_tls is None
+        """Whether feeds go on the replication port."""
+        return self.transport == "socket"
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -264,8 +265,8 @@ class Replica:
         cfg = self.config
         if cfg.frames:
             host = split_bind(cfg.replication_listen)
-            self.frames = FramesListener(host, int(cfg.replication_listen.rpartition(":")[2] or 0))
-            log.info("replication port %s:%d (feeds on framed sockets)", host, self.frames.port)
+            self.frames = FramesListener(host, int(cfg.replication_listen.rpartition(":")[2] or 0), cfg.server_tls)
+            log.info("replication port %s:%d%s", host, self.frames.port, " (TLS)" if cfg.server_tls else "")
         self.log_id = log_identity(self.data_dir, empty=engine.log_state()[0] == 0)
         self.election = Election(cfg.etcd, ElectionConfig(
             group=cfg.group, replica_id=cfg.replica_id, address=address, ttl_s=cfg.ttl_s, margin_s=cfg.margin_s,

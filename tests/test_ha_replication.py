@@ -898,8 +898,8 @@ def _stream_acks(address: str, *acks: rpb.StreamAcksRequest, tls: TlsConfig | No
 
 
 def test_acknowledgements_on_a_stream_are_checked_like_calls(group):
-    """Followers that stay on gRPC (``--replication-transport grpc``, a TLS group)
-    acknowledge on ``StreamAcks``; a stream naming a term the replica does not lead, or sent to a follower,
+    """Followers that stay on gRPC (``--replication-transport grpc``) acknowledge
+    on ``StreamAcks``; a stream naming a term the replica does not lead, or sent to a follower,
     is refused with NOT_LEADER naming the leader and its term, and a message that does
     not parse ends it as INVALID_ARGUMENT."""
     g = group()
@@ -962,6 +962,10 @@ def test_a_group_serving_mutual_tls_replicates_with_an_admin_certificate(group, 
               tls=pki.tls("admin"))
     leader = ready(g)
     _replicates(g, leader)
+    # the feeds moved to the replication port, which serves TLS as the group does (docs/ha.md 2.3)
+    said = re.compile(rf"follows {re.escape(g.procs[leader].address)} on its replication port \d+ \(TLS\)")
+    wait_for(lambda: any(said.search(g.procs[r].output()) for r in g.procs if r != leader),
+             "a follower on the leader's replication port over TLS")
     address = g.procs[leader].address
     assert _open_feed(address, pki.tls("scheduler"), None).code() == grpc.StatusCode.PERMISSION_DENIED
     assert _open_feed(address, pki.tls(None), None).code() == grpc.StatusCode.UNAVAILABLE  # no certificate

@@ -5,11 +5,12 @@ frames that cannot be messages of the feed end the connection instead of being g
 from __future__ import annotations
 
 import socket
+import ssl
 import struct
 
 import pytest
 
-from blockd.repl_frames import FrameError, FramesListener, connect, split_bind
+from blockd.repl_frames import FrameError, FramesListener, Link, connect, split_bind
 from blockd.v1 import replication_pb2 as rpb
 
 
@@ -20,34 +21,63 @@ def listener():
     frames.close()
 
 
+pytest_plugins = ["tests.auth_fixtures"]
+
+
+def _feed_both_ways(leader: Link, follower: Link) -> None:
+    sent = rpb.ReplicateLogResponse(records=rpb.LogRecords(records=[
+        rpb.LogRecord(lsn=7, term=3, body=b'{"op":"x"}' * 1000, crc32=1)]), term=3, commit_lsn=6)
+    leader.records.send(sent)
+    leader.records.send(rpb.ReplicateLogResponse(heartbeat=rpb.ReplicateHeartbeat(), term=3))
+    assert follower.records.receive(rpb.ReplicateLogResponse.FromString) == sent
+    assert follower.records.receive(rpb.ReplicateLogResponse.FromString).WhichOneof("kind") == "heartbeat"
+    follower.acks.send(rpb.StreamAcksRequest(replica_id="r1", term=3, persisted_lsn=7))
+    assert leader.acks.receive(rpb.StreamAcksRequest.FromString).persisted_lsn == 7
+    follower.close()
+    assert leader.acks.receive(rpb.StreamAcksRequest.FromString) is None  # the end, not a message
+
+
 def test_a_ticket_admits_its_feed_and_messages_go_both_ways(listener):
     offer = listener.offer()
     follower = connect("127.0.0.1:1", offer.port, offer.ticket)  # the host of the address dialled
     leader = offer.wait(5)
-    assert leader is not None
+    assert leader is not None and leader.records is leader.acks  # plain text: one connection
     try:
-        sent = rpb.ReplicateLogResponse(records=rpb.LogRecords(records=[
-            rpb.LogRecord(lsn=7, term=3, body=b'{"op":"x"}' * 1000, crc32=1)]), term=3, commit_lsn=6)
-        leader.send(sent)
-        leader.send(rpb.ReplicateLogResponse(heartbeat=rpb.ReplicateHeartbeat(), term=3))
-        assert follower.receive(rpb.ReplicateLogResponse.FromString) == sent
-        assert follower.receive(rpb.ReplicateLogResponse.FromString).WhichOneof("kind") == "heartbeat"
-        follower.send(rpb.StreamAcksRequest(replica_id="r1", term=3, persisted_lsn=7))
-        assert leader.receive(rpb.StreamAcksRequest.FromString).persisted_lsn == 7
-        follower.close()
-        assert leader.receive(rpb.StreamAcksRequest.FromString) is None  # the end, not a message
+        _feed_both_ways(leader, follower)
     finally:
         leader.close()
+
+
+def test_over_tls_a_feed_takes_a_connection_each_way_and_the_leader_is_verified(pki):
+    listener = FramesListener("127.0.0.1", tls=pki.server_tls(mutual=True))
+    try:
+        offer = listener.offer()
+        follower = connect(f"localhost:{50051}", offer.port, offer.ticket, pki.tls("admin"))
+        leader = offer.wait(5)
+        assert leader is not None and leader.records is not leader.acks
+        try:
+            _feed_both_ways(leader, follower)
+        finally:
+            leader.close()
+        # a follower that trusts another CA, or (mutual TLS) brings no certificate, gets nothing
+        offer = listener.offer()
+        with pytest.raises(ssl.SSLError):
+            connect("127.0.0.1:1", offer.port, offer.ticket, pki.tls("admin", ca=pki.path("rogue")))
+        with pytest.raises((ssl.SSLError, ConnectionError)):  # a TLS alert, or a reset
+            connect("127.0.0.1:1", offer.port, offer.ticket, pki.tls(None)).records.receive(bytes)
+        assert offer.wait(0.5) is None
+    finally:
+        listener.close()
 
 
 def test_a_ticket_is_good_once_and_a_wrong_one_is_closed(listener):
     offer = listener.offer()
     with socket.create_connection(("127.0.0.1", listener.port), timeout=5) as wrong:
-        wrong.sendall(bytes(32))
+        wrong.sendall(bytes(32) + b"B")
         assert wrong.recv(1) == b""
     assert offer.wait(0.2) is None  # spent: the feed gives up on it
     with socket.create_connection(("127.0.0.1", listener.port), timeout=5) as late:
-        late.sendall(offer.ticket)
+        late.sendall(offer.ticket + b"B")
         assert late.recv(1) == b""
 
 
@@ -59,13 +89,13 @@ def test_a_ticket_is_good_once_and_a_wrong_one_is_closed(listener):
 def test_a_frame_that_cannot_be_a_message_ends_the_connection(listener, raw, why):
     offer = listener.offer()
     with socket.create_connection(("127.0.0.1", listener.port), timeout=5) as peer:
-        peer.sendall(offer.ticket)
+        peer.sendall(offer.ticket + b"B")
         leader = offer.wait(5)
         assert leader is not None
         peer.sendall(raw)
         peer.shutdown(socket.SHUT_WR)
         with pytest.raises(FrameError, match=why):
-            leader.receive(rpb.StreamAcksRequest.FromString)
+            leader.acks.receive(rpb.StreamAcksRequest.FromString)
         leader.close()
 
 
