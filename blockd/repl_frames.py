@@ -66,6 +66,12 @@ class FrameError(ConnectionError):
     """The peer sent something that is not a frame; the connection is closed."""
 
 
+def frame(msg: Message) -> bytes:
+    """``msg`` as one frame: its length, then its bytes."""
+    data = msg.SerializeToString()
+    return LENGTH.pack(len(data)) + data
+
+
 class Framed:
     """One end of a framed connection. One thread sends and one receives."""
 
@@ -84,8 +90,23 @@ class Framed:
         self._sock.settimeout(seconds)
 
     def send(self, msg: Message) -> None:
-        data = msg.SerializeToString()
-        self._sock.sendall(LENGTH.pack(len(data)) + data)
+        self.send_bytes(frame(msg))
+
+    def send_bytes(self, data: bytes) -> None:
+        """Send frames made by :func:`frame`, waiting for room (up to the timeout)."""
+        self._sock.sendall(data)
+
+    @property
+    def can_try_send(self) -> bool:
+        """Whether :meth:`try_send` works here (plain sockets; ``ssl`` takes no send flags)."""
+        return not isinstance(self._sock, ssl.SSLSocket)
+
+    def try_send(self, data: bytes) -> int:
+        """Send what the socket takes now without waiting: the bytes sent (0: no room)."""
+        try:
+            return self._sock.send(data, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return 0
 
     def receive(self, parse: Callable[[bytes], M]) -> M | None:
         """The next message, or None once the peer has closed the connection."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from collections.abc import Callable
 
 #: records and bytes a single message carries at most
 BATCH_RECORDS = 256
@@ -35,6 +36,9 @@ class LogTail:
         self._last = 0
         self._snapshot = 0
         self.generation = 0  #: bumped by every reset: a stream reading across one must restart
+        #: called with each record as it is appended (before the readers are woken): a leader's socket
+        #: feeds push it to their followers from the appending thread (:class:`blockd.repl_leader.LinkFeed`)
+        self._listeners: list[Callable[[int, int, bytes], None]] = []
 
     # --- LogObserver ---------------------------------------------------------------------
     def reset(self, snapshot_lsn: int) -> None:
@@ -47,9 +51,22 @@ class LogTail:
     def record(self, lsn: int, term: int, body: bytes) -> None:
         with self._changed:
             assert lsn == self._last + 1, f"log record {lsn} after {self._last}"
-            self._records.append((lsn, term, bytes(body)))
+            kept = bytes(body)
+            self._records.append((lsn, term, kept))
             self._last = lsn
+            # before the readers wake: a feed's thread woken first took the record from its push
+            # more often than not (measured), and a push must not wait (it never blocks: a try-lock)
+            for listener in self._listeners:
+                listener(lsn, term, kept)
             self._changed.notify_all()
+
+    def listen(self, listener: Callable[[int, int, bytes], None]) -> None:
+        with self._changed:
+            self._listeners = [*self._listeners, listener]
+
+    def unlisten(self, listener: Callable[[int, int, bytes], None]) -> None:
+        with self._changed:
+            self._listeners = [f for f in self._listeners if f != listener]
 
     def snapshotted(self, lsn: int) -> None:
         with self._changed:

@@ -7,10 +7,14 @@ from __future__ import annotations
 import socket
 import ssl
 import struct
+import threading
+import time
 
 import pytest
 
 from blockd.repl_frames import FrameError, FramesListener, Link, connect, split_bind
+from blockd.repl_leader import LinkFeed
+from blockd.repl_log import LogTail
 from blockd.v1 import replication_pb2 as rpb
 
 
@@ -103,3 +107,60 @@ def test_the_replication_port_binds_the_host_of_the_listen_address():
     assert split_bind("127.0.0.1:50051") == "127.0.0.1"
     assert split_bind("[::1]:0") == "::1"
     assert split_bind(":50051") == "0.0.0.0"
+
+
+class _Leading:
+    """What a feed asks its replica: the term it leads, the commit point, the log's tail."""
+
+    def __init__(self, tail: LogTail) -> None:
+        self.tail, self.stopping = tail, threading.Event()
+
+    def leading_term(self) -> int:
+        return 5
+
+    @property
+    def commits(self) -> _Leading:
+        return self
+
+    def commit_lsn(self, lsn: int) -> int:
+        return lsn
+
+
+@pytest.mark.parametrize("slow_follower", [False, True])
+def test_a_socket_feed_delivers_every_record_once_and_in_order(listener, slow_follower):
+    """Records pushed by the appending thread and sent by the feed's own thread
+    (when a push finds it sending, or finds the socket full and leaves the rest
+    of a frame to it) reach the follower each once, in order."""
+    tail = LogTail()
+    tail.reset(0)
+    offer = listener.offer()
+    follower = connect("127.0.0.1:1", offer.port, offer.ticket)
+    link = offer.wait(5)
+    assert link is not None
+    if slow_follower:  # a small send buffer: pushes find it full and send part of a frame
+        link.records._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    feed = LinkFeed(link, 5, 1, _Leading(tail))
+    tail.listen(feed.push)
+    stop = threading.Event()
+    thread = threading.Thread(target=feed.run, args=(lambda: not stop.is_set(), None), daemon=True)
+    thread.start()
+    records = 400
+    try:
+        for lsn in range(1, records + 1):
+            tail.record(lsn, 5, str(lsn).encode() * (2000 if slow_follower else 10))
+            if lsn % 50 == 0:
+                time.sleep(0.01)
+        got: list[int] = []
+        while len(got) < records:
+            if slow_follower:
+                time.sleep(0.001)
+            msg = follower.records.receive(rpb.ReplicateLogResponse.FromString)
+            assert msg is not None
+            got += [r.lsn for r in msg.records.records]
+        assert got == list(range(1, records + 1))
+    finally:
+        stop.set()
+        tail.unlisten(feed.push)
+        thread.join(5)
+        link.close()
+        follower.close()
