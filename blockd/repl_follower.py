@@ -4,13 +4,16 @@
 lead. It dials the leader the election last saw, opens ``ReplicateLog`` from
 its own last LSN with its term history, and for each message:
 
-* records: checks each body's crc32, applies them with the code recovery
-  uses and appends them to its own log as they are, one fsync per batch
-  (:meth:`blockd.engine.Engine.apply_replicated`), then acknowledges the
-  last LSN persisted on the feed's ``StreamAcks`` call (:class:`AckStream`;
-  one ``AckLog`` call each to a leader that does not serve the stream); a
-  heartbeat is acknowledged too, so an idle, caught-up follower joins the
-  in-sync set;
+* records: checks each body's crc32, appends them to its own log as they
+  are, one fsync per batch, acknowledges the last LSN persisted, then
+  applies them with the code recovery uses
+  (:meth:`blockd.engine.Engine.apply_replicated`); a heartbeat is
+  acknowledged too, so an idle, caught-up follower joins the in-sync set.
+  Acknowledgements go on the replication port when the leader offered it
+  (``FramesOffer``: the feed goes on there, :mod:`blockd.repl_frames`; a
+  port out of reach means gRPC for ``FRAMES_OFF_S``), else on the feed's
+  ``StreamAcks`` call (:class:`AckStream`; one ``AckLog`` call each to a
+  leader that does not serve the stream);
 * a truncation: cuts its log after that LSN (a copy kept in quarantine,
   :mod:`blockd.log_cut`), reloads its engine from disk and opens again;
 * snapshot chunks: writes them to ``<name>.tmp`` in its data dir, checks the

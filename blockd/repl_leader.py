@@ -33,7 +33,10 @@ retained window (:class:`blockd.repl_log.LogTail`), then records as they are
 logged and a heartbeat when idle; ``GetReplicaStatus`` answers the
 replica's view (:meth:`blockd.replica.Replica.status`); ``StreamAcks`` takes a follower's
 acknowledgements on one stream (``AckLog``, one call each, stays for
-followers that do not stream them).
+followers that do not stream them). A follower that asks for frames gets a
+``FramesOffer`` first and the rest of its feed on the replication port
+(:mod:`blockd.repl_frames`): :class:`LinkFeed` sends there (the logging step
+pushes each record itself) and a thread per feed reads the acknowledgements.
 """
 
 from __future__ import annotations
@@ -302,6 +305,16 @@ class Leading(Protocol):
     def status(self) -> ReplicaStatus: ...
 
 
+def records_message(term: int, batch: list[tuple[int, int, bytes]], commit_lsn: int) -> rpb.ReplicateLogResponse:
+    """A feed's message carrying ``batch`` (``(lsn, term, body)`` each, a crc32 per body)."""
+    records = [rpb.LogRecord(lsn=lsn, term=t, body=body, crc32=zlib.crc32(body)) for lsn, t, body in batch]
+    return rpb.ReplicateLogResponse(records=rpb.LogRecords(records=records), term=term, commit_lsn=commit_lsn)
+
+
+def heartbeat_message(term: int, commit_lsn: int) -> rpb.ReplicateLogResponse:
+    return rpb.ReplicateLogResponse(heartbeat=rpb.ReplicateHeartbeat(), term=term, commit_lsn=commit_lsn)
+
+
 class LinkFeed:
     """The sending side of one feed on the replication port (:mod:`blockd.repl_frames`).
 
@@ -331,10 +344,7 @@ class LinkFeed:
             r = self._replica
             if lsn != self.position or self._pending or r.leading_term() != self.term:
                 return
-            data = frame(rpb.ReplicateLogResponse(
-                records=rpb.LogRecords(records=[rpb.LogRecord(lsn=lsn, term=term, body=body,
-                                                              crc32=zlib.crc32(body))]),
-                term=self.term, commit_lsn=r.commits.commit_lsn(lsn)))
+            data = frame(records_message(self.term, [(lsn, term, body)], r.commits.commit_lsn(lsn)))
             try:
                 sent = self.link.records.try_send(data)
             except OSError:
@@ -364,14 +374,10 @@ class LinkFeed:
                     continue
                 batch = [item for item in batch if item[0] >= self.position]  # a push sent the rest
                 if batch:
-                    records = [rpb.LogRecord(lsn=lsn, term=t, body=body, crc32=zlib.crc32(body))
-                               for lsn, t, body in batch]
-                    out.send(rpb.ReplicateLogResponse(records=rpb.LogRecords(records=records), term=self.term,
-                                                      commit_lsn=r.commits.commit_lsn(r.tail.last_lsn)))
+                    out.send(records_message(self.term, batch, r.commits.commit_lsn(r.tail.last_lsn)))
                     self.position, self._sent = batch[-1][0] + 1, time.monotonic()
                 elif time.monotonic() - self._sent >= HEARTBEAT_S:
-                    out.send(rpb.ReplicateLogResponse(heartbeat=rpb.ReplicateHeartbeat(), term=self.term,
-                                                      commit_lsn=r.commits.commit_lsn(r.tail.last_lsn)))
+                    out.send(heartbeat_message(self.term, r.commits.commit_lsn(r.tail.last_lsn)))
                     self._sent = time.monotonic()
 
 
@@ -435,13 +441,10 @@ class ReplicationServicer(rpb_grpc.ReplicationServiceServicer):
                 continue
             commit = r.commits.commit_lsn(r.tail.last_lsn)
             if batch:
-                records = [rpb.LogRecord(lsn=lsn, term=t, body=body, crc32=zlib.crc32(body))
-                           for lsn, t, body in batch]
-                yield rpb.ReplicateLogResponse(records=rpb.LogRecords(records=records), term=term,
-                                               commit_lsn=commit)
+                yield records_message(term, batch, commit)
                 position, sent = batch[-1][0] + 1, time.monotonic()
             elif time.monotonic() - sent >= HEARTBEAT_S:
-                yield rpb.ReplicateLogResponse(heartbeat=rpb.ReplicateHeartbeat(), term=term, commit_lsn=commit)
+                yield heartbeat_message(term, commit)
                 sent = time.monotonic()
 
     def _read_acks(self, link: Link, replica_id: str) -> None:
