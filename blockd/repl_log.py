@@ -16,9 +16,12 @@ reads from the replication streams' threads.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import deque
 from collections.abc import Callable
+
+log = logging.getLogger("blockd.replication")
 
 #: records and bytes a single message carries at most
 BATCH_RECORDS = 256
@@ -57,7 +60,10 @@ class LogTail:
             # before the readers wake: a feed's thread woken first took the record from its push
             # more often than not (measured), and a push must not wait (it never blocks: a try-lock)
             for listener in self._listeners:
-                listener(lsn, term, kept)
+                try:
+                    listener(lsn, term, kept)
+                except Exception:  # the record is logged already: a push that fails leaves it to the reader
+                    log.exception("a log listener failed on lsn %d; its feed's thread sends the record", lsn)
             self._changed.notify_all()
 
     def listen(self, listener: Callable[[int, int, bytes], None]) -> None:
