@@ -45,7 +45,7 @@ from typing import TypeVar
 
 from google.protobuf.message import Message
 
-from blockd.auth.config import TlsConfig
+from blockd.auth.config import TlsConfig, target_host
 
 log = logging.getLogger("blockd.replication")
 
@@ -193,8 +193,7 @@ class Offer:
 
 def split_bind(listen: str) -> str:
     """The host part of a ``HOST:PORT`` listen address, to bind the replication port on."""
-    host = listen.rpartition(":")[0] if ":" in listen else listen
-    return host.strip("[]") or "0.0.0.0"
+    return target_host(listen) or "0.0.0.0"
 
 
 class FramesListener:
@@ -294,11 +293,7 @@ def connect(target: str, port: int, ticket: bytes, tls: TlsConfig | None = None,
             timeout_s: float = CONNECT_S) -> Link:
     """The follower's side: connect to ``target``'s host at ``port`` and present ``ticket``
     (over TLS with ``tls``: two connections, one per direction)."""
-    for scheme in ("dns:///", "dns:", "ipv4:", "ipv6:"):
-        if target.startswith(scheme):
-            target = target[len(scheme):]
-            break
-    host = target.rpartition(":")[0].strip("[]") if ":" in target else target
+    host = target_host(target)
     if tls is None:
         conn = _open(host, port, ticket + BOTH, None, timeout_s)
         return Link(conn, conn)

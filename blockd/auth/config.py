@@ -70,15 +70,21 @@ class TlsConfig:
         return tuple(p for p in (self.cert, self.key, self.ca) if p is not None)
 
 
-def is_loopback_target(target: str) -> bool:
-    """``localhost:P``, ``127.x.y.z:P``, ``[::1]:P`` (a ``dns:``/``ipv4:``
-    scheme prefix allowed); anything else, including a bare host name, is not."""
+def target_host(target: str) -> str:
+    """The host of a gRPC target or listen address ``HOST:PORT`` (a ``dns:``/``ipv4:``/
+    ``ipv6:`` scheme prefix allowed, IPv6 brackets removed; a bare host is itself)."""
     for scheme in ("dns:///", "dns:", "ipv4:", "ipv6:"):
         if target.startswith(scheme):
             target = target[len(scheme):]
             break
     host = target.rpartition(":")[0] if ":" in target else target
-    host = host.strip("[]")
+    return host.strip("[]")
+
+
+def is_loopback_target(target: str) -> bool:
+    """``localhost:P``, ``127.x.y.z:P``, ``[::1]:P`` (a ``dns:``/``ipv4:``
+    scheme prefix allowed); anything else, including a bare host name, is not."""
+    host = target_host(target)
     if host == "localhost":
         return True
     try:
