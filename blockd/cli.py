@@ -329,7 +329,7 @@ def _replica(args: argparse.Namespace, tls):
                                args.ack_timeout_s, args.lease_ttl_s, max_lag_records=args.max_lag_records,
                                sync_followers=args.sync_followers, peer_tls=peer_tls, peer_token=peer_token,
                                transport=args.replication_transport, server_tls=tls,
-                               replication_listen=f"{args.listen.rpartition(':')[0]}:{args.replication_port}")
+                               listen=args.listen, replication_port=args.replication_port)
     except ValueError as err:
         raise SystemExit(str(err)) from None
     return Replica(config, args.data_dir)

@@ -74,8 +74,10 @@ class ReplicaConfig:
     peer_token: str | None = None
     #: the feeds' transport: "socket" (the replication port, :mod:`blockd.repl_frames`) or "grpc"
     transport: str = "socket"
-    #: where the replication port listens (``HOST:PORT``, port 0: any free one)
-    replication_listen: str = "127.0.0.1:0"
+    #: the server's ``--listen`` address: the replication port binds its host
+    listen: str = "127.0.0.1:0"
+    #: the replication port (``--replication-port``; 0: any free one)
+    replication_port: int = 0
     #: the server's own TLS (``--tls-*``): the replication port serves it too; None: plain text
     server_tls: TlsConfig | None = None
 
@@ -264,8 +266,8 @@ class Replica:
         self.engine, self.address = engine, address
         cfg = self.config
         if cfg.frames:
-            host = split_bind(cfg.replication_listen)
-            self.frames = FramesListener(host, int(cfg.replication_listen.rpartition(":")[2] or 0), cfg.server_tls)
+            host = split_bind(cfg.listen)
+            self.frames = FramesListener(host, cfg.replication_port, cfg.server_tls)
             log.info("replication port %s:%d%s", host, self.frames.port, " (TLS)" if cfg.server_tls else "")
         self.log_id = log_identity(self.data_dir, empty=engine.log_state()[0] == 0)
         self.election = Election(cfg.etcd, ElectionConfig(
