@@ -160,6 +160,13 @@ class Commits:
         """Under the lock: the followers every commit waits for (members, and those joining)."""
         return self.members | self.joining
 
+    def _floor_locked(self) -> int:
+        """Under the lock: the least LSN the followers commits wait for have persisted (-1: none)."""
+        waited = self._waited_for()
+        if not waited:
+            return -1
+        return min(self.followers[m].persisted_lsn if m in self.followers else 0 for m in waited)
+
     def _commit_locked(self, last_lsn: int) -> int:
         if self.mode == "async":
             return last_lsn
@@ -190,8 +197,12 @@ class Commits:
             if term != self.term:
                 return
             state = self.followers.setdefault(replica_id, FollowerState(replica_id))
+            floor = self._floor_locked()
             state.persisted_lsn, state.last_ack = max(state.persisted_lsn, lsn), self._clock()
-            self._cond.notify_all()
+            # a sync step waits for the slowest of the followers it waits for: the first of two
+            # acknowledgements of a step would wake it for nothing (a wake hands the GIL over twice)
+            if self.mode == "async" or self._floor_locked() != floor:
+                self._cond.notify_all()
             if self.mode == "async" or replica_id in self._waited_for():
                 return
             if self.max_members and len(self._waited_for()) >= self.max_members:
