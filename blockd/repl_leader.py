@@ -326,6 +326,23 @@ def heartbeat_message(term: int, commit_lsn: int) -> rpb.ReplicateLogResponse:
     return rpb.ReplicateLogResponse(heartbeat=rpb.ReplicateHeartbeat(), term=term, commit_lsn=commit_lsn)
 
 
+class PushedFrames:
+    """The frame the last pushed record went out in, for every feed of the leader: the
+    pushes of one record (one per follower, one after the other under the engine lock)
+    build and serialize it once. A feed that finds another record here builds its own."""
+
+    def __init__(self) -> None:
+        self._last: tuple[int, int, bytes] = (0, 0, b"")  #: (term, lsn, frame); replaced whole
+
+    def get(self, term: int, lsn: int, build: Callable[[], bytes]) -> bytes:
+        last = self._last
+        if last[0] == term and last[1] == lsn:
+            return last[2]
+        data = build()
+        self._last = (term, lsn, data)
+        return data
+
+
 class LinkFeed:
     """The sending side of one feed on the replication port (:mod:`blockd.repl_frames`).
 
@@ -340,36 +357,70 @@ class LinkFeed:
     waiting; there the thread sends everything). Every send happens under the
     lock and starts at ``position``, so the follower gets each record once,
     in order.
+
+    While pushes are on (:meth:`attach`), the thread does not wait on the
+    tail, whose every record would wake it for nothing (a push has sent it):
+    it waits for a push that could not send (``_kick``), the tail's wake (a
+    role change) or the heartbeat's time, then reads the tail without waiting.
+    In a profile of a sync leader (py-spy, GIL held), waking them, two a step
+    with two followers, and their reads were about 10 % of its time.
     """
 
-    def __init__(self, link: Link, term: int, position: int, replica: Leading) -> None:
+    def __init__(self, link: Link, term: int, position: int, replica: Leading,
+                 pushed: PushedFrames | None = None) -> None:
         self.link, self.term, self.position, self._replica = link, term, position, replica
+        self._pushed = pushed or PushedFrames()
         self._lock = threading.Lock()
         self._pending = b""  #: the rest of a frame a push could send only in part
         self._sent = time.monotonic()
+        self._pushing = False
+        self._kick = threading.Event()  #: the thread has something to send (see the class docstring)
+        self._kick.set()  # what the tail held before the first push
+
+    def attach(self) -> None:
+        """Push every record the tail gets from now on (a plain-text link only: see the class docstring)."""
+        if self.link.records.can_try_send:
+            self._pushing = True
+            self._replica.tail.listen(self.push, self._kick.set)
+
+    def detach(self) -> None:
+        self._replica.tail.unlisten(self.push, self._kick.set)
+        self._pushing = False
+        self._kick.set()
 
     def push(self, lsn: int, term: int, body: bytes) -> None:
         if not self._lock.acquire(blocking=False):
-            return  # the thread is sending; it sends this record too
+            self._kick.set()  # the thread is sending; it sends this record too, once it is done
+            return
+        done = False
         try:
             r = self._replica
             if lsn != self.position or self._pending or r.leading_term() != self.term:
                 return
-            data = frame(records_message(self.term, [(lsn, term, body)], r.commits.commit_lsn(lsn)))
+            data = self._pushed.get(self.term, lsn, lambda: frame(
+                records_message(self.term, [(lsn, term, body)], r.commits.commit_lsn(lsn))))
             try:
                 sent = self.link.records.try_send(data)
             except OSError:
                 return  # the thread's next send fails the same way and ends the feed
             self._pending, self.position, self._sent = data[sent:], lsn + 1, time.monotonic()
+            done = not self._pending
         finally:
             self._lock.release()
+            if not done:  # the thread sends it (the rest of it); set after the release, so it finds the lock free
+                self._kick.set()
 
     def run(self, active: Callable[[], bool],
             snapshot: Callable[[int], Generator[rpb.ReplicateLogResponse, None, int]]) -> None:
         """Send until this replica stops leading ``term`` or not ``active()``."""
         r, out = self._replica, self.link.records
         while r.leading_term() == self.term and active() and not r.stopping.is_set():
-            batch = r.tail.read(self.position, HEARTBEAT_S)
+            if self._pushing:
+                self._kick.wait(HEARTBEAT_S)
+                self._kick.clear()  # before the read: a push that fails after it sets it again
+                batch = r.tail.read(self.position, 0)
+            else:
+                batch = r.tail.read(self.position, HEARTBEAT_S)
             with self._lock:
                 if self._pending:
                     out.send_bytes(self._pending)
@@ -395,6 +446,7 @@ class LinkFeed:
 class ReplicationServicer(rpb_grpc.ReplicationServiceServicer):
     def __init__(self, replica: Leading) -> None:
         self._replica = replica
+        self._pushed = PushedFrames()
 
     @server_stream
     def ReplicateLog(self, request: rpb.ReplicateLogRequest, context) -> Iterator[rpb.ReplicateLogResponse]:
@@ -430,15 +482,14 @@ class ReplicationServicer(rpb_grpc.ReplicationServiceServicer):
         acks = threading.Thread(target=self._read_acks, args=(link, request.replica_id), name="repl-acks",
                                 daemon=True)
         acks.start()
-        feed = LinkFeed(link, term, request.from_lsn, r)
-        if link.records.can_try_send:
-            r.tail.listen(feed.push)
+        feed = LinkFeed(link, term, request.from_lsn, r, self._pushed)
+        feed.attach()
         try:
             feed.run(lambda: context.is_active() and not link.closed, self._snapshot)
         except OSError as err:
             log.info("the feed of replica %s on the replication port ended: %s", request.replica_id, err)
         finally:
-            r.tail.unlisten(feed.push)
+            feed.detach()
             link.close()
 
     def _feed(self, term: int, position: int, active: Callable[[], bool]) -> Iterator[rpb.ReplicateLogResponse]:

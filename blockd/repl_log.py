@@ -42,6 +42,9 @@ class LogTail:
         #: called with each record as it is appended (before the readers are woken): a leader's socket
         #: feeds push it to their followers from the appending thread (:class:`blockd.repl_leader.LinkFeed`)
         self._listeners: list[Callable[[int, int, bytes], None]] = []
+        #: called where the readers are woken for anything but a record (a reset, a role change): a
+        #: listener's thread waits on its own signal, not on this tail, and must re-check too
+        self._wakers: list[Callable[[], None]] = []
 
     # --- LogObserver ---------------------------------------------------------------------
     def reset(self, snapshot_lsn: int) -> None:
@@ -50,6 +53,7 @@ class LogTail:
             self._base = self._last = self._snapshot = snapshot_lsn
             self.generation += 1
             self._changed.notify_all()
+        self._wake_listeners()
 
     def record(self, lsn: int, term: int, body: bytes) -> None:
         with self._changed:
@@ -66,13 +70,22 @@ class LogTail:
                     log.exception("a log listener failed on lsn %d; its feed's thread sends the record", lsn)
             self._changed.notify_all()
 
-    def listen(self, listener: Callable[[int, int, bytes], None]) -> None:
+    def listen(self, listener: Callable[[int, int, bytes], None], wake: Callable[[], None] | None = None) -> None:
+        """Call ``listener`` with every record appended from now on, and ``wake`` where the readers
+        are woken for another reason (see ``_wakers``)."""
         with self._changed:
             self._listeners = [*self._listeners, listener]
+            if wake is not None:
+                self._wakers = [*self._wakers, wake]
 
-    def unlisten(self, listener: Callable[[int, int, bytes], None]) -> None:
+    def unlisten(self, listener: Callable[[int, int, bytes], None], wake: Callable[[], None] | None = None) -> None:
         with self._changed:
             self._listeners = [f for f in self._listeners if f != listener]
+            self._wakers = [f for f in self._wakers if f != wake]
+
+    def _wake_listeners(self) -> None:
+        for wake in self._wakers:
+            wake()
 
     def snapshotted(self, lsn: int) -> None:
         with self._changed:
@@ -99,15 +112,16 @@ class LogTail:
         """Wake every reader (a role change: they re-check whether to go on)."""
         with self._changed:
             self._changed.notify_all()
+        self._wake_listeners()
 
     def read(self, from_lsn: int, wait_s: float) -> list[tuple[int, int, bytes]] | None:
         """Records from ``from_lsn`` on (a batch, waiting up to ``wait_s`` for
-        the first); ``[]`` when none came; None when ``from_lsn`` is no longer
-        kept (catch up from the snapshot)."""
+        the first; 0: not at all); ``[]`` when none came; None when ``from_lsn``
+        is no longer kept (catch up from the snapshot)."""
         with self._changed:
             if from_lsn <= self._base:
                 return None
-            if from_lsn > self._last:
+            if from_lsn > self._last and wait_s > 0:
                 self._changed.wait(wait_s)
                 if from_lsn <= self._base:
                     return None

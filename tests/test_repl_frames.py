@@ -140,7 +140,7 @@ def test_a_socket_feed_delivers_every_record_once_and_in_order(listener, slow_fo
     if slow_follower:  # a small send buffer: pushes find it full and send part of a frame
         link.records._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
     feed = LinkFeed(link, 5, 1, _Leading(tail))
-    tail.listen(feed.push)
+    feed.attach()
     stop = threading.Event()
     thread = threading.Thread(target=feed.run, args=(lambda: not stop.is_set(), None), daemon=True)
     thread.start()
@@ -160,7 +160,7 @@ def test_a_socket_feed_delivers_every_record_once_and_in_order(listener, slow_fo
         assert got == list(range(1, records + 1))
     finally:
         stop.set()
-        tail.unlisten(feed.push)
+        feed.detach()
         thread.join(5)
         link.close()
         follower.close()
