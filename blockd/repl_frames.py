@@ -35,6 +35,7 @@ import contextlib
 import hmac
 import logging
 import secrets
+import select
 import socket
 import ssl
 import struct
@@ -79,6 +80,8 @@ class Framed:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._sock = sock
         self._reader = sock.makefile("rb")
+        self._writable = select.poll()
+        self._writable.register(sock, select.POLLOUT)
         self._closed = False
 
     @property
@@ -102,7 +105,17 @@ class Framed:
         return not isinstance(self._sock, ssl.SSLSocket)
 
     def try_send(self, data: bytes) -> int:
-        """Send what the socket takes now without waiting: the bytes sent (0: no room)."""
+        """Send what the socket takes now without waiting: the bytes sent (0: no room).
+
+        Only the thread holding the feed's lock sends, so the room this poll sees
+        cannot shrink before the send. The poll is what keeps this from waiting:
+        on a socket with a timeout (:meth:`settimeout`), CPython polls for room
+        before every send, ``MSG_DONTWAIT`` or not, and waits up to the timeout
+        (measured: 2 s on a full socket with a 2 s timeout), which would hold
+        the step that pushed, under the engine lock, for as long as a stopped
+        follower leaves the buffers full."""
+        if not self._writable.poll(0):
+            return 0
         try:
             return self._sock.send(data, socket.MSG_DONTWAIT)
         except BlockingIOError:

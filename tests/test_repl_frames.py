@@ -164,3 +164,43 @@ def test_a_socket_feed_delivers_every_record_once_and_in_order(listener, slow_fo
         thread.join(5)
         link.close()
         follower.close()
+
+
+def test_a_push_never_waits_for_a_follower_that_stopped_reading(listener):
+    """The step that logs a record pushes it under the engine lock: with the socket's
+    send timeout the leader sets (30 s) and buffers a stopped follower has left full,
+    a push must come back at once, and the feed's thread sends the rest once the
+    follower reads again, each record once and in order."""
+    tail = LogTail()
+    tail.reset(0)
+    offer = listener.offer()
+    follower = connect("127.0.0.1:1", offer.port, offer.ticket)
+    link = offer.wait(5)
+    assert link is not None
+    link.records._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    link.records.settimeout(30)  # as ReplicateLog sets it
+    feed = LinkFeed(link, 5, 1, _Leading(tail))
+    feed.attach()
+    stop = threading.Event()
+    thread = threading.Thread(target=feed.run, args=(lambda: not stop.is_set(), None), daemon=True)
+    thread.start()
+    body = b"r" * 20_000
+    records, slowest = 200, 0.0  # 4 MB: more than the socket buffers hold
+    try:
+        for lsn in range(1, records + 1):
+            started = time.monotonic()
+            tail.record(lsn, 5, body)
+            slowest = max(slowest, time.monotonic() - started)
+        assert slowest < 1.0, f"a push waited {slowest:.1f} s for a follower that does not read"
+        got: list[int] = []
+        while len(got) < records:
+            msg = follower.records.receive(rpb.ReplicateLogResponse.FromString)
+            assert msg is not None
+            got += [r.lsn for r in msg.records.records]
+        assert got == list(range(1, records + 1))
+    finally:
+        stop.set()
+        feed.detach()
+        link.close()
+        thread.join(5)
+        follower.close()
