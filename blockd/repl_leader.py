@@ -54,7 +54,7 @@ from blockd.core.errors import NoLeader, NotLeader, NotReplicated
 from blockd.core.terms import TermHistory, common_prefix
 from blockd.core.types import ReplicaStatus
 from blockd.engine import Engine
-from blockd.repl_frames import CONNECT_S, FramesListener, Link, frame
+from blockd.repl_frames import CONNECT_S, AckReader, FramesListener, Link, frame
 from blockd.repl_log import LogTail
 from blockd.rpc.convert import replica_status_to_proto
 from blockd.rpc.errors import client_stream, server_stream, unary
@@ -119,6 +119,8 @@ class Commits:
         self.member_logs: dict[str, str] = {}  #: member -> the log id its entry names ("": not known)
         #: every record acknowledged in this term (and every earlier term's) is at or below this
         self.acked = 0
+        self._reader: AckReader | None = None
+        self._notices = 0  #: bumped by every notice: a waiter that was away from the lock sees it missed one
 
     def begin(self, term: int, previous_leader: str) -> None:
         """This replica leads ``term`` now: load the set (without the previous leader)."""
@@ -135,7 +137,7 @@ class Commits:
             self.term, self.members, self.followers, self.member_logs = term, members, {}, logs
             self.joining = set()
             self.acked = 0
-            self._cond.notify_all()
+            self._notify_locked()
 
     def started(self, lsn: int) -> None:
         """The term's first record is ``lsn``: what earlier terms acknowledged is below it."""
@@ -145,7 +147,7 @@ class Commits:
     def end(self) -> None:
         with self._cond:
             self.term = 0
-            self._cond.notify_all()
+            self._notify_locked()
 
     def commit_lsn(self, last_lsn: int) -> int:
         with self._cond:
@@ -159,6 +161,23 @@ class Commits:
     def _waited_for(self) -> set[str]:
         """Under the lock: the followers every commit waits for (members, and those joining)."""
         return self.members | self.joining
+
+    def use_reader(self, reader: AckReader) -> None:
+        """Sync waiters read the replication port's acknowledgements themselves (:class:`AckReader`)."""
+        self._reader = reader
+        reader.on_notice = self._notice
+
+    def _notice(self) -> None:
+        with self._cond:
+            self._notices += 1
+            self._cond.notify_all()
+
+    def _notify_locked(self) -> None:
+        """Under the lock: wake every waiter, including one reading the replication port."""
+        self._notices += 1
+        self._cond.notify_all()
+        if self._reader is not None:
+            self._reader.interrupt()
 
     def _floor_locked(self) -> int:
         """Under the lock: the least LSN the followers commits wait for have persisted (-1: none)."""
@@ -202,7 +221,7 @@ class Commits:
             # a sync step waits for the slowest of the followers it waits for: the first of two
             # acknowledgements of a step would wake it for nothing (a wake hands the GIL over twice)
             if self.mode == "async" or self._floor_locked() != floor:
-                self._cond.notify_all()
+                self._notify_locked()
             if self.mode == "async" or replica_id in self._waited_for():
                 return
             if self.max_members and len(self._waited_for()) >= self.max_members:
@@ -219,7 +238,7 @@ class Commits:
         except Exception:
             with self._cond:
                 self.joining.discard(replica_id)
-                self._cond.notify_all()
+                self._notify_locked()
             raise
         with self._cond:
             current = self.term == term
@@ -228,7 +247,7 @@ class Commits:
             if joined:  # counts towards min_in_sync from now on
                 self.members.add(replica_id)
                 self.member_logs[replica_id] = log_id
-                self._cond.notify_all()
+                self._notify_locked()
         if not joined:
             if current:  # dropped at a deadline while its entry was written: leaving is always safe
                 self._store.remove(term, replica_id)
@@ -276,6 +295,16 @@ class Commits:
             left = until - self._clock()
             if left <= 0:
                 return False
+            reader = self._reader
+            if reader is not None and reader.has_links:
+                seen = self._notices
+                self._cond.release()  # held once, by wait(): the acknowledgements read take it
+                try:
+                    read = reader.read(min(left, 0.05))
+                finally:
+                    self._cond.acquire()
+                if read or self._notices != seen:
+                    continue
             self._cond.wait(min(left, 0.05))
         self.acked = max(self.acked, lsn)
         return True
@@ -479,9 +508,14 @@ class ReplicationServicer(rpb_grpc.ReplicationServiceServicer):
         # a follower that stops reading (paused, partitioned) blocks a send at most this long
         link.records.settimeout(FRAMES_SEND_S)
         link.acks.settimeout(FRAMES_SEND_S)
-        acks = threading.Thread(target=self._read_acks, args=(link, request.replica_id), name="repl-acks",
-                                daemon=True)
-        acks.start()
+        if link.acks.can_try_send:  # plain text: the steps that wait for them read them (AckReader)
+            def ended(err: BaseException | None) -> None:
+                self._acks_ended(link, request.replica_id, err)
+
+            frames.acks.add(link.acks, self._ack_frame, ended)
+        else:
+            threading.Thread(target=self._read_acks, args=(link, request.replica_id), name="repl-acks",
+                             daemon=True).start()
         feed = LinkFeed(link, term, request.from_lsn, r, self._pushed)
         feed.attach()
         try:
@@ -490,6 +524,7 @@ class ReplicationServicer(rpb_grpc.ReplicationServiceServicer):
             log.info("the feed of replica %s on the replication port ended: %s", request.replica_id, err)
         finally:
             feed.detach()
+            frames.acks.remove(link.acks)
             link.close()
 
     def _feed(self, term: int, position: int, active: Callable[[], bool]) -> Iterator[rpb.ReplicateLogResponse]:
@@ -510,7 +545,8 @@ class ReplicationServicer(rpb_grpc.ReplicationServiceServicer):
                 sent = time.monotonic()
 
     def _read_acks(self, link: Link, replica_id: str) -> None:
-        """A socket feed's acknowledgements, until it closes; a bad one closes it (the follower dials again)."""
+        """A TLS feed's acknowledgements, until it closes; a bad one closes it (the follower dials again)."""
+        error: BaseException | None = None
         try:
             while True:
                 request = link.acks.receive(rpb.StreamAcksRequest.FromString)
@@ -518,10 +554,18 @@ class ReplicationServicer(rpb_grpc.ReplicationServiceServicer):
                     return
                 self._ack(request)
         except Exception as err:  # noqa: BLE001 - any failure ends this feed; the follower opens it again
-            if not link.closed:
-                log.info("acknowledgements of replica %s on the replication port ended: %s", replica_id, err)
+            error = err
         finally:
-            link.shutdown()  # the sender notices at its next message (a heartbeat within 0.1 s)
+            self._acks_ended(link, replica_id, error)
+
+    def _ack_frame(self, payload: bytes) -> None:
+        self._ack(rpb.StreamAcksRequest.FromString(payload))
+
+    @staticmethod
+    def _acks_ended(link: Link, replica_id: str, err: BaseException | None) -> None:
+        if err is not None and not link.closed:
+            log.info("acknowledgements of replica %s on the replication port ended: %s", replica_id, err)
+        link.shutdown()  # the sender notices at its next message (a heartbeat within 0.1 s)
 
     def _snapshot(self, term: int) -> Generator[rpb.ReplicateLogResponse, None, int]:
         """Stream the newest snapshot file; returns its LSN."""

@@ -268,6 +268,7 @@ class Replica:
         if cfg.frames:
             host = split_bind(cfg.listen)
             self.frames = FramesListener(host, cfg.replication_port, cfg.server_tls)
+            self.commits.use_reader(self.frames.acks)
             log.info("replication port %s:%d%s", host, self.frames.port, " (TLS)" if cfg.server_tls else "")
         self.log_id = log_identity(self.data_dir, empty=engine.log_state()[0] == 0)
         self.election = Election(cfg.etcd, ElectionConfig(

@@ -127,3 +127,74 @@ def test_a_follower_dropped_while_joining_ends_outside_the_set():
     assert store.entries == {} and commits.view(2).members == frozenset()
     commits.ack(3, "r1", 2)  # it joins again once it holds everything acknowledged
     assert set(store.entries) == {"r1"} and commits.commit_lsn(2) == 2
+
+
+class _Members:
+    """An in-sync set etcd already holds (``r1`` and ``r2``)."""
+
+    def members(self) -> dict[str, str]:
+        return {"r1": "", "r2": ""}
+
+    def add(self, term: int, replica_id: str, lsn: int, log_id: str = "") -> None:
+        raise AssertionError("the set did not change")
+
+    def remove(self, term: int, replica_id: str) -> None:
+        raise AssertionError(f"{replica_id} left the set: a step was not confirmed in time")
+
+
+def test_sync_steps_read_their_followers_acknowledgements_on_the_replication_port():
+    """Four steps wait at once; the acknowledgements arrive on two real sockets. Each
+    step returns once both followers confirmed its record, not before, and the
+    waiting threads read the acknowledgements themselves (no hand-off)."""
+    from blockd.repl_frames import FramesListener, connect
+    from blockd.v1 import replication_pb2 as rpb
+
+    listener = FramesListener("127.0.0.1")
+    commits = Commits("r0", "sync", 2, _Members())
+    commits.begin(3, "")
+    commits.use_reader(listener.acks)
+    readers: list[int] = []
+    followers = {}
+
+    def handle(payload: bytes) -> None:
+        request = rpb.StreamAcksRequest.FromString(payload)
+        readers.append(threading.get_ident())
+        commits.ack(request.term, request.replica_id, request.persisted_lsn)
+
+    try:
+        for rid in ("r1", "r2"):
+            offer = listener.offer()
+            followers[rid] = connect("127.0.0.1:1", offer.port, offer.ticket)
+            link = offer.wait(5)
+            assert link is not None
+            listener.acks.add(link.acks, handle, lambda err: None)
+            commits.opened(3, rid, "", 0)
+        done: dict[int, float] = {}
+        waiters = {lsn: threading.Thread(target=lambda lsn=lsn: (
+            commits.wait(lsn, 4, time.monotonic() + 10, lambda: True), done.__setitem__(lsn, time.monotonic())))
+            for lsn in (1, 2, 3, 4)}
+        for thread in waiters.values():
+            thread.start()
+
+        def ack(rid: str, lsn: int) -> None:
+            followers[rid].acks.send(rpb.StreamAcksRequest(replica_id=rid, term=3, persisted_lsn=lsn))
+
+        time.sleep(0.2)
+        ack("r1", 4)
+        time.sleep(0.3)
+        assert not done, "a step was acknowledged with one of its two followers' confirmations"
+        ack("r2", 2)
+        deadline = time.monotonic() + 5
+        while len(done) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)
+        assert sorted(done) == [1, 2]
+        ack("r2", 4)
+        for thread in waiters.values():
+            thread.join(5)
+        assert sorted(done) == [1, 2, 3, 4]
+        assert {t.ident for t in waiters.values()} & set(readers), "no waiting step read an acknowledgement"
+    finally:
+        for follower in followers.values():
+            follower.close()
+        listener.close()

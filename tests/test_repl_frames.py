@@ -204,3 +204,65 @@ def test_a_push_never_waits_for_a_follower_that_stopped_reading(listener):
         link.close()
         thread.join(5)
         follower.close()
+
+
+def _linked(listener: FramesListener) -> tuple[Link, Link]:
+    offer = listener.offer()
+    follower = connect("127.0.0.1:1", offer.port, offer.ticket)
+    leader = offer.wait(5)
+    assert leader is not None
+    return leader, follower
+
+
+def _ack(follower: Link, lsn: int) -> None:
+    follower.acks.send(rpb.StreamAcksRequest(replica_id="r1", term=3, persisted_lsn=lsn))
+
+
+def test_acknowledgements_no_step_waits_for_are_read_by_the_readers_own_thread(listener):
+    leader, follower = _linked(listener)
+    got: list[tuple[int, str]] = []
+    listener.acks.add(leader.acks, lambda payload: got.append(
+        (rpb.StreamAcksRequest.FromString(payload).persisted_lsn, threading.current_thread().name)),
+        lambda err: None)
+    for lsn in (1, 2, 3):
+        _ack(follower, lsn)
+    deadline = time.monotonic() + 5
+    while len(got) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert got == [(1, "repl-acks"), (2, "repl-acks"), (3, "repl-acks")]
+    listener.acks.remove(leader.acks)
+    leader.close()
+    follower.close()
+
+
+def test_a_waiter_reads_what_arrives_and_a_bad_or_closed_feed_ends_alone(listener):
+    """The waiting thread handles the acknowledgement itself; a frame no message can be
+    ends that feed (and only it) with FrameError, a follower's close ends its feed."""
+    reader = listener.acks
+    (good, good_follower), (bad, bad_follower), (gone, gone_follower) = (_linked(listener) for _ in range(3))
+    handled: list[tuple[int, int]] = []
+    ended: dict[str, BaseException | None] = {}
+    for name, link in (("good", good), ("bad", bad), ("gone", gone)):
+        reader.add(link.acks, lambda payload: handled.append(
+            (rpb.StreamAcksRequest.FromString(payload).persisted_lsn, threading.get_ident())),
+            lambda err, name=name: ended.__setitem__(name, err))
+    assert reader.has_links
+    threading.Timer(0.2, _ack, (good_follower, 7)).start()
+    deadline = time.monotonic() + 5
+    while not handled and time.monotonic() < deadline:
+        reader.read(0.05)
+    assert handled == [(7, threading.get_ident())], "the waiter did not read the acknowledgement itself"
+    bad_follower.acks.socket.sendall(struct.pack(">I", 1 << 30))
+    gone_follower.close()
+    while len(ended) < 2 and time.monotonic() < deadline:
+        reader.read(0.05)
+    assert isinstance(ended["bad"], FrameError) and ended["gone"] is None and "good" not in ended
+    _ack(good_follower, 8)
+    while len(handled) < 2 and time.monotonic() < deadline:
+        reader.read(0.05)
+    assert [lsn for lsn, _ in handled] == [7, 8]
+    for link in (good, bad, gone):
+        reader.remove(link.acks)
+        link.close()
+    good_follower.close()
+    bad_follower.close()
