@@ -68,6 +68,9 @@ WATCH_S = 0.1
 FRAMES_OFF_S = 60.0
 #: a snapshot being received (not ".tmp": the compactor removes those)
 INCOMING = ".incoming"
+#: a leader heard from within this long (its heartbeats come every 0.1 s) is alive: the follower's
+#: election skips reading the leader key (:meth:`FollowerLoop.heard_from`)
+HEARD_S = 0.3
 
 
 class AckStream:
@@ -196,6 +199,7 @@ class FollowerLoop:
         self._call: grpc.Call | None = None
         # read by the metrics (blockd.repl_metrics) at scrape time; plain values, written by this loop only
         self.streaming = False  #: a feed from the leader is open and has delivered a message
+        self._heard = (0, 0.0)  #: (term, monotonic time) of the last message taken from a leader
         self.leader_commit_lsn = 0  #: the leader's commit point in its last message
         self.snapshots_installed = self.truncations = 0
 
@@ -316,7 +320,13 @@ class FollowerLoop:
             return False
         self._saw_term(msg.term)
         self.streaming, self.leader_commit_lsn = True, msg.commit_lsn
+        self._heard = (msg.term, time.monotonic())
         return True
+
+    def heard_from(self, term: int) -> bool:
+        """Whether the leader of ``term`` sent this replica a message within ``HEARD_S``."""
+        heard_term, at = self._heard
+        return heard_term == term and time.monotonic() - at < HEARD_S
 
     def _handle(self, ack: Callable[[int, int], None], msg: rpb.ReplicateLogResponse,
                 snapshot: list[rpb.SnapshotChunk]) -> bool:

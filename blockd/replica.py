@@ -275,9 +275,13 @@ class Replica:
             group=cfg.group, replica_id=cfg.replica_id, address=address, ttl_s=cfg.ttl_s, margin_s=cfg.margin_s,
             require_in_sync=cfg.mode == "sync", log_id=self.log_id),
             on_elected=self._elected, on_stepped_down=self._stepped_down,
-            local_lsn=lambda: engine.log_state()[0])
+            local_lsn=lambda: engine.log_state()[0], leader_heard=self._leader_heard)
         self._follow()
         self.election.start()
+
+    def _leader_heard(self, term: int) -> bool:
+        follower = self._follower
+        return follower is not None and follower.heard_from(term)
 
     def servicer(self) -> tuple[ReplicationServicer, object]:
         return ReplicationServicer(self), rpb.DESCRIPTOR.services_by_name["ReplicationService"]

@@ -200,3 +200,34 @@ def test_leader_poller_sees_every_change(etcd_server, replicas):
     # between a's resign and b's election the key may be absent for a moment
     assert names in ([None, "a", "b", None], [None, "a", None, "b", None]), names
     assert seen[1].term < seen[-2].term
+
+
+def test_a_follower_that_hears_its_leader_does_not_read_the_leader_key(etcd_server):
+    """While the known leader streams to it (``leader_heard``), a follower's cycles read
+    nothing, so it does not see the key go either; once the leader falls silent it reads
+    again, finds the key gone and takes over. (In a group the leader's feeds stop before
+    its key can go: it steps down first.)"""
+    from blockd.ha.election import Election, ElectionConfig
+
+    def config(rid: str) -> ElectionConfig:
+        return ElectionConfig(group="heard", replica_id=rid, address=f"{rid}.test:1", ttl_s=2, margin_s=0.2)
+
+    heard = threading.Event()
+    leader = Election(etcd_server.url, config("a")).start()
+    follower = Election(etcd_server.url, config("b"), leader_heard=lambda term: heard.is_set())
+    try:
+        term = wait_for(lambda: leader.leadership, "a to lead").term
+        follower.start()
+        wait_for(lambda: follower.leader() is not None and follower.leader().term == term, "b to see a lead")
+        assert follower.quiet_cycles == 0  # nothing heard yet: it read the key every cycle
+        heard.set()
+        wait_for(lambda: follower.quiet_cycles >= 5, "quiet cycles")
+        leader.resign()  # the key goes at once
+        time.sleep(1.0)  # five polls
+        assert follower.leadership is None and follower.campaigns == 0, "a follower that heard its leader read"
+        heard.clear()
+        won = wait_for(lambda: follower.leadership, "b to lead once a's stream fell silent")
+        assert won.previous_term == term
+    finally:
+        follower.resign()
+        leader.resign()
