@@ -255,7 +255,12 @@ def part_steps(args, root: str, etcd: EtcdServer) -> None:
     so a shared machine's background load falls on all alike and the idle ones cost
     nothing. The groups' lease TTL is long enough to outlast the frozen windows."""
     window = args.seconds / args.rounds
-    ttl = max(args.ttl_s, int(4 * window) + 5)
+    # A group stays frozen through the four other setups' windows and their settling (~1 s
+    # each). Its leader renews the lease every TTL/3, so when frozen it may hold only 2/3 of
+    # a TTL: the TTL is 1.5x the longest freeze and more. With 4x the window alone, a leader
+    # lost its lease in a 40 s / 8 rounds run, a new election followed, and the bench,
+    # which measures a fixed leader, failed waiting for its followers.
+    ttl = max(args.ttl_s, int(1.5 * 4 * (window + 1)) + 5)
     # with a metrics endpoint, as every replica of the groups: the rows compare replication,
     # not metrics (about 0.08 ms of CPU a step, measured in a leader's profile)
     single = daemon(os.path.join(root, "single"), "--metrics-port", str(free_port()))
