@@ -259,6 +259,7 @@ class AckReader:
         self._waited = 0.0  #: when a waiter last asked to read (monotonic)
         self._wanting = False  #: a waiter found the role taken: tell it when it is free
         self._links = 0
+        self._links_lock = threading.Lock()
         #: called (from the thread leaving the role) when a waiter that found it taken may read now
         self.on_notice: Callable[[], None] = lambda: None
         self._closed = threading.Event()
@@ -271,13 +272,14 @@ class AckReader:
 
     def add(self, conn: Framed, handle: Callable[[bytes], None],
             on_end: Callable[[BaseException | None], None]) -> None:
-        self._selector.register(conn.socket, selectors.EVENT_READ, _Acks(conn, handle, on_end))
-        self._links += 1
+        with self._links_lock:
+            self._selector.register(conn.socket, selectors.EVENT_READ, _Acks(conn, handle, on_end))
+            self._links += 1
         self.interrupt()  # a select in progress has not seen it
 
     def remove(self, conn: Framed) -> None:
         """Stop reading ``conn`` (before it is closed); nothing once it ended here already."""
-        with contextlib.suppress(KeyError, ValueError):
+        with self._links_lock, contextlib.suppress(KeyError, ValueError):
             self._selector.unregister(conn.socket)
             self._links -= 1
 
@@ -286,9 +288,12 @@ class AckReader:
         self._waited = time.monotonic()
         if not self._role.acquire(blocking=False):
             self._wanting = True
-            if self._holder == self._thread.ident:
-                self._poke()
-            return False
+            # again, now that the holder will see ``_wanting`` when it leaves: one that left
+            # between the first try and that flag gave no notice, but left the role free
+            if not self._role.acquire(blocking=False):
+                if self._holder == self._thread.ident:
+                    self._poke()
+                return False
         self._serve(timeout_s)
         return True
 
