@@ -4,6 +4,7 @@ frames that cannot be messages of the feed end the connection instead of being g
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import ssl
 import struct
@@ -126,44 +127,52 @@ class _Leading:
         return lsn
 
 
-@pytest.mark.parametrize("slow_follower", [False, True])
-def test_a_socket_feed_delivers_every_record_once_and_in_order(listener, slow_follower):
-    """Records pushed by the appending thread and sent by the feed's own thread
-    (when a push finds it sending, or finds the socket full and leaves the rest
-    of a frame to it) reach the follower each once, in order."""
+@contextlib.contextmanager
+def _running_feed(listener: FramesListener, send_buffer: int = 0, send_timeout_s: float | None = None):
+    """A socket feed of a fresh tail (term 5), pushing and with its thread running: ``(tail, follower)``."""
     tail = LogTail()
     tail.reset(0)
-    offer = listener.offer()
-    follower = connect("127.0.0.1:1", offer.port, offer.ticket)
-    link = offer.wait(5)
-    assert link is not None
-    if slow_follower:  # a small send buffer: pushes find it full and send part of a frame
-        link.records._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    link, follower = _linked(listener)
+    if send_buffer:  # pushes find it full and send part of a frame
+        link.records.socket.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)
+    link.records.settimeout(send_timeout_s)
     feed = LinkFeed(link, 5, 1, _Leading(tail))
     feed.attach()
     stop = threading.Event()
     thread = threading.Thread(target=feed.run, args=(lambda: not stop.is_set(), None), daemon=True)
     thread.start()
-    records = 400
     try:
+        yield tail, follower
+    finally:
+        stop.set()
+        feed.detach()
+        link.close()
+        thread.join(5)
+        follower.close()
+
+
+def _received_lsns(follower: Link, records: int, pause_s: float = 0.0) -> list[int]:
+    got: list[int] = []
+    while len(got) < records:
+        time.sleep(pause_s)
+        msg = follower.records.receive(rpb.ReplicateLogResponse.FromString)
+        assert msg is not None
+        got += [r.lsn for r in msg.records.records]
+    return got
+
+
+@pytest.mark.parametrize("slow_follower", [False, True])
+def test_a_socket_feed_delivers_every_record_once_and_in_order(listener, slow_follower):
+    """Records pushed by the appending thread and sent by the feed's own thread
+    (when a push finds it sending, or finds the socket full and leaves the rest
+    of a frame to it) reach the follower each once, in order."""
+    records = 400
+    with _running_feed(listener, send_buffer=4096 if slow_follower else 0) as (tail, follower):
         for lsn in range(1, records + 1):
             tail.record(lsn, 5, str(lsn).encode() * (2000 if slow_follower else 10))
             if lsn % 50 == 0:
                 time.sleep(0.01)
-        got: list[int] = []
-        while len(got) < records:
-            if slow_follower:
-                time.sleep(0.001)
-            msg = follower.records.receive(rpb.ReplicateLogResponse.FromString)
-            assert msg is not None
-            got += [r.lsn for r in msg.records.records]
-        assert got == list(range(1, records + 1))
-    finally:
-        stop.set()
-        feed.detach()
-        thread.join(5)
-        link.close()
-        follower.close()
+        assert _received_lsns(follower, records, 0.001 if slow_follower else 0.0) == list(range(1, records + 1))
 
 
 def test_a_push_never_waits_for_a_follower_that_stopped_reading(listener):
@@ -171,39 +180,15 @@ def test_a_push_never_waits_for_a_follower_that_stopped_reading(listener):
     send timeout the leader sets (30 s) and buffers a stopped follower has left full,
     a push must come back at once, and the feed's thread sends the rest once the
     follower reads again, each record once and in order."""
-    tail = LogTail()
-    tail.reset(0)
-    offer = listener.offer()
-    follower = connect("127.0.0.1:1", offer.port, offer.ticket)
-    link = offer.wait(5)
-    assert link is not None
-    link.records._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
-    link.records.settimeout(30)  # as ReplicateLog sets it
-    feed = LinkFeed(link, 5, 1, _Leading(tail))
-    feed.attach()
-    stop = threading.Event()
-    thread = threading.Thread(target=feed.run, args=(lambda: not stop.is_set(), None), daemon=True)
-    thread.start()
     body = b"r" * 20_000
     records, slowest = 200, 0.0  # 4 MB: more than the socket buffers hold
-    try:
+    with _running_feed(listener, send_buffer=4096, send_timeout_s=30) as (tail, follower):  # 30 s: as ReplicateLog
         for lsn in range(1, records + 1):
             started = time.monotonic()
             tail.record(lsn, 5, body)
             slowest = max(slowest, time.monotonic() - started)
         assert slowest < 1.0, f"a push waited {slowest:.1f} s for a follower that does not read"
-        got: list[int] = []
-        while len(got) < records:
-            msg = follower.records.receive(rpb.ReplicateLogResponse.FromString)
-            assert msg is not None
-            got += [r.lsn for r in msg.records.records]
-        assert got == list(range(1, records + 1))
-    finally:
-        stop.set()
-        feed.detach()
-        link.close()
-        thread.join(5)
-        follower.close()
+        assert _received_lsns(follower, records) == list(range(1, records + 1))
 
 
 def _linked(listener: FramesListener) -> tuple[Link, Link]:
