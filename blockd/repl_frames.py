@@ -61,7 +61,7 @@ BOTH, RECORDS, ACKS = b"B", b"R", b"A"
 #: how long a connection may take to present its ticket, and a feed to receive its connection
 CONNECT_S = 2.0
 ACCEPT_POLL_S = 0.5
-#: what :meth:`Framed.receive_now` takes at once (a thousand acknowledgements)
+#: what :meth:`Framed.receive_ready` takes at once (a thousand acknowledgements)
 RECEIVE_BYTES = 1 << 16
 #: how long :class:`AckReader`'s thread stays away after a waiter read, and its longest wait
 IDLE_S = 0.05
@@ -79,6 +79,13 @@ def frame(msg: Message) -> bytes:
     return LENGTH.pack(len(data)) + data
 
 
+def _frame_size(header: bytes) -> int:
+    (size,) = LENGTH.unpack(header)
+    if size > MAX_FRAME:
+        raise FrameError(f"a frame of {size} bytes is larger than any message of the feed ({MAX_FRAME})")
+    return size
+
+
 class Framed:
     """One end of a framed connection. One thread sends and one receives."""
 
@@ -90,6 +97,7 @@ class Framed:
         self._writable.register(sock, select.POLLOUT)
         self._readable = select.poll()
         self._readable.register(sock, select.POLLIN)
+        self._arrived = bytearray()  #: the start of a frame :meth:`receive_ready` has not all of yet
         self._closed = False
 
     @property
@@ -129,16 +137,29 @@ class Framed:
         except BlockingIOError:
             return 0
 
-    def receive_now(self) -> bytes | None:
-        """What has arrived, without waiting (None: nothing; ``b""``: the peer closed).
-        For :class:`AckReader` only: it does not go through :meth:`receive`'s buffer. The
-        poll comes first for the reason :meth:`try_send` gives."""
+    def receive_ready(self) -> list[bytes] | None:
+        """The whole frames' payloads that have arrived, without waiting (None: the peer
+        closed). For :class:`AckReader` only: a connection read this way is never read
+        with :meth:`receive`, whose buffer this does not share. The poll comes first for
+        the reason :meth:`try_send` gives."""
         if not self._readable.poll(0):
-            return None
+            return []
         try:
-            return self._sock.recv(RECEIVE_BYTES, socket.MSG_DONTWAIT)
+            data = self._sock.recv(RECEIVE_BYTES, socket.MSG_DONTWAIT)
         except BlockingIOError:
+            return []
+        if not data:
             return None
+        buf = self._arrived
+        buf += data
+        payloads = []
+        while len(buf) >= LENGTH.size:
+            size = _frame_size(bytes(buf[:LENGTH.size]))
+            if len(buf) < LENGTH.size + size:
+                break
+            payloads.append(bytes(buf[LENGTH.size:LENGTH.size + size]))
+            del buf[:LENGTH.size + size]
+        return payloads
 
     @property
     def socket(self) -> socket.socket:
@@ -151,9 +172,7 @@ class Framed:
             return None
         if len(header) < LENGTH.size:
             raise FrameError("the connection ended inside a frame's length")
-        (size,) = LENGTH.unpack(header)
-        if size > MAX_FRAME:
-            raise FrameError(f"a frame of {size} bytes is larger than any message of the feed ({MAX_FRAME})")
+        size = _frame_size(header)
         data = self._reader.read(size)
         if len(data) != size:
             raise FrameError(f"the connection ended inside a frame ({len(data)} of {size} bytes)")
@@ -352,27 +371,15 @@ class _Acks:
     def __init__(self, conn: Framed, handle: Callable[[bytes], None],
                  on_end: Callable[[BaseException | None], None]) -> None:
         self.conn, self._handle, self._on_end = conn, handle, on_end
-        self._buf = bytearray()
         self._error: BaseException | None = None
 
     def pump(self) -> bool:
         """Handle every whole frame that has arrived; False once the feed must end."""
         try:
-            data = self.conn.receive_now()
-            if data is None:
-                return True
-            if not data:
+            payloads = self.conn.receive_ready()
+            if payloads is None:
                 return False
-            buf = self._buf
-            buf += data
-            while len(buf) >= LENGTH.size:
-                (size,) = LENGTH.unpack_from(buf)
-                if size > MAX_FRAME:
-                    raise FrameError(f"a frame of {size} bytes is larger than any message of the feed ({MAX_FRAME})")
-                if len(buf) < LENGTH.size + size:
-                    break
-                payload = bytes(buf[LENGTH.size:LENGTH.size + size])
-                del buf[:LENGTH.size + size]
+            for payload in payloads:
                 self._handle(payload)
             return True
         except Exception as err:  # noqa: BLE001 - any failure ends this feed; the follower opens it again
