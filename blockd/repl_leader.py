@@ -413,7 +413,7 @@ class LinkFeed:
             self._replica.tail.listen(self.push, self._kick.set)
 
     def detach(self) -> None:
-        self._replica.tail.unlisten(self.push, self._kick.set)
+        self._replica.tail.unlisten(self.push)
         self._pushing = False
         self._kick.set()
 

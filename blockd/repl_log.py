@@ -39,12 +39,12 @@ class LogTail:
         self._last = 0
         self._snapshot = 0
         self.generation = 0  #: bumped by every reset: a stream reading across one must restart
-        #: called with each record as it is appended (before the readers are woken): a leader's socket
-        #: feeds push it to their followers from the appending thread (:class:`blockd.repl_leader.LinkFeed`)
-        self._listeners: list[Callable[[int, int, bytes], None]] = []
-        #: called where the readers are woken for anything but a record (a reset, a role change): a
-        #: listener's thread waits on its own signal, not on this tail, and must re-check too
-        self._wakers: list[Callable[[], None]] = []
+        #: ``(push, wake)`` pairs. ``push`` is called with each record as it is appended (before the
+        #: readers are woken): a leader's socket feeds send it to their followers from the appending
+        #: thread (:class:`blockd.repl_leader.LinkFeed`). ``wake`` is called where the readers are woken
+        #: for anything but a record (a reset, a role change): a feed's thread waits on its own signal,
+        #: not on this tail, and must re-check too
+        self._listeners: list[tuple[Callable[[int, int, bytes], None], Callable[[], None]]] = []
 
     # --- LogObserver ---------------------------------------------------------------------
     def reset(self, snapshot_lsn: int) -> None:
@@ -63,28 +63,25 @@ class LogTail:
             self._last = lsn
             # before the readers wake: a feed's thread woken first took the record from its push
             # more often than not (measured), and a push must not wait (it never blocks: a try-lock)
-            for listener in self._listeners:
+            for push, _ in self._listeners:
                 try:
-                    listener(lsn, term, kept)
+                    push(lsn, term, kept)
                 except Exception:  # the record is logged already: a push that fails leaves it to the reader
                     log.exception("a log listener failed on lsn %d; its feed's thread sends the record", lsn)
             self._changed.notify_all()
 
-    def listen(self, listener: Callable[[int, int, bytes], None], wake: Callable[[], None] | None = None) -> None:
-        """Call ``listener`` with every record appended from now on, and ``wake`` where the readers
-        are woken for another reason (see ``_wakers``)."""
+    def listen(self, push: Callable[[int, int, bytes], None], wake: Callable[[], None]) -> None:
+        """Call ``push`` with every record appended from now on, and ``wake`` where the readers
+        are woken for another reason (see ``_listeners``)."""
         with self._changed:
-            self._listeners = [*self._listeners, listener]
-            if wake is not None:
-                self._wakers = [*self._wakers, wake]
+            self._listeners = [*self._listeners, (push, wake)]
 
-    def unlisten(self, listener: Callable[[int, int, bytes], None], wake: Callable[[], None] | None = None) -> None:
+    def unlisten(self, push: Callable[[int, int, bytes], None]) -> None:
         with self._changed:
-            self._listeners = [f for f in self._listeners if f != listener]
-            self._wakers = [f for f in self._wakers if f != wake]
+            self._listeners = [pair for pair in self._listeners if pair[0] != push]
 
     def _wake_listeners(self) -> None:
-        for wake in self._wakers:
+        for _, wake in self._listeners:
             wake()
 
     def snapshotted(self, lsn: int) -> None:
