@@ -168,15 +168,15 @@ class Commits:
         reader.on_notice = self._notice
 
     def _notice(self) -> None:
+        """The reader's role is free: the waiters that found it taken try again (none is reading)."""
         with self._cond:
-            self._notices += 1
-            self._cond.notify_all()
+            self._notify_locked(interrupt=False)
 
-    def _notify_locked(self) -> None:
+    def _notify_locked(self, interrupt: bool = True) -> None:
         """Under the lock: wake every waiter, including one reading the replication port."""
         self._notices += 1
         self._cond.notify_all()
-        if self._reader is not None:
+        if interrupt and self._reader is not None:
             self._reader.interrupt()
 
     def _floor_locked(self) -> int:
