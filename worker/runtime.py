@@ -123,10 +123,11 @@ def _int_tensor(values: Sequence[int] | torch.Tensor, name: str) -> torch.Tensor
 
 def _padded(tables: list[list[int]]) -> torch.Tensor:
     """Block tables as one int64 ``[rows, longest]`` tensor, zero-padded."""
-    padded = torch.zeros((len(tables), max(map(len, tables), default=0) or 1), dtype=torch.int64)
-    for i, table in enumerate(tables):
-        padded[i, : len(table)] = torch.tensor(table, dtype=torch.int64)
-    return padded
+    # one tensor from padded lists: a tensor per row took ~25 us a row, 1.6 ms
+    # for a 64-sequence decode step, twice a step
+    width = max(map(len, tables), default=0) or 1
+    return torch.tensor([[*table, *[0] * (width - len(table))] for table in tables],
+                        dtype=torch.int64).reshape(len(tables), width)
 
 
 class WorkerRuntime:
