@@ -30,6 +30,7 @@
 #pragma GCC optimize("fp-contract=off")
 
 #include <ATen/Parallel.h>
+#include <ATen/ThreadLocalState.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/silu.h>
@@ -42,7 +43,7 @@
 #endif
 #include <cstdint>
 #include <cstring>
-#include <optional>
+#include <exception>
 #include <tuple>
 
 namespace blockd_layer {
@@ -180,14 +181,23 @@ at::Tensor add(const at::Tensor& a, const at::Tensor& b) {
 }
 
 // The SiLU-gated MLP's activation: torch's own silu and mul kernels (their
-// vectorised exp; the same float32 results as the torch fallback), held on
-// the calling thread. A decode batch's [64, 1536] is ~100K elements, past
-// torch's grain, so each of the two ops opened an OpenMP region: ~60-75 us
-// each in the model against ~20 us of work (the worker's threads sleep
-// between regions, cluster/local.py's OMP_WAIT_POLICY=PASSIVE, so each
-// region first wakes one). at::parallel_for asks omp_get_max_threads(), a
-// per-thread setting, so lowering it for this call keeps torch's loops here
-// (c10::ParallelGuard does not: at::in_parallel_region() ignores it).
+// vectorised exp; the same float32 results as the torch fallback). How a
+// decode batch ([64, 1536] per half for SmolLM2, ~100K elements: past
+// torch's grain, so each of the two ops would open an OpenMP region of its
+// own) is spread over threads depends on what the exp costs on this CPU:
+//
+// * AVX-512: ~20 us of work against ~60-75 us a region costs in the model
+//   (the worker's threads sleep between regions, cluster/local.py's
+//   OMP_WAIT_POLICY=PASSIVE, so each region first wakes one): the calling
+//   thread does it all. at::parallel_for asks omp_get_max_threads(), a
+//   per-thread setting, so lowering it for this call keeps torch's loops here
+//   (c10::ParallelGuard does not: at::in_parallel_region() ignores it).
+// * AVX2 (Sleef's 8-wide exp, ~1.8 ns an element): ~300 us of work on one
+//   thread (~440 us right after the gate/up GEMM), so one region for both
+//   ops, each thread running silu then mul on its own rows: ~100 us less a
+//   layer (in turns with the serial code, same process, after the GEMM).
+//   Inside a region torch's loops run serially, so the bits are the serial
+//   ones.
 struct OnCallingThread {
   const int previous = omp_get_max_threads();
   OnCallingThread() { omp_set_num_threads(1); }
@@ -195,18 +205,53 @@ struct OnCallingThread {
 };
 
 // Up to this many gate_up elements (a decode batch of 64 rows is 196,608 for
-// SmolLM2) the calling thread does the work; a prefill's thousands of rows
-// keep torch's threads (serial, 1,152 rows took ~0.85 + 0.42 ms a layer).
+// SmolLM2) the above applies; a prefill's thousands of rows keep torch's
+// threads for each op (serial, 1,152 rows took ~0.85 + 0.42 ms a layer).
 constexpr int64_t kSerialSiluElements = int64_t(1) << 18;
+
+void silu_mul_rows(const at::Tensor& gate_up, at::Tensor& out, int64_t lo, int64_t hi) {
+  const int64_t inter = out.size(1);
+  at::Tensor rows = out.narrow(0, lo, hi - lo), gate_up_rows = gate_up.narrow(0, lo, hi - lo);
+  at::silu_out(rows, gate_up_rows.narrow(1, 0, inter));
+  rows.mul_(gate_up_rows.narrow(1, inter, inter));
+}
 
 at::Tensor silu_mul(const at::Tensor& gate_up) {
   check_rows(gate_up, "gate_up");
   TORCH_CHECK(gate_up.size(1) % 2 == 0, "gate_up needs an even width (gate and up side by side)");
-  const int64_t inter = gate_up.size(1) / 2;
-  std::optional<OnCallingThread> serial;
-  if (gate_up.numel() <= kSerialSiluElements) serial.emplace();
-  at::Tensor out = at::silu(gate_up.narrow(1, 0, inter));
-  out.mul_(gate_up.narrow(1, inter, inter));
+  const int64_t T = gate_up.size(0), inter = gate_up.size(1) / 2;
+  at::Tensor out = at::empty({T, inter}, gate_up.options());
+  if (gate_up.numel() > kSerialSiluElements) {
+    silu_mul_rows(gate_up, out, 0, T);
+    return out;
+  }
+#ifdef __AVX512F__
+  const int64_t threads = 1;
+#else
+  const int64_t threads = at::in_parallel_region() ? 1 : std::min<int64_t>(at::get_num_threads(), T);
+#endif
+  OnCallingThread serial;
+  if (threads <= 1) {
+    silu_mul_rows(gate_up, out, 0, T);
+    return out;
+  }
+  // the team's threads run ATen ops: they need the caller's thread-local
+  // state (inference mode: `out` is an inference tensor)
+  const at::ThreadLocalState state;
+  std::exception_ptr error;
+#pragma omp parallel num_threads(threads)
+  {
+    const int64_t n = omp_get_num_threads(), t = omp_get_thread_num();
+    const int64_t lo = T * t / n, hi = T * (t + 1) / n;
+    try {
+      at::ThreadLocalStateGuard guard(state);
+      if (hi > lo) silu_mul_rows(gate_up, out, lo, hi);
+    } catch (...) {
+#pragma omp critical
+      error = std::current_exception();
+    }
+  }
+  if (error) std::rethrow_exception(error);
   return out;
 }
 
