@@ -11,7 +11,9 @@ on (seed, sample index, position) only -- not on the batch around it.
 from __future__ import annotations
 
 import math
+import threading
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -162,3 +164,38 @@ def test_model_step_samples_as_asked_over_grpc():
                     worker.model_step(*args, pool_incarnation="pool-life-1", sampling=bad)
     finally:
         server.stop(0)
+
+
+def test_model_steps_run_on_one_thread_whichever_rpc_thread_takes_them():
+    """An OpenMP team belongs to the thread that opens its regions: steps on
+    many RPC threads kept a team each, which spin into each other's steps
+    (worker/service.py). Concurrent callers' steps all run on one thread."""
+    local = Local("tiny-llama")
+    local.runtime.replica.adopt("pool-life-1")
+    seen: list[str] = []
+    step = local.runner.step
+
+    def recording_step(*args, **kwargs):
+        seen.append(threading.current_thread().name)
+        return step(*args, **kwargs)
+
+    local.runner.step = recording_step
+    server = WorkerServer(local.runtime, "w", runner=local.runner)
+    server.start()
+    try:
+        prompt = [5, 6, 7, 8, 9, 10]
+        r = local.step([Allocate("a", prompt)])
+        args = ("m", r.version, ["a"], [6], [6], prompt, list(r.results[0].slot_mapping))
+        start = threading.Barrier(4)
+
+        def caller() -> list[list[int]]:
+            with WorkerClient(server.address, timeout_s=30) as worker:
+                start.wait()
+                return [worker.model_step(*args, pool_incarnation="pool-life-1")[0] for _ in range(3)]
+
+        with ThreadPoolExecutor(4) as pool:
+            results = [f.result() for f in [pool.submit(caller) for _ in range(4)]]
+    finally:
+        server.stop(0)
+    assert len(seen) == 12 and len(set(seen)) == 1 and seen[0].startswith("worker-model")
+    assert all(tokens == results[0][0] for calls in results for tokens in calls)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from blockd.auth.identity import require_tenant
 from blockd.auth.security import ServerSecurity
@@ -47,6 +48,15 @@ class KVShardServicer:
         self.runner = runner
         self.worker_id = worker_id
         self.device = device
+        # Every model step runs on this one thread, whichever RPC thread took
+        # the call: an OpenMP team belongs to the thread that opens its
+        # regions, so steps taken by different RPC threads kept a team each.
+        # With libgomp's default wait (a worker started without
+        # OMP_WAIT_POLICY=PASSIVE) a team's threads spin ~7 ms after a step,
+        # so the next step, on another thread's team, found the cores taken:
+        # bench/serve.py's row read 0.847x vLLM that way, 0.908x with this
+        # thread (one run each, 2-core AVX2 machine).
+        self.compute = ThreadPoolExecutor(1, thread_name_prefix="worker-model")
 
     def _check_tenant(self) -> None:
         """Only the pool's tenant (or an admin) may use this worker: its KV is
@@ -128,6 +138,15 @@ class KVShardServicer:
         if self.runner is None:
             raise WrongState("this worker runs no model (start blockd-worker with --model)")
         specs = _sampling_specs(request)  # refused before the model runs
+        logits, tokens = self.compute.submit(self._model_step, request, specs, incarnation).result()
+        response = pb.ModelStepResponse(version=request.version, next_token_ids=tokens)
+        if request.return_logits:
+            response.logits.CopyFrom(to_proto(logits.float()))
+        return response
+
+
+    def _model_step(self, request, specs: list[SamplingSpec], incarnation: str | None):
+        """The forward and the token choice of one ModelStep (on :attr:`compute`)."""
         start = time.perf_counter()
         logits = self.runner.step(request.version, list(request.seq_ids), list(request.query_lens),
                                   list(request.context_lens), list(request.token_ids),
@@ -137,10 +156,7 @@ class KVShardServicer:
         metrics = self.runtime.metrics
         metrics.observe_kernel("model_forward", forward_done - start)
         metrics.observe_kernel("sampling", time.perf_counter() - forward_done)
-        response = pb.ModelStepResponse(version=request.version, next_token_ids=tokens)
-        if request.return_logits:
-            response.logits.CopyFrom(to_proto(logits.float()))
-        return response
+        return logits, tokens
 
 
 def _sampling_specs(request) -> list[SamplingSpec]:
@@ -160,7 +176,7 @@ class WorkerServer:
 
     def __init__(self, runtime: WorkerRuntime, worker_id: str, listen: str = "127.0.0.1:0",
                  max_workers: int = 8, runner=None, security: ServerSecurity | None = None) -> None:
-        servicer = KVShardServicer(runtime, worker_id, str(runtime.device), runner)
+        servicer = self._servicer = KVShardServicer(runtime, worker_id, str(runtime.device), runner)
         self._endpoint = GrpcEndpoint([(servicer, SERVICE)], listen, max_workers=max_workers,
                                       max_message_bytes=MAX_MESSAGE_BYTES, thread_name_prefix="worker-rpc",
                                       interceptors=security.interceptors if security is not None else (),
@@ -174,3 +190,4 @@ class WorkerServer:
 
     def stop(self, grace_s: float = 2.0) -> None:
         self._endpoint.stop(grace_s)
+        self._servicer.compute.shutdown(wait=False)
