@@ -79,8 +79,9 @@ def frame(msg: Message) -> bytes:
     return LENGTH.pack(len(data)) + data
 
 
-def _frame_size(header: bytes) -> int:
-    (size,) = LENGTH.unpack(header)
+def _frame_size(buf: bytes | bytearray) -> int:
+    """The payload size a frame starting at ``buf`` announces (``buf`` holds its length at least)."""
+    (size,) = LENGTH.unpack_from(buf)
     if size > MAX_FRAME:
         raise FrameError(f"a frame of {size} bytes is larger than any message of the feed ({MAX_FRAME})")
     return size
@@ -154,7 +155,7 @@ class Framed:
         buf += data
         payloads = []
         while len(buf) >= LENGTH.size:
-            size = _frame_size(bytes(buf[:LENGTH.size]))
+            size = _frame_size(buf)
             if len(buf) < LENGTH.size + size:
                 break
             payloads.append(bytes(buf[LENGTH.size:LENGTH.size + size]))
