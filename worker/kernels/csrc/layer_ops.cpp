@@ -230,8 +230,8 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
 #else
   const int64_t threads = at::in_parallel_region() ? 1 : std::min<int64_t>(at::get_num_threads(), T);
 #endif
-  OnCallingThread serial;
   if (threads <= 1) {
+    OnCallingThread serial;
     silu_mul_rows(gate_up, out, 0, T);
     return out;
   }
