@@ -342,8 +342,9 @@ def test_a_failed_batch_announces_none_of_its_evictions():
 
 
 def test_failed_decode_restores_fills_when_a_sequence_repeats_across_a_block():
-    """A sequence listed twice fills its last block and then takes a new one;
-    the failed batch must give every block back its fill, free ones included."""
+    """A sequence decoded twice in one batch fills its last block and then
+    takes a new one; the failed batch must give every block back its fill,
+    free ones included."""
     from blockd.core.state import dump_pool
 
     pool = make_pool(num_blocks=8)
@@ -351,8 +352,9 @@ def test_failed_decode_restores_fills_when_a_sequence_repeats_across_a_block():
     pool.step([Allocate("s", [1, 2]), Fork("s", "t")])  # s, t share block 2, half full
     before = dump_pool(pool)
     with pytest.raises(NotFound) as err:
-        pool.step([DecodeAppend(["a", "a", "s", "a"], [7, 8, 9, 10]), Append("missing", [1])])
-    assert err.value.op_index == 1
+        pool.step([DecodeAppend(["a", "s"], [7, 9]), DecodeAppend(["a"], [8]), DecodeAppend(["a"], [10]),
+                   Append("missing", [1])])
+    assert err.value.op_index == 3
     assert dump_pool(pool) == before
     check_invariants(pool)
 
@@ -367,3 +369,31 @@ def test_copy_on_write_is_the_same_for_append_and_decode():
     assert ra.results[0].slot_mapping == rb.results[0].slot_mapping == (2 * 4 + 1,)
     assert a.deltas_since(1) == b.deltas_since(1)
     assert state(a) == state(b)
+
+
+def test_a_decode_naming_a_sequence_twice_is_refused_and_changes_nothing():
+    from blockd.core.state import dump_pool
+
+    pool = make_pool(num_blocks=8)
+    pool.step([Allocate("e", [1, 2, 3])])
+    before = dump_pool(pool)
+    with pytest.raises(InvalidArgument, match=r"names sequence 'e' twice \(again at seq_ids\[1\]\)") as err:
+        pool.step([DecodeAppend(["e", "e"], [1, 2])])
+    assert err.value.op_index == 0
+    assert dump_pool(pool) == before
+    check_invariants(pool)
+
+
+def test_an_id_allocated_twice_in_one_batch_is_called_a_duplicate_not_an_existing_sequence():
+    pool = make_pool(num_blocks=8)
+    with pytest.raises(InvalidArgument, match="'d' is created twice in this batch") as err:
+        pool.step([Allocate("d", [1]), Allocate("d", [2])])
+    assert err.value.op_index == 1
+    with pytest.raises(InvalidArgument, match="created twice in this batch"):
+        pool.step([Allocate("p", [1]), Fork("p", "p2"), Allocate("p2", [2])])
+    assert not pool.seqs
+    pool.step([Allocate("d", [1])])
+    with pytest.raises(AlreadyExists, match="'d' already exists"):
+        pool.step([Allocate("d", [2])])
+    pool.step([Free("d"), Allocate("d", [3])])  # freed then allocated again in one batch: fine
+    check_invariants(pool)

@@ -6,6 +6,7 @@ compared, and the prefix index rebuilt from the KV events must match the pool's.
 import contextlib
 import json
 
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -21,6 +22,7 @@ from blockd.core import (
     ExtraKeys,
     Fork,
     Free,
+    InvalidArgument,
     NotFound,
     Pool,
     PoolConfig,
@@ -145,13 +147,18 @@ class PoolMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.model)
     @rule(data=st.data())
     def failing_decode(self, data):
-        """A decode step (sequences may repeat, cross blocks and copy on write)
-        followed by a failing op must leave no trace, block fills included."""
+        """Decode ops (a sequence may recur across them, cross blocks and copy
+        on write) followed by a failing op must leave no trace, block fills
+        included; one decode op naming a sequence twice is refused."""
         ids = data.draw(st.lists(st.sampled_from(sorted(self.model)), min_size=1, max_size=6))
         before = snapshot(self.pool)
         with contextlib.suppress(BlockdError):
-            self.pool.step([DecodeAppend(ids, [1] * len(ids)), Append("missing", [1])])
+            self.pool.step([*(DecodeAppend([seq_id], [1]) for seq_id in ids), Append("missing", [1])])
         assert snapshot(self.pool) == before
+        if len(set(ids)) < len(ids):
+            with pytest.raises(InvalidArgument, match="twice"):
+                self.pool.step([DecodeAppend(ids, [1] * len(ids))])
+            assert snapshot(self.pool) == before
 
     @precondition(lambda self: self.model)
     @rule(data=st.data(), new=tokens, prefix=st.sampled_from(PREFIXES))

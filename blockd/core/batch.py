@@ -32,7 +32,7 @@ from collections.abc import Mapping
 
 from blockd.core.arith import num_blocks_for
 from blockd.core.blocks import BlockSpace, Journal, Undo
-from blockd.core.errors import NoRoom, shown
+from blockd.core.errors import AlreadyExists, InvalidArgument, NoRoom, shown
 from blockd.core.hashing import hash_block
 from blockd.core.sequence import Sequence, find_seq
 from blockd.core.types import PoolConfig, TableUpdate
@@ -70,6 +70,9 @@ class Batch:
         #: None when the id is live again). Applied on commit, so a rollback
         #: leaves the pool's tombstones untouched, order included.
         self.tombstones: list[tuple[str, int | None]] = []
+        #: ids this batch allocated or forked, so a second Allocate of one is
+        #: told apart from an id that existed before the batch
+        self.added: set[str] = set()
         # changes to the pool's counters, added to them on commit
         self.num_tokens = 0
         self.prefix_queried_tokens = 0
@@ -130,8 +133,17 @@ class Batch:
     def add_seq(self, seq: Sequence) -> None:
         """A new sequence (allocated or forked); its id is no longer 'freed'."""
         self.seqs[seq.seq_id] = seq
+        self.added.add(seq.seq_id)
         self.journal.append(_SeqAdded(self.seqs, seq.seq_id))
         self.tombstones.append((seq.seq_id, None))
+
+    def refuse_existing(self, seq_id: str) -> None:
+        """Raise for a new sequence whose id is live: InvalidArgument when this
+        batch made it (the batch names it twice), AlreadyExists otherwise."""
+        if seq_id in self.added:
+            raise InvalidArgument(f"sequence {shown(seq_id)} is created twice in this batch (an earlier operation "
+                                  "of the batch allocates or forks it); give each new sequence its own id")
+        raise AlreadyExists(f"sequence {shown(seq_id)} already exists in pool {shown(self.config.name)}")
 
     def remove_seq(self, seq: Sequence) -> None:
         """Drop a sequence and remember that this batch's version freed it."""

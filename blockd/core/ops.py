@@ -22,7 +22,7 @@ from blockd.core.arith import num_blocks_for, slot_mapping
 from blockd.core.batch import Batch
 from blockd.core.blocks import BlockSpace
 from blockd.core.decode import apply_decode
-from blockd.core.errors import AlreadyExists, InvalidArgument, shown
+from blockd.core.errors import InvalidArgument, shown
 from blockd.core.hashing import (
     NO_EXTRA_DIGEST,
     NO_EXTRA_KEYS,
@@ -122,7 +122,7 @@ def append_need(blocks: BlockSpace, seq: Sequence, num_new: int) -> int:
 def _apply_allocate(batch: Batch, op: Allocate) -> OpResult:
     seq_id = check_name(op.seq_id, "seq_id")
     if seq_id in batch.seqs:
-        raise AlreadyExists(f"sequence {shown(seq_id)} already exists in pool {shown(batch.config.name)}")
+        batch.refuse_existing(seq_id)
     tokens = _check_tokens(op.prompt_token_ids, "prompt_token_ids")
     blocks = batch.blocks
     need = allocation_need(blocks, batch.config.watermark_blocks, tokens, op.extra_keys, batch.config.tenant)
@@ -195,7 +195,7 @@ def _apply_fork(batch: Batch, op: Fork) -> OpResult:
     parent = batch.get_seq(op.parent_seq_id)
     child_id = check_name(op.child_seq_id, "child_seq_id")
     if child_id in batch.seqs:
-        raise AlreadyExists(f"sequence {shown(child_id)} already exists in pool {shown(batch.config.name)}")
+        batch.refuse_existing(child_id)
     child = Sequence(child_id, parent.extra, parent.extra_digest)
     child.table = list(parent.table)
     child.token_ids = list(parent.token_ids)
