@@ -21,6 +21,12 @@ fits the byte cap. A retry of a forgotten id cannot be told from a new
 request: it is applied again (an Allocate then fails ALREADY_EXISTS, an
 Append appends twice).
 
+An answer belongs to one pool incarnation: each entry keeps its *scope*,
+the incarnation of the request's pool right after it was applied (``""``
+for a delete). A retry finding the pool deleted or re-created since is
+refused with FAILED_PRECONDITION, never answered with the old pool's result
+(a step once replayed an old incarnation's answer into a re-created pool).
+
 What is kept per id: the fingerprint (:func:`fingerprint`: kind, pool and a
 BLAKE2b-128 of the request's content) and the answer as compact bytes
 (:mod:`blockd.idempotency_codec`: a slot mapping as the blocks it runs
@@ -86,10 +92,10 @@ class IdempotencyUsage:
 
 
 class _Entry:
-    __slots__ = ("fingerprint", "size", "t")
+    __slots__ = ("fingerprint", "scope", "size", "t")
 
-    def __init__(self, fingerprint: str, t: float, size: int) -> None:
-        self.fingerprint, self.t, self.size = fingerprint, t, size
+    def __init__(self, fingerprint: str, t: float, size: int, scope: str | None) -> None:
+        self.fingerprint, self.t, self.size, self.scope = fingerprint, t, size, scope
 
 
 def _chars_bytes(text: str) -> int:
@@ -126,9 +132,17 @@ class IdempotencyTable:
     def _expired(self, t: float, now: float) -> bool:
         return now - t > self.limits.ttl_s
 
-    def lookup(self, request_id: str, fp: str, now: float) -> object:
+    def holds(self, request_id: str, now: float) -> bool:
+        """Whether ``request_id`` is remembered (a new id needs no fingerprint
+        until its request succeeds: a failing batch never pays for one)."""
+        entry = self._entries.get(request_id)
+        return entry is not None and not self._expired(entry.t, now)
+
+    def lookup(self, request_id: str, fp: str, now: float, scope: str | None = None) -> object:
         """The first answer of ``request_id``, or :data:`MISSING`; refuses an id
-        used for a different request, or one whose answer was dropped."""
+        used for a different request, one whose answer was dropped, and one
+        whose answer belongs to another ``scope`` (the pool's incarnation the
+        answer was given in; ``""``: no such pool) than the caller's now."""
         entry = self._entries.get(request_id)
         if entry is None or self._expired(entry.t, now):
             return MISSING
@@ -138,6 +152,13 @@ class IdempotencyTable:
                 first += " with different content"
             raise InvalidArgument(f"request_id {shown(request_id)} was already used for {first}; "
                                   "use a fresh id per request")
+        if entry.scope is not None and scope is not None and entry.scope != scope:
+            then = f"incarnation {entry.scope}" if entry.scope else "none (deleted)"
+            now_ = f"incarnation {scope}" if scope else "deleted"
+            raise WrongState(
+                f"request_id {shown(request_id)} was applied ({_describe(fp)}) when the pool's incarnation was "
+                f"{then}; the pool is now {now_}: it was deleted or re-created since, so that answer belongs "
+                "to another pool; read the pool's state and send the request with a fresh request_id")
         answer = self._answers.get(request_id)
         if answer is None:
             raise WrongState(
@@ -146,17 +167,20 @@ class IdempotencyTable:
                 "bytes; read the current state (GetTables, GetPool) instead of retrying")
         return decode_result(answer)
 
-    def put(self, request_id: str, fp: str, t: float, result: object, block_size: int = 0) -> None:
+    def put(self, request_id: str, fp: str, t: float, result: object, block_size: int = 0,
+            scope: str | None = None) -> None:
         """Remember ``result`` for ``request_id``, applied at record time ``t``
-        (``block_size``: the pool's, so slot mappings are kept as blocks)."""
-        self._put(request_id, fp, t, encode_result(result, block_size))
+        (``block_size``: the pool's, so slot mappings are kept as blocks;
+        ``scope``: the pool's incarnation after the request, ``""`` when it
+        left no pool, None: not checked on a retry)."""
+        self._put(request_id, fp, t, encode_result(result, block_size), scope)
 
-    def _put(self, request_id: str, fp: str, t: float, answer: bytes | None) -> None:
+    def _put(self, request_id: str, fp: str, t: float, answer: bytes | None, scope: str | None) -> None:
         self._forget(request_id)
         self.now = max(self.now, t)
         while self._entries and self._expired(next(iter(self._entries.values())).t, self.now):
             self._forget(next(iter(self._entries)))
-        entry = _Entry(fp, t, ENTRY_OVERHEAD + _chars_bytes(request_id) + _chars_bytes(fp))
+        entry = _Entry(fp, t, ENTRY_OVERHEAD + _chars_bytes(request_id) + _chars_bytes(fp), scope)
         self._entries[request_id] = entry
         self._bytes += entry.size
         if answer is not None:
@@ -184,7 +208,8 @@ class IdempotencyTable:
     def dump(self) -> dict:
         answers = self._answers
         return {"now": self.now, "entries": [
-            [rid, e.fingerprint, e.t, base64.b64encode(answers[rid]).decode() if rid in answers else None]
+            [rid, e.fingerprint, e.t, base64.b64encode(answers[rid]).decode() if rid in answers else None,
+             e.scope]
             for rid, e in self._entries.items()]}
 
     def load(self, data: dict | list) -> None:
@@ -196,8 +221,9 @@ class IdempotencyTable:
                 log.warning("the snapshot holds %d request ids in an older format; they are forgotten, "
                             "so a retry of one of those requests is applied anew", len(data))
             return
-        for rid, fp, t, answer in data["entries"]:
-            self._put(rid, fp, t, None if answer is None else base64.b64decode(answer))
+        # entries written before scopes were kept have four fields: their scope is not checked
+        for rid, fp, t, answer, *scope in data["entries"]:
+            self._put(rid, fp, t, None if answer is None else base64.b64decode(answer), scope[0] if scope else None)
         self.now = data["now"]
 
 

@@ -50,6 +50,8 @@ def state(engine: Engine, *, requests: bool = True) -> str:
     requests["now"] = 0
     for entry in requests["entries"]:
         entry[2] = 0
+        if len(entry) > 4 and entry[4]:
+            entry[4] = "*"  # the scope is a pool incarnation
         if entry[3] is not None:
             answer = decode_result(base64.b64decode(entry[3]))
             entry[3] = repr(dataclasses.replace(answer, incarnation="*") if hasattr(answer, "incarnation")
