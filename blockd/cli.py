@@ -61,6 +61,7 @@ from blockd import config_env
 from blockd.auth.cli import add_commands as add_auth_commands
 from blockd.auth.config import add_tls_flags
 from blockd.core.errors import BlockdError
+from blockd.guardrails import Guardrails
 from blockd.idempotency import IdempotencyLimits
 from blockd.rpc import addresses
 
@@ -128,6 +129,21 @@ def _add_request_limits(parser: argparse.ArgumentParser, note: str = "") -> None
                         help="seconds a request id is remembered for retries" + note)
 
 
+def _add_guardrails(serve: argparse.ArgumentParser) -> None:
+    """The size bounds of every request (:class:`blockd.guardrails.Guardrails`),
+    in force with or without tenants' quotas."""
+    bounds = Guardrails()
+    group = serve.add_argument_group("guardrails (every caller, with or without quotas)")
+    group.add_argument("--max-ops-per-step", type=int, default=bounds.max_ops_per_step,
+                       help="most operations in one step; a bigger one is INVALID_ARGUMENT before it is read")
+    group.add_argument("--max-tokens-per-step", type=int, default=bounds.max_tokens_per_step,
+                       help="most token ids one step carries (prompts and appended tokens)")
+    group.add_argument("--max-blocks-per-pool", type=int, default=bounds.max_blocks_per_pool,
+                       help="most blocks a new pool may have")
+    group.add_argument("--max-name-length", type=int, default=bounds.max_name_length,
+                       help="longest name of a new pool (letters, digits, '.', '_', '-')")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Every flag also reads an environment variable, ``BLOCKD_<FLAG>``
     (:mod:`blockd.config_env`; ``--help`` names each)."""
@@ -153,6 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "(replaying a byte of log costs ~4x loading a byte of snapshot: at 0.25 replay "
                             "takes about as long as loading the snapshot)")
     _add_request_limits(serve)
+    _add_guardrails(serve)
     serve.add_argument("--metrics-port", type=config_env.port, default=0,
                        help="Prometheus metrics port; 0 = off")
     serve.add_argument("--max-workers", type=int, default=128,
@@ -359,6 +376,8 @@ def serve(args: argparse.Namespace) -> int:
     log.info("data dir: %s; fsync: %s", args.data_dir or "none (in memory)", args.fsync)
     try:
         limits = IdempotencyLimits(args.max_request_ids, args.max_request_bytes, args.request_ttl_s)
+        guardrails = Guardrails(args.max_ops_per_step, args.max_tokens_per_step, args.max_blocks_per_pool,
+                                args.max_name_length)
     except ValueError as err:
         raise SystemExit(str(err)) from None
     metrics = _load_metrics(args.metrics_port)
@@ -368,7 +387,7 @@ def serve(args: argparse.Namespace) -> int:
             replication=replica, log_observer=replica.tail if replica is not None else None,
             data_dir=args.data_dir, fsync=args.fsync, fsync_interval_s=args.fsync_interval_s,
             snapshot_every=args.snapshot_every, snapshot_log_ratio=args.snapshot_log_ratio,
-            idempotency=limits, worker_timeout_s=args.worker_timeout_s,
+            idempotency=limits, guardrails=guardrails, worker_timeout_s=args.worker_timeout_s,
             quotas=security.quota_source(),
             observe_wal_sync=metrics.observe_wal_sync if metrics is not None else None,
             observe_step=metrics.observe_step if metrics is not None else None))

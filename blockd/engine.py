@@ -120,7 +120,8 @@ class Engine:
         result = self.apply(record)
         if rid:
             # the record's own time, never the clock now: replay rebuilds the same table
-            self._requests.put(rid, self._fingerprint(record), t, result, self._block_size(record.pool))
+            self._requests.put(rid, self._fingerprint(record), t, result, self._block_size(record.pool),
+                               self._scope(record.pool))
 
     def num_pools(self) -> int:
         return len(self._pools)
@@ -202,16 +203,19 @@ class Engine:
         if self._gate is not None:
             self._gate.writable()
         if rid:
-            fp, now = self._fingerprint(record), self._requests.stamp()
-            found = self._requests.lookup(rid, fp, now)
-            if found is not MISSING:
-                # the first answer's record is at or before the last one logged
-                return found, self._log_position()
+            now = self._requests.stamp()
+            if self._requests.holds(rid, now):
+                found = self._requests.lookup(rid, self._fingerprint(record), now, self._scope(record.pool))
+                if found is not MISSING:
+                    # the first answer's record is at or before the last one logged
+                    return found, self._log_position()
         if check is not None:
             check()
         result = self.apply(record)
         if rid:
-            self._requests.put(rid, fp, now, result, self._block_size(record.pool))
+            # fingerprinted only once applied: a batch that fails never pays for its hash
+            self._requests.put(rid, self._fingerprint(record), now, result, self._block_size(record.pool),
+                               self._scope(record.pool))
             body = records.encode(record, rid, now)
         else:
             body = records.encode(record)
@@ -250,6 +254,12 @@ class Engine:
             if entry is not None:
                 check_access(entry.pool.config)
 
+    def _scope(self, name: str) -> str:
+        """The incarnation of pool ``name`` now, ``""`` when there is none: a
+        request id's answer is valid only while it is the same."""
+        entry = self._pools.get(name) if type(name) is str else None
+        return entry.identity.incarnation if entry is not None else ""
+
     def _block_size(self, name: str) -> int:
         entry = self._pools.get(name) if type(name) is str else None
         return entry.pool.block_size if entry is not None else 0
@@ -285,6 +295,7 @@ class Engine:
 
         def check() -> None:  # before the pool is built: a pool over quota costs no memory
             check_config(config)
+            self.config.guardrails.check_pool(config)
             self._tenancy.check_create(config, [entry.pool.config for entry in self._pools.values()])
 
         return self._mutate(records.CreatePool(config, new_incarnation()), request_id, check)
@@ -376,6 +387,7 @@ class Engine:
         (:meth:`_check_previous_term`); 0: not checked."""
         if dry_run:  # answers what the batch would do; nothing is remembered or logged
             def would() -> StepResult:
+                self.config.guardrails.check_step(ops)
                 self._check_previous_term(previous_term)
                 entry = self._checked_entry(pool, ops, incarnation, dry_run=True)
                 return entry.identity.result(entry.pool.step(ops, dry_run=True))
@@ -385,6 +397,7 @@ class Engine:
         try:
             self._guard(pool)
             def check() -> PoolEntry:
+                self.config.guardrails.check_step(ops)
                 self._check_previous_term(previous_term)
                 return self._checked_entry(pool, ops, incarnation)
 

@@ -6,7 +6,7 @@ idempotency table's bounds) and what a test or the metrics inject (the two
 clocks, and callbacks observing WAL syncs and steps). Every field has the
 daemon's default, so ``EngineConfig()`` is an engine in memory and
 ``EngineConfig(data_dir=...)`` a durable one. Imports only the standard
-library and the idempotency limits.
+library, the idempotency limits and the guardrails.
 
 Replication (``docs/ha.md``) plugs in through two protocols, so the engine
 imports nothing of it: a :class:`LogObserver` sees every record of the log
@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from blockd.auth.quotas import Quota
+from blockd.guardrails import Guardrails
 from blockd.idempotency import IdempotencyLimits
 
 
@@ -84,6 +85,8 @@ class EngineConfig:
     worker_timeout_s: float = 10.0
     #: bounds of the idempotency table (:mod:`blockd.idempotency`)
     idempotency: IdempotencyLimits = field(default_factory=IdempotencyLimits)
+    #: the size bounds of every request, whoever sends it (:mod:`blockd.guardrails`)
+    guardrails: Guardrails = field(default_factory=Guardrails)
     #: monotonic seconds, for worker heartbeats
     clock: Callable[[], float] = time.monotonic
     #: seconds since the epoch, stamped on request ids (logged: they must mean
