@@ -35,6 +35,9 @@ interceptor on the same step (rows of :mod:`bench.auth`: ``interceptor`` and
   lookup, compact answer): median engine step with and without one, for a
   256-sequence decode step and a 2,048-token prefill.
 
+``big_batch_isolation``: one caller's 20,000- and 30,000-op failing batches
+against another's small steps (rows of :mod:`bench.isolation`).
+
 Run: ``python bench/rpc.py [--part step_rpc] [--seconds 3] [--quick]``.
 """
 
@@ -52,6 +55,7 @@ from collections.abc import Callable, Iterator
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from bench.isolation import big_batch_isolation
 from blockd.core import Allocate, Pool, PoolConfig
 from blockd.core.types import DecodeAppend, Free
 from client.sdk import BlockdClient
@@ -471,9 +475,15 @@ def security(args: argparse.Namespace) -> Iterator[dict]:
         yield from step_security(directory, args.seconds, rounds=3)
 
 
+def big_batch(args: argparse.Namespace) -> Iterator[dict]:
+    """A huge failing batch against other callers' small steps (:mod:`bench.isolation`)."""
+    yield from big_batch_isolation(args.seconds)
+
+
 PARTS: dict[str, Callable[[argparse.Namespace], Iterator[dict]]] = {
     "step_rpc": step_rpc, "recovery": recovery, "crash_loop_restart": crash_loop_restart,
-    "snapshot_stall": snapshot_stall, "idempotency": idempotency, "security": security}
+    "snapshot_stall": snapshot_stall, "idempotency": idempotency, "security": security,
+    "big_batch_isolation": big_batch}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,132 @@
+"""One caller's huge batch against everyone else's small steps (``bench/rpc.py --part big_batch_isolation``).
+
+A batch of 30,000 Allocates into a 64-block pool once took seconds to fail
+(its request id's fingerprint was quadratic in the batch, and computed before
+the first op ran) while every other caller waited. This part measures what
+the guardrails and the fail-fast path leave of that, with the daemon in its
+own process (``blockd serve``, state in memory) and each caller in its own:
+
+* ``big_batch_isolation``: a small step (a 16-sequence ``decode_append``,
+  with a request id, as a scheduler sends it) timed alone, then while another
+  process sends 20,000-op Allocate batches into a 64-block pool back to back
+  (each fails at its 33rd op with RESOURCE_EXHAUSTED). ``p99_ratio``:
+  the small step's p99 during the batches against its p99 alone in the same
+  run (target: <= 3). One row per daemon configuration: ``limits=default``
+  (a 20,000-op batch is over ``--max-ops-per-step`` 8192 and is refused
+  before a single op is read) and ``limits=raised`` (``--max-ops-per-step
+  65536``: the batch is read and runs until its first failing op).
+* ``big_batch_fail``: the time a failing 30,000-op batch takes to fail, from
+  sending its prebuilt request to the error (median of 7; the client's own
+  cost of building 30,000 ops is left out), for both configurations
+  (target: under 50 ms).
+
+Wall time is what a waiting caller feels, so these are wall-clock figures.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import statistics
+import time
+import uuid
+from collections.abc import Iterator
+
+import grpc
+
+from blockd.core import Allocate, PoolConfig
+from blockd.rpc import convert
+from client.sdk import BlockdClient
+from cluster.local import ChildProcess
+
+SMALL_SEQS = 16
+BIG_OPS = 20_000
+FAIL_OPS = 30_000
+CONFIGS = {"default": (), "raised": ("--max-ops-per-step", "65536")}
+
+
+def _daemon(*flags: str) -> tuple[ChildProcess, str]:
+    proc = ChildProcess("blockd", ["-m", "blockd.cli", "serve", "--listen", "127.0.0.1:0",
+                                   "--log-level", "WARNING", *flags], "blockd listening on")
+    try:
+        return proc, proc.wait_ready(time.monotonic() + 30)
+    except RuntimeError:
+        proc.kill()
+        raise
+
+
+def _big_request(pool: str, num_ops: int):
+    ops = [Allocate(f"big-{i}", list(range(i % 50, i % 50 + 20))) for i in range(num_ops)]
+    return convert.step_request_to_proto(pool, ops, "")
+
+
+def _send_big(address: str, stop, sent) -> None:
+    """Back-to-back failing batches, each with a fresh request id, until ``stop``."""
+    request = _big_request("big", BIG_OPS)
+    with BlockdClient(address, timeout_s=30) as client:
+        stub = client._blocks
+        while not stop.is_set():
+            request.request_id = uuid.uuid4().hex
+            try:
+                stub.Step(request, timeout=30)
+            except grpc.RpcError:
+                pass
+            sent.value += 1
+
+
+def _small_steps(client: BlockdClient, seconds: float) -> list[float]:
+    ids = [f"small-{i}" for i in range(SMALL_SEQS)]
+    times: list[float] = []
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        start = time.perf_counter()
+        client.decode_append("small", ids, [7] * SMALL_SEQS)
+        times.append(time.perf_counter() - start)
+    return sorted(times)
+
+
+def _p(values: list[float], q: float) -> float:
+    return values[min(len(values) - 1, int(q * len(values)))] * 1e3
+
+
+def _one_config(name: str, flags: tuple[str, ...], seconds: float) -> Iterator[dict]:
+    proc, address = _daemon(*flags)
+    try:
+        with BlockdClient(address, timeout_s=30) as client:
+            client.create_pool(PoolConfig("small", num_blocks=1 << 14, block_size=16))
+            client.create_pool(PoolConfig("big", num_blocks=64, block_size=16))
+            client.step("small", [Allocate(f"small-{i}", list(range(16))) for i in range(SMALL_SEQS)])
+            _small_steps(client, 0.5)  # warm both sides
+            alone = _small_steps(client, seconds)
+            ctx = multiprocessing.get_context("spawn")
+            stop, sent = ctx.Event(), ctx.Value("i", 0)
+            sender = ctx.Process(target=_send_big, args=(address, stop, sent))
+            sender.start()
+            time.sleep(1.0)  # the sender's start-up and its first batch
+            during = _small_steps(client, seconds)
+            stop.set()
+            sender.join(60)
+            yield {"name": "big_batch_isolation", "limits": name, "big_batch_ops": BIG_OPS,
+                   "big_batches_sent": sent.value, "small_step_seqs": SMALL_SEQS,
+                   "alone_p50_ms": round(_p(alone, 0.5), 3), "alone_p99_ms": round(_p(alone, 0.99), 3),
+                   "during_p50_ms": round(_p(during, 0.5), 3), "during_p99_ms": round(_p(during, 0.99), 3),
+                   "p99_ratio": round(_p(during, 0.99) / _p(alone, 0.99), 2), "target_p99_ratio": 3.0,
+                   "steps_alone": len(alone), "steps_during": len(during)}
+            request, stub, times, error = _big_request("big", FAIL_OPS), client._blocks, [], ""
+            for _ in range(7):
+                request.request_id = uuid.uuid4().hex
+                start = time.perf_counter()
+                try:
+                    stub.Step(request, timeout=30)
+                except grpc.RpcError as err:
+                    error = f"{err.code().name}: {err.details()[:120]}"
+                times.append(time.perf_counter() - start)
+            yield {"name": "big_batch_fail", "limits": name, "ops": FAIL_OPS,
+                   "request_bytes": request.ByteSize(), "fail_ms": round(statistics.median(times) * 1e3, 2),
+                   "target_ms": 50, "error": error}
+    finally:
+        proc.stop(30)
+
+
+def big_batch_isolation(seconds: float) -> Iterator[dict]:
+    for name, flags in CONFIGS.items():
+        yield from _one_config(name, flags, seconds)
