@@ -187,7 +187,7 @@ def unary(method: Callable) -> Callable:
     @functools.wraps(method)
     def handler(self, request, context: grpc.ServicerContext):
         try:
-            if isinstance(request, MalformedRequest):
+            if isinstance(request, BlockdError):  # the deserializer's refusal (MalformedRequest, ...)
                 raise request
             return method(self, request, context)
         except CallerGone:
@@ -208,7 +208,7 @@ def server_stream(method: Callable[..., Iterator]) -> Callable[..., Iterator]:
     @functools.wraps(method)
     def handler(self, request, context: grpc.ServicerContext):
         try:
-            if isinstance(request, MalformedRequest):
+            if isinstance(request, BlockdError):  # the deserializer's refusal (MalformedRequest, ...)
                 raise request
             yield from method(self, request, context)
             return
@@ -233,7 +233,7 @@ def client_stream(method: Callable) -> Callable:
                 return
             except grpc.RpcError:
                 raise CallerGone() from None
-            if isinstance(request, MalformedRequest):
+            if isinstance(request, BlockdError):  # the deserializer's refusal (MalformedRequest, ...)
                 raise request
             yield request
 
@@ -254,13 +254,19 @@ def method_handlers(service: object, descriptor) -> dict[str, grpc.RpcMethodHand
     """Handlers for every method of the service ``descriptor``, served by
     ``service``'s methods of the same name; requests that do not parse reach
     them as :class:`MalformedRequest` (INVALID_ARGUMENT), not as gRPC's
-    INTERNAL. Used for blockd's services, the worker's, health and reflection."""
+    INTERNAL. Used for blockd's services, the worker's, health and reflection.
+
+    A service may name its own deserializers in ``request_parsers`` (method
+    name -> ``parse(bytes)``), which return a :class:`BlockdError` to refuse a
+    request before it is read whole (blockd's Step: an oversized batch)."""
     handlers = {}
+    own = getattr(service, "request_parsers", {})
     for method in descriptor.methods:
         request_cls = message_factory.GetMessageClass(method.input_type)
         response_cls = message_factory.GetMessageClass(method.output_type)
         make = _HANDLER_KINDS[method.client_streaming, method.server_streaming]
+        parse = own.get(method.name) or lenient_parser(request_cls)
         handlers[method.name] = make(getattr(service, method.name),
-                                     request_deserializer=lenient_parser(request_cls),
+                                     request_deserializer=parse,
                                      response_serializer=response_cls.SerializeToString)
     return handlers

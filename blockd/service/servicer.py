@@ -22,6 +22,7 @@ from blockd.engine import Engine
 from blockd.rpc import convert
 from blockd.rpc.convert import optional_id, require_id, require_ids
 from blockd.rpc.errors import BadField, server_stream, unary
+from blockd.service.skim import step_parser
 from blockd.v1 import blockd_pb2 as pb
 from blockd.v1 import blockd_pb2_grpc as pb_grpc
 
@@ -72,6 +73,8 @@ class BlockServicer(pb_grpc.BlockServiceServicer):
     def __init__(self, engine: Engine, shutdown: threading.Event) -> None:
         self._engine = engine
         self._shutdown = shutdown
+        #: read by blockd.rpc.errors.method_handlers: an oversized Step is refused before it is parsed whole
+        self.request_parsers = {"Step": step_parser(engine.config.guardrails)}
 
     @unary
     def Step(self, request: pb.StepRequest, context) -> pb.StepResponse:
