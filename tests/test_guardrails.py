@@ -89,3 +89,22 @@ def test_flags_and_environment_reach_a_real_daemon():
             assert client.get_pool("p").version == 0
     finally:
         d.kill()
+
+
+def test_a_large_step_is_skimmed_refused_unread_when_oversized_and_served_otherwise(client, blockd_server):
+    from blockd.service import skim
+
+    client.create_pool(PoolConfig("wide", num_blocks=1 << 14, block_size=16))
+    within = [Allocate(f"w{i}", list(range(20))) for i in range(3000)]
+    from blockd.rpc import convert
+    assert convert.step_request_to_proto("wide", within, "").ByteSize() > skim.SKIM_BYTES
+    result = client.step("wide", within)  # skimmed, then parsed and run
+    assert len(result.results) == 3000
+    with pytest.raises(ce.InvalidArgumentError, match=r"^INVALID_ARGUMENT: ops: a step holds at most 8192 "
+                                                      r"operations .*got 9000"):
+        client.step("wide", [Allocate(f"x{i}", [1]) for i in range(9000)])
+    parse = skim.step_parser(Guardrails())
+    junk = b"\x12\xff\xff\xff\xff\x0f" + b"\0" * (skim.SKIM_BYTES + 10)  # an op longer than the bytes
+    refused = parse(junk)
+    assert isinstance(refused, InvalidArgument) and "do not parse" in str(refused)
+    assert client.get_pool("wide").version == 1
