@@ -80,14 +80,14 @@ def _add_replication(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--replication", default="sync", choices=("sync", "async"),
                        help="sync: a step is acknowledged once an in-sync follower persisted it; async: once "
                             "the leader logged it (followers trail)")
-    serve.add_argument("--min-in-sync", type=int, default=2,
+    serve.add_argument("--min-in-sync", type=config_env.positive_int, default=2,
                        help="replicas (the leader included) that must hold a step before it is acknowledged")
-    serve.add_argument("--ack-timeout-s", type=float, default=1.0,
+    serve.add_argument("--ack-timeout-s", type=config_env.positive_float, default=1.0,
                        help="how long a step waits for the in-sync followers before they are dropped from the set")
-    serve.add_argument("--max-lag-records", type=int, default=100,
+    serve.add_argument("--max-lag-records", type=config_env.non_negative_int, default=100,
                        help="async: a step waits (up to --ack-timeout-s) while a live follower trails the leader "
                             "by more records than this, bounding what a failover can lose; 0: unbounded")
-    serve.add_argument("--sync-followers", type=int, default=0,
+    serve.add_argument("--sync-followers", type=config_env.non_negative_int, default=0,
                        help="sync: at most this many followers in the in-sync set; a step waits for them, not "
                             "for the slower others (they replicate without holding steps back and fill a place "
                             "that opens). 0: every follower that has caught up (a failover keeps every "
@@ -97,10 +97,10 @@ def _add_replication(serve: argparse.ArgumentParser) -> None:
                             "and acknowledgements framed on a TCP connection to the leader's replication port, "
                             "about a fifth of gRPC's cost per message; with TLS when the server has it) or grpc "
                             "(on the call's stream)")
-    serve.add_argument("--replication-port", type=int, default=0,
+    serve.add_argument("--replication-port", type=config_env.port, default=0,
                        help="the replication port, on the host of --listen (0: any free port; followers learn "
                             "it from the leader's ReplicateLog answer)")
-    serve.add_argument("--lease-ttl-s", type=int, default=2,
+    serve.add_argument("--lease-ttl-s", type=config_env.positive_int, default=2,
                        help="the leader's etcd lease; failover takes about this plus 1 s")
     peers = serve.add_argument_group(
         "replication between replicas", "how a follower's stream authenticates to its leader when the group "
@@ -120,12 +120,12 @@ def _add_replication(serve: argparse.ArgumentParser) -> None:
 
 def _add_request_limits(parser: argparse.ArgumentParser, note: str = "") -> None:
     """The idempotency table's three bounds (:class:`IdempotencyLimits`)."""
-    parser.add_argument("--max-request-ids", type=int, default=IdempotencyLimits.max_entries,
+    parser.add_argument("--max-request-ids", type=config_env.positive_int, default=IdempotencyLimits.max_entries,
                         help="most request ids remembered for retries" + note)
-    parser.add_argument("--max-request-bytes", type=int, default=IdempotencyLimits.max_bytes,
+    parser.add_argument("--max-request-bytes", type=config_env.positive_int, default=IdempotencyLimits.max_bytes,
                         help="memory cap of the remembered answers; past it the oldest answers are dropped "
                              "and their retries refused" + note)
-    parser.add_argument("--request-ttl-s", type=float, default=IdempotencyLimits.ttl_s,
+    parser.add_argument("--request-ttl-s", type=config_env.positive_float, default=IdempotencyLimits.ttl_s,
                         help="seconds a request id is remembered for retries" + note)
 
 
@@ -134,13 +134,13 @@ def _add_guardrails(serve: argparse.ArgumentParser) -> None:
     in force with or without tenants' quotas."""
     bounds = Guardrails()
     group = serve.add_argument_group("guardrails (every caller, with or without quotas)")
-    group.add_argument("--max-ops-per-step", type=int, default=bounds.max_ops_per_step,
+    group.add_argument("--max-ops-per-step", type=config_env.positive_int, default=bounds.max_ops_per_step,
                        help="most operations in one step; a bigger one is INVALID_ARGUMENT before it is read")
-    group.add_argument("--max-tokens-per-step", type=int, default=bounds.max_tokens_per_step,
+    group.add_argument("--max-tokens-per-step", type=config_env.positive_int, default=bounds.max_tokens_per_step,
                        help="most token ids one step carries (prompts and appended tokens)")
-    group.add_argument("--max-blocks-per-pool", type=int, default=bounds.max_blocks_per_pool,
+    group.add_argument("--max-blocks-per-pool", type=config_env.positive_int, default=bounds.max_blocks_per_pool,
                        help="most blocks a new pool may have")
-    group.add_argument("--max-name-length", type=int, default=bounds.max_name_length,
+    group.add_argument("--max-name-length", type=config_env.positive_int, default=bounds.max_name_length,
                        help="longest name of a new pool (letters, digits, '.', '_', '-')")
 
 
@@ -160,11 +160,11 @@ def build_parser() -> argparse.ArgumentParser:
                             "without it state is in memory only")
     serve.add_argument("--fsync", default="always", choices=FSYNC_POLICIES,
                        help="when the log is fsynced")
-    serve.add_argument("--fsync-interval-s", type=float, default=0.05,
+    serve.add_argument("--fsync-interval-s", type=config_env.positive_float, default=0.05,
                        help="batching interval for --fsync interval")
-    serve.add_argument("--snapshot-every", type=int, default=10000,
+    serve.add_argument("--snapshot-every", type=config_env.positive_int, default=10000,
                        help="log records between snapshots (replayed records count too)")
-    serve.add_argument("--snapshot-log-ratio", type=float, default=0.25,
+    serve.add_argument("--snapshot-log-ratio", type=config_env.non_negative_float, default=0.25,
                        help="and only once the log since the last snapshot is this many times its size in bytes "
                             "(replaying a byte of log costs ~4x loading a byte of snapshot: at 0.25 replay "
                             "takes about as long as loading the snapshot)")
@@ -172,13 +172,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_guardrails(serve)
     serve.add_argument("--metrics-port", type=config_env.port, default=0,
                        help="Prometheus metrics port; 0 = off")
-    serve.add_argument("--max-workers", type=int, default=128,
+    serve.add_argument("--max-workers", type=config_env.positive_int, default=128,
                        help="most RPC threads; each open Watch/Events stream holds one while open")
-    serve.add_argument("--worker-timeout-s", type=float, default=10.0,
+    serve.add_argument("--worker-timeout-s", type=config_env.positive_float, default=10.0,
                        help="a worker whose last heartbeat is older is reported down")
-    serve.add_argument("--grace-s", type=float, default=5.0,
+    serve.add_argument("--grace-s", type=config_env.non_negative_float, default=5.0,
                        help="seconds in-flight calls get to finish on shutdown")
-    serve.add_argument("--gc-freeze-interval-s", type=float, default=1.0,
+    serve.add_argument("--gc-freeze-interval-s", type=config_env.non_negative_float, default=1.0,
                        help="move surviving objects out of the cyclic garbage collector's reach this often, "
                             "so a full collection never walks the whole state (0: leave the collector alone)")
     _add_replication(serve)
@@ -194,10 +194,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="do it (without this flag it only says what it would cut)")
     compact = sub.add_parser("compact", help="write a snapshot from the log (blockd serve runs this itself)")
     compact.add_argument("data_dir")
-    compact.add_argument("--upto", type=int, default=None, help="LSN the snapshot covers (default: the last)")
+    compact.add_argument("--upto", type=config_env.non_negative_int, default=None,
+                         help="LSN the snapshot covers (default: the last)")
     compact.add_argument("--no-prune", action="store_true",
                          help="keep the files the snapshot replaces (the daemon prunes them itself)")
-    compact.add_argument("--nice", type=int, default=0, help="lower this process's CPU priority by this much")
+    compact.add_argument("--nice", type=config_env.non_negative_int, default=0,
+                         help="lower this process's CPU priority by this much")
     _add_request_limits(compact, " (must match the daemon's: the table is part of the snapshot)")
     for p in (check, repair, compact):
         p.add_argument("--log-level", type=config_env.log_level, default="WARNING",

