@@ -48,8 +48,12 @@ def client(blockd_server: BlockdServer) -> Iterator[BlockdClient]:
 
 
 def start_daemon(*flags: str, env: dict[str, str] | None = None) -> Proc:
-    """``blockd serve FLAGS`` as a child process, ready on return."""
-    return Proc(["-m", "blockd.cli", "serve", *flags], "blockd listening on", env)
+    """``blockd serve FLAGS`` as a child process, ready on return; on a free
+    port unless FLAGS or ``env`` name an address (serve's default, 50051, may
+    be taken by a daemon someone else runs on this host)."""
+    chosen = any(f == "--listen" or f.startswith("--listen=") for f in flags) or "BLOCKD_LISTEN" in (env or {})
+    listen = [] if chosen else ["--listen", "127.0.0.1:0"]
+    return Proc(["-m", "blockd.cli", "serve", *listen, *flags], "blockd listening on", env)
 
 
 @pytest.fixture
