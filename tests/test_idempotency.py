@@ -250,12 +250,14 @@ def test_limits_are_checked():
 def test_serve_flags_and_env(monkeypatch, capsys):
     from blockd import cli, config_env
 
-    with pytest.raises(SystemExit, match="positive int"):
+    with pytest.raises(SystemExit) as exc:
         cli.main(["serve", "--max-request-ids", "0"])
+    assert exc.value.code == 2
+    assert "argument --max-request-ids: must be an integer >= 1" in capsys.readouterr().err
     monkeypatch.setenv("BLOCKD_MAX_REQUEST_BYTES", "lots")
     with pytest.raises(SystemExit):
         config_env.parse_args(cli.build_parser(), ["serve"], "BLOCKD_")
-    assert "BLOCKD_MAX_REQUEST_BYTES must be an integer, got 'lots'" in capsys.readouterr().err
+    assert "BLOCKD_MAX_REQUEST_BYTES must be an integer >= 1, got 'lots'" in capsys.readouterr().err
     monkeypatch.setenv("BLOCKD_MAX_REQUEST_BYTES", "4096")
     monkeypatch.setenv("BLOCKD_REQUEST_TTL_S", "2.5")
     args = config_env.parse_args(cli.build_parser(), ["serve"], "BLOCKD_")
