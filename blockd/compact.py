@@ -27,7 +27,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -41,9 +40,6 @@ from blockd.wal import COMPACT_LOCK, DirLock, WriteAheadLog, remove_replaced, wr
 
 log = logging.getLogger("blockd.compact")
 
-#: crash tests: SIGKILL the compactor at this point ("written": the temporary
-#: file is durable, not renamed; "renamed": the snapshot is in place, nothing pruned)
-KILL_AT_ENV = "BLOCKD_COMPACT_KILL_AT"
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -58,13 +54,12 @@ class Compacted:
     seconds: float
 
 
-def _kill_point(name: str) -> None:
-    if os.environ.get(KILL_AT_ENV) == name:
-        os.kill(os.getpid(), signal.SIGKILL)
+def _nowhere(point: str) -> None:
+    pass
 
 
 def compact(data_dir: str, upto_lsn: int | None = None, *, prune: bool = True,
-            limits: IdempotencyLimits | None = None) -> Compacted:
+            limits: IdempotencyLimits | None = None, at: Callable[[str], object] = _nowhere) -> Compacted:
     """Write snapshot ``upto_lsn`` (default: the last record) into ``data_dir``.
 
     Raises :class:`blockd.datadir.DataDirError` if what it reads is damaged
@@ -72,6 +67,10 @@ def compact(data_dir: str, upto_lsn: int | None = None, *, prune: bool = True,
     replaces; the daemon passes False and prunes itself once this returns.
     ``limits``: the idempotency table's, which must be the daemon's (the
     table is part of the snapshot and replay trims it by them).
+    ``at(point)`` is called as the compaction passes each point where a crash
+    must leave a recoverable directory (``"written"``: the temporary file is
+    durable, not renamed; ``"renamed"``: the snapshot is in place, nothing
+    pruned): the seam through which the crash tests kill it there.
     """
     from blockd.engine import Engine  # the engine runs compactions: import it late
     from blockd.engine_config import EngineConfig
@@ -91,8 +90,8 @@ def compact(data_dir: str, upto_lsn: int | None = None, *, prune: bool = True,
             return Compacted(lsn, 0, time.perf_counter() - started)
         state = engine.capture()
         state["terms"] = reader.terms.dump()  # so a snapshot still tells which term wrote what
-        size = write_snapshot(data_dir, state, lsn, before_rename=lambda: _kill_point("written"))
-        _kill_point("renamed")
+        size = write_snapshot(data_dir, state, lsn, before_rename=lambda: at("written"))
+        at("renamed")
         if prune:
             remove_replaced(data_dir, lsn)
         return Compacted(lsn, size, time.perf_counter() - started)

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from blockd.compact import KILL_AT_ENV, CompactionFailed, compact, run_compactor
+from blockd.compact import CompactionFailed, compact, run_compactor
 from blockd.core import Allocate, PoolConfig
 from blockd.datadir import Reader
 from blockd.engine import Engine
@@ -159,15 +159,23 @@ def test_snapshots_happen_in_a_crash_loop(tmp_path):
     engine.close()
 
 
+#: a compactor in its own process that SIGKILLs itself at one point (the seam ``compact(at=...)``)
+KILLED_AT = """
+import os, signal, sys
+from blockd.compact import compact
+data_dir, point, upto = sys.argv[1:]
+compact(data_dir, int(upto), prune=False, at=lambda name: name == point and os.kill(os.getpid(), signal.SIGKILL))
+"""
+
+
 @pytest.mark.parametrize("point", ["written", "renamed"])
-def test_a_compaction_killed_part_way_leaves_a_recoverable_dir(built, point, monkeypatch):
+def test_a_compaction_killed_part_way_leaves_a_recoverable_dir(built, point):
     data_dir, ref = built
     Engine(EngineConfig(data_dir=data_dir)).close()  # every segment with records is now closed
     before = digest(data_dir)
-    monkeypatch.setenv(KILL_AT_ENV, point)
-    with pytest.raises(CompactionFailed, match="killed by signal 9"):
-        run_compactor(data_dir, 23, IdempotencyLimits())
-    monkeypatch.delenv(KILL_AT_ENV)
+    proc = subprocess.run([sys.executable, "-c", KILLED_AT, data_dir, point, "23"], env=child_env(),
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == -9, proc.stderr
     leftovers = set(digest(data_dir)) - set(before)
     assert leftovers == ({"snapshot-000000000023.snap.tmp"} if point == "written" else {"snapshot-000000000023.snap"})
     engine = Engine(EngineConfig(data_dir=data_dir))
@@ -217,3 +225,11 @@ def test_two_compactions_never_run_at_once(built):
     assert Reader(data_dir).snapshot_lsn == 23 and "\"lsn\": 23" in out
     # and an in-process compaction afterwards finds nothing to do
     assert compact(data_dir, 23).size == 0
+
+
+def test_a_compactor_that_fails_is_reported_with_how_it_ended(built, tmp_path):
+    data_dir, _ = built
+    Engine(EngineConfig(data_dir=data_dir)).close()
+    assert run_compactor(data_dir, 23, IdempotencyLimits()).lsn == 23
+    with pytest.raises(CompactionFailed, match=r"the compactor failed \(exit code \d+\)"):
+        run_compactor(str(tmp_path / "nowhere"), 5, IdempotencyLimits())
