@@ -59,7 +59,7 @@ def _nowhere(point: str) -> None:
 
 
 def compact(data_dir: str, upto_lsn: int | None = None, *, prune: bool = True,
-            limits: IdempotencyLimits | None = None, at: Callable[[str], object] = _nowhere) -> Compacted:
+            limits: IdempotencyLimits | None = None, at: Callable[[str], None] = _nowhere) -> Compacted:
     """Write snapshot ``upto_lsn`` (default: the last record) into ``data_dir``.
 
     Raises :class:`blockd.datadir.DataDirError` if what it reads is damaged

@@ -164,7 +164,10 @@ KILLED_AT = """
 import os, signal, sys
 from blockd.compact import compact
 data_dir, point, upto = sys.argv[1:]
-compact(data_dir, int(upto), prune=False, at=lambda name: name == point and os.kill(os.getpid(), signal.SIGKILL))
+def at(name):
+    if name == point:
+        os.kill(os.getpid(), signal.SIGKILL)
+compact(data_dir, int(upto), prune=False, at=at)
 """
 
 
