@@ -34,7 +34,7 @@ from collections import namedtuple
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from bench.rpc import BLOCK_SIZE, MAX_STEPS, NUM_BLOCKS, NUM_SEQS, percentile, start_daemon, stop_daemon
+from bench.daemon import BLOCK_SIZE, MAX_STEPS, NUM_BLOCKS, NUM_SEQS, percentile, start_daemon, stop_daemon
 from blockd.auth import TlsConfig
 from blockd.auth.certs import make_ca, make_client_cert, make_server_cert, write_pair
 from blockd.auth.identity import bind_identity

@@ -35,10 +35,10 @@ from collections.abc import Iterator
 
 import grpc
 
+from bench.daemon import start_daemon, stop_daemon
 from blockd.core import Allocate, PoolConfig
 from blockd.rpc import convert
 from client.sdk import BlockdClient
-from cluster.local import ChildProcess
 
 SMALL_SEQS = 16
 BIG_OPS = 20_000
@@ -48,16 +48,6 @@ CONFIGS = {"default": (), "raised": ("--max-ops-per-step", "65536")}
 #: how the big batches arrive: as fast as one process can send them, or at a
 #: scheduler's step rate (a misconfigured scheduler sending one per step)
 ARRIVALS = {"back_to_back": 0.0, "20_per_s": 0.05}
-
-
-def _daemon(*flags: str) -> tuple[ChildProcess, str]:
-    proc = ChildProcess("blockd", ["-m", "blockd.cli", "serve", "--listen", "127.0.0.1:0",
-                                   "--log-level", "WARNING", *flags], "blockd listening on")
-    try:
-        return proc, proc.wait_ready(time.monotonic() + 30)
-    except RuntimeError:
-        proc.kill()
-        raise
 
 
 def _big_request(pool: str, num_ops: int):
@@ -119,7 +109,7 @@ def _isolation_row(client: BlockdClient, address: str, seconds: float, interval_
 
 
 def _one_config(name: str, flags: tuple[str, ...], seconds: float) -> Iterator[dict]:
-    proc, address = _daemon(*flags)
+    proc, address = start_daemon(*flags)
     try:
         with BlockdClient(address, timeout_s=30) as client:
             client.create_pool(PoolConfig("small", num_blocks=1 << 14, block_size=16))
@@ -131,7 +121,7 @@ def _one_config(name: str, flags: tuple[str, ...], seconds: float) -> Iterator[d
             for num_ops in FAIL_OPS:
                 yield _fail_row(client, num_ops) | {"limits": name}
     finally:
-        proc.stop(30)
+        stop_daemon(proc)
 
 
 def _fail_row(client: BlockdClient, num_ops: int) -> dict:

@@ -55,36 +55,12 @@ from collections.abc import Callable, Iterator
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from bench.auth import interceptor, step_security
+from bench.daemon import BLOCK_SIZE, MAX_STEPS, NUM_BLOCKS, NUM_SEQS, percentile, start_daemon, stop_daemon
 from bench.isolation import big_batch_isolation
 from blockd.core import Allocate, Pool, PoolConfig
 from blockd.core.types import DecodeAppend, Free
 from client.sdk import BlockdClient
-from cluster.local import ChildProcess
-
-NUM_SEQS = 256
-BLOCK_SIZE = 16
-# room for 8192 decode steps of 256 tokens without freeing anything
-NUM_BLOCKS = 1 << 17
-MAX_STEPS = NUM_BLOCKS * BLOCK_SIZE // NUM_SEQS - 2
-
-
-def start_daemon(*flags: str, timeout_s: float = 30.0) -> tuple[ChildProcess, str]:
-    """``blockd serve`` on a free port; returns the process and its address."""
-    proc = ChildProcess("blockd", ["-m", "blockd.cli", "serve", "--listen", "127.0.0.1:0",
-                                   "--log-level", "WARNING", *flags], "blockd listening on")
-    try:
-        return proc, proc.wait_ready(time.monotonic() + timeout_s)
-    except RuntimeError:
-        proc.kill()
-        raise
-
-
-def stop_daemon(proc: ChildProcess) -> None:
-    proc.stop(30)
-
-
-def percentile(sorted_values: list[float], q: float) -> float:
-    return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
 
 
 def _seq_ids(pool: str) -> list[str]:
@@ -467,8 +443,6 @@ def security(args: argparse.Namespace) -> Iterator[dict]:
     """What TLS, mutual TLS, tokens and the auth interceptor add to this
     benchmark's step (``bench/auth.py`` has the rows and their fields)."""
     import tempfile
-
-    from bench.auth import interceptor, step_security  # bench.auth imports this module
 
     with tempfile.TemporaryDirectory(prefix="blockd-bench-auth-") as directory:
         yield from interceptor(directory)
