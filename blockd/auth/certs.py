@@ -2,13 +2,14 @@
 certificates with SANs for the addresses clients dial, and client
 certificates that carry a blockd identity (:mod:`blockd.auth.identity`).
 
-    python -m blockd.auth.certs dev DIR              # CA + server (localhost) + an admin client
-    python -m blockd.auth.certs ca DIR
-    python -m blockd.auth.certs server DIR --host blockd.example --host 10.0.0.5
-    python -m blockd.auth.certs client DIR --name router-0 --tenant acme --role scheduler
-    python -m blockd.auth.certs client DIR --name worker-0 --tenant acme --role worker --host 10.0.0.9
+    blockd certs dev DIR              # CA + server (localhost) + an admin client
+    blockd certs ca DIR
+    blockd certs server DIR --host blockd.example --host 10.0.0.5
+    blockd certs client DIR --name router-0 --tenant acme --role scheduler
+    blockd certs client DIR --name worker-0 --tenant acme --role worker --host 10.0.0.9
 
-(also ``blockd certs ...``). Files are ``NAME.pem`` (certificate) and
+(the commands are :mod:`blockd.auth.cli`'s, which imports this module only
+when one runs, so ``cryptography`` loads only then). Files are ``NAME.pem`` (certificate) and
 ``NAME-key.pem`` (private key, mode 0600) in DIR; ``ca.pem`` is the bundle
 servers and clients trust.
 
@@ -37,8 +38,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from blockd.auth.cli import CERT_DAYS as DEFAULT_DAYS
-from blockd.auth.cli import add_cert_commands
+from blockd.auth.config import CERT_DAYS as DEFAULT_DAYS
 from blockd.auth.identity import DEFAULT_TRUST_DOMAIN, spiffe_uri
 
 _SKEW = dt.timedelta(minutes=5)
@@ -178,14 +178,3 @@ def run(args: argparse.Namespace, out=sys.stdout) -> int:
     for path in written:
         print(path, file=out)
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m blockd.auth.certs",
-                                     description="development certificates for blockd (not for production)")
-    add_cert_commands(parser.add_subparsers(dest="certs_command", required=True))
-    return run(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -24,11 +24,9 @@ import json
 import sys
 
 from blockd import config_env
+from blockd.auth.config import CERT_DAYS
 from blockd.auth.identity import DEFAULT_TRUST_DOMAIN, ROLES, BadIdentity, Identity
 from blockd.auth.tokens import IdentitiesFileError, add_token, read_for_edit, remove_token
-
-#: leaf certificates' default validity (the CA's: ten years)
-CERT_DAYS = 30
 
 
 def _tokens(args: argparse.Namespace) -> int:

@@ -43,6 +43,10 @@ import argparse
 import ipaddress
 from dataclasses import dataclass
 
+#: development leaf certificates' default validity in days (the CA's: ten years;
+#: :mod:`blockd.auth.certs`, ``blockd certs --days``)
+CERT_DAYS = 30
+
 
 class TlsError(ValueError):
     """TLS settings or files that cannot work; the message names the file and the fix."""
