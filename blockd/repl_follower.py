@@ -25,7 +25,9 @@ The stream carries the follower's peer credentials (``--peer-tls-*``,
 
 A message from a term older than the newest this replica knows ends the
 stream (a deposed leader's feed). Any failure closes the stream and the loop
-dials again after a short pause.
+dials again after a short pause. A leader that goes away (its connection
+reset: killed, partitioned, a normal failover) is a WARNING saying the loop
+waits for the next leader, never an ERROR with a traceback.
 
 A watchdog (:class:`FeedWatch`) cancels a feed that cannot end by itself:
 one whose leader the election no longer names, or one silent for
@@ -233,6 +235,13 @@ class FollowerLoop:
             except _GaveUp as err:
                 if not self._stop.is_set():
                     log.warning("replication from %s given up: %s; dialling the leader again", target, err)
+            except ConnectionError as err:
+                # the leader's replication socket reset or closed mid-frame: what a leader killed or
+                # partitioned away does in a normal failover. Nothing was half-applied (a record is
+                # applied only once read whole), so no reload; the election names the next leader.
+                if not self._stop.is_set():
+                    log.warning("lost the leader %s (%s: %s); waiting for the next leader the election names, "
+                                "then following it", target, type(err).__name__, err)
             except Exception:  # the loop must survive and retry; the log has the details
                 log.exception("replication from %s failed; reloading from disk and retrying", target)
                 self.engine.reload()

@@ -584,6 +584,41 @@ def test_a_follower_behind_the_retained_log_catches_up_from_a_snapshot(group):
             engine.close()
 
 
+def test_a_follower_warns_not_errs_when_its_leader_is_killed_under_load(group):
+    """A normal failover: the leader is SIGKILLed while steps stream to the followers (its
+    replication sockets reset mid-feed). The followers say they wait for the next leader,
+    at WARNING; no ERROR line, no traceback."""
+    g = group()
+    leader = ready(g)
+    stop = threading.Event()
+
+    def load(k: int) -> None:
+        client, i = g.clients[leader], 0
+        while not stop.is_set():
+            with contextlib.suppress(BlockdClientError):
+                client.step("p", [Allocate(f"l{k}-{i}", [1, 2, 3])])
+            i += 1
+
+    threads = [threading.Thread(target=load, args=(k,), daemon=True) for k in range(4)]
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(1.5)
+        g.kill(leader)
+        wait_for(lambda: g.leader() not in (None, leader), "the next leader", timeout_s=60)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(15)
+    time.sleep(0.5)
+    followers = {rid: proc.output() for rid, proc in g.procs.items() if rid != leader}
+    for rid, output in followers.items():
+        bad = [line for line in output.splitlines() if " ERROR " in line or line.startswith("Traceback")]
+        assert not bad, f"{rid} logged:\n" + "\n".join(bad[:5]) + "\n" + g.outputs()
+    resets = [line for output in followers.values() for line in output.splitlines() if "ConnectionReset" in line]
+    assert all(" WARNING " in line and "waiting for the next leader" in line for line in resets), resets
+
+
 def test_the_sdk_follows_the_leader_across_a_failover(group):
     """One client given every replica's address steps through a SIGKILL of
     the leader without an error: each call follows NOT_LEADER or moves to
