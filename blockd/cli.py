@@ -53,6 +53,7 @@ import gc
 import importlib
 import importlib.util
 import logging
+import os
 import signal
 import sys
 import threading
@@ -68,6 +69,32 @@ from blockd.rpc import addresses
 log = logging.getLogger("blockd")
 
 FSYNC_POLICIES = ("always", "interval", "never")
+
+
+def listen_address(text: str) -> str:
+    """A flag type: ``HOST:PORT`` to bind (port 0: any free one). Checked at parse
+    time so a malformed one is named as such, not refused later for its (absent) TLS."""
+    try:
+        addresses.split_listen(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"malformed address {text!r}: expected HOST:PORT, e.g. 127.0.0.1:50051 (port 0: any free "
+            "port; an IPv6 host in brackets, [::1]:50051)") from None
+    return text
+
+
+def data_dir_path(text: str) -> str:
+    """A flag type: a directory, or a path where one can be made. A regular file
+    there (or in place of a parent) is named, not reported as errno 17 or 20."""
+    if not text:
+        return text  # as before: empty means no data dir (state in memory)
+    path = os.path.abspath(text)
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)  # the nearest part that exists must be a directory
+    if not os.path.isdir(path):
+        where = "" if path == os.path.abspath(text) else f" (in {text!r})"
+        raise argparse.ArgumentTypeError(f"{path!r}{where} is a file, not a directory")
+    return text
 
 
 def _add_replication(serve: argparse.ArgumentParser) -> None:
@@ -150,12 +177,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="blockd", description="blockd: a cluster's paged KV cache manager")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run the daemon")
-    serve.add_argument("--listen", default="127.0.0.1:50051",
+    serve.add_argument("--listen", type=listen_address, default="127.0.0.1:50051",
                        help="HOST:PORT to serve gRPC on; port 0 picks a free one")
     serve.add_argument("--advertise-address", default=None,
                        help="HOST[:PORT] others dial to reach this daemon (e.g. the pod IP); "
                             "the port defaults to the bound one. Default: the listen address")
-    serve.add_argument("--data-dir", default=None,
+    serve.add_argument("--data-dir", type=data_dir_path, default=None,
                        help="directory for the write-ahead log and snapshots, locked while serving; "
                             "without it state is in memory only")
     serve.add_argument("--fsync", default="always", choices=FSYNC_POLICIES,

@@ -10,6 +10,7 @@ import pytest
 
 from blockd import config_env
 from blockd.cli import build_parser as blockd_parser
+from blockd.cli import data_dir_path, listen_address
 from client.cli import ENV_OVERRIDES as BLOCKCTL_OVERRIDES
 from client.cli import build_parser as blockctl_parser
 from worker.main import ENV_OVERRIDES as WORKER_OVERRIDES
@@ -84,6 +85,8 @@ def _sample(action: argparse.Action) -> tuple[str, object]:
     if action.choices:
         choice = next(c for c in action.choices if c != action.default)
         return str(choice), choice
+    if action.type is listen_address:
+        return "127.0.0.1:7", "127.0.0.1:7"
     if action.type is config_env.log_level:
         return "debug", "DEBUG"
     if action.type in (int, config_env.port, config_env.positive_int, config_env.non_negative_int):
@@ -175,7 +178,8 @@ NUMERIC_TYPES = (config_env.positive_float, config_env.non_negative_float, confi
 
 def _numeric_flags(p: argparse.ArgumentParser) -> list[argparse.Action]:
     return [a for leaf in [p, *_all_parsers(p)] for a in leaf._actions
-            if a.option_strings and a.type is not None and a.type not in (str, config_env.log_level)]
+            if a.option_strings and a.type is not None
+            and a.type not in (str, config_env.log_level, listen_address, data_dir_path)]
 
 
 @pytest.mark.parametrize("program", ["blockd", "blockd-worker"])
