@@ -3,7 +3,8 @@
 Two kinds of metric live here, kept apart on purpose:
 
 * **State read at scrape time** (:class:`EngineCollector`): blocks by state,
-  capacity, utilisation, tail waste, sequences, tokens, versions, the prefix
+  capacity, utilisation, tail waste (slots, bytes and their share of the used
+  blocks' slots), sequences, tokens, versions, the prefix
   cache / eviction / copy-on-write counters and workers up or down. The
   collector asks the engine for its O(1) per-pool :class:`PoolStats` when
   Prometheus scrapes, so the step path never walks a table or touches a
@@ -21,7 +22,8 @@ failing step that names a pool blockd does not know is labelled
 
 Each :class:`BlockdMetrics` has its own ``CollectorRegistry`` (not the
 process-global one), so tests and several engines in one process never hit
-duplicate-registration errors. Imports prometheus_client and grpc; the
+duplicate-registration errors; it carries the standard ``process_*`` and
+``python_info`` and ``blockd_build_info`` (:mod:`blockd.build_info`). Imports prometheus_client and grpc; the
 allocator core never imports this module.
 """
 
@@ -38,6 +40,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from blockd.auth.config import TlsConfig
+from blockd.build_info import register_standard_metrics
 from blockd.core.types import Allocate, Append, Commit, DecodeAppend, Fork, Free, PoolStats
 from blockd.rpc.metrics_http import ServedMetrics, serve_metrics
 
@@ -73,6 +76,12 @@ def _counter(name: str, doc: str) -> CounterMetricFamily:
     return CounterMetricFamily(name, doc, labels=["pool"])
 
 
+def tail_waste_ratio(stats: PoolStats) -> float:
+    """Unused slots of the used blocks over all their slots; 0.0 when no block is used."""
+    slots = stats.num_used_blocks * stats.block_size
+    return stats.tail_waste_slots / slots if slots else 0.0
+
+
 class EngineCollector(Collector):
     """Per-pool state of one engine, read when Prometheus scrapes."""
 
@@ -93,6 +102,9 @@ class EngineCollector(Collector):
                                   "Unused token slots in partly filled used blocks."),
             "waste_bytes": _gauge("blockd_pool_tail_waste_bytes",
                                   "Tail waste in KV bytes across all layers, keys and values."),
+            "waste_ratio": _gauge("blockd_pool_tail_waste_ratio",
+                                  "Tail waste slots / token slots of the used blocks (0 with no used block): "
+                                  "the share of allocated KV memory that holds no token."),
             "seqs": _gauge("blockd_pool_sequences", "Live sequences in the pool."),
             "tokens": _gauge("blockd_pool_tokens", "Tokens held by the pool's sequences."),
             "version": _gauge("blockd_pool_version", "The pool's version: committed mutation batches."),
@@ -134,7 +146,8 @@ class EngineCollector(Collector):
             families["blocks"].add_metric([s.name, state], value)
         for key, value in (("capacity", s.num_blocks), ("block_size", s.block_size),
                            ("utilisation", s.utilisation_ratio), ("waste_slots", s.tail_waste_slots),
-                           ("waste_bytes", s.tail_waste_bytes), ("seqs", s.num_seqs),
+                           ("waste_bytes", s.tail_waste_bytes), ("waste_ratio", tail_waste_ratio(s)),
+                           ("seqs", s.num_seqs),
                            ("tokens", s.num_tokens), ("version", s.version),
                            ("queried", s.prefix_queried_tokens), ("hit", s.prefix_hit_tokens),
                            ("evictions", s.num_evictions), ("copies", s.num_copies)):
@@ -148,6 +161,7 @@ class BlockdMetrics:
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
+        register_standard_metrics(self.registry)  # process_*, python_info, blockd_build_info
         self._known_pools: set[str] = set()
         self._engine = None
         self._attach_lock = threading.Lock()

@@ -9,7 +9,9 @@ installed).
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -32,7 +34,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMTOOL = shutil.which("promtool")
 needs_promtool = pytest.mark.skipif(
     PROMTOOL is None, reason="promtool not found: apt-get install prometheus (Debian) to run this check")
-ALLOWED_LABELS = {"pool", "state", "kind", "outcome", "method", "code", "kernel", "le"}
+ALLOWED_LABELS = {"pool", "state", "kind", "outcome", "method", "code", "kernel", "le",
+                  # the build's, constant for a process: blockd_build_info and the standard python_info
+                  "version", "python_version", "implementation", "major", "minor", "patchlevel"}
 
 
 class FakeClock:
@@ -87,6 +91,9 @@ def test_collector_values_equal_engine_stats():
         assert value("blockd_pool_utilisation_ratio", pool) == pytest.approx(s.utilisation_ratio)
         assert value("blockd_pool_tail_waste_slots", pool) == s.tail_waste_slots
         assert value("blockd_pool_tail_waste_bytes", pool) == s.tail_waste_bytes
+        used_slots = s.num_used_blocks * s.block_size
+        assert value("blockd_pool_tail_waste_ratio", pool) == pytest.approx(
+            s.tail_waste_slots / used_slots if used_slots else 0.0)
         assert value("blockd_pool_sequences", pool) == s.num_seqs
         assert value("blockd_pool_tokens", pool) == s.num_tokens
         assert value("blockd_pool_version", pool) == s.version
@@ -293,6 +300,46 @@ def test_two_metrics_servers_in_one_process_do_not_collide():
         metrics.attach(second)
     with pytest.raises(ValueError, match="metrics port"):
         start_metrics_server(first, -1)
+
+
+def test_tail_waste_ratio_is_the_unused_share_of_the_used_blocks():
+    engine = Engine()
+    engine.create_pool(PoolConfig("w", num_blocks=8, block_size=4))
+    metrics = BlockdMetrics()
+    metrics.attach(engine)
+    ratio = lambda: metrics.registry.get_sample_value("blockd_pool_tail_waste_ratio", {"pool": "w"})  # noqa: E731
+    assert ratio() == 0.0  # no used block: 0, not a division by zero
+    engine.step("w", [Allocate("a", [1, 2, 3, 4, 5])])  # 2 blocks, 8 slots, 3 unused
+    assert ratio() == pytest.approx(3 / 8)
+    engine.step("w", [Allocate("b", [9, 9, 9, 9])])  # a full block: 3 of 12
+    assert ratio() == pytest.approx(3 / 12)
+
+
+def _standard_metrics(text: str) -> dict:
+    return {f.name: f for f in text_string_to_metric_families(text)}
+
+
+@pytest.mark.parametrize("program", ["blockd", "blockd-worker"])
+def test_build_info_and_the_standard_process_metrics(program):
+    """Each program's own registry has what the process-global one would: process_*,
+    python_info, and blockd_build_info (value 1, the version and Python in its labels)."""
+    if program == "blockd":
+        engine = Engine()
+        _, server = start_metrics_server(engine, 0)
+        try:
+            families = _standard_metrics(_scrape(server.port))
+        finally:
+            server.close()
+    else:
+        families = _standard_metrics(worker_scrape(WorkerMetrics("alpha")))
+    (info,) = families["blockd_build_info"].samples
+    assert info.value == 1
+    assert info.labels == {"version": importlib.metadata.version("blockd"),
+                           "python_version": platform.python_version()}
+    for name in ("process_cpu_seconds", "process_resident_memory_bytes", "process_open_fds",
+                 "process_start_time_seconds", "python_info"):
+        assert name in families, name
+    assert families["process_resident_memory_bytes"].samples[0].value > 0
 
 
 def test_collector_handles_no_pools():

@@ -3,7 +3,9 @@
 One :class:`WorkerMetrics` per worker process, labelled with the one pool the
 worker serves; the ``kernel`` label takes its values from a fixed list
 (:data:`KERNELS`), so a worker never creates unbounded series. Lives in its
-own ``CollectorRegistry`` so tests can run several workers in one process.
+own ``CollectorRegistry`` so tests can run several workers in one process,
+with the standard ``process_*``, ``python_info`` and ``blockd_build_info``
+(:mod:`blockd.build_info`) a process-global registry would have had.
 
 Everything a worker reports is set from its own loop (the follower sets
 applied version and lag as it applies deltas; the kernels time themselves),
@@ -17,6 +19,7 @@ from collections.abc import Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from blockd.build_info import register_standard_metrics
 from blockd.rpc.metrics_http import ServedMetrics, serve_metrics
 
 #: kernel label values; a kernel outside this list is a programming error
@@ -39,6 +42,7 @@ class WorkerMetrics:
             raise ValueError(f"pool must be a non-empty string, got {pool!r}")
         self.pool = pool
         self.registry = registry if registry is not None else CollectorRegistry()
+        register_standard_metrics(self.registry)  # process_*, python_info, blockd_build_info
         self._kernel_names = frozenset(kernels)
         self.kernel_duration = Histogram(
             "blockd_worker_kernel_duration_seconds", "Wall time of one kernel call (synchronised on GPU).",
