@@ -58,7 +58,7 @@ import signal
 import sys
 import threading
 
-from blockd import config_env
+from blockd import build_info, config_env, logs
 from blockd.auth.cli import add_commands as add_auth_commands
 from blockd.auth.config import add_tls_flags
 from blockd.core.errors import BlockdError
@@ -175,6 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     """Every flag also reads an environment variable, ``BLOCKD_<FLAG>``
     (:mod:`blockd.config_env`; ``--help`` names each)."""
     parser = argparse.ArgumentParser(prog="blockd", description="blockd: a cluster's paged KV cache manager")
+    parser.add_argument("--version", action="version", version=build_info.describe("blockd"))
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run the daemon")
     serve.add_argument("--listen", type=listen_address, default="127.0.0.1:50051",
@@ -211,6 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_replication(serve)
     serve.add_argument("--log-level", type=config_env.log_level, default="INFO",
                        help="DEBUG, INFO, WARNING or ERROR")
+    _add_log_format(serve)
     add_tls_flags(serve, server=True)
     _add_metrics_security(serve)
     check = sub.add_parser("check-data", help="verify a data directory offline (exit 0: blockd would start)")
@@ -231,8 +233,15 @@ def build_parser() -> argparse.ArgumentParser:
     for p in (check, repair, compact):
         p.add_argument("--log-level", type=config_env.log_level, default="WARNING",
                        help="DEBUG, INFO, WARNING or ERROR")
+        _add_log_format(p)
     add_auth_commands(sub)
     return parser
+
+
+def _add_log_format(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--log-format", choices=logs.LOG_FORMATS, default="text",
+                        help="text, or json: one object per line (time, level, logger, message; an audit "
+                             "line's fields merged in), for a log collector")
 
 
 def _add_metrics_security(parser: argparse.ArgumentParser) -> None:
@@ -481,8 +490,7 @@ def main(argv: list[str] | None = None) -> int:
     args = config_env.parse_args(build_parser(), argv, "BLOCKD_")
     if args.command in ("tokens", "certs"):  # print their results on stdout; no log set-up
         return args.run(args)
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logs.configure(args.log_level, args.log_format, "%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "serve":
         return serve(args)
     if args.command == "compact":

