@@ -78,6 +78,62 @@ def test_dockerfile_shape() -> None:
     assert any(op == "COPY" and arg.startswith("--from=build") for op, arg in final)
 
 
+def _stages() -> tuple[list[tuple[str, str]], list[tuple[str, str]], list[tuple[str, str]]]:
+    """(the instructions before the first FROM, the build stage's, the runtime stage's)."""
+    steps = _instructions()
+    starts = [i for i, (op, _) in enumerate(steps) if op == "FROM"]
+    return steps[:starts[0]], steps[starts[0]:starts[1]], steps[starts[1]:]
+
+
+def _env(stage: list[tuple[str, str]], args: dict[str, str]) -> dict[str, str]:
+    """The stage's ENV (``K=V ...`` form), ``${ARG}`` filled from ``args``."""
+    env: dict[str, str] = {}
+    for op, arg in stage:
+        if op == "ENV":
+            for pair in arg.split():
+                key, _, value = pair.partition("=")
+                env[key] = re.sub(r"\$\{(\w+)\}", lambda m: args.get(m.group(1), ""), value)
+    return env
+
+
+def _args(steps: list[tuple[str, str]]) -> dict[str, str]:
+    return dict(arg.partition("=")[::2] for op, arg in steps if op == "ARG")
+
+
+def test_the_build_stage_builds_the_cpu_kernel_for_a_portable_isa_and_the_runtime_stage_ships_it(
+        monkeypatch) -> None:
+    """The runtime stage has no compiler, so the kernel (worker/kernels/native.py) is built in
+    the build stage, for a named -march (not native: the build machine's CPU is not the
+    runner's), into a cache the runtime stage copies and points its workers at."""
+    preamble, build, runtime = _stages()
+    march = _args(preamble)["KERNEL_MARCH"]
+    assert march and march != "native" and re.fullmatch(r"x86-64-v[1-4]", march), march
+    assert "KERNEL_MARCH" in _args(build) and "KERNEL_MARCH" in _args(runtime)  # each stage takes the global
+    build_env, runtime_env = _env(build, {"KERNEL_MARCH": march}), _env(runtime, {"KERNEL_MARCH": march})
+    cache = build_env["BLOCKD_KERNEL_CACHE"]
+    assert build_env["BLOCKD_KERNEL_MARCH"] == runtime_env["BLOCKD_KERNEL_MARCH"] == march
+    assert runtime_env["BLOCKD_KERNEL_CACHE"] == cache
+    # build stage: a compiler is installed, then `python -m worker.kernels` runs with the worker
+    # extra, from outside /src (the installed sources are the ones the runtime hashes)
+    runs = [(i, arg) for i, (op, arg) in enumerate(build) if op == "RUN"]
+    compiler = next(i for i, arg in runs if "apt-get install" in arg and "g++" in arg.split())
+    kernel = next(i for i, arg in runs if "/opt/blockd/bin/python -m worker.kernels" in arg)
+    assert compiler < kernel and "*,worker,*)" in build[kernel][1]
+    workdir = [arg for op, arg in build[:kernel] if op == "WORKDIR"][-1]
+    assert not workdir.startswith("/src")
+    assert "find " + cache in build[kernel][1] and "! -name '*.so' -delete" in build[kernel][1]
+    # runtime stage: copies a directory holding the cache, to the same path; compiles nothing
+    copies = [arg.split()[1:] for op, arg in runtime if op == "COPY" and arg.startswith("--from=build")]
+    assert any(src == dst and (cache == src or cache.startswith(src.rstrip("/") + "/"))
+               for src, dst in copies), copies
+    assert not any(op == "RUN" and ("apt-get install" in arg or "worker.kernels" in arg) for op, arg in runtime)
+    # the value is one the worker accepts
+    from worker.kernels.native import march_setting
+
+    monkeypatch.setenv("BLOCKD_KERNEL_MARCH", march)
+    assert march_setting() == march
+
+
 def test_healthcheck_is_a_real_blockctl_health_call() -> None:
     (check,) = [arg for op, arg in _instructions() if op == "HEALTHCHECK"]
     argv = json.loads(check.split("CMD", 1)[1])  # the exec form is a JSON list

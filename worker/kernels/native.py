@@ -15,7 +15,16 @@ The build is cached under ``$BLOCKD_KERNEL_CACHE`` (default
 ``~/.cache/blockd/kernels``), in a directory named by a hash of the sources,
 the compiler flags, torch's version and the CPU's flags, so a rebuilt torch,
 an edited source or another CPU sharing a home directory never loads a stale
-library; concurrent processes wait on torch's lock. A warm cache loads in
+library; concurrent processes wait on torch's lock.
+
+``BLOCKD_KERNEL_MARCH`` (default ``native``) is the build's ``-march``. A named
+level (``x86-64-v2``: any x86-64 CPU since ~2009, the vec4 path;
+``x86-64-v3``: AVX2+FMA+F16C; ``armv8-a``) makes a portable build: its
+cache directory is not keyed by this CPU's flags, so a build made elsewhere
+(the container image's build stage, which has the compiler the runtime stage
+lacks) loads on any CPU of that level with the same sources, torch and
+Python. A process loads the build of the level it is told, so builder and
+runner must agree on the variable (deploy/Dockerfile sets it in both). A warm cache loads in
 well under a second; a cold build takes ~30-90 s on a small machine
 (``python -m worker.kernels`` builds it ahead of time; ``make setup`` does).
 
@@ -39,13 +48,15 @@ import hashlib
 import json
 import logging
 import os
+import re
 import sys
 import threading
 from pathlib import Path
 
 import torch
 
-__all__ = ["ISAS", "KernelUnavailable", "backend_setting", "isa_setting", "layer_ops", "load", "loaded", "ops"]
+__all__ = ["ISAS", "KernelUnavailable", "backend_setting", "isa_setting", "layer_ops", "load", "loaded",
+           "march_setting", "ops"]
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +64,9 @@ _CSRC = Path(__file__).with_name("csrc")
 #: one library: the attention kernel and the decoder layer's elementwise ops
 #: (``blockd_layer``, used by :mod:`worker.model.fused`)
 _SOURCES = (_CSRC / "paged_attention.cpp", _CSRC / "layer_ops.cpp")
-_CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno")
+#: the compiler flags, ``-march`` filled in by :func:`march_setting` (in this order: a native
+#: build's cache key is what it was before the setting existed)
+_CFLAGS = ("-O3", "-march={march}", "-fopenmp", "-fno-math-errno")
 _LDFLAGS = ("-fopenmp",)
 BACKENDS = ("auto", "native", "torch")
 #: code paths of the compiled kernel, by the ``isa`` argument of its ``run`` op
@@ -84,6 +97,19 @@ def isa_setting() -> int:
     return ISAS[value]
 
 
+def march_setting() -> str:
+    """``BLOCKD_KERNEL_MARCH``, validated: ``native`` or a ``-march`` level name."""
+    value = os.environ.get("BLOCKD_KERNEL_MARCH", "native").strip() or "native"
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._+-]*", value):
+        raise ValueError(f"BLOCKD_KERNEL_MARCH must be native or a -march level such as x86-64-v2, got {value!r}")
+    return value
+
+
+def _cflags() -> tuple[str, ...]:
+    march = march_setting()
+    return tuple(flag.format(march=march) for flag in _CFLAGS)
+
+
 def _cpu_signature() -> str:
     """The CPU's feature flags (Linux), so a cache shared by different CPUs keeps one build each."""
     try:
@@ -100,8 +126,10 @@ def _cpu_signature() -> str:
 def _build_dir() -> tuple[str, Path]:
     digest = hashlib.sha256()
     sources = [path.read_bytes() for path in sorted(_CSRC.iterdir()) if path.is_file()]
-    for part in (*sources, " ".join(_CFLAGS + _LDFLAGS).encode(), torch.__version__.encode(),
-                 _cpu_signature().encode(), sys.version.encode()):
+    # a portable build (a named -march) is one library for every CPU of its level
+    cpu = _cpu_signature() if march_setting() == "native" else "portable"
+    for part in (*sources, " ".join(_cflags() + _LDFLAGS).encode(), torch.__version__.encode(),
+                 cpu.encode(), sys.version.encode()):
         digest.update(part)
     name = "blockd_attention_" + digest.hexdigest()[:16]
     root = Path(os.environ.get("BLOCKD_KERNEL_CACHE") or Path.home() / ".cache" / "blockd" / "kernels")
@@ -130,7 +158,7 @@ def _build() -> None:
         pass
     try:
         # (copies: load() appends to the flag lists it is given)
-        cpp_extension.load(name=name, sources=[str(path) for path in _SOURCES], extra_cflags=list(_CFLAGS),
+        cpp_extension.load(name=name, sources=[str(path) for path in _SOURCES], extra_cflags=list(_cflags()),
                            extra_ldflags=list(_LDFLAGS), build_directory=str(directory),
                            is_python_module=False, verbose=False)
     finally:
@@ -182,7 +210,12 @@ def main() -> None:
     """``python -m worker.kernels``: build the kernel now (set-up, CI); one JSON line says how it went."""
     logging.basicConfig(level=logging.INFO)
     ok = load()
-    _, directory = _build_dir()
+    try:
+        march, directory = march_setting(), str(_build_dir()[1])
+    except ValueError as err:  # a bad BLOCKD_KERNEL_MARCH: load() said so too
+        march, directory = None, None
+        ok = False
+        log.error("%s", err)
     isa = {v: k for k, v in ISAS.items()}.get(int(ops().best_isa()), "?") if ok else None
-    print(json.dumps({"built": ok, "dir": str(directory), "best_isa": isa, "error": _failure or None}))
+    print(json.dumps({"built": ok, "dir": directory, "march": march, "best_isa": isa, "error": _failure or None}))
     sys.exit(0 if ok else 1)
