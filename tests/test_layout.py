@@ -19,7 +19,8 @@ from tests.conftest import ROOT
 
 PACKAGES = ("blockd", "client", "worker", "sim", "cluster")
 #: stdlib-only or protocol modules of the blockd package that are not the daemon
-NOT_DAEMON = {"blockd.config_env", "blockd.ha", "blockd.auth"}  # shared layer-2 packages
+#: (blockd.logs, blockd.build_info: log set-up and the build's metrics, the workers' too)
+NOT_DAEMON = {"blockd.config_env", "blockd.ha", "blockd.auth", "blockd.logs", "blockd.build_info"}
 PATH = re.compile(r"`((?:blockd|client|worker|sim|cluster|bench|tests|docs|deploy|scripts|proto)/[\w/.-]*)`")
 
 
