@@ -45,7 +45,7 @@ from client.cli_cluster import add_health, add_workers
 from client.cli_common import EPILOG, EXIT_CODES, CommandFailed, Exit, emit, jsonable, render_table
 from client.cli_ha import add_cluster
 from client.cli_pools import add_pools, add_prefix_cache
-from client.errors import BlockdClientError
+from client.errors import BlockdClientError, NotFoundError
 from client.sdk import BlockdClient
 from client.top import add_top
 
@@ -89,9 +89,14 @@ def _event_row(event) -> list[object]:
 
 
 def _events_tail(client: BlockdClient, args: argparse.Namespace) -> None:
+    """Without ``-f`` only the events that exist now are printed (at most
+    ``--limit``), so the command always ends; with ``-f`` it waits for more,
+    and a pool deleted meanwhile ends it with NOT_FOUND's exit status."""
     last = client.get_pool(args.pool).last_event_seq_no
     start = args.from_seq_no if args.from_seq_no is not None else max(0, last - TAIL_DEFAULT)
-    wanted = args.limit if args.limit is not None else (None if args.follow else max(0, last - start))
+    wanted = None if args.follow else max(0, last - start)
+    if args.limit is not None:
+        wanted = args.limit if wanted is None else min(wanted, args.limit)
     if wanted == 0:
         return
     if not args.json:
@@ -106,18 +111,26 @@ def _events_tail(client: BlockdClient, args: argparse.Namespace) -> None:
                 print(_EVENT_LINE.format(*_event_row(event)), flush=True)
             count += 1
             if wanted is not None and count >= wanted:
-                break
+                return
     finally:
         stream.close()
+    if args.follow:  # a followed stream ends only when its pool goes away (or blockd stops)
+        try:
+            client.get_pool(args.pool)
+        except NotFoundError:
+            raise CommandFailed(f"pool {args.pool!r} was deleted; its events ended", Exit.NOT_FOUND) from None
+        raise CommandFailed(f"the events stream of pool {args.pool!r} ended (blockd shutting down?)",
+                            Exit.UNAVAILABLE)
 
 
 def add_events(sub: argparse._SubParsersAction) -> None:
     events = sub.add_parser("events", help="KV events of a pool").add_subparsers(dest="action", required=True)
     tail = events.add_parser("tail", help="print events in order (the last 10 unless --from)")
     tail.add_argument("pool")
-    tail.add_argument("--from", dest="from_seq_no", type=int, default=None,
+    tail.add_argument("--from", dest="from_seq_no", type=config_env.non_negative_int, default=None,
                       help="print events after this sequence number")
-    tail.add_argument("--limit", type=int, default=None, help="stop after this many events")
+    tail.add_argument("--limit", type=config_env.non_negative_int, default=None,
+                      help="stop after this many events (without -f: at most those that exist now)")
     tail.add_argument("-f", "--follow", action="store_true", help="keep waiting for new events")
     tail.set_defaults(run=_events_tail)
 

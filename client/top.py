@@ -1,6 +1,6 @@
 """``blockctl top``: a live terminal view of every pool, for operators without Grafana.
 
-    blockctl top [--interval 2] [--once]
+    blockctl top [--interval 2] [--once] [--json]
 
 Each frame shows, per pool: a utilisation bar (used blocks / capacity),
 blocks by state, tail waste (slots and the share of used slots it wastes),
@@ -11,7 +11,8 @@ Everything comes from two SDK reads per frame (``list_pools``,
 ``list_workers``): the same O(1) per-pool stats the metrics endpoint serves,
 so running ``top`` costs blockd nothing measurable. ``--once`` prints one
 frame and exits (for scripts and tests); otherwise the screen is redrawn
-every ``--interval`` seconds until Ctrl-C. Owns rendering only; the SDK owns
+every ``--interval`` seconds until ``q`` (exit 0) or Ctrl-C (130). With
+``--json`` every frame is one JSON object on one line. Owns rendering only; the SDK owns
 the calls and their errors.
 """
 
@@ -19,12 +20,17 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
+import os
+import select
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TextIO
 
+from blockd import config_env
 from blockd.core.types import PoolStats
+from client.cli_common import jsonable
 
 BAR_WIDTH = 20
 #: ANSI: cursor home, clear screen; only written to a terminal
@@ -98,14 +104,61 @@ def render_frame(pools: Sequence[PoolStats], workers: Sequence, previous: dict[s
     return "\n".join(lines) + "\n"
 
 
-def run_top(client, interval: float, once: bool, out: TextIO, *, sleep: Callable[[float], None] = time.sleep,
-            max_frames: int | None = None) -> int:
+def json_frame(pools: Sequence[PoolStats], workers: Sequence) -> str:
+    """One frame as one JSON object on one line (``--json``): every pool's
+    stats and the workers up and down per pool."""
+    counts = count_workers(workers)
+    return json.dumps({"time": round(time.time(), 3), "pools": [jsonable(p) for p in pools],
+                       "workers": {pool: {"up": up, "down": down} for pool, (up, down) in counts.items()}})
+
+
+@contextlib.contextmanager
+def key_reader(stream: TextIO) -> Iterator[Callable[[float], bool]]:
+    """``wait(seconds)``, which sleeps and returns True as soon as ``q`` is
+    typed on ``stream`` (a terminal, put in cbreak mode meanwhile and restored
+    after); on anything else than a terminal it just sleeps."""
+    try:
+        fd = stream.fileno()
+        interactive = os.isatty(fd)
+    except (AttributeError, OSError, ValueError):
+        interactive = False
+    if not interactive:
+        def nap(seconds: float) -> bool:
+            time.sleep(seconds)
+            return False
+
+        yield nap
+        return
+    import termios
+    import tty
+
+    saved = termios.tcgetattr(fd)
+    tty.setcbreak(fd)
+
+    def wait(seconds: float) -> bool:
+        end = time.monotonic() + seconds
+        while (left := end - time.monotonic()) > 0:
+            ready, _, _ = select.select([fd], [], [], left)
+            if ready and os.read(fd, 1) in (b"q", b"Q"):
+                return True
+        return False
+
+    try:
+        yield wait
+    finally:
+        termios.tcsetattr(fd, termios.TCSADRAIN, saved)
+
+
+def run_top(client, interval: float, once: bool, out: TextIO, *, sleep: Callable[[float], object] = time.sleep,
+            max_frames: int | None = None, as_json: bool = False) -> int:
     """Draw frames from ``client`` (a :class:`client.sdk.BlockdClient`) into
     ``out`` every ``interval`` seconds; one frame when ``once``. Returns the
-    number of frames drawn. ``max_frames`` bounds the loop for tests."""
+    number of frames drawn. ``max_frames`` bounds the loop for tests;
+    ``sleep(seconds)`` returning True (``q`` typed) ends it; ``as_json``
+    writes each frame as one JSON line instead of a screen."""
     if not once and not interval > 0:
         raise ValueError(f"interval must be a positive number of seconds, got {interval!r}")
-    clear = CLEAR if getattr(out, "isatty", lambda: False)() else ""
+    clear = CLEAR if getattr(out, "isatty", lambda: False)() and not as_json else ""
     title_target = getattr(client, "target", "")
     previous: dict[str, PoolStats] = {}
     frames = 0
@@ -114,23 +167,27 @@ def run_top(client, interval: float, once: bool, out: TextIO, *, sleep: Callable
         workers = client.list_workers()
         where = f"  {title_target}" if title_target else ""
         title = f"blockd top{where}  {time.strftime('%H:%M:%S')}  {len(pools)} pools"
-        out.write(clear + render_frame(pools, workers, previous, title))
+        out.write(json_frame(pools, workers) + "\n" if as_json else clear + render_frame(pools, workers, previous,
+                                                                                          title))
         out.flush()
         frames += 1
         if once or (max_frames is not None and frames >= max_frames):
             return frames
         previous = {s.name: s for s in pools}
-        sleep(interval)
+        if sleep(interval):
+            return frames
 
 
 def _run(client, args: argparse.Namespace) -> None:
-    with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C is how a live view ends: not an error
-        run_top(client, args.interval, args.once, sys.stdout)
+    # Ctrl-C leaves through blockctl's main: exit status 130, as documented; q ends it with 0
+    with key_reader(sys.stdin) as wait:
+        run_top(client, args.interval, args.once, sys.stdout, sleep=wait, as_json=args.json)
 
 
 def add_top(sub: argparse._SubParsersAction) -> None:
     """Register ``top`` with ``blockctl`` (an entry of ``client.cli.COMMANDS``)."""
     top = sub.add_parser("top", help="live view of pools: utilisation, blocks, tail waste, prefix hits")
-    top.add_argument("--interval", type=float, default=2.0, help="seconds between frames (default 2)")
+    top.add_argument("--interval", type=config_env.positive_float, default=2.0,
+                     help="seconds between frames (default 2); q quits")
     top.add_argument("--once", action="store_true", help="print one frame and exit")
     top.set_defaults(run=_run)

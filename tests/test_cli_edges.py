@@ -1,0 +1,127 @@
+"""blockctl's rough edges from a new user's first hour (issue 26, items 5
+and 7), run as real commands against a real daemon: ``events tail`` without
+``-f`` always ends, a bad ``--limit`` is a usage error, ``-f`` on a pool that
+is deleted says so, ``top --json`` prints JSON, ``q`` quits ``top`` and
+Ctrl-C exits 130."""
+
+from __future__ import annotations
+
+import json
+import os
+import pty
+import select
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from blockd.core import Allocate, PoolConfig
+from client.sdk import BlockdClient
+from cluster.local import child_env
+from tests.grpc_fixtures import ROOT
+from tests.procs import start_blockd
+
+
+@pytest.fixture
+def target():
+    d = start_blockd()
+    try:
+        with BlockdClient(d.address) as client:
+            client.create_pool(PoolConfig("demo", num_blocks=64, block_size=4))
+            client.step("demo", [Allocate("s", [1, 2, 3, 4, 5])])  # no committed full block: no events
+        yield d.address
+    finally:
+        d.kill()
+
+
+def blockctl(target: str, *args: str, timeout: float = 30) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "client.cli", "--target", target, *args], cwd=ROOT,
+                          env=child_env(), capture_output=True, text=True, timeout=timeout, check=False)
+
+
+def test_events_tail_without_follow_ends_with_fewer_events_than_its_limit(target):
+    start = time.monotonic()
+    done = blockctl(target, "events", "tail", "demo", "--limit", "1", "--json", timeout=20)
+    assert done.returncode == 0 and done.stdout == "", done.stderr
+    assert time.monotonic() - start < 15
+    for bad in ("-1", "x"):
+        done = blockctl(target, "events", "tail", "demo", "--limit", bad)
+        assert done.returncode == 2 and "--limit: must be an integer >= 0" in done.stderr, done.stderr
+
+
+def test_events_follow_on_a_pool_that_is_deleted_says_so(target):
+    proc = subprocess.Popen([sys.executable, "-m", "client.cli", "--target", target, "events", "tail", "demo",
+                             "-f"], cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        time.sleep(2)
+        with BlockdClient(target) as client:
+            client.delete_pool("demo")
+        _, err = proc.communicate(timeout=20)
+    finally:
+        proc.kill()
+    assert proc.returncode == 3 and "pool 'demo' was deleted" in err, err
+
+
+def test_top_once_json_prints_one_json_object_per_frame(target):
+    for args in (("top", "--once", "--json"), ("--json", "top", "--once")):
+        done = blockctl(target, *args)
+        assert done.returncode == 0, done.stderr
+        frame = json.loads(done.stdout)
+        assert [p["name"] for p in frame["pools"]] == ["demo"]
+    env = {**child_env(), "BLOCKCTL_JSON": "1"}
+    done = subprocess.run([sys.executable, "-m", "client.cli", "--target", target, "top", "--once"], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=30, check=False)
+    assert json.loads(done.stdout)["pools"][0]["name"] == "demo"
+
+
+def _top_in_a_terminal(target: str) -> tuple[int, int]:
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: blockctl top on the terminal
+        os.chdir(ROOT)
+        os.execve(sys.executable, [sys.executable, "-m", "client.cli", "--target", target, "top",
+                                   "--interval", "0.2"], child_env())
+    return pid, fd
+
+
+def _read_until(fd: int, marker: bytes, timeout: float) -> bytes:
+    seen, end = b"", time.monotonic() + timeout
+    while marker not in seen and time.monotonic() < end:
+        ready, _, _ = select.select([fd], [], [], 0.2)
+        if ready:
+            try:
+                seen += os.read(fd, 4096)
+            except OSError:
+                break
+    return seen
+
+
+def _exit_status(pid: int, timeout: float) -> int:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    raise AssertionError("blockctl top did not end")
+
+
+def test_q_quits_top_and_ctrl_c_exits_130(target):
+    pid, fd = _top_in_a_terminal(target)
+    try:
+        assert b"demo" in _read_until(fd, b"demo", 20)
+        os.write(fd, b"q")
+        assert _exit_status(pid, 10) == 0
+    finally:
+        os.close(fd)
+    pid, fd = _top_in_a_terminal(target)
+    try:
+        assert b"demo" in _read_until(fd, b"demo", 20)
+        os.kill(pid, signal.SIGINT)
+        assert _exit_status(pid, 10) == 130
+    finally:
+        os.close(fd)
