@@ -87,6 +87,8 @@ def parse(text: str, source: str = "the file") -> list[Wanted]:
         data = json.loads(text)
     except json.JSONDecodeError as err:
         raise PoolFileError(f"{source} is not JSON: {err}") from None
+    except RecursionError:  # json's decoder recurses per nesting level
+        raise PoolFileError(f"{source} nests too deeply to be a pools file") from None
     items = data.get("pools") if isinstance(data, dict) else data
     if not isinstance(items, list):
         raise PoolFileError(f'{source} must hold {{"pools": [...]}} or a list of pools')

@@ -125,3 +125,15 @@ def test_q_quits_top_and_ctrl_c_exits_130(target):
         assert _exit_status(pid, 10) == 130
     finally:
         os.close(fd)
+
+
+def test_bad_input_ends_in_one_line_not_a_traceback(target, tmp_path):
+    worker = subprocess.run([sys.executable, "-m", "worker.main", "--blockd", target, "--pool", "nope"], cwd=ROOT,
+                            env=child_env(), capture_output=True, text=True, timeout=60, check=False)
+    assert worker.returncode == 3, worker.stderr
+    assert "Traceback" not in worker.stderr and "blockd-worker: cannot start: NOT_FOUND: no pool named 'nope'" in \
+        worker.stderr
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 100_000)
+    done = blockctl(target, "pools", "apply", str(deep))
+    assert done.returncode == 2 and "Traceback" not in done.stderr and "nests too deeply" in done.stderr, done.stderr

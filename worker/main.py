@@ -23,6 +23,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 import threading
 
 from blockd import config_env, logs
@@ -30,6 +31,8 @@ from blockd.auth.config import add_tls_flags, client_security, server_tls
 from blockd.auth.security import ServerSecurity, server_security
 from blockd.core.types import WorkerInfo
 from blockd.rpc import addresses
+from client.cli_common import EXIT_CODES, Exit
+from client.errors import BlockdClientError
 from client.sdk import BlockdClient
 from worker.follower import Follower
 from worker.runtime import ShardSpec, WorkerRuntime
@@ -204,7 +207,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logs.configure(args.log_level, args.log_format, "%(asctime)s %(name)s %(levelname)s %(message)s")
     security, client = _secured(args)
-    config = client.pool_config(args.pool)
+    try:
+        config = client.pool_config(args.pool)
+    except BlockdClientError as err:  # a pool that does not exist, blockd not there: one line, not a traceback
+        print(f"blockd-worker: cannot start: {err}", file=sys.stderr)
+        client.close()
+        return int(EXIT_CODES.get(err.code, Exit.FAILED))
     layers = _range(args.layers, config.num_layers, "layers")
     heads = _kv_heads(args, config)
     model, tp = _load_model(args, config)
