@@ -25,7 +25,9 @@ from typing import Any
 
 from blockd.auth.channels import open_channel
 from blockd.auth.config import TlsConfig
+from blockd.rpc.addresses import dial_target
 from blockd.v1 import blockd_pb2 as pb
+from client.errors import InvalidArgumentError
 
 DEFAULT_TARGET = "127.0.0.1:50051"
 DEFAULT_TIMEOUT_S = 10.0
@@ -68,4 +70,8 @@ def dial(target: str, *, tls: TlsConfig | None = None, token: str | None = None,
     above (``aio``: a ``grpc.aio`` channel). :class:`blockd.auth.config.TlsError`
     for settings that cannot work (unreadable files, a token in plain text to
     another host)."""
+    try:
+        target = dial_target(target)
+    except ValueError as err:
+        raise InvalidArgumentError(str(err)) from None
     return open_channel(target, tls, token, options=channel_options(max_attempts, max_message_bytes), aio=aio)

@@ -94,7 +94,10 @@ class BlockdClientError(Exception):
         return f"{self.code.name}: {self.message}"
 
 
-class InvalidArgumentError(BlockdClientError):
+class InvalidArgumentError(BlockdClientError, ValueError):
+    """Also a ``ValueError``: the SDK raises it for its own argument checks
+    (a bad target, a value out of a field's range) as blockd does for a request."""
+
     code = grpc.StatusCode.INVALID_ARGUMENT
 
 

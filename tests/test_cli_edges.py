@@ -137,3 +137,29 @@ def test_bad_input_ends_in_one_line_not_a_traceback(target, tmp_path):
     deep.write_text("[" * 100_000)
     done = blockctl(target, "pools", "apply", str(deep))
     assert done.returncode == 2 and "Traceback" not in done.stderr and "nests too deeply" in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize(("target", "dialed"), [
+    ("127.0.0.1:50051", "127.0.0.1:50051"), ("127.0.0.1", "127.0.0.1:50051"), ("localhost", "localhost:50051"),
+    ("[::1]", "[::1]:50051"), (" [::1]:7 ", "[::1]:7"), ("dns:///localhost:5", "dns:///localhost:5"),
+    ("unix:/run/blockd.sock", "unix:/run/blockd.sock")])
+def test_a_target_is_parsed_in_one_place_and_a_missing_port_means_50051(target, dialed):
+    from blockd.rpc.addresses import dial_target
+
+    assert dial_target(target) == dialed
+
+
+@pytest.mark.parametrize(("target", "says"), [
+    ("127.0.0.1:99999", "0..65535"), ("127.0.0.1:0", "1..65535"), ("http://127.0.0.1:50051", "not a URL"),
+    (":5", "names no host"), ("127.0.0.1:abc", "must be a number")])
+def test_a_bad_target_is_a_usage_error_and_the_sdks_invalid_argument(target, says):
+    from client import errors as ce
+
+    done = subprocess.run([sys.executable, "-m", "client.cli", "--target", target, "--timeout-s", "2", "pools",
+                           "list"], cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=30,
+                          check=False)
+    assert done.returncode == 2 and says in done.stderr and "Traceback" not in done.stderr, done.stderr
+    with pytest.raises(ce.InvalidArgumentError, match=says), BlockdClient(target) as client:
+        client.list_pools()
+    with pytest.raises(ValueError, match=says), BlockdClient(target) as client:  # still a ValueError too
+        client.list_pools()

@@ -43,6 +43,32 @@ def split(address: str) -> tuple[str, int | None]:
     return host, int(port_text)
 
 
+#: the port a client dials when a target names none (blockd's default listen port)
+DEFAULT_PORT = 50051
+
+
+def dial_target(target: str, default_port: int = DEFAULT_PORT) -> str:
+    """The one parse of an address a client dials: ``HOST[:PORT]`` ->
+    ``HOST:PORT`` (no port: ``default_port``, never gRPC's 443). gRPC's own
+    name forms (``dns:``, ``unix:``, ``ipv4:``, ``ipv6:``) pass as they are.
+    ``ValueError`` naming what is wrong for a URL (``http://...``), an empty
+    host or a port outside 1..65535 (gRPC would wrap 99999 to another port)."""
+    text = target.strip()
+    if text.startswith(("dns:", "unix:", "unix-abstract:", "ipv4:", "ipv6:")):
+        return text
+    if "://" in text or "/" in text:
+        raise ValueError(f"target {target!r} is not HOST:PORT (a blockd address is not a URL: drop the "
+                         "scheme and the path)")
+    host, port = split(text)
+    if not host or host.isspace():
+        raise ValueError(f"target {target!r} names no host; give HOST:PORT")
+    if port is None:
+        port = default_port
+    if not 1 <= port <= 65535:
+        raise ValueError(f"target {target!r}: the port must be in 1..65535")
+    return join(host, port)
+
+
 def split_listen(address: str) -> tuple[str, int]:
     """A listen address, ``HOST:PORT`` (port 0: any free one) -> ``(host, port)``;
     ``ValueError`` when it has no port."""
