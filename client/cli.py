@@ -38,7 +38,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from blockd import config_env
+from blockd import build_info, config_env
 from blockd.auth.config import add_tls_flags, client_security
 from client.channel import DEFAULT_TARGET
 from client.cli_cluster import add_health, add_workers
@@ -166,6 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="blockctl", description="inspect and manage a blockd daemon",
                                      epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_global_flags(parser, after_command=False)
+    parser.add_argument("--version", action="version", version=build_info.describe("blockctl"))
     add_tls_flags(parser, client=True)  # before the command only: BLOCKCTL_TLS_CA, BLOCKCTL_TOKEN, ...
     sub = parser.add_subparsers(dest="command", required=True)
     for add in COMMANDS:
@@ -191,7 +192,12 @@ def main(argv: list[str] | None = None) -> int:
         return Exit.USAGE
     except BlockdClientError as err:
         code = EXIT_CODES.get(err.code, Exit.FAILED)
-        hint = f" (is blockd serving at {args.target}?)" if code == Exit.UNAVAILABLE else ""
+        hint = ""
+        if code == Exit.UNAVAILABLE:
+            hint = f" (is blockd serving at {args.target}?"
+            if tls is None:  # a plain-text client against a TLS server sees only "Socket closed"
+                hint += " If it serves TLS, pass --tls-ca CA.pem (and --tls-cert/--tls-key for mutual TLS)"
+            hint += ")"
         print(f"blockctl: {err}{hint}", file=sys.stderr)
         return code
     except CommandFailed as err:

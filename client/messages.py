@@ -17,6 +17,7 @@ from blockd.core.types import KVEvent, Op, PoolConfig, WorkerInfo
 from blockd.rpc import convert
 from blockd.v1 import blockd_pb2 as pb
 from client.channel import new_request_id
+from client.errors import InvalidArgumentError
 
 
 def _rid(request_id: str | None) -> str:
@@ -41,10 +42,31 @@ def reset_prefix_cache_request(pool: str, request_id: str | None) -> pb.ResetPre
 
 
 # --- steps and reads ------------------------------------------------------------------
+#: what the wire types hold, for a refusal that names a value that does not fit
+_RANGES = ("token ids are integers in 0..2**32-1, num_tokens in 0..2**64-1, extra_keys.adapter_id a signed "
+           "64-bit integer, ids and names strings")
+
+
+def _bad_op(ops: Sequence[Op], err: Exception) -> InvalidArgumentError:
+    """The SDK's refusal of a batch protobuf could not encode, naming the op
+    (found again here, off the hot path: only a failed build pays for it)."""
+    if not isinstance(ops, (list, tuple)):
+        return InvalidArgumentError(f"ops must be a list of operations, got {type(ops).__name__}")
+    for index, op in enumerate(ops):
+        try:
+            convert.op_into_proto(op, pb.Op())
+        except (TypeError, ValueError, OverflowError) as op_err:
+            return InvalidArgumentError(f"ops[{index}] ({type(op).__name__}): {op_err}; {_RANGES}")
+    return InvalidArgumentError(f"the step does not encode: {err}; {_RANGES}")
+
+
 def step_request(pool: str, ops: Sequence[Op], request_id: str | None, dry_run: bool = False,
                  incarnation: str = "", previous_term: int = 0) -> pb.StepRequest:
-    request = convert.step_request_to_proto(pool, ops, _rid(request_id), incarnation)
-    request.dry_run, request.previous_term = dry_run, previous_term
+    try:
+        request = convert.step_request_to_proto(pool, ops, _rid(request_id), incarnation)
+        request.dry_run, request.previous_term = dry_run, previous_term
+    except (TypeError, ValueError, OverflowError) as err:  # protobuf's "Value out of range: -16" names no field
+        raise _bad_op(ops, err) from None
     return request
 
 

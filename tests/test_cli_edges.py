@@ -163,3 +163,24 @@ def test_a_bad_target_is_a_usage_error_and_the_sdks_invalid_argument(target, say
         client.list_pools()
     with pytest.raises(ValueError, match=says), BlockdClient(target) as client:  # still a ValueError too
         client.list_pools()
+
+
+def test_the_sdk_refuses_values_protobuf_cannot_hold_with_its_own_error_naming_the_op():
+    from blockd.core import Commit
+    from client import errors as ce
+
+    with BlockdClient("127.0.0.1:1") as client:  # refused before anything is sent
+        with pytest.raises(ce.InvalidArgumentError, match=r"ops\[1\] \(Commit\): Value out of range: -16; token "):
+            client.step("p", [Allocate("a", [1]), Commit("s", -16)])
+        with pytest.raises(ce.InvalidArgumentError, match=r"ops\[0\] \(object\): not a blockd operation"):
+            client.step("p", [object()])
+        with pytest.raises(ce.InvalidArgumentError, match="ops must be a list"):
+            client.step("p", "ops")
+
+
+@pytest.mark.parametrize("module", ["client.cli", "worker.main", "blockd.cli"])
+def test_every_program_says_its_version(module):
+    done = subprocess.run([sys.executable, "-m", module, "--version"], cwd=ROOT, env=child_env(),
+                          capture_output=True, text=True, timeout=60, check=False)
+    program = {"client.cli": "blockctl", "worker.main": "blockd-worker", "blockd.cli": "blockd"}[module]
+    assert done.returncode == 0 and done.stdout.startswith(f"{program} "), done.stderr

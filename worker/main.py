@@ -26,7 +26,7 @@ import socket
 import sys
 import threading
 
-from blockd import config_env, logs
+from blockd import build_info, config_env, logs
 from blockd.auth.config import add_tls_flags, client_security, server_tls
 from blockd.auth.security import ServerSecurity, server_security
 from blockd.core.types import WorkerInfo
@@ -58,6 +58,7 @@ ENV_OVERRIDES = {"--blockd": "BLOCKD_TARGET", "--pool": "BLOCKD_POOL", "--worker
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="blockd-worker", description=__doc__.split("\n\n")[0])
+    p.add_argument("--version", action="version", version=build_info.describe("blockd-worker"))
     p.add_argument("--blockd", default="127.0.0.1:50051",
                    help="blockd address; for a replicated group every replica's address, comma-separated "
                         "(calls and Watch follow the leader)")
