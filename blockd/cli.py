@@ -200,6 +200,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_guardrails(serve)
     serve.add_argument("--metrics-port", type=config_env.port, default=0,
                        help="Prometheus metrics port; 0 = off")
+    serve.add_argument("--pid-file", default=None,
+                       help="write the daemon's pid here once it serves (for kill -HUP \"$(cat FILE)\"); "
+                            "removed at exit")
     serve.add_argument("--max-workers", type=config_env.positive_int, default=128,
                        help="most RPC threads; each open Watch/Events stream holds one while open")
     serve.add_argument("--worker-timeout-s", type=config_env.positive_float, default=10.0,
@@ -460,6 +463,14 @@ def serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, on_signal)
     reload = threading.Event()  # SIGHUP: the identities file (and metrics users and certificate)
     signal.signal(signal.SIGHUP, lambda signum, frame: reload.set())
+    try:  # after the handlers: whoever reads the file may signal at once
+        pid_file = _write_pid_file(args.pid_file)
+    except OSError as err:
+        log.error("cannot write the pid file: %s", err)
+        if http is not None:
+            http.close()
+        engine.close()
+        return 1
     if args.gc_freeze_interval_s > 0:
         threading.Thread(target=_freeze_gc, args=(stop, args.gc_freeze_interval_s), name="blockd-gc",
                          daemon=True).start()
@@ -483,7 +494,32 @@ def serve(args: argparse.Namespace) -> int:
     server.stop()
     if http is not None:
         http.close()
+    _remove_pid_file(pid_file)
     return 0
+
+
+def _write_pid_file(path: str | None) -> str | None:
+    """Write this process's pid to ``path`` (atomically: a reader never sees half a number)."""
+    if not path:
+        return None
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        f.write(f"{os.getpid()}\n")
+    os.replace(tmp, path)
+    return path
+
+
+def _remove_pid_file(path: str | None) -> None:
+    """Remove the pid file if it still names this process (another daemon may have taken it over)."""
+    if not path:
+        return
+    try:
+        with open(path) as f:
+            ours = f.read().strip() == str(os.getpid())
+        if ours:
+            os.remove(path)
+    except OSError:
+        pass
 
 
 def main(argv: list[str] | None = None) -> int:
