@@ -463,18 +463,18 @@ def serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, on_signal)
     reload = threading.Event()  # SIGHUP: the identities file (and metrics users and certificate)
     signal.signal(signal.SIGHUP, lambda signum, frame: reload.set())
-    try:  # after the handlers: whoever reads the file may signal at once
-        pid_file = _write_pid_file(args.pid_file)
-    except OSError as err:
-        log.error("cannot write the pid file: %s", err)
-        if http is not None:
-            http.close()
-        engine.close()
-        return 1
     if args.gc_freeze_interval_s > 0:
         threading.Thread(target=_freeze_gc, args=(stop, args.gc_freeze_interval_s), name="blockd-gc",
                          daemon=True).start()
     server.start()
+    try:  # once serving, after the handlers: whoever reads the file may call or signal at once
+        pid_file = _write_pid_file(args.pid_file)
+    except OSError as err:
+        log.error("cannot write the pid file: %s", err)
+        server.stop()
+        if http is not None:
+            http.close()
+        return 1
     if replica is not None:
         _leader_health(server, replica)
         replica.start(engine, advertise)
