@@ -916,8 +916,8 @@ def test_replication_settings_that_cannot_work_are_refused_before_anything_start
     for flags, wanted in [
         (("--min-in-sync", "3", "--sync-followers", "1"),
          "--sync-followers 1 leaves fewer replicas in the in-sync set than --min-in-sync 3"),
-        (("--sync-followers", "-1"), "--sync-followers must be >= 0"),
-        (("--max-lag-records", "-5"), "--max-lag-records must be >= 0"),
+        (("--sync-followers", "-1"), "argument --sync-followers: must be an integer >= 0"),
+        (("--max-lag-records", "-5"), "argument --max-lag-records: must be an integer >= 0"),
     ]:
         proc = run_module("blockd.cli", "serve", "--listen", "127.0.0.1:0", "--data-dir", str(data_dir), "--etcd",
                           etcd_server.url, "--replica-id", "r0", *flags)
