@@ -61,6 +61,22 @@ def _describe(outcome: pool_apply.Outcome) -> str:
     return f"pool {outcome.name} differs from the file: {diffs} (left as it is)"
 
 
+#: ``pools apply --help``: plain text, whole sentences (the module docstring is Sphinx markup)
+APPLY_HELP = """\
+The file is JSON: {"pools": [{"name": "default", "num_blocks": 4096,
+"block_size": 16, ...}, ...]}, or the list alone; an entry takes the fields
+of a pool config (name, num_blocks, block_size, num_layers, num_kv_heads,
+head_dim, dtype, watermark_blocks, max_retained_versions, tenant).
+
+For each pool: a missing one is created; one whose stated fields all match
+is left alone; one with another value for a stated field is reported and
+left alone (exit 4): deleting a pool drops its sequences, so that is for
+'blockctl pools delete'. Fields an entry does not state are not compared,
+and pools the file does not list are not touched. The whole file is checked
+before any call, so a bad file changes nothing; running it again gives the
+same end state."""
+
+
 def _pools_apply(client: BlockdClient, args: argparse.Namespace) -> None:
     try:
         wanted = pool_apply.load(args.file)
@@ -100,7 +116,7 @@ def add_pools(sub: argparse._SubParsersAction) -> None:
     delete.set_defaults(run=_pools_delete)
     apply = pools.add_parser(
         "apply", help="create the pools a JSON file lists that are missing; check the others match",
-        description=pool_apply.__doc__.split("\n\n")[1])
+        description=APPLY_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     apply.add_argument("file", help='JSON: {"pools": [{"name": ..., "num_blocks": ..., "block_size": ...}]}; '
                                     "- reads standard input")
     apply.set_defaults(run=_pools_apply)

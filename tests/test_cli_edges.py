@@ -184,3 +184,12 @@ def test_every_program_says_its_version(module):
                           capture_output=True, text=True, timeout=60, check=False)
     program = {"client.cli": "blockctl", "worker.main": "blockd-worker", "blockd.cli": "blockd"}[module]
     assert done.returncode == 0 and done.stdout.startswith(f"{program} "), done.stderr
+
+
+def test_pools_apply_help_is_plain_whole_sentences():
+    done = subprocess.run([sys.executable, "-m", "client.cli", "pools", "apply", "--help"], cwd=ROOT,
+                          env=child_env(), capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0
+    description = done.stdout.split("\n\n")[1]
+    assert "``" not in done.stdout and ":class:" not in done.stdout
+    assert description.rstrip().endswith("same end state.")
