@@ -177,6 +177,15 @@ def convert(action: argparse.Action, name: str, raw: str):
     return value
 
 
+def _default_note(action: argparse.Action) -> str:
+    """`` (default: X)`` for ``--help``, unless the flag has none worth saying
+    (off, unset, a switch) or its help already gives it."""
+    default = action.default
+    if default in (None, False, "", argparse.SUPPRESS) or action.nargs == 0 or "default" in (action.help or ""):
+        return ""
+    return f" (default: {str(default).replace('%', '%%')})"
+
+
 def install(parser: argparse.ArgumentParser, prefix: str, overrides: Mapping[str, str] | None = None,
             environ: Mapping[str, str] | None = None) -> None:
     """Name each flag's variable in its help, and make the variables that are
@@ -186,7 +195,7 @@ def install(parser: argparse.ArgumentParser, prefix: str, overrides: Mapping[str
     for action in _flag_actions(parser):
         name = names[_flag_name(action)]
         if action.help != argparse.SUPPRESS:
-            action.help = f"{action.help or ''} [env {name}]".strip()
+            action.help = f"{action.help or ''}{_default_note(action)} [env {name}]".strip()
         # a flag without a default (argparse.SUPPRESS) repeats one given elsewhere
         # (e.g. after a subcommand): the variable backs that one, not this
         if name in environ and action.default is not argparse.SUPPRESS:

@@ -218,3 +218,15 @@ def test_the_ranged_types(kind, good, bad) -> None:
     for text in bad:
         with pytest.raises(argparse.ArgumentTypeError, match=r"^must be "):
             kind(text)
+
+
+def test_help_shows_each_flags_default_beside_its_variable():
+    from blockd.cli import build_parser
+
+    parser = build_parser()
+    config_env.install(parser, "BLOCKD_", environ={})
+    serve = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["serve"]
+    text = " ".join(serve.format_help().split())
+    assert "batching interval for --fsync interval (default: 0.05) [env BLOCKD_FSYNC_INTERVAL_S]" in text
+    assert "(default: 8192) [env BLOCKD_MAX_OPS_PER_STEP]" in text
+    assert "(default: False)" not in text and "(default: None)" not in text
