@@ -193,8 +193,16 @@ class PageRun:
             status = None
         output = log.read_text(errors="replace")
         if status != 0:
-            raise Failure(block, status, output)
+            raise Failure(block, status, output + self._log_tails())
         return output
+
+    def _log_tails(self) -> str:
+        """The ends of the logs the page's daemons write (``> blockd.log``): why one did not come up."""
+        tails = []
+        for path in sorted(self.workdir.glob("*.log")):
+            lines = path.read_text(errors="replace").splitlines()[-15:]
+            tails.append(f"--- {path.name} (last lines) ---\n" + "\n".join(lines) + "\n")
+        return "".join(tails)
 
     def close(self) -> None:
         """SIGTERM every block's process group (a graceful stop for daemons), then SIGKILL what is left."""
