@@ -32,6 +32,14 @@ status`` in :mod:`client.cli_ha`).
 
 from __future__ import annotations
 
+import os
+
+# gRPC's C core reads GRPC_VERBOSITY once, when grpc is first imported: by the
+# imports below (the `client` package itself loads nothing, client/__init__.py).
+# Its log lines (one per failed TLS handshake, ...) only repeat what blockctl's
+# own one-line message says, so they are off unless the user sets the variable.
+os.environ.setdefault("GRPC_VERBOSITY", "NONE")
+
 import argparse
 import json
 import sys

@@ -18,9 +18,15 @@ pool's tenant's schedulers (and admins) may call the data plane.
 
 from __future__ import annotations
 
+import os
+
+# gRPC's C core reads GRPC_VERBOSITY once, when grpc is first imported (by the
+# imports below). At its default it logs each failed TLS handshake (and more) to
+# stderr beside the worker's own log: keep only its errors, unless the user says.
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+
 import argparse
 import logging
-import os
 import signal
 import socket
 import sys

@@ -1,0 +1,61 @@
+"""What ``blockctl`` and ``blockd-worker`` print when the input or the peer is
+wrong: one line of their own on stderr and an exit status by failure class,
+never gRPC's C-core log lines or a traceback."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tests.grpc_fixtures import ROOT, child_env, start_daemon
+
+pytest_plugins = ["tests.auth_fixtures"]
+
+#: a C-core (absl) log line, ``I1202 17:30:39.830559    8631 ssl_transport_security.cc:2563] ...``,
+#: or absl's notice that logging was not set up
+CORE_LOG_LINE = re.compile(r"^[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ \S+:\d+\]|absl::InitializeLog", re.MULTILINE)
+
+#: the console script ``blockctl`` (``client.cli:main`` in pyproject.toml) and ``python -m``
+BLOCKCTL_FORMS = {"script": ["-c", "import sys; from client.cli import main; sys.exit(main())"],
+                  "module": ["-m", "client.cli"]}
+
+
+def _run(args: list[str], **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=child_env(**env), capture_output=True, text=True,
+                          timeout=60, check=False)
+
+
+@pytest.fixture(scope="module")
+def plain_daemon():
+    d = start_daemon()
+    yield d
+    d.kill()
+
+
+@pytest.mark.parametrize("form", sorted(BLOCKCTL_FORMS))
+def test_a_tls_handshake_failure_is_one_blockctl_line_without_grpc_log_lines(plain_daemon, pki, form, monkeypatch):
+    """A TLS client against a plain-text blockd: the C core logs every failed
+    handshake (at INFO, to stderr) unless GRPC_VERBOSITY says otherwise."""
+    monkeypatch.delenv("GRPC_VERBOSITY", raising=False)
+    monkeypatch.delenv("GRPC_TRACE", raising=False)
+    argv = [*BLOCKCTL_FORMS[form], "--target", plain_daemon.address, "--tls-ca", pki.ca, "--timeout-s", "1",
+            "pools", "list"]
+    done = _run(argv)
+    assert done.returncode == 69, done.stderr
+    assert not CORE_LOG_LINE.search(done.stderr), done.stderr
+    assert done.stderr.count("\n") == 1 and done.stderr.startswith("blockctl: UNAVAILABLE: "), done.stderr
+    # the user's own GRPC_VERBOSITY still wins (and shows the command does make the core log)
+    loud = _run(argv, GRPC_VERBOSITY="INFO")
+    assert loud.returncode == 69 and CORE_LOG_LINE.search(loud.stderr), loud.stderr
+
+
+def test_blockd_worker_prints_no_grpc_log_lines_either(plain_daemon, pki, monkeypatch):
+    monkeypatch.delenv("GRPC_VERBOSITY", raising=False)
+    monkeypatch.delenv("GRPC_TRACE", raising=False)
+    done = _run(["-m", "worker.main", "--blockd", plain_daemon.address, "--tls-ca", pki.ca, "--pool", "p"])
+    assert done.returncode == 69, done.stderr
+    assert not CORE_LOG_LINE.search(done.stderr), done.stderr
+    assert "blockd-worker: cannot start: UNAVAILABLE: " in done.stderr and "Traceback" not in done.stderr
