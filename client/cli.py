@@ -6,13 +6,13 @@
     blockctl prefix-cache reset POOL
     blockctl workers list [--pool POOL]
     blockctl health [--service NAME]
-    blockctl seq show POOL SEQ
+    blockctl seq list POOL | show POOL SEQ
     blockctl events tail POOL [--from N] [--limit N] [--follow]
     blockctl top [--interval S] [--once]
     blockctl cluster status [--etcd URLS] [--group G]
 
-Human-readable tables by default; ``--json`` prints JSON (events as one object
-per line, so a tail can be piped). The three global flags may also follow
+Human-readable tables by default; ``--json`` prints JSON (events and ``seq
+list`` as one object per line, so they can be piped). The three global flags may also follow
 the command (``blockctl pools list --json``). Every flag has an environment
 variable, ``BLOCKCTL_<FLAG>`` (:mod:`blockd.config_env`), except ``--target``,
 which reads ``BLOCKD_TARGET`` like ``blockd-worker``; the target defaults to
@@ -77,8 +77,36 @@ def _seq_show(client: BlockdClient, args: argparse.Namespace) -> None:
     emit(args, info, human)
 
 
+_SEQ_COLUMNS = ("seq_id", "num_tokens", "num_committed", "num_blocks", "kv_lost")
+
+
+def _seq_list(client: BlockdClient, args: argparse.Namespace) -> None:
+    """One ``GetTables`` for the ids, then one ``GetSequence`` each (a table
+    holds no token counts), so each line is one sequence read at one time; a
+    sequence freed in between is left out. Sorted by id (the daemon answers in
+    its own order); ``--json`` prints each as it is read."""
+    _, tables = client.get_tables(args.pool)
+    rows = []
+    for seq_id in sorted(tables):
+        try:
+            info = client.get_sequence(args.pool, seq_id)
+        except NotFoundError:
+            continue
+        row = {"seq_id": info.seq_id, "num_tokens": info.num_tokens, "num_committed": info.num_committed,
+               "num_blocks": len(info.block_table), "block_table": info.block_table, "kv_lost": info.kv_lost}
+        if args.json:
+            print(json.dumps(row), flush=True)
+        rows.append(row)
+    if not args.json:
+        print(render_table(_SEQ_COLUMNS, [[r[c] for c in _SEQ_COLUMNS] for r in rows]))
+
+
 def add_seq(sub: argparse._SubParsersAction) -> None:
     seq = sub.add_parser("seq", help="inspect sequences").add_subparsers(dest="action", required=True)
+    listing = seq.add_parser("list", help="a pool's sequences, one line each (--json: one object per line, "
+                                          "with the block table)")
+    listing.add_argument("pool")
+    listing.set_defaults(run=_seq_list)
     show = seq.add_parser("show", help="a sequence's token counts and block table")
     show.add_argument("pool")
     show.add_argument("seq_id")
