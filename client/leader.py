@@ -38,7 +38,7 @@ from typing import Any, Generic, TypeVar
 
 from blockd.v1 import blockd_pb2_grpc as pb_grpc
 from blockd.v1 import replication_pb2_grpc as rpb_grpc
-from client.errors import BlockdClientError, FailedPreconditionError, UnavailableError
+from client.errors import BlockdClientError, FailedPreconditionError, InvalidArgumentError, UnavailableError
 
 C = TypeVar("C")
 
@@ -48,17 +48,21 @@ RETRY_REASONS = ("NO_LEADER", "NOT_REPLICATED")
 
 
 ETCD_SCHEME = "etcd://"
+ETCD_FORM = "etcd://HOST:PORT[,HOST:PORT...]/GROUP"
 
 
 def parse_etcd_target(target: str) -> tuple[list[str], str] | None:
     """``(etcd endpoints as http://HOST:PORT, group)`` of an ``etcd://HOST:PORT[,...]/GROUP``
-    target; None for a list of replica addresses; ValueError for a malformed one."""
+    target; None for a list of replica addresses; :class:`InvalidArgumentError`
+    (a ``ValueError``) naming what is wrong for a malformed one."""
     if not target.startswith(ETCD_SCHEME):
         return None
     hosts, _, group = target[len(ETCD_SCHEME):].partition("/")
     endpoints = [f"http://{h.strip()}" for h in hosts.split(",") if h.strip()]
-    if not endpoints or not group or "/" in group:
-        raise ValueError(f"target {target!r}: an etcd target is etcd://HOST:PORT[,HOST:PORT...]/GROUP")
+    problem = ("names no etcd endpoint" if not endpoints else "names no group" if not group
+               else f"has a '/' in its group {group!r}" if "/" in group else "")
+    if problem:
+        raise InvalidArgumentError(f"target {target!r} {problem}: an etcd target is {ETCD_FORM}")
     return endpoints, group
 
 
@@ -92,7 +96,8 @@ class Targets:
         else:
             self.all = [t.strip() for t in target.split(",") if t.strip()]
         if not self.all:
-            raise ValueError(f"target {target!r} names no address")
+            raise InvalidArgumentError(f"target {target!r} names no address: give HOST:PORT[,HOST:PORT...] "
+                                       f"or {ETCD_FORM}")
         self.current = self.all[0]
 
     @property

@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from client.sdk import BlockdClient
 from tests.grpc_fixtures import ROOT, child_env, start_daemon
 
 pytest_plugins = ["tests.auth_fixtures"]
@@ -59,3 +60,20 @@ def test_blockd_worker_prints_no_grpc_log_lines_either(plain_daemon, pki, monkey
     assert done.returncode == 69, done.stderr
     assert not CORE_LOG_LINE.search(done.stderr), done.stderr
     assert "blockd-worker: cannot start: UNAVAILABLE: " in done.stderr and "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize(("target", "says"), [
+    ("etcd://", "names no etcd endpoint"), ("etcd://10.0.0.1:2379", "names no group"),
+    ("etcd:///main", "names no etcd endpoint"), ("etcd://10.0.0.1:2379/a/b", "'/' in its group 'a/b'"),
+    (" , ", "names no address")])
+def test_a_malformed_group_target_is_the_sdks_invalid_argument_and_blockctl_exits_2(target, says):
+    from client import errors as ce
+
+    with pytest.raises(ce.InvalidArgumentError, match=says) as caught:
+        BlockdClient(target)
+    if target.startswith("etcd://"):  # it names the form it wants
+        assert "etcd://HOST:PORT[,HOST:PORT...]/GROUP" in str(caught.value)
+    for command in (["pools", "list"], ["cluster", "status"]):
+        done = _run([*BLOCKCTL_FORMS["module"], "--target", target, "--timeout-s", "2", *command])
+        assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+        assert done.stderr.startswith("blockctl: INVALID_ARGUMENT: ") and says in done.stderr, done.stderr
