@@ -29,7 +29,7 @@ $(VENV)/.model-prepared: $(STAMP)
 setup: $(STAMP) $(VENV)/.model-prepared
 
 demo: setup
-	$(BIN)/python -m cluster.demo
+	$(BIN)/python -m bench.demo
 
 test: setup
 	$(BIN)/python -m pytest

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 
-from cluster.local import ChildProcess
+from blockd.cluster.local import ChildProcess
 
 NUM_SEQS = 256
 BLOCK_SIZE = 16

@@ -64,11 +64,11 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from blockd.cluster.local import ChildProcess, proc_stat
 from blockd.core import Allocate, PoolConfig
 from blockd.core.types import DecodeAppend
 from client.errors import BlockdClientError
 from client.sdk import BlockdClient
-from cluster.local import ChildProcess, proc_stat
 from tests.etcd import EtcdServer
 from tests.procs import free_port
 

@@ -8,7 +8,7 @@ measured on blockd's own allocator. Prints one JSON object per line:
   token per running request per step, free finished requests; requests are
   always waiting). ``scheme="paging"`` serves them with
   :class:`client.scheduler.Scheduler` on blockd's engine in process
-  (:func:`sim.memory.run_paging`: preempting the newest request when a decode
+  (:func:`bench.sim.memory.run_paging`: preempting the newest request when a decode
   step finds no block; a request generating N tokens holds prompt + N - 1 in
   the pool, the last token's KV is never computed); the reservation schemes reserve contiguous
   slots per request up front, as Orca / FasterTransformer do: ``max_reservation``
@@ -27,8 +27,8 @@ measured on blockd's own allocator. Prints one JSON object per line:
   use summed over decode steps).
 
 Synthetic lengths are lognormal fits of the published ShareGPT and Alpaca
-statistics (:mod:`sim.workload`; ``params`` states them, with the empirical
-means after clipping). The simulations are :mod:`sim.memory`; this file
+statistics (:mod:`bench.sim.workload`; ``params`` states them, with the empirical
+means after clipping). The simulations are :mod:`bench.sim.memory`; this file
 runs them and prints the lines. Deterministic for ``--seed``. Run: ``python bench/memory.py [--seed N] [--quick]``.
 """
 
@@ -42,7 +42,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from sim.memory import (
+from bench.sim.memory import (
     BEAM_PARENT_WEIGHTS,
     BLOCK_SIZE,
     BUDGET_BLOCKS,
@@ -54,7 +54,7 @@ from sim.memory import (
     run_reservation,
     trace_params,
 )
-from sim.workload import ALPACA, SHAREGPT, TraceSpec
+from bench.sim.workload import ALPACA, SHAREGPT, TraceSpec
 
 SWEEP_SIZES = (1, 8, 16, 32, 64, 128)
 

@@ -161,8 +161,8 @@ def step_rpc(args: argparse.Namespace) -> Iterator[dict]:
 def _fill_data_dir(data_dir: str, num_seqs: int, prompt_len: int, snapshot: bool) -> None:
     """A data directory holding ``num_seqs`` sequences (in batches of 1,000),
     written through the same engine the daemon runs."""
-    from blockd.engine import Engine
-    from blockd.engine_config import EngineConfig
+    from blockd.engine.config import EngineConfig
+    from blockd.engine.machine import Engine
 
     engine = Engine(EngineConfig(data_dir=data_dir, fsync="never", snapshot_every=1 << 30))
     blocks = num_seqs * -(-prompt_len // BLOCK_SIZE) + 1024
@@ -231,8 +231,8 @@ def _prefill_steps(num_steps: int, prompt_len: int, with_ids: bool, results) -> 
     """In a fresh process: ``num_steps`` steps that each free the previous
     sequence and allocate a new one of ``prompt_len`` distinct tokens."""
     from blockd.core import Free
-    from blockd.engine import Engine
-    from blockd.idempotency import IdempotencyLimits
+    from blockd.engine.idempotency import IdempotencyLimits
+    from blockd.engine.machine import Engine
 
     engine = Engine()  # the default limits, as blockd serve has them
     engine.create_pool(PoolConfig("big", num_blocks=4 * prompt_len // BLOCK_SIZE + 64, block_size=BLOCK_SIZE))
@@ -269,7 +269,7 @@ def _median_step_us(engine, make_ops, rid_prefix: str, first: int, reps: int) ->
 
 def _cost_rows(reps: int, prompt_len: int) -> Iterator[dict]:
     from blockd.core import Free
-    from blockd.engine import Engine
+    from blockd.engine.machine import Engine
 
     engine = Engine()
     engine.create_pool(PoolConfig("cost", num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE))

@@ -26,7 +26,7 @@ contiguous-cache ``generate``), and the set-up: model config, precision,
 library versions, the length distributions and their scaling, concurrency
 limits, hardware. TTFT counts from t = 0, so it includes the time queued.
 
-Lengths: the ShareGPT fit of :data:`sim.workload.SHAREGPT` (lognormal, mean
+Lengths: the ShareGPT fit of :data:`bench.sim.workload.SHAREGPT` (lognormal, mean
 input ~160, output ~340 tokens, max 2,048) scaled by 1/8 so that a CPU run
 takes a few minutes: mean input ~20, output ~42, max 256. The model is the
 real default (SmolLM2-135M-Instruct, fp32); ``--model tiny-llama`` runs the
@@ -61,8 +61,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from cluster.local import ClusterSpec, LocalCluster, model_config
-from sim.workload import SHAREGPT, LengthDist, TraceSpec, request_stream
+from bench.sim.workload import SHAREGPT, LengthDist, TraceSpec, request_stream
+from blockd.cluster.local import ClusterSpec, LocalCluster, model_config
 
 SCALE = 1 / 8
 TRACE = TraceSpec("sharegpt_like_x1/8", LengthDist(SHAREGPT.prompt.mean * SCALE, SHAREGPT.prompt.sigma),
@@ -164,7 +164,7 @@ def setup_record(args, config, num_requests: int) -> dict:
 def verify(model: str, requests, outputs) -> dict:
     """Whether the first requests' tokens equal transformers' contiguous-cache
     ``generate`` (and the first differences when they do not)."""
-    from cluster.reference import ContiguousReference
+    from worker.model.reference import ContiguousReference
 
     problems = ContiguousReference(model).mismatches(requests[:NUM_VERIFIED], outputs)
     return {"outputs_match_reference": not problems, **({"reference_problems": problems[:3]} if problems else {})}

@@ -1,6 +1,6 @@
 """The ``blockd`` console script: ``blockd serve`` runs the daemon; ``check-data``,
 ``repair-data`` and ``compact`` work on a data directory offline
-(:mod:`blockd.repair`, :mod:`blockd.compact`).
+(:mod:`blockd.offline.repair`, :mod:`blockd.offline.compact`).
 
 Every flag falls back to an environment variable named after it,
 ``BLOCKD_<FLAG>`` (``--fsync-interval-s`` -> ``BLOCKD_FSYNC_INTERVAL_S``; one
@@ -17,17 +17,17 @@ flag                     env                           default
 ``--metrics-port``       ``BLOCKD_METRICS_PORT``       ``0``: no metrics endpoint
 =======================  ============================  ====================================
 
-A data dir is locked (:mod:`blockd.datadir_lock`) for the daemon's life: a
+A data dir is locked (:mod:`blockd.storage.lock`) for the daemon's life: a
 second daemon on the same directory exits with status 1 and names the holder.
 
-The idempotency table (:mod:`blockd.idempotency`) is bounded by
+The idempotency table (:mod:`blockd.engine.idempotency`) is bounded by
 ``--max-request-ids`` (``BLOCKD_MAX_REQUEST_IDS``, 16384),
 ``--max-request-bytes`` (``BLOCKD_MAX_REQUEST_BYTES``, 64 MiB) and
 ``--request-ttl-s`` (``BLOCKD_REQUEST_TTL_S``, 3600): a retry is recognised
 while its id is among the newest ids and younger than the TTL, and gets its
 first answer while that answer also fits the byte cap.
 
-With a metrics port, :mod:`blockd.metrics` (optional) times RPCs through a
+With a metrics port, :mod:`blockd.service.metrics` (optional) times RPCs through a
 server interceptor and WAL fsyncs through the engine, and serves ``/metrics``.
 
 When the server is up it prints ``blockd listening on HOST:PORT`` (the real
@@ -62,8 +62,8 @@ from blockd import build_info, config_env, logs
 from blockd.auth.cli import add_commands as add_auth_commands
 from blockd.auth.config import add_tls_flags
 from blockd.core.errors import BlockdError
-from blockd.guardrails import Guardrails
-from blockd.idempotency import IdempotencyLimits
+from blockd.engine.guardrails import Guardrails
+from blockd.engine.idempotency import IdempotencyLimits
 from blockd.rpc import addresses
 
 log = logging.getLogger("blockd")
@@ -157,7 +157,7 @@ def _add_request_limits(parser: argparse.ArgumentParser, note: str = "") -> None
 
 
 def _add_guardrails(serve: argparse.ArgumentParser) -> None:
-    """The size bounds of every request (:class:`blockd.guardrails.Guardrails`),
+    """The size bounds of every request (:class:`blockd.engine.guardrails.Guardrails`),
     in force with or without tenants' quotas."""
     bounds = Guardrails()
     group = serve.add_argument_group("guardrails (every caller, with or without quotas)")
@@ -258,14 +258,14 @@ def _add_metrics_security(parser: argparse.ArgumentParser) -> None:
 
 
 def _load_metrics(port: int):
-    """``blockd.metrics.BlockdMetrics`` when a port is asked for and the module
+    """``blockd.service.metrics.BlockdMetrics`` when a port is asked for and the module
     exists (it is optional); None otherwise."""
     if not port:
         return None
-    if importlib.util.find_spec("blockd.metrics") is None:
-        log.warning("--metrics-port %d given but blockd.metrics is not installed; metrics are off", port)
+    if importlib.util.find_spec("blockd.service.metrics") is None:
+        log.warning("--metrics-port %d given but blockd.service.metrics is not installed; metrics are off", port)
         return None
-    return importlib.import_module("blockd.metrics").BlockdMetrics()
+    return importlib.import_module("blockd.service.metrics").BlockdMetrics()
 
 
 def _start_metrics(engine, port: int, metrics, args: argparse.Namespace):
@@ -277,7 +277,7 @@ def _start_metrics(engine, port: int, metrics, args: argparse.Namespace):
     tls = None
     if args.metrics_tls_cert or args.metrics_tls_key or args.metrics_tls_client_ca:
         tls = TlsConfig(args.metrics_tls_cert, args.metrics_tls_key, args.metrics_tls_client_ca)
-    _, http = importlib.import_module("blockd.metrics").start_metrics_server(
+    _, http = importlib.import_module("blockd.service.metrics").start_metrics_server(
         engine, port, metrics, tls=tls, users_file=args.metrics_basic_auth_file)
     log.info("metrics on http://%s:%d/metrics", http.addr, http.port)
     return http
@@ -304,7 +304,7 @@ def _leader_health(server, replica) -> None:
 def _register_replication_metrics(metrics, replica) -> None:
     """The election's and replication's collectors on the daemon's registry (read at scrape time)."""
     from blockd.ha.metrics import ElectionCollector
-    from blockd.repl_metrics import ReplicationCollector
+    from blockd.replication.metrics import ReplicationCollector
 
     metrics.registry.register(ElectionCollector(replica.election))
     metrics.registry.register(ReplicationCollector(replica))
@@ -380,7 +380,7 @@ def _replica(args: argparse.Namespace, tls):
         return None
     if not args.data_dir or not args.replica_id:
         raise SystemExit("blockd serve --etcd needs --data-dir (the replica's own log) and --replica-id")
-    from blockd.replica import Replica, ReplicaConfig
+    from blockd.replication.replica import Replica, ReplicaConfig
     try:
         peer_tls, peer_token = _peer_security(args, tls)
         config = ReplicaConfig(args.etcd, args.replica_id, args.group, args.replication, args.min_in_sync,
@@ -397,10 +397,10 @@ def serve(args: argparse.Namespace) -> int:
     # imported here so `blockd --help` stays fast and grpc-free
     from blockd.auth import server_security
     from blockd.auth.config import server_tls
-    from blockd.datadir import DataDirError, advice
-    from blockd.engine import Engine
-    from blockd.engine_config import EngineConfig
+    from blockd.engine.config import EngineConfig
+    from blockd.engine.machine import Engine
     from blockd.service.server import BlockdServer
+    from blockd.storage.reader import DataDirError, advice
 
     try:  # before the data dir is touched: a refusal changes nothing
         tls = server_tls(args)
@@ -530,10 +530,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         return serve(args)
     if args.command == "compact":
-        from blockd.compact import main as compact_main
+        from blockd.offline.compact import main as compact_main
 
         return compact_main(args)
-    from blockd import repair
+    from blockd.offline import repair
 
     if args.command == "check-data":
         return repair.check(args.data_dir, sys.stdout)

@@ -5,13 +5,13 @@ only through these protocols, so it imports neither the workers nor a
 transport:
 
 * a :class:`BlockdBackend` takes each step's batch: :class:`client.sdk.BlockdClient`
-  over gRPC, or the allocator in process (:class:`sim.backend.InProcessBlockd`,
+  over gRPC, or the allocator in process (:class:`bench.sim.backend.InProcessBlockd`,
   the same engine without the network). Both fail with the SDK's exceptions
   (:mod:`client.errors`), so the scheduler handles one set of errors;
 * a :class:`ModelExecutor` computes one step of the model for a
   :class:`ModelBatch`: the workers of a replica over gRPC
   (:class:`client.model_group.WorkerGroup`) or a stub that makes up tokens
-  (:class:`sim.model.StubModel`).
+  (:class:`bench.sim.model.StubModel`).
 
 :class:`ModelBatch` is the step contract of the workers' ``ModelStep`` RPC
 (see :meth:`client.worker.WorkerClient.model_step`)::

@@ -5,7 +5,7 @@
     blockctl --target etcd://HOST:2379/main cluster status   # as --etcd --group
 
 With ``--etcd`` it reads ``/blockd/<group>/`` (one consistent etcd read,
-:func:`blockd.ha.cluster.read_status`): the leader and its term, the last
+:func:`blockd.ha.group.read_status`): the leader and its term, the last
 term, and every live member (address, role, applied LSN, how far behind the
 leader's report, whether it is in the in-sync set). Without ``--etcd`` it
 asks every address of ``--target`` for ``GetReplicaStatus`` (an operator
@@ -47,8 +47,8 @@ def _human(status: dict) -> str:
 
 def _from_etcd(args: argparse.Namespace) -> None:
     try:
-        from blockd.ha.cluster import read_status
         from blockd.ha.etcd import EtcdUnavailable
+        from blockd.ha.group import read_status
     except ImportError as err:
         raise CommandFailed(f"--etcd needs the ha extra (pip install 'blockd[ha]'): {err}", Exit.USAGE) from None
     try:

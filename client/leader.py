@@ -15,7 +15,7 @@ call, whether and where to try again:
 
 A target may instead name the group in etcd, ``etcd://HOST:PORT[,HOST:PORT]/GROUP``
 (:func:`parse_etcd_target`): the leader's address is read from etcd's leader
-key (:func:`blockd.ha.cluster.read_leader`, the ``ha`` extra) when the client
+key (:func:`blockd.ha.group.read_leader`, the ``ha`` extra) when the client
 is made and again whenever the replica it calls is down or refuses without
 naming a leader, so replicas need no stable addresses.
 
@@ -69,7 +69,7 @@ def parse_etcd_target(target: str) -> tuple[list[str], str] | None:
 def etcd_leader(endpoints: list[str], group: str, timeout_s: float = 2.0) -> str:
     """The address etcd's leader key names now; UnavailableError when there is none or etcd does not answer."""
     try:
-        from blockd.ha.cluster import read_leader
+        from blockd.ha.group import read_leader
         from blockd.ha.etcd import EtcdUnavailable
     except ImportError as err:
         raise ValueError(f"an etcd:// target needs the ha extra (pip install 'blockd[ha]'): {err}") from None

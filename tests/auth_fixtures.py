@@ -28,8 +28,8 @@ import pytest
 from blockd.auth import TlsConfig, server_security
 from blockd.auth.certs import make_ca, make_client_cert, make_leaf, make_server_cert, write_pair
 from blockd.auth.identity import spiffe_uri
-from blockd.engine import Engine
-from blockd.engine_config import EngineConfig
+from blockd.engine.config import EngineConfig
+from blockd.engine.machine import Engine
 from blockd.service.server import BlockdServer
 
 TENANT = "acme"

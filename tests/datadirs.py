@@ -10,11 +10,11 @@ import json
 import os
 
 from blockd.core import Allocate, Append, Commit, Fork, Free, PoolConfig
-from blockd.datadir_lock import LOCK_NAME as DAEMON_LOCK
-from blockd.engine import Engine
-from blockd.engine_config import EngineConfig
-from blockd.idempotency_codec import decode_result
-from blockd.wal import COMPACT_LOCK
+from blockd.engine.config import EngineConfig
+from blockd.engine.idempotency_codec import decode_result
+from blockd.engine.machine import Engine
+from blockd.storage.lock import LOCK_NAME as DAEMON_LOCK
+from blockd.storage.wal import COMPACT_LOCK
 
 
 def workload(engine: Engine, part: int) -> None:

@@ -38,7 +38,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cluster.local import free_port
+from blockd.cluster.local import free_port
 
 RUN_KINDS = {"sh": "sh", "bash": "sh", "python": "python"}
 NOT_RUN = re.compile(r"^<!--\s*not run:\s*(.*?)\s*-->$")

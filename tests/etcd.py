@@ -29,7 +29,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from cluster.local import free_port
+from blockd.cluster.local import free_port
 
 START_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 10.0

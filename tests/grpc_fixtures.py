@@ -22,10 +22,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from blockd.engine import Engine
+from blockd.cluster.local import child_env
+from blockd.engine.machine import Engine
 from blockd.service.server import BlockdServer
 from client.sdk import BlockdClient
-from cluster.local import child_env
 from tests.procs import Proc
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -62,7 +62,7 @@ class NetnsLab:
         self.tag = f"{LAB_PREFIX}{os.getpid()}x{secrets.token_hex(2)}"
         self.hub = f"{self.tag}-hub"
         self.namespaces: list[str] = []
-        #: processes started on the lab's hosts (``cluster.local.ChildProcess``); :func:`lab_of` kills them
+        #: processes started on the lab's hosts (``blockd.cluster.local.ChildProcess``); :func:`lab_of` kills them
         self.children: list = []
         self.addresses = {name: f"{SUBNET}.{i + 1}" for i, name in enumerate(names)}
         began = time.monotonic()
@@ -139,7 +139,7 @@ def sweep_stale() -> list[str]:
 @contextlib.contextmanager
 def lab_of(names: list[str]) -> Iterator[NetnsLab]:
     """A pytest fixture's body: a lab of hosts ``names`` whose ``children``
-    (:class:`cluster.local.ChildProcess`) are killed and whose namespaces are
+    (:class:`blockd.cluster.local.ChildProcess`) are killed and whose namespaces are
     deleted at the end; skips where namespaces cannot be made, unless
     ``BLOCKD_REQUIRE_NETNS=1`` (``.ci/run``), where that fails."""
     import pytest

@@ -1,6 +1,6 @@
 """Real processes for integration tests: ``blockd serve`` and ``blockd-worker``.
 
-Built on :class:`cluster.local.ChildProcess` (the project's one way to
+Built on :class:`blockd.cluster.local.ChildProcess` (the project's one way to
 start its own processes): each waits, bounded, for its ``listening on
 HOST:PORT`` line and is killed when a ``running`` block exits, so a failing
 test never leaves a process behind. Loopback addresses only.
@@ -12,7 +12,7 @@ import socket
 import time
 from contextlib import contextmanager
 
-from cluster.local import ChildProcess
+from blockd.cluster.local import ChildProcess
 
 START_TIMEOUT_S = 60.0
 

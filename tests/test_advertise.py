@@ -8,7 +8,7 @@ import pytest
 
 from blockd.core import InvalidArgument, PoolConfig
 from blockd.core.types import WorkerInfo
-from blockd.engine import Engine
+from blockd.engine.machine import Engine
 from blockd.rpc.addresses import advertised, split, unroutable_reason
 from client.errors import InvalidArgumentError
 from client.sdk import BlockdClient

@@ -38,8 +38,8 @@ from blockd.auth import server_security, tokens
 from blockd.auth.policy import AUTHENTICATED, METHOD_PERMISSIONS, OPEN, ROLE_PERMISSIONS
 from blockd.core import Allocate, Commit, PoolConfig
 from blockd.core.types import WorkerInfo
-from blockd.engine import Engine
-from blockd.engine_config import EngineConfig
+from blockd.engine.config import EngineConfig
+from blockd.engine.machine import Engine
 from blockd.rpc import convert
 from blockd.service.server import BlockdServer
 from blockd.v1 import blockd_pb2 as pb

@@ -16,11 +16,11 @@ from base64 import b64encode
 import pytest
 
 from blockd.auth import tokens
+from blockd.cluster.local import free_port
 from blockd.core import PoolConfig
 from client.cli_common import Exit
 from client.errors import UnauthenticatedError
 from client.sdk import BlockdClient
-from cluster.local import free_port
 
 pytest_plugins = ["tests.grpc_fixtures", "tests.auth_fixtures"]
 

@@ -77,3 +77,36 @@ def test_a_malformed_group_target_is_the_sdks_invalid_argument_and_blockctl_exit
         done = _run([*BLOCKCTL_FORMS["module"], "--target", target, "--timeout-s", "2", *command])
         assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
         assert done.stderr.startswith("blockctl: INVALID_ARGUMENT: ") and says in done.stderr, done.stderr
+
+
+CREATE = ("pools", "create", "p", "--num-blocks", "8", "--block-size", "16")
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    ((*CREATE, "--num-blocks", "0"), "argument --num-blocks: must be an integer >= 1"),
+    ((*CREATE, "--block-size", "-4"), "argument --block-size: must be an integer >= 1"),
+    ((*CREATE, "--num-layers", "0"), "argument --num-layers: must be an integer >= 1"),
+    ((*CREATE, "--head-dim", "1.5"), "argument --head-dim: must be an integer >= 1"),
+    ((*CREATE, "--watermark-blocks", "-1"), "argument --watermark-blocks: must be an integer >= 0"),
+    (("--timeout-s", "-1", "pools", "list"), "argument --timeout-s: must be a number > 0"),
+    (("pools", "list", "--timeout-s", "inf"), "argument --timeout-s: must be a number > 0"),
+])
+def test_a_numeric_flag_out_of_its_range_is_refused_while_parsing(capsys, argv, says):
+    """Refused by argparse with the range, before any call (the target is
+    closed: a flag that got through would make the command exit 69)."""
+    from client.cli import main as blockctl
+
+    with pytest.raises(SystemExit) as exited:
+        blockctl(["--target", "127.0.0.1:1", "--timeout-s", "0.5", *argv])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and err.splitlines()[-1].endswith(f"error: {says}"), err
+
+
+def test_a_numeric_variable_out_of_its_range_is_one_line(capsys, monkeypatch):
+    from client.cli import main as blockctl
+
+    monkeypatch.setenv("BLOCKCTL_TIMEOUT_S", "0")
+    with pytest.raises(SystemExit) as exited:
+        blockctl(["--target", "127.0.0.1:1", "pools", "list"])
+    assert exited.value.code == 2
+    assert capsys.readouterr().err == "blockctl: BLOCKCTL_TIMEOUT_S must be a number > 0, got '0'\n"

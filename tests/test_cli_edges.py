@@ -17,9 +17,9 @@ import time
 
 import pytest
 
+from blockd.cluster.local import child_env
 from blockd.core import Allocate, PoolConfig
 from client.sdk import BlockdClient
-from cluster.local import child_env
 from tests.grpc_fixtures import ROOT
 from tests.procs import start_blockd
 

@@ -5,9 +5,9 @@ Generation for a batch of prompts (different lengths, shared long prefixes,
 parallel samples, a pool small enough to force preemption) must give exactly
 the tokens transformers' own ``generate`` with its contiguous cache gives for
 the same tiny model -- greedy, and seeded samples with the workers' draws
-forced (:mod:`cluster.reference`), so a seeded request draws the same tokens
+forced (:mod:`worker.model.reference`), so a seeded request draws the same tokens
 after preemption, on one worker and on a tensor-parallel pair. Then
-``python -m cluster.demo`` as a user runs it (the real default model):
+``python -m bench.demo`` as a user runs it (the real default model):
 it must succeed, show text, and leave no process behind, also on Ctrl-C.
 """
 
@@ -23,12 +23,12 @@ import time
 
 import pytest
 
+from blockd.cluster.local import ROOT, ClusterSpec, LocalCluster, live_pids
 from client.model_group import WorkerGroup
 from client.scheduler import Scheduler, SchedulerConfig
 from client.sdk import BlockdClient
 from client.serving import GREEDY, GenerationRequest, SamplingParams
-from cluster.local import ROOT, ClusterSpec, LocalCluster, live_pids
-from cluster.reference import ContiguousReference
+from worker.model.reference import ContiguousReference
 
 VOCAB = 512  # the tiny models' vocabulary
 
@@ -55,7 +55,7 @@ def test_paged_cluster_generates_what_the_contiguous_reference_does(model, tp_si
     with LocalCluster(spec) as cluster, BlockdClient(cluster.blockd_address) as client, \
             WorkerGroup("m", cluster.worker_addresses) as group:
         assert len(cluster.worker_addresses) == tp_size
-        for worker in cluster.workers:  # idle OpenMP threads sleep (cluster.local.worker_env)
+        for worker in cluster.workers:  # idle OpenMP threads sleep (blockd.cluster.local.worker_env)
             with open(f"/proc/{worker.pid}/environ", "rb") as f:
                 assert f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'PASSIVE')}".encode() \
                     in f.read().split(b"\0")
@@ -83,7 +83,7 @@ def test_paged_cluster_generates_what_the_contiguous_reference_does(model, tp_si
 
 def _demo(*args: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": ROOT, "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen([sys.executable, "-m", "cluster.demo", *args], cwd=ROOT, env=env,
+    return subprocess.Popen([sys.executable, "-m", "bench.demo", *args], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 

@@ -16,8 +16,8 @@ import threading
 
 from blockd.core import Allocate, Append, BlockdError, Commit, Fork, Free, PoolConfig
 from blockd.core.state import dump_pool
-from blockd.engine import Engine
-from blockd.engine_config import EngineConfig
+from blockd.engine.config import EngineConfig
+from blockd.engine.machine import Engine
 from client.errors import BlockdClientError
 from client.sdk import BlockdClient
 from tests.procs import start_blockd

@@ -1,4 +1,4 @@
-"""One daemon per data dir (:mod:`blockd.datadir_lock`): a second ``blockd
+"""One daemon per data dir (:mod:`blockd.storage.lock`): a second ``blockd
 serve`` on a locked directory is refused, naming the holder; the lock goes
 with its holder, however it ends (SIGTERM, SIGKILL)."""
 
@@ -11,13 +11,13 @@ import sys
 
 import pytest
 
+from blockd.cluster.local import ROOT, child_env
 from blockd.core import PoolConfig
-from blockd.datadir import DataDirError
-from blockd.datadir_lock import LOCK_NAME, DataDirLock, DataDirLocked
-from blockd.engine import Engine
-from blockd.engine_config import EngineConfig
+from blockd.engine.config import EngineConfig
+from blockd.engine.machine import Engine
+from blockd.storage.lock import LOCK_NAME, DataDirLock, DataDirLocked
+from blockd.storage.reader import DataDirError
 from client.sdk import BlockdClient
-from cluster.local import ROOT, child_env
 
 pytest_plugins = ["tests.grpc_fixtures"]
 

@@ -10,15 +10,16 @@ import time
 
 import pytest
 
-from blockd.compact import CompactionFailed, compact, run_compactor
+from blockd.cluster.local import child_env
 from blockd.core import Allocate, PoolConfig
-from blockd.datadir import Reader
-from blockd.engine import Engine
-from blockd.engine_config import EngineConfig
-from blockd.idempotency import IdempotencyLimits
-from blockd.wal import COMPACT_LOCK, DirLock
+from blockd.engine.config import EngineConfig
+from blockd.engine.idempotency import IdempotencyLimits
+from blockd.engine.machine import Engine
+from blockd.engine.snapshots import CompactionFailed, run_compactor
+from blockd.offline.compact import compact
+from blockd.storage.reader import Reader
+from blockd.storage.wal import COMPACT_LOCK, DirLock
 from client.sdk import BlockdClient
-from cluster.local import child_env
 from tests.datadirs import build, data_files, digest, flip, reference, segments, state, workload
 from tests.procs import start_blockd
 
@@ -162,7 +163,7 @@ def test_snapshots_happen_in_a_crash_loop(tmp_path):
 #: a compactor in its own process that SIGKILLs itself at one point (the seam ``compact(at=...)``)
 KILLED_AT = """
 import os, signal, sys
-from blockd.compact import compact
+from blockd.offline.compact import compact
 data_dir, point, upto = sys.argv[1:]
 def at(name):
     if name == point:

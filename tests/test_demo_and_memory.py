@@ -1,6 +1,6 @@
 """The in-process demo runs end to end, and bench/memory.py measures what it claims.
 
-The memory checks run the simulations (:mod:`sim.memory`) and the
+The memory checks run the simulations (:mod:`bench.sim.memory`) and the
 benchmark's own line assembly on short runs and assert on the measured
 numbers: paging admits several times the sequences that max-length
 reservation does, sharing saves blocks, and larger blocks trade tail waste
@@ -17,9 +17,9 @@ import sys
 
 import pytest
 
-from sim import demo
-from sim import memory as sim_memory
-from sim.workload import ALPACA, SHAREGPT
+from bench.sim import demo
+from bench.sim import memory as sim_memory
+from bench.sim.workload import ALPACA, SHAREGPT
 from tests.conftest import ROOT
 
 
@@ -39,7 +39,7 @@ def _number(text: str, label: str) -> float:
 
 
 def test_demo_subprocess_reports_and_exits_zero():
-    out = subprocess.run([sys.executable, "-m", "sim.demo", "--requests", "40", "--seed", "1",
+    out = subprocess.run([sys.executable, "-m", "bench.sim.demo", "--requests", "40", "--seed", "1",
                           "--blocks", "256"],
                          cwd=ROOT, capture_output=True, text=True, timeout=60, check=False)
     assert out.returncode == 0, out.stderr
@@ -55,7 +55,7 @@ def test_demo_subprocess_reports_and_exits_zero():
 
 
 def test_demo_bad_block_size_is_refused_with_a_message():
-    out = subprocess.run([sys.executable, "-m", "sim.demo", "--block-size", "0", "--requests", "5"],
+    out = subprocess.run([sys.executable, "-m", "bench.sim.demo", "--block-size", "0", "--requests", "5"],
                          cwd=ROOT, capture_output=True, text=True, timeout=60, check=False)
     assert out.returncode == 2
     assert "block_size" in out.stderr

@@ -22,10 +22,10 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from blockd.core.types import Allocate, PoolConfig
-from blockd.engine import Engine
+from blockd.engine.machine import Engine
 from blockd.ha.metrics import ElectionCollector
-from blockd.metrics import BlockdMetrics
-from blockd.repl_metrics import ReplicationCollector
+from blockd.replication.metrics import ReplicationCollector
+from blockd.service.metrics import BlockdMetrics
 from worker.metrics import KERNELS, WorkerMetrics
 
 ROOT = Path(__file__).resolve().parent.parent

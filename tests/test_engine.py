@@ -21,8 +21,8 @@ from blockd.core import (
 )
 from blockd.core.state import dump_pool
 from blockd.core.types import DecodeAppend, Snapshot, VersionDelta, WorkerInfo
-from blockd.engine import Engine
-from blockd.engine_config import EngineConfig
+from blockd.engine.config import EngineConfig
+from blockd.engine.machine import Engine
 
 
 def pool_state(engine: Engine, name: str) -> str:

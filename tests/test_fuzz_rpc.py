@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 from blockd.core import Allocate, Append, Commit, ExtraKeys, Fork, Free
 from blockd.core.types import DecodeAppend
 from blockd.core.validate import MAX_ID_LEN
-from blockd.engine import Engine
+from blockd.engine.machine import Engine
 from blockd.rpc import convert
 from blockd.service.server import BlockdServer
 from blockd.v1 import blockd_pb2 as pb

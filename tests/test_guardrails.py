@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import pytest
 
-from blockd import engine as engine_module
 from blockd.core import Allocate, DecodeAppend, InvalidArgument, NoRoom, PoolConfig
-from blockd.engine import Engine
-from blockd.engine_config import EngineConfig
-from blockd.guardrails import Guardrails
+from blockd.engine import machine as engine_module
+from blockd.engine.config import EngineConfig
+from blockd.engine.guardrails import Guardrails
+from blockd.engine.machine import Engine
 from client import errors as ce
 from client.sdk import BlockdClient
 from tests.procs import start_blockd

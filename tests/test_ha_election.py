@@ -22,10 +22,10 @@ import time
 
 import pytest
 
-from blockd.ha.cluster import LeaderPoller, read_leader, read_status
+from blockd.cluster.local import ROOT, child_env
 from blockd.ha.etcd import EtcdClient
+from blockd.ha.group import LeaderPoller, read_leader, read_status
 from blockd.ha.keys import LeaderInfo, group_keys
-from cluster.local import ROOT, child_env
 from tests.ha_fixtures import the_leader, wait_for
 
 pytest_plugins = ["tests.etcd", "tests.ha_fixtures"]

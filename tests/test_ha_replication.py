@@ -50,14 +50,14 @@ from blockd.auth import TlsConfig, tokens
 from blockd.auth.channels import open_channel
 from blockd.core import Allocate, DecodeAppend, Free, PoolConfig
 from blockd.core.types import WorkerInfo
-from blockd.engine import Engine
-from blockd.engine_config import EngineConfig
-from blockd.ha.cluster import read_status
+from blockd.engine.config import EngineConfig
+from blockd.engine.machine import Engine
 from blockd.ha.etcd import EtcdClient
+from blockd.ha.group import read_status
 from blockd.ha.insync import InSyncSet
+from blockd.storage.wal import parse_name
 from blockd.v1 import replication_pb2 as rpb
 from blockd.v1 import replication_pb2_grpc as rpb_grpc
-from blockd.wal import parse_name
 from client.aio import AsyncBlockdClient
 from client.errors import BlockdClientError, FailedPreconditionError, InvalidArgumentError, from_rpc_error
 from client.scheduler import SchedulerConfig
@@ -66,7 +66,7 @@ from client.serving import GenerationRequest
 from tests.ha_fixtures import wait_for
 from tests.procs import Proc, free_port, start_blockd
 from tests.slot_model import check_outputs, make
-from worker.follower import Follower
+from worker.attachment import Attachment
 from worker.runtime import WorkerRuntime
 
 pytest_plugins = ["tests.etcd", "tests.auth_fixtures", "tests.grpc_fixtures"]
@@ -158,7 +158,7 @@ def ready(g: Group) -> str:
     return wait_for(step_ok, "a leader that acknowledges a replicated step", timeout_s=60)
 
 
-def _worker(g: Group, leader: str, num_blocks: int) -> tuple[WorkerRuntime, BlockdClient, Follower]:
+def _worker(g: Group, leader: str, num_blocks: int) -> tuple[WorkerRuntime, BlockdClient, Attachment]:
     """Pool ``w`` made on the leader and an in-process worker for it (not started) that
     follows Watch through every replica's address, as a real worker's SDK does."""
     config = PoolConfig("w", num_blocks=num_blocks, block_size=4, num_layers=1, num_kv_heads=1, head_dim=4,
@@ -166,7 +166,7 @@ def _worker(g: Group, leader: str, num_blocks: int) -> tuple[WorkerRuntime, Bloc
     g.clients[leader].create_pool(config, request_id="create-w")
     runtime = WorkerRuntime(config, device="cpu")
     client = BlockdClient(",".join(p.address for p in g.procs.values()), timeout_s=60)
-    follower = Follower(client, runtime, WorkerInfo("w0", "w", "", 0, 1, 0, 1, incarnation=runtime.incarnation),
+    follower = Attachment(client, runtime, WorkerInfo("w0", "w", "", 0, 1, 0, 1, incarnation=runtime.incarnation),
                         heartbeat_interval_s=0.2)
     return runtime, client, follower
 
@@ -210,13 +210,13 @@ def test_chaos_leader_killed_under_a_worker_and_four_schedulers(group):
     addresses = ",".join(p.address for p in g.procs.values())
     runtime, worker_client, follower = _worker(g, leader, 8192)
     delivered: list[int] = []
-    push = runtime.replica.push
+    push = runtime.mirror.push
 
     def recording_push(delta) -> None:
         delivered.append(delta.version)
         push(delta)
 
-    runtime.replica.push = recording_push  # type: ignore[method-assign]
+    runtime.mirror.push = recording_push  # type: ignore[method-assign]
     follower.start()
     load = _Load(addresses, schedulers=4)
     rng = random.Random(int(os.environ.get("BLOCKD_HA_SEED", "14")))
@@ -272,7 +272,7 @@ def test_async_a_worker_holding_versions_the_new_leader_lacks_resyncs_from_a_sna
     followers = [rid for rid in g.procs if rid != leader]
     try:
         version = g.clients[leader].get_tables("w")[0]
-        wait_for(lambda: runtime.replica.received_version >= version, "the worker to catch up")
+        wait_for(lambda: runtime.mirror.received_version >= version, "the worker to catch up")
         def replicated() -> bool:  # both followers hold everything so far (GetReplicaStatus)
             status = g.clients[leader].replica_status()
             return len(status.followers) == 2 and all(f.lag_records == 0 for f in status.followers)
@@ -283,8 +283,8 @@ def test_async_a_worker_holding_versions_the_new_leader_lacks_resyncs_from_a_sna
         for i in range(5):  # acknowledged (async), seen by the worker, never replicated
             g.clients[leader].step("w", [Allocate(f"lost{i}", [7, 7, 7, 7, 7])], request_id=f"lost{i}")
         lost_version = g.clients[leader].get_tables("w")[0]
-        wait_for(lambda: runtime.replica.received_version >= lost_version, "the worker to receive the lost steps")
-        assert runtime.replica.num_snapshots == 0
+        wait_for(lambda: runtime.mirror.received_version >= lost_version, "the worker to receive the lost steps")
+        assert runtime.mirror.num_snapshots == 0
         g.kill(leader)
         for rid in followers:
             g.start(rid)  # on their own logs, which lack the lost steps
@@ -294,11 +294,11 @@ def test_async_a_worker_holding_versions_the_new_leader_lacks_resyncs_from_a_sna
             g.clients[new].step("w", [Allocate(f"new{i}", [i + 1, i + 2])], request_id=f"new{i}")
         version, tables = g.clients[new].get_tables("w")
         assert version > lost_version and not any(s.startswith("lost") for s in tables)
-        wait_for(lambda: runtime.replica.received_version >= version and runtime.replica.term > 0,
+        wait_for(lambda: runtime.mirror.received_version >= version and runtime.mirror.term > 0,
                  "the worker to follow the new leader", timeout_s=60)
-        runtime.replica.advance_to(version, 10.0)
-        assert runtime.replica.tables == tables
-        assert runtime.replica.num_snapshots == 1
+        runtime.mirror.advance_to(version, 10.0)
+        assert runtime.mirror.tables == tables
+        assert runtime.mirror.num_snapshots == 1
         # nor is the KV trusted: the worker came back as a new incarnation, so blockd marked every
         # sequence's KV lost (a scheduler recomputes) and cleared the prefix cache
         assert follower.info.incarnation == runtime.incarnation != first_incarnation
@@ -382,13 +382,13 @@ def _check(client: BlockdClient, load: _Load, runtime: WorkerRuntime, delivered:
     undone = sorted(load.freed() & set(tables))
     assert not undone, f"acknowledged frees undone after failover {kill + 1}: {undone[:10]}"
     assert set(tables) == load.alive(), "the leader holds sequences no scheduler was told of"
-    wait_for(lambda: runtime.replica.received_version >= version, f"the worker to receive version {version}",
+    wait_for(lambda: runtime.mirror.received_version >= version, f"the worker to receive version {version}",
              timeout_s=60)
-    runtime.replica.advance_to(version, 10.0)
-    assert runtime.replica.tables == tables, f"the worker's tables differ from the leader's after failover {kill + 1}"
+    runtime.mirror.advance_to(version, 10.0)
+    assert runtime.mirror.tables == tables, f"the worker's tables differ from the leader's after failover {kill + 1}"
     assert delivered == list(range(1, len(delivered) + 1)), "the worker saw a version twice or missed one"
-    assert runtime.replica.num_snapshots == 0
-    assert runtime.replica.term == load.term > 0, "the worker's replica does not name the new leader's term"
+    assert runtime.mirror.num_snapshots == 0
+    assert runtime.mirror.term == load.term > 0, "the worker's replica does not name the new leader's term"
 
 
 class _Load:
@@ -491,7 +491,7 @@ def test_a_paused_leader_acknowledges_nothing_and_steps_down(group):
     try:
         follower.start()
         g.clients[leader].step("w", [Allocate("before", [1, 2])], request_id="w-before")
-        wait_for(lambda: runtime.replica.received_version >= 1, "the worker to follow the leader")
+        wait_for(lambda: runtime.mirror.received_version >= 1, "the worker to follow the leader")
         g.kill(leader, signal.SIGSTOP)
         others = {rid: c for rid, c in g.clients.items() if rid != leader}
         try:
@@ -499,14 +499,14 @@ def test_a_paused_leader_acknowledges_nothing_and_steps_down(group):
                            timeout_s=60)
             # the worker's Watch to the paused leader gets no error by itself; gRPC keepalive ends it
             version = g.clients[new].step("w", [Allocate("after", [3])], request_id="w-after").version
-            wait_for(lambda: runtime.replica.received_version >= version,
+            wait_for(lambda: runtime.mirror.received_version >= version,
                      "the worker to follow the new leader while the old one is paused", timeout_s=30)
         except AssertionError as err:
             raise AssertionError(f"{err}\n{g.outputs()}") from None
         finally:
             g.kill(leader, signal.SIGCONT)
-        runtime.replica.advance_to(version, 10.0)
-        assert runtime.replica.tables == g.clients[new].get_tables("w")[1]
+        runtime.mirror.advance_to(version, 10.0)
+        assert runtime.mirror.tables == g.clients[new].get_tables("w")[1]
     finally:
         follower.stop()
         worker_client.close()

@@ -24,10 +24,10 @@ from blockd.core import (
 )
 from blockd.core.state import op_to_json
 from blockd.core.types import DecodeAppend, OpResult, PoolStats, StepResult
-from blockd.engine import Engine
-from blockd.engine_config import EngineConfig
-from blockd.idempotency import IdempotencyLimits, IdempotencyTable
-from blockd.idempotency_codec import decode_result, encode_result, fingerprint
+from blockd.engine.config import EngineConfig
+from blockd.engine.idempotency import IdempotencyLimits, IdempotencyTable
+from blockd.engine.idempotency_codec import decode_result, encode_result, fingerprint
+from blockd.engine.machine import Engine
 from client import errors as ce
 
 pytest_plugins = ["tests.grpc_fixtures"]

@@ -10,8 +10,8 @@ import pytest
 from blockd.core import ALL_BLOCKS_CLEARED, Allocate, Append, Commit, DecodeAppend, Fork, Free, PoolConfig
 from blockd.core.incarnations import KVLost, PoolIncarnationMismatch
 from blockd.core.types import Snapshot, WorkerInfo
-from blockd.engine import Engine
-from blockd.engine_config import EngineConfig
+from blockd.engine.config import EngineConfig
+from blockd.engine.machine import Engine
 from blockd.rpc.errors import blockd_status
 
 CONFIG = PoolConfig("p", num_blocks=16, block_size=2)

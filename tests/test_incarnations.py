@@ -23,6 +23,7 @@ import time
 import pytest
 import torch
 
+from blockd.cluster.local import ClusterSpec, LocalCluster
 from blockd.core import ALL_BLOCKS_CLEARED, BLOCK_STORED, Allocate, Append, Commit, Free, PoolConfig
 from blockd.core.types import WorkerInfo
 from client.errors import BlockdClientError, FailedPreconditionError, NotFoundError
@@ -30,12 +31,11 @@ from client.model_group import WorkerGroup
 from client.scheduler import Scheduler, SchedulerConfig
 from client.sdk import BlockdClient
 from client.worker import WorkerClient
-from cluster.local import ClusterSpec, LocalCluster
-from cluster.reference import ContiguousReference
 from tests.dense import dense_attention
 from tests.procs import free_port, start_blockd, start_worker
 from tests.test_cluster import workload
-from worker.follower import Follower
+from worker.attachment import Attachment
+from worker.model.reference import ContiguousReference
 from worker.runtime import WorkerRuntime
 from worker.service import WorkerServer
 
@@ -166,7 +166,7 @@ class InProcessWorker:
         self.runtime = WorkerRuntime(CONFIG, device="cpu", version_timeout_s=2.0)
         self.server = WorkerServer(self.runtime, "w", "127.0.0.1:0")
         info = WorkerInfo("w", "m", self.server.address, 0, 1, 0, HEADS, incarnation=self.runtime.incarnation)
-        self.follower = Follower(self.client, self.runtime, info, heartbeat_interval_s=0.1)
+        self.follower = Attachment(self.client, self.runtime, info, heartbeat_interval_s=0.1)
         self.runtime.latest_committed = self.follower.latest_committed
         self.follower.start()
         self.server.start()
@@ -209,7 +209,7 @@ def test_a_pool_recreated_under_a_running_worker_replaces_its_replica(how):
         assert wait_for(lambda: _registered(client)), "the worker did not register with the new pool"
         new = client.step("m", [Allocate("x", list(range(5))), Allocate("y", [1])])
         assert new.incarnation != r.incarnation and new.version == 1
-        replica = worker.runtime.replica
+        replica = worker.runtime.mirror
         assert wait_for(lambda: replica.incarnation == new.incarnation and replica.received_version == 1)
         replica.advance_to(1, 1.0)
         assert replica.tables == client.get_tables("m")[1] == {"x": [0, 1], "y": [2]}

@@ -17,8 +17,8 @@ import textwrap
 import pytest
 import torch
 
+from blockd.cluster.local import ROOT, child_env
 from blockd.core import PoolConfig
-from cluster.local import ROOT, child_env
 from worker.ipc import PoolHandle, SharedPool, open_handle
 from worker.layout import KVGeometry
 from worker.main import parse_args

@@ -23,10 +23,10 @@ import pytest
 
 from blockd import config_env
 from blockd.cli import build_parser as blockd_parser
+from blockd.cluster.local import model_config
 from client import pool_apply
 from client.cli import ENV_OVERRIDES as BLOCKCTL_OVERRIDES
 from client.cli import build_parser as blockctl_parser
-from cluster.local import model_config
 from worker.main import ENV_OVERRIDES as WORKER_OVERRIDES
 from worker.main import build_parser as worker_parser
 
@@ -143,7 +143,7 @@ def _program_variables() -> set[str]:
     names = set(config_env.flag_env_names(serve.choices["serve"], "BLOCKD_").values())
     names |= set(config_env.flag_env_names(worker_parser(), "BLOCKD_WORKER_", WORKER_OVERRIDES).values())
     names |= set(config_env.flag_env_names(blockctl_parser(), "BLOCKCTL_", BLOCKCTL_OVERRIDES).values())
-    return names | {"BLOCKD_METRICS_ADDR"}  # read by blockd.metrics, not a flag
+    return names | {"BLOCKD_METRICS_ADDR"}  # read by blockd.service.metrics, not a flag
 
 
 def _containers(objects: list[dict]):

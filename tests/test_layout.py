@@ -18,11 +18,11 @@ import pytest
 
 from tests.conftest import ROOT
 
-PACKAGES = ("blockd", "client", "worker", "sim", "cluster")
+PACKAGES = ("blockd", "client", "worker")
 #: stdlib-only or protocol modules of the blockd package that are not the daemon
 #: (blockd.logs, blockd.build_info: log set-up and the build's metrics, the workers' too)
 NOT_DAEMON = {"blockd.config_env", "blockd.ha", "blockd.auth", "blockd.logs", "blockd.build_info"}
-PATH = re.compile(r"`((?:blockd|client|worker|sim|cluster|bench|tests|docs|deploy|scripts|proto)/[\w/.-]*)`")
+PATH = re.compile(r"`((?:blockd|client|worker|bench|tests|docs|deploy|scripts|proto)/[\w/.-]*)`")
 
 
 def modules() -> list[str]:

@@ -1,4 +1,4 @@
-"""blockd.metrics and worker.metrics: values, exposition, naming, label bounds.
+"""blockd.service.metrics and worker.metrics: values, exposition, naming, label bounds.
 
 The collector's values are compared with the engine's own stats after a
 workload that exercises every counter (prefix hits, evictions, copy-on-write),
@@ -25,9 +25,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from blockd.core.errors import InvalidArgument, NoRoom, NotFound
 from blockd.core.types import Allocate, Append, Commit, DecodeAppend, Fork, Free, PoolConfig, WorkerInfo
-from blockd.engine import Engine
-from blockd.engine_config import EngineConfig
-from blockd.metrics import BlockdMetrics, EngineCollector, outcome_of, start_metrics_server
+from blockd.engine.config import EngineConfig
+from blockd.engine.machine import Engine
+from blockd.service.metrics import BlockdMetrics, EngineCollector, outcome_of, start_metrics_server
 from worker.metrics import WorkerMetrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -136,8 +136,8 @@ class Local:
 
     def step(self, ops):
         result = self.pool.step(ops)
-        for delta in self.pool.deltas_since(self.runtime.replica.received_version):
-            self.runtime.replica.push(delta)
+        for delta in self.pool.deltas_since(self.runtime.mirror.received_version):
+            self.runtime.mirror.push(delta)
         return result
 
 
@@ -259,7 +259,7 @@ def test_a_restarted_worker_refuses_steps_over_kv_it_lost():
     assert restarted.incarnation != local.runtime.incarnation
     r = local.step([DecodeAppend(["a"], [6]), Allocate("b", [7, 8])])
     for delta in local.pool.deltas_since(0):
-        restarted.replica.push(delta)
+        restarted.mirror.push(delta)
     with pytest.raises(KVNotWritten, match=r"sequence .a. reads .*positions 0..4 of its 5"):
         runner.step(r.version, ["a"], [1], [6], [6], list(r.results[0].slot_mapping))
     runner.step(r.version, ["b"], [2], [2], [7, 8], list(r.results[1].slot_mapping))
@@ -283,7 +283,7 @@ def test_a_model_step_planned_on_a_term_the_worker_has_not_followed_is_refused()
     TERM_NOT_SEEN, before anything else is checked or run (its tables may still be an older leader's)."""
     local = Local("tiny-llama")
     local.runtime.version_timeout_s = 0.3
-    local.runtime.replica.note_term(4)
+    local.runtime.mirror.note_term(4)
     server = WorkerServer(local.runtime, "w")
     server.start()
     try:

@@ -24,11 +24,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from cluster.local import ROOT, ChildProcess, child_env, model_config
-from cluster.reference import ContiguousReference
+from blockd.cluster.local import ROOT, ChildProcess, child_env, model_config
 from tests.netns import NetnsLab, lab_of
 from tests.netns_scheduler import workload
 from worker.model import pool_config_for
+from worker.model.reference import ContiguousReference
 
 MODEL, POOL, SEED = "tiny-llama", "m", 3
 BLOCKD_PORT, WORKER_PORT, TP_PORT = 50051, 50061, 29500

@@ -24,7 +24,7 @@ import time
 
 import pytest
 
-from cluster.local import ROOT, ChildProcess, child_env
+from blockd.cluster.local import ROOT, ChildProcess, child_env
 from tests.etcd import require_etcd
 from tests.netns import lab_of
 

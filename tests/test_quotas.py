@@ -14,8 +14,8 @@ from blockd.auth.quotas import Quota, parse_quotas, quota_for
 from blockd.auth.tokens import IdentitiesFileError, parse_identities
 from blockd.core import Allocate, DecodeAppend, Fork, Free, PoolConfig
 from blockd.core.errors import QuotaExceeded
-from blockd.engine import Engine
-from blockd.engine_config import EngineConfig
+from blockd.engine.config import EngineConfig
+from blockd.engine.machine import Engine
 from client.errors import ResourceExhaustedError
 from client.sdk import BlockdClient
 

@@ -19,14 +19,14 @@ import time
 
 import pytest
 
+from blockd.cluster.local import ClusterSpec, LocalCluster
 from client.model_group import WorkerGroup
 from client.scheduler import Scheduler, SchedulerConfig
 from client.sdk import BlockdClient
 from client.serving import FINISH_STOP, GenerationRequest, SamplingParams
-from cluster.local import ClusterSpec, LocalCluster
-from cluster.reference import ContiguousReference
 from worker.model import source
 from worker.model.chat import chat_prompts, eos_token_ids, load_tokenizer
+from worker.model.reference import ContiguousReference
 
 MODEL = "smollm2-135m"
 

@@ -1,4 +1,4 @@
-"""A follower's acknowledgements (:class:`blockd.repl_follower.AckStream`) over real gRPC.
+"""A follower's acknowledgements (:class:`blockd.replication.follower.AckStream`) over real gRPC.
 
 The acknowledgements of a live group travel on ``StreamAcks`` (every sync
 step in ``tests/test_ha_replication.py`` waits for them). Here: a leader
@@ -16,7 +16,7 @@ from concurrent import futures
 import grpc
 import pytest
 
-from blockd.repl_follower import AckStream
+from blockd.replication.follower import AckStream
 from blockd.v1 import replication_pb2 as rpb
 from blockd.v1 import replication_pb2_grpc as rpb_grpc
 

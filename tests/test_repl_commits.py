@@ -1,4 +1,4 @@
-"""The leader's commit point (blockd/repl_leader.py ``Commits``).
+"""The leader's commit point (blockd/replication/leader.py ``Commits``).
 
 ``async`` mode, the lag bound: a step waits while a live follower (one that
 acknowledged within ``live_s``) trails its record by more than
@@ -22,7 +22,7 @@ import time
 import pytest
 
 from blockd.core.errors import NotLeader, NotReplicated
-from blockd.repl_leader import Commits
+from blockd.replication.leader import Commits
 
 
 class _NoInSyncSet:
@@ -146,7 +146,7 @@ def test_sync_steps_read_their_followers_acknowledgements_on_the_replication_por
     """Four steps wait at once; the acknowledgements arrive on two real sockets. Each
     step returns once both followers confirmed its record, not before, and the
     waiting threads read the acknowledgements themselves (no hand-off)."""
-    from blockd.repl_frames import FramesListener, connect
+    from blockd.replication.transport import FramesListener, connect
     from blockd.v1 import replication_pb2 as rpb
 
     listener = FramesListener("127.0.0.1")

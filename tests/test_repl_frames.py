@@ -1,4 +1,4 @@
-"""The replication transport's framed socket (:mod:`blockd.repl_frames`) on real loopback sockets:
+"""The replication transport's framed socket (:mod:`blockd.replication.transport`) on real loopback sockets:
 a ticket admits one connection to the feed it was offered for, anything else is closed, and
 frames that cannot be messages of the feed end the connection instead of being guessed at."""
 
@@ -13,9 +13,9 @@ import time
 
 import pytest
 
-from blockd.repl_frames import FrameError, FramesListener, Link, connect, split_bind
-from blockd.repl_leader import LinkFeed
-from blockd.repl_log import LogTail
+from blockd.replication.leader import LinkFeed
+from blockd.replication.log_tail import LogTail
+from blockd.replication.transport import FrameError, FramesListener, Link, connect, split_bind
 from blockd.v1 import replication_pb2 as rpb
 
 

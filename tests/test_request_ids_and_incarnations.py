@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, rule
 
 from blockd.core import Allocate, BlockdError, DecodeAppend, Free, NotFound, PoolConfig, WrongState
-from blockd.engine import Engine
-from blockd.engine_config import EngineConfig
+from blockd.engine.config import EngineConfig
+from blockd.engine.machine import Engine
 from client import errors as ce
 
 pytest_plugins = ["tests.grpc_fixtures"]

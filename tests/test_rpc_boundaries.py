@@ -23,7 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from blockd.core import Allocate, InvalidArgument, PoolConfig
-from blockd.engine import Engine
+from blockd.engine.machine import Engine
 from blockd.rpc.errors import MAX_MESSAGE_BYTES, blockd_status, unary
 from blockd.service.server import BlockdServer
 from worker.runtime import WorkerRuntime

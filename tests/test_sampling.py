@@ -140,7 +140,7 @@ def test_specs_are_validated():
 
 def test_model_step_samples_as_asked_over_grpc():
     local = Local("tiny-llama")
-    local.runtime.replica.adopt("pool-life-1")
+    local.runtime.mirror.adopt("pool-life-1")
     server = WorkerServer(local.runtime, "w", runner=local.runner)
     server.start()
     try:
@@ -171,7 +171,7 @@ def test_model_steps_run_on_one_thread_whichever_rpc_thread_takes_them():
     many RPC threads kept a team each, which spin into each other's steps
     (worker/service.py). Concurrent callers' steps all run on one thread."""
     local = Local("tiny-llama")
-    local.runtime.replica.adopt("pool-life-1")
+    local.runtime.mirror.adopt("pool-life-1")
     seen: list[str] = []
     step = local.runner.step
 

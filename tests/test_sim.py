@@ -14,13 +14,13 @@ import random
 
 import pytest
 
+from bench.sim.backend import InProcessBlockd
+from bench.sim.model import StubModel, stub_token
+from bench.sim.workload import ALPACA, TraceSpec, UniformDist, request_stream, system_prompts, with_bare
 from blockd.core import Allocate, Append, DecodeAppend, Free, PoolConfig
 from blockd.core.types import WorkerInfo
 from client import errors as ce
 from client.scheduler import Scheduler, SchedulerConfig
-from sim.backend import InProcessBlockd
-from sim.model import StubModel, stub_token
-from sim.workload import ALPACA, TraceSpec, UniformDist, request_stream, system_prompts, with_bare
 
 pytest_plugins = ["tests.grpc_fixtures"]
 

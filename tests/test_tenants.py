@@ -14,12 +14,12 @@ import json
 
 import pytest
 
-from blockd import records
 from blockd.auth import AccessDenied, Identity, acting_as, tokens
 from blockd.core import Allocate, Commit, Free, Pool, PoolConfig
 from blockd.core.hashing import ExtraKeys
-from blockd.engine import Engine
-from blockd.engine_config import EngineConfig
+from blockd.engine import records
+from blockd.engine.config import EngineConfig
+from blockd.engine.machine import Engine
 from client.errors import NotFoundError, PermissionDeniedError
 from client.sdk import BlockdClient
 

@@ -11,12 +11,12 @@ import zlib
 
 import pytest
 
-from blockd import log_cut
 from blockd.core.terms import TermHistory, common_prefix
-from blockd.datadir import DataDirError, Reader
-from blockd.engine import Engine
-from blockd.engine_config import EngineConfig
-from blockd.wal import FRAME, FRAME_V2, SEGMENT_HEADER, encode_frame, segment_header, segment_name
+from blockd.engine.config import EngineConfig
+from blockd.engine.machine import Engine
+from blockd.storage import cut as log_cut
+from blockd.storage.reader import DataDirError, Reader
+from blockd.storage.wal import FRAME, FRAME_V2, SEGMENT_HEADER, encode_frame, segment_header, segment_name
 from tests.datadirs import build, digest, reference, segments, state, workload
 
 

@@ -7,7 +7,7 @@ import io
 import pytest
 
 from blockd.core.types import Allocate, Commit, Free, PoolConfig, WorkerInfo
-from blockd.engine import Engine
+from blockd.engine.machine import Engine
 from client.top import add_top, prefix_hit_cell, render_frame, run_top, utilisation_bar
 
 pytest_plugins = ["tests.grpc_fixtures"]

@@ -15,10 +15,10 @@ import shutil
 import pytest
 
 from blockd.core import Allocate
-from blockd.datadir import DataDirError, Reader
-from blockd.engine import Engine
-from blockd.engine_config import EngineConfig
-from blockd.wal import FRAME, SEGMENT_HEADER, encode_frame
+from blockd.engine.config import EngineConfig
+from blockd.engine.machine import Engine
+from blockd.storage.reader import DataDirError, Reader
+from blockd.storage.wal import FRAME, SEGMENT_HEADER, encode_frame
 from tests.datadirs import build, data_files, digest, flip, reference, segments, state, workload
 
 LEGACY = os.path.join(os.path.dirname(__file__), "data", "legacy-v1")

@@ -15,7 +15,7 @@ from blockd.core.types import WorkerInfo
 from client.errors import BlockdClientError, UnavailableError
 from client.sdk import BlockdClient
 from tests.procs import free_port, start_blockd
-from worker.follower import Follower
+from worker.attachment import Attachment
 from worker.runtime import WorkerRuntime
 
 
@@ -48,30 +48,30 @@ def test_watch_resumes_after_restart_without_gap_or_duplicate(tmp_path):
         client.create_pool(config)
         runtime = WorkerRuntime(config, device="cpu")
         seen: list[int] = []
-        original_push = runtime.replica.push
+        original_push = runtime.mirror.push
 
         def recording_push(delta):
             seen.append(delta.version)
             original_push(delta)
 
-        runtime.replica.push = recording_push
+        runtime.mirror.push = recording_push
         info = WorkerInfo("w", "m", "", 0, 1, 0, 1, incarnation=runtime.incarnation)
-        follower = Follower(client, runtime, info, heartbeat_interval_s=0.1)
+        follower = Attachment(client, runtime, info, heartbeat_interval_s=0.1)
         follower.start()
         for i in range(5):
             client.step("m", [Allocate(f"s{i}", [i] * 3)])
-        assert wait_for(lambda: runtime.replica.received_version == 5)
+        assert wait_for(lambda: runtime.mirror.received_version == 5)
 
         proc.kill()  # SIGKILL: the stream breaks mid-flight
         proc = start_blockd(*args, "--listen", listen)
         assert wait_for(lambda: _reachable(client)), "the restarted daemon is not reachable"
         client.step("m", [Append("s0", [9]), Fork("s1", "f1")])
         client.step("m", [Free("s2")])
-        assert wait_for(lambda: runtime.replica.received_version == 7)
-        runtime.replica.advance_to(7, 1.0)
-        assert runtime.replica.tables == client.get_tables("m")[1]
+        assert wait_for(lambda: runtime.mirror.received_version == 7)
+        runtime.mirror.advance_to(7, 1.0)
+        assert runtime.mirror.tables == client.get_tables("m")[1]
         assert seen == list(range(1, 8)), f"versions received: {seen}"
-        assert runtime.replica.num_snapshots == 0
+        assert runtime.mirror.num_snapshots == 0
         # the heartbeat thread re-registered with the restarted daemon
         assert wait_for(lambda: [w.info.worker_id for w in client.list_workers("m")] == ["w"])
     finally:

@@ -11,8 +11,8 @@ from blockd.core import Allocate, Append, BlockdError, Fork, Free, NotFound, Poo
 from blockd.core.errors import InvalidArgument
 from blockd.core.incarnations import KVNotWritten, PoolIncarnationMismatch, PoolIncarnationUnavailable, TermNotSeen
 from tests.dense import dense_attention
-from worker.replica import StaleVersion, TableReplica, VersionUnavailable
 from worker.runtime import ShardSpec, WorkerRuntime
+from worker.tables import StaleVersion, TableMirror, VersionUnavailable
 
 HEADS, Q_HEADS, DIM = 2, 4, 16
 
@@ -31,8 +31,8 @@ class Harness:
 
     def step(self, ops):
         result = self.pool.step(ops)
-        for delta in self.pool.deltas_since(self.runtime.replica.received_version):
-            self.runtime.replica.push(delta)
+        for delta in self.pool.deltas_since(self.runtime.mirror.received_version):
+            self.runtime.mirror.push(delta)
         return result
 
     def rand(self, *shape):
@@ -81,10 +81,10 @@ def test_runtime_follows_versions_and_matches_dense(dtype, prepared):
     h.run(r.version, ["a", "c"], [1, 1], [r.results[0].slot_mapping[0], r.results[1].slot_mapping[0]], prepared)
     r = h.step([Free("b"), Allocate("d", list(range(200, 209)))])  # reuses b's blocks
     h.run(r.version, ["d"], [9], list(r.results[1].slot_mapping), prepared)
-    assert h.runtime.replica.num_copy_ops == 1
-    assert h.runtime.replica.tables == h.pool.tables()
+    assert h.runtime.mirror.num_copy_ops == 1
+    assert h.runtime.mirror.tables == h.pool.tables()
     # either way the written-slot record covers exactly the written tokens
-    tables = h.runtime.replica.tables_of(["a", "c", "d"], r.version, h.runtime.replica.incarnation)
+    tables = h.runtime.mirror.tables_of(["a", "c", "d"], r.version, h.runtime.mirror.incarnation)
     h.runtime.check_written(["a", "c", "d"], tables, [8, 8, 9])
     with pytest.raises(KVNotWritten):
         h.runtime.check_written(["d"], tables[2:], [10])  # d's 10th slot is allocated, not written
@@ -136,7 +136,7 @@ def test_versions_stale_future_and_bad_input():
 def test_replica_refuses_gaps_and_ignores_duplicates():
     pool = Pool(PoolConfig("p", num_blocks=8, block_size=2))
     copies = []
-    replica = TableReplica(copies.extend)
+    replica = TableMirror(copies.extend)
     for i in range(3):
         pool.step([Allocate(f"s{i}", [i])])
     d1, d2, d3 = pool.deltas_since(0)
@@ -152,7 +152,7 @@ def test_replica_refuses_gaps_and_ignores_duplicates():
 
 
 def test_replica_refuses_a_deposed_leaders_term():
-    replica = TableReplica(lambda copies: None)
+    replica = TableMirror(lambda copies: None)
     for term in (0, 5, 7):  # 0: not replicated, nothing to check
         replica.check_term(term)
         replica.note_term(term)
@@ -166,7 +166,7 @@ def test_replica_refuses_a_deposed_leaders_term():
 def test_a_call_planned_on_a_newer_term_waits_until_the_replica_is_served_in_it():
     """``wait_term``: a model step named with the new leader's term runs only once the
     replica's Watch has taken in a message of that term (a resync first, where one comes)."""
-    replica = TableReplica(lambda copies: None)
+    replica = TableMirror(lambda copies: None)
     replica.note_term(3)
     replica.wait_term(0, 0.01)  # not replicated
     replica.wait_term(3, 0.01)
@@ -223,13 +223,13 @@ def test_attention_over_slots_not_written_in_this_incarnation_is_refused():
 
 def test_a_new_pool_incarnation_forgets_every_written_slot():
     h = Harness()
-    h.runtime.replica.adopt("old")
+    h.runtime.mirror.adopt("old")
     r = h.step([Allocate("a", [1, 2, 3])])
     h.run(r.version, ["a"], [3], list(r.results[0].slot_mapping))
     q = h.rand(1, Q_HEADS, DIM)
     h.runtime.attention(r.version, 0, ["a"], [1], [3], q, pool_incarnation="old")
     # the pool was re-created: its snapshot names block 0 again, for another sequence
-    h.runtime.replica.load_snapshot(1, {"x": [0]}, "new")
+    h.runtime.mirror.load_snapshot(1, {"x": [0]}, "new")
     with pytest.raises(PoolIncarnationMismatch, match="replaced"):
         h.runtime.attention(1, 0, ["a"], [1], [3], q, pool_incarnation="old")
     with pytest.raises(KVNotWritten, match="sequence 'x'"):

@@ -40,7 +40,7 @@ from blockd.rpc import addresses
 from client.cli_common import EXIT_CODES, Exit
 from client.errors import BlockdClientError
 from client.sdk import BlockdClient
-from worker.follower import Follower
+from worker.attachment import Attachment
 from worker.runtime import ShardSpec, WorkerRuntime
 from worker.service import WorkerServer
 
@@ -242,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     server = WorkerServer(runtime, args.worker_id, args.listen, runner=runner, security=security)
     info = WorkerInfo(args.worker_id, config.name, advertised_address(args, server.address), *layers, *heads,
                       pool_bytes=runtime.pool_bytes, device=str(runtime.device), incarnation=runtime.incarnation)
-    follower = Follower(client, runtime, info, args.heartbeat_s, metrics)
+    follower = Attachment(client, runtime, info, args.heartbeat_s, metrics)
     runtime.latest_committed = follower.latest_committed
     follower.start()
     server.start()

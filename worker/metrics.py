@@ -52,7 +52,7 @@ class WorkerMetrics:
         copies = Counter("blockd_worker_copy_ops", "Copy-on-write block copies executed.",
                          ("pool",), registry=self.registry)
         lag = Gauge("blockd_worker_replica_lag_versions",
-                    "Versions the worker's table replica is behind the pool's latest known version.",
+                    "Versions the worker's table mirror is behind the pool's latest known version.",
                     ("pool",), registry=self.registry)
         applied = Gauge("blockd_worker_applied_version", "Latest pool version the replica has applied.",
                         ("pool",), registry=self.registry)

@@ -1,4 +1,4 @@
-"""The worker's in-process API: one pool shard's KV memory, its table replica
+"""The worker's in-process API: one pool shard's KV memory, its table mirror
 and the kernels, behind version-checked calls.
 
 A model runner living in the worker process calls :class:`WorkerRuntime`
@@ -35,7 +35,7 @@ from blockd.core.incarnations import new_incarnation
 from blockd.core.types import PoolConfig
 from worker.kernels import PagedAttention, copy_blocks, native, select_device, write_kv
 from worker.layout import KVGeometry, allocate_kv_pool, split_slots
-from worker.replica import TableReplica
+from worker.tables import TableMirror
 from worker.written import ContextBlocks, WrittenSlots
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -152,7 +152,7 @@ class WorkerRuntime:
         if tuple(self.kv.shape) != self.geometry.shape or self.kv.dtype != self.dtype:
             raise ValueError(f"the allocator made a {self.kv.dtype} pool of shape {tuple(self.kv.shape)}, "
                              f"not {self.dtype} {self.geometry.shape}")
-        self.replica = TableReplica(self._copy_blocks)
+        self.mirror = TableMirror(self._copy_blocks)
         #: this process's worker incarnation: KV written by an earlier one is gone
         self.incarnation = new_incarnation()
         self.written = WrittenSlots(self.geometry.num_layers, config.num_blocks, config.block_size)
@@ -182,7 +182,7 @@ class WorkerRuntime:
     def catch_up(self) -> None:
         """Apply old pending deltas when too many piled up (idle worker)."""
         with self._lock:
-            self.replica.trim()
+            self.mirror.trim()
 
     def _copy_blocks(self, copy_ops: Sequence[tuple[int, int]]) -> None:
         start = time.perf_counter()
@@ -221,7 +221,7 @@ class WorkerRuntime:
     def _advance(self, version: int, pool_incarnation: str | None) -> str:
         if self.unusable:
             raise WrongState(self.unusable)
-        incarnation = self.replica.advance_to(version, self.version_timeout_s, self.latest_committed,
+        incarnation = self.mirror.advance_to(version, self.version_timeout_s, self.latest_committed,
                                               pool_incarnation)
         if incarnation != self._kv_incarnation:
             # the memory holds another pool's data under these block ids
@@ -393,7 +393,7 @@ class WorkerRuntime:
         if key == self._plan_key and self._context is not None:
             return self._context
         version, incarnation = key[0], key[1]
-        tables = self.replica.tables_of(seq_ids, version, incarnation)
+        tables = self.mirror.tables_of(seq_ids, version, incarnation)
         b = self.config.block_size
         for seq_id, table, n in zip(seq_ids, tables, ctx.tolist()):
             if n > len(table) * b:
@@ -412,13 +412,13 @@ class WorkerRuntime:
 
     def stats(self) -> dict:
         return {
-            "applied_version": self.replica.applied_version,
-            "received_version": self.replica.received_version,
-            "num_sequences": len(self.replica.tables),
+            "applied_version": self.mirror.applied_version,
+            "received_version": self.mirror.received_version,
+            "num_sequences": len(self.mirror.tables),
             "tokens_processed": self.tokens_processed,
-            "copy_ops_applied": self.replica.num_copy_ops,
-            "snapshots_loaded": self.replica.num_snapshots,
+            "copy_ops_applied": self.mirror.num_copy_ops,
+            "snapshots_loaded": self.mirror.num_snapshots,
             "pool_bytes": self.pool_bytes,
             "worker_incarnation": self.incarnation,
-            "pool_incarnation": self.replica.incarnation,
+            "pool_incarnation": self.mirror.incarnation,
         }

@@ -28,8 +28,8 @@ from blockd.core.hashing import DEFAULT_TENANT
 from blockd.core.incarnations import WorkerIncarnationMismatch, short
 from blockd.core.types import SamplingSpec
 from blockd.rpc.convert import require_id, require_ids
+from blockd.rpc.endpoint import GrpcEndpoint
 from blockd.rpc.errors import BadField, unary
-from blockd.rpc.server import GrpcEndpoint
 from blockd.rpc.tensors import from_proto, to_proto
 from blockd.v1 import worker_pb2 as pb
 from worker.runtime import WorkerRuntime
@@ -84,7 +84,7 @@ class KVShardServicer:
         require_id(request.pool_incarnation, "pool_incarnation")
         require_id(request.worker_incarnation, "worker_incarnation")
         # before the incarnation check: a resync on the new leader's stream changes the incarnation
-        self.runtime.replica.wait_term(getattr(request, "term", 0), self.runtime.version_timeout_s)
+        self.runtime.mirror.wait_term(getattr(request, "term", 0), self.runtime.version_timeout_s)
         mine = self.runtime.incarnation
         if request.worker_incarnation != mine:
             raise WorkerIncarnationMismatch(

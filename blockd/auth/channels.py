@@ -29,7 +29,7 @@ moves on. A server that is paused (SIGSTOP, a frozen VM) or cut off by a
 partition that drops packets keeps its connection open and answers nothing:
 a stream to it (a worker's Watch, a follower's feed) waited for ever, and a
 unary call until its deadline. Our servers accept pings that often
-(:mod:`blockd.rpc.server`).
+(:mod:`blockd.rpc.endpoint`).
 
 Imports the standard library and grpc.
 """

@@ -24,7 +24,7 @@ limit                what it bounds
 ``steps_per_s``      Step calls per second (a token bucket holding one second's worth)
 ===================  =====================================================================
 
-The engine enforces them (:mod:`blockd.tenants`); exceeding one is
+The engine enforces them (:mod:`blockd.engine.tenancy`); exceeding one is
 RESOURCE_EXHAUSTED with a ``google.rpc.QuotaFailure`` (and a ``RetryInfo``
 for the step rate), and the refused call changes nothing. Quotas reload with
 the file (SIGHUP). Bounding pools per tenant also bounds the pool names that

@@ -7,7 +7,7 @@ FAILED_PRECONDITION errors both sides raise when a call names another life
 (each carries an ErrorInfo ``reason`` and ``metadata``, which the one error
 mapping, :mod:`blockd.rpc.errors`, puts on the wire). Which incarnations a
 pool has seen, and what a worker restart loses, is the daemon's
-(:mod:`blockd.identity`). Imports only the standard library.
+(:mod:`blockd.engine.incarnations`). Imports only the standard library.
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ class KVNotWritten(IdentityError):
 
 
 class TermNotSeen(IdentityError):
-    """A call planned on a leader term the worker's table replica has not
+    """A call planned on a leader term the worker's table mirror has not
     been served in yet: its tables may still be an older leader's (with
     ``async`` replication, versions the new leader does not have)."""
 

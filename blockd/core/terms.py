@@ -2,7 +2,7 @@
 
 A *term* is the epoch of one leader of a replica group (the create revision
 of its etcd leader key, :mod:`blockd.ha.election`): it only grows. A history
--- the daemon's log by LSN, a pool's versions, a worker's table replica --
+-- the daemon's log by LSN, a pool's versions, a worker's table mirror --
 is cut into runs, each written by one term. :class:`TermHistory` keeps the
 first position of every run, ``[(term, first), ...]`` ascending in both, so
 ``term_at(position)`` is a bisection and the whole history of a group that

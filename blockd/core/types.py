@@ -215,7 +215,7 @@ class PoolStats:
     version: int
     last_event_seq_no: int
     #: set by the daemon (the core leaves them empty): the pool's incarnation and
-    #: how many sequences lost their KV in a worker restart (:mod:`blockd.identity`)
+    #: how many sequences lost their KV in a worker restart (:mod:`blockd.engine.incarnations`)
     incarnation: str = ""
     num_kv_lost_seqs: int = 0
     #: the pool's tenant (its config's)

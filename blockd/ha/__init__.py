@@ -10,7 +10,7 @@ for one replica group and nothing of the engine, the log or the service:
   JSON values stored there.
 * :mod:`blockd.ha.election` - campaign, keepalive, fencing (``term``,
   ``can_acknowledge``), step-down, resign; the replica's member key.
-* :mod:`blockd.ha.cluster` - read-only views for observers (the SDK finding
+* :mod:`blockd.ha.group` - read-only views for observers (the SDK finding
   the leader, ``blockctl cluster status``): one-shot reads and a poller.
 * :mod:`blockd.ha.insync` - the in-sync replica set, changed only by the
   current leader (fenced by its term inside etcd's transaction).

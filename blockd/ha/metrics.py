@@ -4,7 +4,7 @@
 state and counters when Prometheus scrapes (the election thread never
 touches a metric). Register it on the daemon's registry
 (``BlockdMetrics.registry``) when ``blockd serve --etcd`` runs with a
-metrics port (beside :class:`blockd.repl_metrics.ReplicationCollector`). The
+metrics port (beside :class:`blockd.replication.metrics.ReplicationCollector`). The
 only label is ``group`` (one per replica group; the target labels say which
 replica). Alerts built on these (``deploy/prometheus/alerts.yml``): no leader
 in a group (``BlockdNoLeader``), frequent leader changes

@@ -8,7 +8,7 @@
   replies);
 * :mod:`blockd.rpc.tensors` - ``blockd.v1.Tensor`` <-> torch (the one module
   here that needs torch: only the worker and its client import it);
-* :mod:`blockd.rpc.stock` and :mod:`blockd.rpc.server` - the stock health and
+* :mod:`blockd.rpc.stock` and :mod:`blockd.rpc.endpoint` - the stock health and
   reflection services and the gRPC endpoint both servers are built on;
 * :mod:`blockd.rpc.addresses` - listen and advertised addresses;
 * :mod:`blockd.rpc.metrics_http` - the ``/metrics`` HTTP endpoint beside them.

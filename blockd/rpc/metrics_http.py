@@ -4,7 +4,7 @@
 registry and returns a :class:`MetricsServer` to close it with. The address
 defaults to ``$BLOCKD_METRICS_ADDR`` or 127.0.0.1 for both programs: metrics
 stay on loopback unless an operator (or a container) opens them up. What is
-measured is each side's own (:mod:`blockd.metrics`, :mod:`worker.metrics`).
+measured is each side's own (:mod:`blockd.service.metrics`, :mod:`worker.metrics`).
 
 With ``tls`` (HTTPS; with ``tls.ca``, client certificates required) or a
 ``users_file`` (basic auth), the registry is served by

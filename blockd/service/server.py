@@ -3,7 +3,7 @@ reflection and graceful shutdown.
 
 :class:`BlockdServer` serves the ``PoolService``, ``BlockService`` and
 ``WorkerService`` servicers (:mod:`blockd.service.servicer`) on a
-:class:`blockd.rpc.server.GrpcEndpoint`, which adds the stock health service
+:class:`blockd.rpc.endpoint.GrpcEndpoint`, which adds the stock health service
 (SERVING for "" and for each service while up, NOT_SERVING once shutdown
 begins; ``List`` answers too) and server reflection.
 
@@ -22,8 +22,8 @@ from typing import Any
 
 import grpc
 
-from blockd.engine import Engine
-from blockd.rpc.server import GrpcEndpoint
+from blockd.engine.machine import Engine
+from blockd.rpc.endpoint import GrpcEndpoint
 from blockd.service.servicer import BlockServicer, PoolServicer, WorkerServicer
 from blockd.v1 import blockd_pb2 as pb
 
@@ -40,7 +40,7 @@ DEFAULT_MAX_MESSAGE_BYTES = 64 << 20
 class BlockdServer:
     """One engine served over gRPC on one address (port 0 picks a free port).
 
-    ``interceptors`` wrap every handler (e.g. :mod:`blockd.metrics`' RPC timer,
+    ``interceptors`` wrap every handler (e.g. :mod:`blockd.service.metrics`' RPC timer,
     :mod:`blockd.auth`'s interceptor); ``credentials`` (from
     :func:`blockd.auth.server_security`) serve TLS instead of plain text.
     ``extra_services``: more ``(servicer, service descriptor)`` pairs to serve (a

@@ -1,4 +1,4 @@
-"""Thin gRPC adapters over :class:`blockd.engine.Engine`.
+"""Thin gRPC adapters over :class:`blockd.engine.machine.Engine`.
 
 Each method converts the request (:mod:`blockd.rpc.convert`), calls one
 engine method, and converts the result back; every failure leaves through
@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 import grpc
 
 from blockd.core.types import Snapshot
-from blockd.engine import Engine
+from blockd.engine.machine import Engine
 from blockd.rpc import convert
 from blockd.rpc.convert import optional_id, require_id, require_ids
 from blockd.rpc.errors import BadField, server_stream, unary

@@ -12,7 +12,7 @@ request within the bound is then parsed as a ``StepRequest``. Small requests
 
 The skim message is built at import from a descriptor made here, so the
 public ``.proto`` is unchanged. Owns no policy: the bound is the engine's
-:class:`blockd.guardrails.Guardrails`.
+:class:`blockd.engine.guardrails.Guardrails`.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from google.protobuf.message import Message
 
 from blockd.core.errors import BlockdError
-from blockd.guardrails import Guardrails
+from blockd.engine.guardrails import Guardrails
 from blockd.rpc.errors import BadField, lenient_parser
 from blockd.v1 import blockd_pb2 as pb
 

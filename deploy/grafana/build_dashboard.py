@@ -100,7 +100,7 @@ LATENCY_PANELS = (
 WORKER_PANELS = (
     Panel("Workers up and down", "Workers by heartbeat state, as blockd sees them.",
           (Query(f"sum by (pool, state) (blockd_workers{{{P}}})", "{{pool}} {{state}}"),), stacked=True),
-    Panel("Worker replica lag", "Versions each worker's table replica is behind.",
+    Panel("Worker replica lag", "Versions each worker's table mirror is behind.",
           (Query(f"max by (pool, instance) (blockd_worker_replica_lag_versions{{{P}}})",
                  "{{pool}} {{instance}}"),)),
     Panel("Worker kernel time p99", "p99 wall time of one kernel call, by kernel.",

@@ -162,7 +162,7 @@ class ModelRunner:
         raise) the error so TP ranks can agree on it."""
         try:
             incarnation = self.runtime.advance(batch.version, batch.pool_incarnation)
-            tables = self.runtime.replica.tables_of(batch.seq_ids, batch.version, incarnation)
+            tables = self.runtime.mirror.tables_of(batch.seq_ids, batch.version, incarnation)
             self._check_slots(batch, tables)
             self.runtime.check_written(batch.seq_ids, tables,
                                        [n - q for q, n in zip(batch.query_lens, batch.context_lens)])

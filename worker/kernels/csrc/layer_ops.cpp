@@ -187,7 +187,7 @@ at::Tensor add(const at::Tensor& a, const at::Tensor& b) {
 // own) is spread over threads depends on what the exp costs on this CPU:
 //
 // * AVX-512: ~20 us of work against ~60-75 us a region costs in the model
-//   (the worker's threads sleep between regions, cluster/local.py's
+//   (the worker's threads sleep between regions, blockd/cluster/local.py's
 //   OMP_WAIT_POLICY=PASSIVE, so each region first wakes one): the calling
 //   thread does it all. at::parallel_for asks omp_get_max_threads(), a
 //   per-thread setting, so lowering it for this call keeps torch's loops here

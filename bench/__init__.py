@@ -1,0 +1,1 @@
+"""Benchmarks, the demos and the simulations they run: not installed with blockd."""

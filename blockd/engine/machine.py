@@ -1,0 +1,584 @@
+"""The daemon's state machine: every pool, and the steps that change them.
+
+:class:`Engine` is what the gRPC servicer wraps; it imports no gRPC. It owns
+the pools by name (each a :class:`~blockd.engine.pools.PoolEntry`: the
+allocator's :class:`blockd.core.Pool`, its identity and retained events) and
+runs every change as a typed record (:mod:`blockd.engine.records`), the same way
+for a caller's request and for recovery's replay:
+
+* the idempotency table (:mod:`blockd.engine.idempotency`): a mutating request's id
+  maps to its fingerprint and first result, so a retried request returns that
+  result and changes nothing; bounded by count, bytes and age, with the age
+  measured by the wall-clock time written into each log record;
+* durability (:mod:`blockd.engine.durability`, with a data dir): a batch is applied
+  in memory, then logged (and fsynced per policy), then acknowledged; a batch
+  that fails is never logged, so it leaves no trace;
+* followers (:mod:`blockd.engine.watch`): Watch and Events streams, woken after
+  every change;
+* tenants (:mod:`blockd.engine.tenancy`): every pool has an owner; a call naming
+  another tenant's pool is refused, listings show the caller's tenant only,
+  and the tenant's quotas are checked before a change is applied;
+* replication (optional, ``docs/ha.md``; the engine sees it only through the
+  :class:`~blockd.engine.config.Replication` gate): a replica that does not
+  lead refuses every call (NOT_LEADER); a leader writes its records in its
+  term and lets an answer leave only once the records it depends on are
+  committed -- a step after its own record, a read or a retried request id
+  after the last record logged when it was answered. A follower's engine is
+  fed the leader's records (:meth:`Engine.apply_replicated`) and re-read
+  from disk when its log is cut (:meth:`Engine.reload`);
+* the worker registry (:mod:`blockd.engine.worker_registry`; in memory: workers re-register)
+  and each pool's identity (:mod:`blockd.engine.incarnations`: a worker incarnation the
+  pool has not seen is a logged change, the KV of its sequences is lost).
+
+Set up by one :class:`~blockd.engine.config.EngineConfig`. All public methods
+are thread-safe (one engine lock: the GIL serialises the allocator anyway, and
+one lock keeps the log in commit order).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+from typing import TypeVar
+
+from blockd.core import (
+    AlreadyExists,
+    BlockdError,
+    ExtraKeys,
+    InvalidArgument,
+    KVEvent,
+    Op,
+    Pool,
+    PoolConfig,
+    PoolStats,
+    StepResult,
+    VersionDelta,
+    WrongState,
+    check_invariants,
+)
+from blockd.core.errors import NotFound, shown
+from blockd.core.incarnations import TermChanged, new_incarnation
+from blockd.core.terms import TermHistory
+from blockd.core.types import SequenceInfo, Snapshot, WorkerInfo, WorkerStatus
+from blockd.core.validate import check_config, check_name
+from blockd.engine import records
+from blockd.engine.config import EngineConfig
+from blockd.engine.durability import Durability, recover
+from blockd.engine.idempotency import MISSING, IdempotencyTable, IdempotencyUsage, fingerprint
+from blockd.engine.incarnations import PoolIncarnations
+from blockd.engine.pools import PoolEntry
+from blockd.engine.tenancy import Tenancy, check_access, owner_of, visible, with_owner
+from blockd.engine.watch import Watchers
+from blockd.engine.worker_registry import WorkerRegistry
+from blockd.storage.reader import Reader
+
+log = logging.getLogger("blockd.engine.machine")
+
+T = TypeVar("T")
+
+
+class Engine:
+    def __init__(self, config: EngineConfig | None = None) -> None:
+        self.config = config = config if config is not None else EngineConfig()
+        self._lock = threading.RLock()
+        self._gate = config.replication
+        self._watchers = Watchers(self._lock, self._log_position, self._committed)
+        self._pools: dict[str, PoolEntry] = {}
+        self._requests = IdempotencyTable(config.idempotency, config.wall_clock)
+        self.workers = WorkerRegistry(config.clock, config.worker_timeout_s)
+        self._tenancy = Tenancy(config.quotas, config.clock)
+        self._closed = False
+        self._durability: Durability | None = None
+        if config.data_dir is not None:
+            durability = Durability(config.data_dir, config)
+            durability.open(self)
+            self._durability = durability
+
+    @classmethod
+    def replayed(cls, reader: Reader, config: EngineConfig | None = None) -> Engine:
+        """An in-memory engine holding what ``reader`` reads (a data directory,
+        up to its ``upto_lsn``), replayed as recovery does; changes nothing on
+        disk. ``config.data_dir`` is ignored. Raises
+        :class:`blockd.storage.reader.DataDirError` on damage."""
+        engine = cls(replace(config, data_dir=None) if config is not None else EngineConfig())
+        recover(reader, engine)
+        return engine
+
+    # --- recovery (blockd.engine.durability.Replayable) ---------------------------------------
+    def load_snapshot(self, snapshot: dict) -> None:
+        for data in snapshot["pools"]:
+            entry = PoolEntry.load(data, snapshot["lsn"])
+            self._pools[entry.pool.config.name] = entry
+        self._requests.load(snapshot["requests"])
+
+    def apply_record(self, body: dict) -> None:
+        record, rid, t = records.decode(body)
+        result = self.apply(record)
+        if rid:
+            # the record's own time, never the clock now: replay rebuilds the same table
+            self._requests.put(rid, self._fingerprint(record), t, result, self._block_size(record.pool),
+                               self._scope(record.pool))
+
+    def num_pools(self) -> int:
+        return len(self._pools)
+
+    def capture(self) -> dict:
+        """The whole state as plain data (what a snapshot holds)."""
+        with self._lock:
+            return {"pools": [entry.dump() for entry in self._pools.values()], "requests": self._requests.dump()}
+
+    def snapshot(self) -> None:
+        """Write a snapshot now and wait for it (no-op without a data directory)."""
+        if self._durability is not None:
+            self._durability.snapshot(self._lock)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for entry in self._pools.values():
+                entry.deleted = True  # ends Watch/Events streams
+            self._watchers.notify()
+        if self._durability is not None:
+            self._durability.wait()
+            with self._lock:
+                self._durability.close()
+
+    # --- changes -----------------------------------------------------------------------
+    def apply(self, record: records.Record) -> object:
+        """Run one record against the state (a request's, or a replayed one's)."""
+        if isinstance(record, records.TermStart):
+            return None
+        if isinstance(record, records.Step):
+            return self._run_step(self._pools[record.pool], record.ops)
+        if isinstance(record, records.CreatePool):
+            return self._create_pool(record.config, record.incarnation)
+        if isinstance(record, records.DeletePool):
+            self._delete_pool(record.pool)
+            return None
+        if isinstance(record, records.ResetPrefixCache):
+            entry = self._entry(record.pool)
+            entry.pool.reset_prefix_cache()
+            entry.drain_events()
+            return None
+        entry = self._entry(record.pool)
+        num_lost = entry.identity.join(entry.pool, record.worker_id, record.incarnation)
+        entry.drain_events()
+        return num_lost
+
+    @staticmethod
+    def _fingerprint(record: records.Record) -> str:
+        """Kind, pool and a hash of the content (a step's ops, a pool's config),
+        computed alike for a live request and a replayed record."""
+        return fingerprint(record.kind, record.pool, record.subject)
+
+    def _mutate(self, record: records.Record, rid: str = "", check: Callable[[], object] | None = None):
+        """Apply ``record`` for a caller, remember ``rid``'s answer, log it, wake
+        the followers; a retried ``rid`` gets the first answer. ``check`` runs
+        first, under the lock (a refusal changes nothing). With replication
+        the answer leaves once its record is committed."""
+        return self._mutate_in_term(record, rid, check)[0]
+
+    def _mutate_in_term(self, record: records.Record, rid: str = "",
+                        check: Callable[[], object] | None = None) -> tuple[object, int]:
+        """:meth:`_mutate`, with the leader term it was acknowledged in (0 without replication)."""
+        if rid:
+            check_name(rid, "request_id")
+        with self._lock:
+            result, lsn = self._apply_and_log(record, rid, check)
+        return result, self._committed(lsn)
+
+    def _apply_and_log(self, record: records.Record, rid: str = "",
+                       check: Callable[[], object] | None = None) -> tuple[object, int]:
+        """:meth:`_mutate` under the lock: ``(answer, the LSN it depends on)``."""
+        if self._closed:
+            raise WrongState("blockd is shutting down; retry against the new instance")
+        if self._durability is not None and self._durability.broken:
+            raise WrongState(self._durability.broken)
+        if self._gate is not None:
+            self._gate.writable()
+        if rid:
+            now = self._requests.stamp()
+            if self._requests.holds(rid, now):
+                found = self._requests.lookup(rid, self._fingerprint(record), now, self._scope(record.pool))
+                if found is not MISSING:
+                    # the first answer's record is at or before the last one logged
+                    return found, self._log_position()
+        if check is not None:
+            check()
+        result = self.apply(record)
+        if rid:
+            # fingerprinted only once applied: a batch that fails never pays for its hash
+            self._requests.put(rid, self._fingerprint(record), now, result, self._block_size(record.pool),
+                               self._scope(record.pool))
+            body = records.encode(record, rid, now)
+        else:
+            body = records.encode(record)
+        lsn = 0
+        if self._durability is not None:
+            lsn = self._durability.log(body, self._gate.term if self._gate is not None else 0)
+        self._watchers.notify()
+        return result, lsn
+
+    def _log_position(self) -> int:
+        """The LSN of the last record logged (0 without a data dir)."""
+        return self._durability.last_lsn if self._durability is not None else 0
+
+    def _committed(self, lsn: int) -> int:
+        """Return once ``lsn`` is committed (at once without replication), with
+        the leader term it is acknowledged in (0 without replication)."""
+        if self._gate is not None:
+            return self._gate.committed(lsn)
+        return 0
+
+    def term(self) -> int:
+        """The leader term this replica serves in now (0: not replicated, or not leading)."""
+        return self._gate.term if self._gate is not None else 0
+
+    def check_min_term(self, min_term: int) -> None:
+        """Refuse (NOT_LEADER) a caller that has seen a newer term than this replica serves in."""
+        if self._gate is not None and min_term and self._gate.term < min_term:
+            raise self._gate.not_leader(f"this replica serves term {self._gate.term}, older than term {min_term} "
+                                        "the caller has seen")
+
+    def _guard(self, name: object) -> None:
+        """Refuse another tenant's caller before the request table is read (a
+        retried request id must not hand another tenant the first answer)."""
+        with self._lock:
+            entry = self._pools.get(name) if type(name) is str else None
+            if entry is not None:
+                check_access(entry.pool.config)
+
+    def _scope(self, name: str) -> str:
+        """The incarnation of pool ``name`` now, ``""`` when there is none: a
+        request id's answer is valid only while it is the same."""
+        entry = self._pools.get(name) if type(name) is str else None
+        return entry.identity.incarnation if entry is not None else ""
+
+    def _block_size(self, name: str) -> int:
+        entry = self._pools.get(name) if type(name) is str else None
+        return entry.pool.block_size if entry is not None else 0
+
+    def idempotency_usage(self) -> IdempotencyUsage:
+        """Request ids kept, how many still hold their answer, and their bytes."""
+        with self._lock:
+            return self._requests.usage()
+
+    # --- pools ---------------------------------------------------------------------------
+    def _entry(self, name: str) -> PoolEntry:
+        entry = self._pools.get(name) if type(name) is str else None
+        if entry is None:
+            check_name(name, "pool")  # a name no pool can have is the caller's mistake
+            raise NotFound(f"no pool named {shown(name)}; list pools to see which exist")
+        check_access(entry.pool.config)  # another tenant's pool: PERMISSION_DENIED (nobody's during replay)
+        return entry
+
+    def _create_pool(self, config: PoolConfig, incarnation: str) -> PoolStats:
+        check_config(config)  # a malformed config is INVALID_ARGUMENT whether or not the name is taken
+        if config.name in self._pools:
+            raise AlreadyExists(f"pool {shown(config.name)} already exists")
+        if not config.tenant:  # a create record written before tenants: the default tenant's
+            config = replace(config, tenant=owner_of(config))
+        entry = PoolEntry(Pool(config), PoolIncarnations(incarnation))
+        self._pools[config.name] = entry
+        return entry.stats()
+
+    def create_pool(self, config: PoolConfig, request_id: str = "") -> PoolStats:
+        if not isinstance(config, PoolConfig):
+            raise InvalidArgument("create_pool takes a PoolConfig")
+        config = with_owner(config)
+
+        def check() -> None:  # before the pool is built: a pool over quota costs no memory
+            check_config(config)
+            self.config.guardrails.check_pool(config)
+            self._tenancy.check_create(config, [entry.pool.config for entry in self._pools.values()])
+
+        return self._mutate(records.CreatePool(config, new_incarnation()), request_id, check)
+
+    def _delete_pool(self, name: str) -> None:
+        entry = self._entry(name)
+        entry.deleted = True
+        del self._pools[name]
+        self.workers.forget_pool(name)
+
+    def delete_pool(self, name: str, request_id: str = "") -> None:
+        self._guard(name)
+        self._mutate(records.DeletePool(name), request_id)
+
+    def reset_prefix_cache(self, pool: str, request_id: str = "") -> None:
+        self._guard(pool)
+        self._mutate(records.ResetPrefixCache(pool), request_id)
+
+    def _read(self, read: Callable[[], T]) -> T:
+        """``read()`` under the lock; with replication, only on the leader and
+        only once what it saw is committed."""
+        with self._lock:
+            if self._gate is not None:
+                self._gate.writable()
+            value, lsn = read(), self._log_position()
+        self._committed(lsn)
+        return value
+
+    def get_pool(self, name: str) -> PoolStats:
+        return self._read(lambda: self._entry(name).stats())
+
+    def pool_config(self, name: str) -> PoolConfig:
+        return self._read(lambda: self._entry(name).pool.config)
+
+    def pool_incarnation(self, name: str) -> str:
+        return self._read(lambda: self._entry(name).identity.incarnation)
+
+    def list_pools(self, *, local: bool = False) -> list[PoolStats]:
+        """``local``: this replica's own state, whatever its role (metrics, logs)."""
+        if local:
+            with self._lock:
+                return [entry.stats() for entry in self._pools.values()]
+        return self._read(lambda: [entry.stats() for entry in self._pools.values() if visible(entry.pool.config)])
+
+    # --- steps ---------------------------------------------------------------------------
+    def _run_step(self, entry: PoolEntry, ops: list[Op]) -> StepResult:
+        result = entry.pool.step(ops)
+        entry.identity.after_step(ops)
+        entry.drain_events()
+        return entry.identity.result(result)
+
+    def _checked_entry(self, pool: str, ops: list[Op], planned: str, dry_run: bool = False) -> PoolEntry:
+        entry = self._entry(pool)
+        if planned and planned != entry.identity.incarnation:
+            _refuse_malformed(entry.pool, ops)  # the caller's mistake comes before the pool's history
+        entry.identity.check_planned(pool, planned)
+        entry.identity.check_step(pool, ops)
+        config = entry.pool.config
+        self._tenancy.check_step(config, ops, lambda: self._live_seqs(owner_of(config)), consume=not dry_run)
+        return entry
+
+    def _check_previous_term(self, previous_term: int) -> None:
+        """Under the lock: refuse a step planned on what a leader of another
+        term acknowledged when this term may lack it (see StepRequest.previous_term).
+        A retried request id this leader logged is answered before this check:
+        its log then holds the caller's earlier steps too."""
+        gate = self._gate
+        if gate is None or not previous_term or not gate.term or previous_term == gate.term:
+            return
+        if previous_term > gate.term:
+            # writable() passed: this replica leads and can prove its lease, so no newer term exists
+            raise InvalidArgument(f"previous_term {previous_term} is newer than any term of this group (its "
+                                  f"leader serves term {gate.term}): name the term of your previous step's answer")
+        if not gate.keeps_committed:
+            raise TermChanged(f"the leader changed since the caller's previous step (term {previous_term}, now "
+                              f"{gate.term}) and this group's failover may lose acknowledged steps (async "
+                              f"replication or --min-in-sync 1): its sequences may lack steps it was told of; "
+                              f"rebuild them (a scheduler recomputes its requests) and step again naming term "
+                              f"{gate.term}", metadata={"term": str(gate.term)})
+
+    def _live_seqs(self, tenant: str) -> int:
+        return sum(len(e.pool.seqs) for e in self._pools.values() if owner_of(e.pool.config) == tenant)
+
+    def step(self, pool: str, ops: list[Op], request_id: str = "", *, dry_run: bool = False,
+             incarnation: str = "", previous_term: int = 0) -> StepResult:
+        """``incarnation``: the pool incarnation the caller planned against
+        (refused when it is not the current one); empty: not checked.
+        ``previous_term``: the term its previous step was acknowledged in
+        (:meth:`_check_previous_term`); 0: not checked."""
+        if dry_run:  # answers what the batch would do; nothing is remembered or logged
+            def would() -> StepResult:
+                self.config.guardrails.check_step(ops)
+                self._check_previous_term(previous_term)
+                entry = self._checked_entry(pool, ops, incarnation, dry_run=True)
+                return entry.identity.result(entry.pool.step(ops, dry_run=True))
+
+            return self._read(would)
+        start, outcome = time.perf_counter(), "ok"
+        try:
+            self._guard(pool)
+            def check() -> PoolEntry:
+                self.config.guardrails.check_step(ops)
+                self._check_previous_term(previous_term)
+                return self._checked_entry(pool, ops, incarnation)
+
+            result, term = self._mutate_in_term(records.Step(pool, ops), request_id, check)
+            assert isinstance(result, StepResult), "a step record answers with a StepResult"
+            return replace(result, term=term) if term else result
+        except BlockdError as err:
+            outcome = err.code.lower()
+            raise
+        except Exception:
+            outcome = "internal"
+            raise
+        finally:
+            observe = self.config.observe_step
+            # unknown pool names stay out of the metric labels
+            if observe is not None and type(pool) is str and pool in self._pools:
+                observe(pool, ops if isinstance(ops, (list, tuple)) else [], outcome, time.perf_counter() - start)
+
+    # --- reads ---------------------------------------------------------------------------
+    def get_tables(self, pool: str, seq_ids: list[str]) -> tuple[int, dict[str, list[int]]]:
+        def read() -> tuple[int, dict[str, list[int]]]:
+            p = self._entry(pool).pool
+            if not seq_ids:
+                return p.version, p.tables()
+            return p.version, {seq_id: p.block_table(seq_id) for seq_id in seq_ids}
+
+        return self._read(read)
+
+    def sequence_info(self, pool: str, seq_id: str) -> SequenceInfo:
+        def read() -> SequenceInfo:
+            entry = self._entry(pool)
+            seq = entry.pool.get_seq(seq_id)
+            return SequenceInfo(seq.seq_id, len(seq.token_ids), seq.num_committed, list(seq.table),
+                                seq.seq_id in entry.identity.lost)
+
+        return self._read(read)
+
+    def lookup_prefix(self, token_ids: list[int], extra_keys: ExtraKeys, pools: list[str]) -> dict[str, int]:
+        def read() -> dict[str, int]:
+            names = pools or [name for name, entry in self._pools.items() if visible(entry.pool.config)]
+            return {name: self._entry(name).pool.lookup_prefix(token_ids, extra_keys) for name in names}
+
+        return self._read(read)
+
+    def check_invariants(self) -> None:
+        with self._lock:
+            for entry in self._pools.values():
+                check_invariants(entry.pool)
+
+    # --- followers -----------------------------------------------------------------------
+    def watch(self, pool: str, from_version: int, should_stop: Callable[[], bool],
+              incarnation: str = "", min_term: int = 0) -> Iterator[Snapshot | VersionDelta]:
+        """See :meth:`blockd.engine.watch.Watchers.watch`; NOT_FOUND at once for an unknown pool.
+
+        ``min_term``: the newest leader term that served the caller. Where a
+        failover may lose committed records (``async`` replication), a caller
+        that holds versions (``from_version`` > 0) served in another term than
+        this leader's may hold versions this leader never had, or made
+        otherwise: it gets a snapshot first, never deltas on top of them."""
+        entry = self._read(lambda: self._entry(pool))
+        gate = self._gate
+        resync = (gate is not None and from_version > 0 and min_term != gate.term and not gate.keeps_committed)
+        return self._watchers.watch(entry, from_version, should_stop, incarnation, resync=resync)
+
+    def events(self, pool: str, from_seq_no: int, should_stop: Callable[[], bool]) -> Iterator[KVEvent]:
+        """See :meth:`blockd.engine.watch.Watchers.events`."""
+        if type(from_seq_no) is not int or from_seq_no < 0:
+            raise InvalidArgument(f"from_seq_no must be a non-negative int, got {shown(from_seq_no)}")
+        entry = self._read(lambda: self._entry(pool))
+        return self._watchers.events(entry, pool, from_seq_no, should_stop)
+
+    # --- workers -------------------------------------------------------------------------
+    def register_worker(self, info: WorkerInfo) -> WorkerStatus:
+        """A worker incarnation the pool has not seen is a logged change: the
+        KV of every sequence of the pool is lost (:mod:`blockd.engine.incarnations`)."""
+        with self._lock:
+            if self._gate is not None:
+                self._gate.writable()
+            entry = self._entry(info.pool)
+            self.workers.check(info, entry.pool.config)
+            lsn = self._log_position()
+            if not entry.identity.knows(info.incarnation):
+                num_lost, lsn = self._apply_and_log(records.WorkerJoined(info.pool, info.worker_id,
+                                                                         info.incarnation))
+                if num_lost:
+                    log.warning("pool %r: worker %r registered as a new incarnation (%s); the KV of %d "
+                                "sequences is lost and the prefix cache is cleared: steps naming them fail "
+                                "with KV_LOST until they are freed", info.pool, info.worker_id,
+                                info.incarnation, num_lost)
+            status = self.workers.register(info, entry.pool.config)
+        self._committed(lsn)
+        return status
+
+    def heartbeat(self, worker_id: str, applied_version: int) -> WorkerStatus:
+        with self._lock:
+            pool = self.workers.pool_of(worker_id)
+            if pool is not None and pool in self._pools:
+                self._entry(pool)  # only the pool's tenant (or an admin) speaks for its workers
+            return self.workers.heartbeat(worker_id, applied_version)
+
+    def list_workers(self, pool: str | None = None, *, local: bool = False) -> list[WorkerStatus]:
+        """``local``: as :meth:`list_pools`."""
+        def read() -> list[WorkerStatus]:
+            if pool:
+                self._entry(pool)
+            return [status for status in self.workers.list(pool or None)
+                    if status.info.pool not in self._pools or visible(self._pools[status.info.pool].pool.config)]
+
+        if local:
+            with self._lock:
+                return read()
+        return self._read(read)
+
+    # --- replication (docs/ha.md) ----------------------------------------------------------
+    def log_state(self) -> tuple[int, TermHistory, int]:
+        """``(last LSN, term history, newest snapshot's LSN)`` of the log (a copy)."""
+        with self._lock:
+            d = self._durability
+            if d is None:
+                return 0, TermHistory(), 0
+            return d.last_lsn, d.terms.copy(), d.snapshot_lsn
+
+    def begin_term(self, term: int, previous_term: int, leader: str, may_begin: Callable[[], bool]) -> int:
+        """Log a new leader's first record (:class:`blockd.engine.records.TermStart`)
+        if ``may_begin()`` still holds under the lock; its LSN (0: it did not)."""
+        with self._lock:
+            if self._durability is None or not may_begin():
+                return 0
+            body = records.encode(records.TermStart(term, previous_term, leader))
+            lsn = self._durability.log(body, term)
+            self._watchers.notify()
+            return lsn
+
+    def apply_replicated(self, frames: list[tuple[int, int, bytes]], may_apply: Callable[[], bool],
+                         persisted: Callable[[int], None] = lambda lsn: None) -> int:
+        """A follower's part: append the leader's records ``(lsn, term, body)``
+        to the log as they are (fsynced), call ``persisted(last LSN)`` (the
+        acknowledgement, which waits for the disk and not for the apply: in
+        sync mode every step waits for it), then apply them as recovery does;
+        the last LSN persisted. Nothing happens unless ``may_apply()`` holds
+        under the lock (this replica still follows). Every record is decoded
+        before anything is written. A log that fails, or a record that does
+        not apply, leaves memory behind the disk: the caller must
+        :meth:`reload` (and a record that does not apply fails there as in
+        any recovery, so nothing is served from a state the log disagrees with)."""
+        with self._lock:
+            durability = self._durability
+            if durability is None or not may_apply():
+                raise WrongState("this replica does not follow a leader now")
+            if frames and frames[0][0] != durability.last_lsn + 1:
+                raise WrongState(f"records from lsn {frames[0][0]} do not follow this log (at lsn "
+                                 f"{durability.last_lsn})")
+            bodies = [json.loads(body) for _lsn, _term, body in frames]
+            last = durability.log_replicated(frames)
+            persisted(last)
+            for body in bodies:
+                self.apply_record(body)
+            self._watchers.notify()
+            return last
+
+    def reload(self, change: Callable[[Durability], object] | None = None) -> None:
+        """Drop the state, run ``change(durability)`` on the data dir (a cut,
+        a new snapshot) and read the directory back: the state is then exactly
+        what is on disk. Open streams end. Raises what recovery raises."""
+        with self._lock:
+            durability = self._durability
+            if durability is None:
+                raise WrongState("an engine without a data dir has nothing to reload")
+            for entry in self._pools.values():
+                entry.deleted = True
+            self._watchers.notify()
+            self._pools = {}
+            self._requests = IdempotencyTable(self.config.idempotency, self.config.wall_clock)
+            durability.reopen(self, None if change is None else lambda: change(durability))
+
+
+def _refuse_malformed(pool: Pool, ops: list[Op]) -> None:
+    """Raise the batch's InvalidArgument, if it has one (a dry run: nothing changes)."""
+    try:
+        pool.step(ops, dry_run=True)
+    except InvalidArgument:
+        raise
+    except BlockdError:
+        pass

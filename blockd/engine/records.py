@@ -1,0 +1,148 @@
+"""The daemon's mutations as typed records, and their form in the write-ahead log.
+
+Every change to the daemon's state is one of five records; a sixth,
+``term_start``, marks where a new leader's term begins (``docs/ha.md``) and
+changes nothing. The engine
+applies a record the same way whether a caller asked for it or recovery
+replays it (:meth:`blockd.engine.machine.Engine.apply`), so the log holds exactly
+what the engine ran: a batch is applied in memory, logged, then
+acknowledged; a batch that fails is never logged.
+
+In the log a record is a JSON object: its fields (below), then ``kind``, and
+for a request that carried an id its ``rid`` and the wall-clock time ``t``
+it was stamped with (so replay rebuilds the idempotency table exactly)::
+
+    create_pool         {"config": {...}, "incarnation": "..."}
+    delete_pool         {"pool": "..."}
+    step                {"pool": "...", "ops": [[kind, ...], ...]}   (ops: blockd.core.state)
+    reset_prefix_cache  {"pool": "..."}
+    worker_joined       {"pool": "...", "worker_id": "...", "incarnation": "..."}
+    term_start          {"term": T, "previous_term": P, "leader": "replica id"}
+
+The term that wrote a record is not in its JSON but in its WAL frame
+(:mod:`blockd.storage.wal`, format 3), so every record of every kind carries one.
+
+A create record written before incarnations existed has none; its pool gets
+a stable one derived from its name and LSN (:func:`blockd.engine.incarnations.legacy_incarnation`).
+Imports the core and :mod:`blockd.engine.incarnations`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from blockd.core.state import config_to_json, op_from_json, op_to_json
+from blockd.core.types import Op, PoolConfig
+from blockd.engine.incarnations import legacy_incarnation
+
+
+@dataclass(frozen=True)
+class CreatePool:
+    config: PoolConfig
+    incarnation: str
+    kind = "create_pool"
+
+    @property
+    def pool(self) -> str:
+        return self.config.name
+
+    @property
+    def subject(self) -> object:
+        """What the request's fingerprint covers besides its kind and pool."""
+        return self.config
+
+
+@dataclass(frozen=True)
+class DeletePool:
+    pool: str
+    kind = "delete_pool"
+    subject = None
+
+
+@dataclass(frozen=True)
+class Step:
+    pool: str
+    ops: list[Op]
+    kind = "step"
+
+    @property
+    def subject(self) -> object:
+        return self.ops
+
+
+@dataclass(frozen=True)
+class ResetPrefixCache:
+    pool: str
+    kind = "reset_prefix_cache"
+    subject = None
+
+
+@dataclass(frozen=True)
+class WorkerJoined:
+    """A worker incarnation the pool had not seen registered (:mod:`blockd.engine.incarnations`)."""
+
+    pool: str
+    worker_id: str
+    incarnation: str
+    kind = "worker_joined"
+    subject = None
+
+
+@dataclass(frozen=True)
+class TermStart:
+    """A new leader's first record: its term, the one before, and who leads.
+
+    Applying it changes no state; it makes the log itself tell where each
+    term begins (its frame carries ``term`` too), and once the leader's
+    followers have persisted it, everything before it is committed."""
+
+    term: int
+    previous_term: int
+    leader: str
+    kind = "term_start"
+    pool = ""
+    subject = None
+
+
+Record = CreatePool | DeletePool | Step | ResetPrefixCache | WorkerJoined | TermStart
+
+
+def encode(record: Record, rid: str = "", t: float = 0.0) -> dict:
+    """The log's JSON object for ``record`` (see the module docstring)."""
+    if isinstance(record, CreatePool):
+        body: dict = {"config": config_to_json(record.config), "incarnation": record.incarnation}
+    elif isinstance(record, Step):
+        body = {"pool": record.pool, "ops": [op_to_json(op) for op in record.ops]}
+    elif isinstance(record, WorkerJoined):
+        body = {"pool": record.pool, "worker_id": record.worker_id, "incarnation": record.incarnation}
+    elif isinstance(record, TermStart):
+        body = {"term": record.term, "previous_term": record.previous_term, "leader": record.leader}
+    else:
+        body = {"pool": record.pool}
+    body["kind"] = record.kind
+    if rid:
+        body["rid"], body["t"] = rid, t
+    return body
+
+
+def decode(body: dict) -> tuple[Record, str, float]:
+    """``(record, request id or "", its time)`` of a log body; ``ValueError``
+    (or ``KeyError``) for one that is not a record."""
+    kind = body["kind"]
+    record: Record
+    if kind == "create_pool":
+        config = PoolConfig(**body["config"])
+        record = CreatePool(config, body.get("incarnation") or legacy_incarnation(config.name, body.get("lsn", 0)))
+    elif kind == "delete_pool":
+        record = DeletePool(body["pool"])
+    elif kind == "step":
+        record = Step(body["pool"], [op_from_json(o) for o in body["ops"]])
+    elif kind == "reset_prefix_cache":
+        record = ResetPrefixCache(body["pool"])
+    elif kind == "worker_joined":
+        record = WorkerJoined(body["pool"], body["worker_id"], body["incarnation"])
+    elif kind == "term_start":
+        record = TermStart(int(body["term"]), int(body["previous_term"]), str(body["leader"]))
+    else:
+        raise ValueError(f"unknown log record kind {kind!r}")
+    return record, body.get("rid", ""), body.get("t", 0.0)
