@@ -18,8 +18,9 @@ Who steps the scheduler:
   thread, or an asyncio task, may submit and consume.
 
 Producer calls (``_push``, ``_close``) come from the thread that steps the
-scheduler; consumers may be any threads or event loops. Imports no grpc,
-no torch.
+scheduler; consumers may be any threads or event loops. The loop knows the
+scheduler only as a :class:`Steppable` (what it calls), so this module
+imports no scheduler, no grpc, no torch.
 """
 
 from __future__ import annotations
@@ -29,12 +30,9 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from client.serving import RequestOutput
-
-if TYPE_CHECKING:
-    from client.scheduler import Scheduler
+from client.serving import GenerationRequest, RequestOutput
 
 
 @dataclass(frozen=True)
@@ -139,6 +137,32 @@ def _resolve(future: asyncio.Future) -> None:
         future.set_result(None)
 
 
+class Steppable(Protocol):
+    """What a :class:`ServingLoop` needs from the scheduler it steps
+    (:class:`client.scheduler.Scheduler` is one)."""
+
+    @property
+    def is_idle(self) -> bool:
+        """No request left, and nothing left to tell blockd."""
+        ...
+
+    def step(self) -> bool:
+        """One step; False if there was nothing to do."""
+        ...
+
+    def submit(self, request: GenerationRequest) -> RequestStream:
+        """Queue ``request`` and return the stream of its tokens."""
+        ...
+
+    def attach_loop(self, loop: ServingLoop | None) -> None:
+        """Streams submitted from now on wait for ``loop`` (None: their consumers step)."""
+        ...
+
+    def fail_streams(self, error: str) -> None:
+        """End every open stream with ``error``."""
+        ...
+
+
 class ServingLoop:
     """Steps ``scheduler`` on a background thread while it has work.
 
@@ -150,7 +174,7 @@ class ServingLoop:
     :meth:`check` lets consumers fail fast.
     """
 
-    def __init__(self, scheduler: Scheduler) -> None:
+    def __init__(self, scheduler: Steppable) -> None:
         self.scheduler = scheduler
         self._wake = threading.Event()
         self._stopping = False
@@ -168,7 +192,7 @@ class ServingLoop:
     def __exit__(self, *exc) -> None:
         self.stop()
 
-    def submit(self, request) -> RequestStream:
+    def submit(self, request: GenerationRequest) -> RequestStream:
         self.check()
         stream = self.scheduler.submit(request)
         self._wake.set()
