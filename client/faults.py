@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 
     from blockd.core.types import Op
     from client.backends import BlockdBackend, ModelExecutor
-    from client.scheduler import SchedulerConfig, SchedulerCounters
+    from client.scheduler_config import SchedulerConfig, SchedulerCounters
     from client.serving import PagingAdmission, RequestOutput, RequestState, ReservationAdmission
 
 #: model-step refusals a worker fault explains: recompute and carry on

@@ -49,12 +49,12 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from blockd.core.types import Commit, Free, Op, StepResult
 from client.backends import BlockdBackend, ModelBatch, ModelExecutor
 from client.errors import BlockdClientError, FailedPreconditionError, NotFoundError, ResourceExhaustedError
 from client.faults import FaultRecovery, PoolGone
+from client.scheduler_config import SchedulerConfig, SchedulerCounters
 from client.serving import (
     GenerationRequest,
     PagingAdmission,
@@ -68,69 +68,14 @@ from client.serving import (
 from client.step_plan import StepPlan, StepPlanner
 from client.streaming import RequestStream, StreamToken
 
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    #: tokens one model step computes at most: decode tokens + prompt chunks
-    max_num_batched_tokens: int = 256
-    #: sequences running at once at most (forked samples count)
-    max_num_seqs: int = 64
-    #: how long to wait for unreachable or restarted workers before giving up
-    worker_restart_timeout_s: float = 120.0
-    #: the model's end-of-sequence tokens (its generation config's eos_token_id):
-    #: a sample that draws one ends, unless its request ignores EOS
-    eos_token_ids: tuple[int, ...] = ()
-    #: the pool's block size, to share prompt prefixes within a burst of requests: a
-    #: waiting request whose prompt has a full block in common with a prompt still
-    #: being computed (admitted in the same step, or a prefill not yet done) is
-    #: admitted only once that block is committed, usually the next step, and then
-    #: takes it from the prefix cache instead of computing it again (blockd
-    #: publishes only committed blocks; vLLM shares such blocks within a step).
-    #: Admission stays FCFS: the requests behind it wait too. 0: off.
-    prefix_block_size: int = 0
-
-    def __post_init__(self) -> None:
-        if type(self.prefix_block_size) is not int or self.prefix_block_size < 0:
-            raise ValueError(f"prefix_block_size must be an integer >= 0 (0: off), got {self.prefix_block_size!r}")
-        if not all(type(t) is int and t >= 0 for t in self.eos_token_ids):
-            raise ValueError(f"eos_token_ids must be token ids >= 0, got {self.eos_token_ids!r}")
-        if type(self.max_num_seqs) is not int or self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs!r}")
-        if type(self.max_num_batched_tokens) is not int or self.max_num_batched_tokens < self.max_num_seqs:
-            raise ValueError("max_num_batched_tokens must be an integer >= max_num_seqs (every running "
-                             f"sequence decodes each step), got {self.max_num_batched_tokens!r}")
+__all__ = ["RECENT_FREE_STEPS", "Scheduler", "SchedulerConfig", "SchedulerCounters"]
 
 
 #: steps whose Frees are sent again when a failover may have lost them: an ``async`` group's
 #: followers trail by at most ``--max-lag-records`` (100 by default) records
 RECENT_FREE_STEPS = 1024
 
-
-@dataclass
-class SchedulerCounters:
-    num_steps: int = 0
-    num_refused_batches: int = 0
-    num_preemptions: int = 0
-    num_admissions: int = 0
-    num_forks: int = 0
-    num_finished: int = 0
-    num_rejected: int = 0
-    #: prompt tokens the model computed (recomputed ones included) / the prefix cache spared
-    num_prefill_tokens: int = 0
-    num_cached_tokens: int = 0
-    num_output_tokens: int = 0
-    peak_running_requests: int = 0
-    peak_running_seqs: int = 0
-    #: requests preempted with recompute because a worker lost (or may have lost) their KV
-    num_kv_loss_preemptions: int = 0
-    #: model steps that failed on a worker fault (and were recomputed)
-    num_worker_faults: int = 0
-    #: sequences a new leader no longer knew (lost in an ``async`` failover; their requests recomputed)
-    num_lost_seqs: int = 0
-    #: leader changes after which steps this scheduler had acknowledged may be lost (``async``)
-    num_term_changes: int = 0
-    #: requests failed because the pool was deleted or re-created under them
-    num_failed: int = 0
+_DEFAULT_CONFIG = SchedulerConfig()  # frozen: one instance serves every scheduler that names none
 
 
 def _check_request(request) -> None:
@@ -147,7 +92,7 @@ class Scheduler(FaultRecovery, StepPlanner):
     """
 
     def __init__(self, client: BlockdBackend, pool: str, executor: ModelExecutor,
-                 config: SchedulerConfig = SchedulerConfig(), *,
+                 config: SchedulerConfig = _DEFAULT_CONFIG, *,
                  admission: PagingAdmission | ReservationAdmission | None = None,
                  clock: Callable[[], float] = time.perf_counter) -> None:
         self.client = client

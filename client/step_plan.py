@@ -33,7 +33,7 @@ from client.serving import RequestState, SeqState
 if TYPE_CHECKING:
     from collections import deque
 
-    from client.scheduler import SchedulerConfig
+    from client.scheduler_config import SchedulerConfig
     from client.serving import PagingAdmission, ReservationAdmission
 
 
