@@ -184,7 +184,7 @@ def _add_global_flags(parser: argparse.ArgumentParser, after_command: bool) -> N
                         **(kwargs or {"default": DEFAULT_TARGET}))
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables",
                         **kwargs)
-    parser.add_argument("--timeout-s", type=float, help="deadline of each call, seconds",
+    parser.add_argument("--timeout-s", type=config_env.positive_float, help="deadline of each call, seconds",
                         **(kwargs or {"default": 10.0}))
 
 
@@ -215,10 +215,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = config_env.parse_args(build_parser(), argv, ENV_PREFIX, ENV_OVERRIDES)
-    if not args.timeout_s > 0:
-        print(f"blockctl: --timeout-s must be a positive number of seconds, got {args.timeout_s}",
-              file=sys.stderr)
-        return Exit.USAGE
     try:
         tls, token = client_security(args)
         with BlockdClient(args.target, timeout_s=args.timeout_s, tls=tls, token=token) as client:

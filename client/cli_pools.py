@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
+from blockd.config_env import non_negative_int, positive_int
 from blockd.core.types import PoolConfig
 from client import pool_apply
 from client.cli_common import CommandFailed, Exit, emit, render_table
@@ -96,13 +97,13 @@ def add_pools(sub: argparse._SubParsersAction) -> None:
         dest="action", required=True)
     create = pools.add_parser("create", help="create a pool")
     create.add_argument("name")
-    create.add_argument("--num-blocks", type=int, required=True, help="blocks in the pool")
-    create.add_argument("--block-size", type=int, required=True, help="token slots per block")
-    create.add_argument("--num-layers", type=int, default=1, help="model layers (for bytes per block)")
-    create.add_argument("--num-kv-heads", type=int, default=1, help="KV heads per layer")
-    create.add_argument("--head-dim", type=int, default=1, help="dimension of one head")
+    create.add_argument("--num-blocks", type=positive_int, required=True, help="blocks in the pool")
+    create.add_argument("--block-size", type=positive_int, required=True, help="token slots per block")
+    create.add_argument("--num-layers", type=positive_int, default=1, help="model layers (for bytes per block)")
+    create.add_argument("--num-kv-heads", type=positive_int, default=1, help="KV heads per layer")
+    create.add_argument("--head-dim", type=positive_int, default=1, help="dimension of one head")
     create.add_argument("--dtype", default="float16", help="KV element type")
-    create.add_argument("--watermark-blocks", type=int, default=0,
+    create.add_argument("--watermark-blocks", type=non_negative_int, default=0,
                         help="blocks kept back from new sequences so running ones can append")
     create.add_argument("--tenant", default="",
                         help="the tenant that owns the pool (default: the caller's; only an admin names another)")

@@ -110,3 +110,14 @@ def test_a_numeric_variable_out_of_its_range_is_one_line(capsys, monkeypatch):
         blockctl(["--target", "127.0.0.1:1", "pools", "list"])
     assert exited.value.code == 2
     assert capsys.readouterr().err == "blockctl: BLOCKCTL_TIMEOUT_S must be a number > 0, got '0'\n"
+
+
+@pytest.mark.parametrize("flag", ["--num-blocks", "--block-size"])
+def test_the_pool_config_of_a_model_refuses_a_size_below_1(capsys, flag):
+    """``python -m worker.model pool-config`` printed a pool of 0 blocks."""
+    from worker.model.__main__ import main as model_tool
+
+    with pytest.raises(SystemExit) as exited:
+        model_tool(["pool-config", "--model", "tiny-llama", flag, "0"])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and err.splitlines()[-1].endswith(f"argument {flag}: must be an integer >= 1"), err

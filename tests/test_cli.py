@@ -84,8 +84,8 @@ def test_errors_exit_with_their_class_and_the_status(target, capsys) -> None:
     code, out, err = run(capsys, "--target", target, "pools", "show", "nope")
     assert code == 3 and out == "" and err.startswith("blockctl: NOT_FOUND: no pool named 'nope'")
     code, _, err = run(capsys, "--target", target, "pools", "create", "x", "--num-blocks", "4",
-                       "--block-size", "0")
-    assert code == 2 and "INVALID_ARGUMENT" in err and "block_size" in err
+                       "--block-size", "4", "--watermark-blocks", "5")
+    assert code == 2 and "INVALID_ARGUMENT" in err and "watermark_blocks" in err
 
 
 def test_serve_process_blockctl_and_sigterm(daemon, run_module, tmp_path) -> None:

@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import json
 
+from blockd.config_env import positive_int
 from worker.model import source
 from worker.model.build import TORCH_DTYPES, load_config, pool_config_for
 
@@ -24,8 +25,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="tiny-llama, tiny-qwen2, tiny-gpt2, smollm2-135m, a GGUF file or a local "
                          "model directory")
     pc.add_argument("--name", default="model")
-    pc.add_argument("--num-blocks", type=int, default=1024)
-    pc.add_argument("--block-size", type=int, default=16)
+    pc.add_argument("--num-blocks", type=positive_int, default=1024)
+    pc.add_argument("--block-size", type=positive_int, default=16)
     pc.add_argument("--dtype", default="float32", choices=sorted(TORCH_DTYPES))
     pr = sub.add_parser("prepare", help="convert a GGUF model into the cache now; print its directory")
     pr.add_argument("--model", default=source.DEFAULT_MODEL, help="a short name or a GGUF file")
