@@ -65,7 +65,7 @@ from client.serving import (
     finish,
     new_state,
 )
-from client.step_plan import StepPlan, StepPlanner
+from client.step_plan import StepPlan, plan_step
 from client.streaming import RequestStream, StreamToken
 
 __all__ = ["RECENT_FREE_STEPS", "Scheduler", "SchedulerConfig", "SchedulerCounters"]
@@ -83,7 +83,7 @@ def _check_request(request) -> None:
         raise TypeError(f"the scheduler takes GenerationRequest s, got {type(request).__name__}")
 
 
-class Scheduler(FaultRecovery, StepPlanner):
+class Scheduler(FaultRecovery):
     """Serves :class:`GenerationRequest` s on ``pool`` through ``client`` and ``executor``.
 
     ``admission`` decides who may start besides the pool's room:
@@ -213,7 +213,11 @@ class Scheduler(FaultRecovery, StepPlanner):
         admit_limit: int | None = None
         refused_admission = False
         while True:
-            plan = self._plan(admit_limit)
+            plan = plan_step(self.config, self.admission, running=self.running, waiting=self.waiting,
+                             releases=self._release, admission_blocked=self._admission_blocked,
+                             admit_limit=admit_limit)
+            for state, reason in plan.rejected:
+                self._reject_head(state, reason)
             if not plan.ops:
                 return None
             try:
@@ -260,8 +264,8 @@ class Scheduler(FaultRecovery, StepPlanner):
             position = plan.admit_at[index]
             if position == 0 and not self.running:
                 # the pool is this scheduler's alone: empty, it still cannot hold it, so it never will
-                state = self.waiting.popleft()
-                self._reject(state, f"needs more blocks than the pool can give one request ({err.message})")
+                why = f"needs more blocks than the pool can give one request ({err.message})"
+                self._reject_head(self.waiting[0], why)
                 return None, False
             return position, True
         if not self.running:
@@ -379,6 +383,10 @@ class Scheduler(FaultRecovery, StepPlanner):
         else:
             self._finished.append(output)
 
-    def _reject(self, state: RequestState, reason: str) -> None:
+    def _reject_head(self, state: RequestState, reason: str) -> None:
+        """Fail ``state``, the head of the queue: it can never start."""
+        if not self.waiting or self.waiting[0] is not state:
+            raise RuntimeError(f"request {state.request.request_id!r} is rejected but not first in the queue (a bug)")
+        self.waiting.popleft()
         self._complete(state, finish(state, self.clock(), error=reason))
         self.counters.num_rejected += 1

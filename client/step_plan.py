@@ -1,11 +1,15 @@
 """What one scheduler step sends: the batch of blockd operations, planned from
-the scheduler's state, and what each part of it stands for (so the
-scheduler can apply blockd's answer). A mixin of
-:class:`client.scheduler.Scheduler`, apart from the stepping it feeds.
+the scheduler's state, and what each part of it stands for (so the scheduler
+can apply blockd's answer).
 
-Planning changes nothing: a batch blockd refuses is planned again after the
-refusal is dealt with (fewer admissions, or a request preempted). The order
-of a batch::
+:func:`plan_step` is a pure function of the state it is given (the running
+and waiting requests, the pending releases, the config, the admission
+policy): it does no I/O and changes no state, so a batch blockd refuses is
+planned again after the refusal is dealt with (fewer admissions, or a request
+preempted), and the planning is tested by tables of cases. The one thing it
+writes is a memo, each waiting or running sequence's prompt block hashes
+(``SeqState.block_hashes``), which no later plan can tell from a recomputation.
+The order of a batch::
 
     Fork      samples drawn when their request's prompt ended, from sample 0
               (before the releases: sample 0 may have ended at its first token)
@@ -17,24 +21,25 @@ of a batch::
               shares a full block with a prompt still being computed: it
               waits for that block's commit and takes it from the prefix cache
 
-Works on the scheduler's own state (``running``, ``waiting``, the pending
-releases, ``config``, ``admission``); it has no state of its own.
+With nothing running, the requests at the head of the queue that could never
+start (more sequences than ``max_num_seqs``, or refused by the admission
+policy on an empty pool) are named in :attr:`StepPlan.rejected` for the
+scheduler to fail: nothing would ever make room for them.
+
+Imports only the allocator core and plain data (:mod:`client.serving`,
+:mod:`client.scheduler_config`): never the scheduler, a backend or grpc.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from itertools import islice
 
 from blockd.core.hashing import hash_full_blocks
 from blockd.core.types import Allocate, Commit, DecodeAppend, Fork, Op
-from client.serving import RequestState, SeqState
-
-if TYPE_CHECKING:
-    from collections import deque
-
-    from client.scheduler_config import SchedulerConfig
-    from client.serving import PagingAdmission, ReservationAdmission
+from client.scheduler_config import SchedulerConfig
+from client.serving import PagingAdmission, RequestState, ReservationAdmission, SeqState
 
 
 @dataclass
@@ -51,113 +56,121 @@ class StepPlan:
     #: admitted requests with each live sequence's Allocate op index and token budget
     admitted: list[tuple[RequestState, list[tuple[int, int]]]] = field(default_factory=list)
     admit_at: dict[int, int] = field(default_factory=dict)  # Allocate op index -> admitted position
+    #: the head of the queue, ``(request, why)``, to fail before the batch is sent; the
+    #: admitted requests come right after them in the queue
+    rejected: list[tuple[RequestState, str]] = field(default_factory=list)
 
 
-class StepPlanner:
-    """The scheduler's planning (see the module docstring)."""
+def plan_step(config: SchedulerConfig, admission: PagingAdmission | ReservationAdmission, *,
+              running: Sequence[RequestState], waiting: Sequence[RequestState], releases: Sequence[Op],
+              admission_blocked: bool = False, admit_limit: int | None = None) -> StepPlan:
+    """This step's batch from the given state (see the module docstring).
 
-    if TYPE_CHECKING:  # the scheduler's state this mixin reads (client.scheduler.Scheduler)
-        config: SchedulerConfig
-        admission: PagingAdmission | ReservationAdmission
-        waiting: deque[RequestState]
-        running: list[RequestState]
-        _release: list[Op]
-        _admission_blocked: bool
-
-        def _reject(self, state: RequestState, reason: str) -> None: ...
-
-    def _plan(self, admit_limit: int | None) -> StepPlan:
-        """This step's batch from the current state; changes nothing, so a
-        refused batch is planned again after the refusal is dealt with."""
-        plan = StepPlan([], has_frees=bool(self._release))
-        ops = plan.ops
-        for state in self.running:
-            if state.pending:
-                # sample 0 holds exactly the prompt (it is decoding its first token,
-                # or ended there and its Free follows): each child shares its blocks
-                parent = state.samples[0]
-                children = [child.forked_from(parent) for child in state.pending]
-                plan.forks.append((state, children))
-                ops += [Fork(parent.seq_id, child.seq_id) for child in children]
-            plan.decode += [seq for seq in state.live if seq.is_decoding]
-        for _, children in plan.forks:
-            plan.decode += children
-        ops += self._release
-        for seq in self._prefilling():
-            if seq.num_computed > seq.num_committed:
-                ops.append(Commit(seq.seq_id, seq.num_computed))
-                plan.commits.append(seq)
-        if plan.decode:
-            plan.decode_op = len(ops)
-            ops.append(DecodeAppend([s.seq_id for s in plan.decode], [s.token_ids[-1] for s in plan.decode]))
-        budget = self.config.max_num_batched_tokens - len(plan.decode)
-        for seq in self._prefilling():
-            chunk = min(budget, seq.num_to_prefill)
-            if chunk > 0:
-                plan.prefill.append((seq, chunk))
-                budget -= chunk
-        self._plan_admissions(plan, budget, admit_limit)
-        return plan
-
-    def _prefilling(self) -> list[SeqState]:
-        return [seq for state in self.running for seq in state.live if seq.num_to_prefill > 0]
-
-    def _plan_admissions(self, plan: StepPlan, budget: int, admit_limit: int | None) -> None:
-        """FCFS: stop at the first request that does not fit, so a long prompt
-        is not starved by short ones behind it."""
-        while self.waiting and not self.running:
-            # with nothing running nothing will ever make room: it would wait forever
-            head = self.waiting[0]
-            if head.num_seqs_when_running > self.config.max_num_seqs:
-                reason = f"its {head.num_seqs_when_running} sequences exceed max_num_seqs"
-            elif not self.admission.can_admit(head):
-                reason = f"the {self.admission.name} admission policy can never admit it"
-            else:
+    ``releases``: the Commit/Free ops of sequences finished or preempted since
+    the last batch; ``admission_blocked``: an admission was refused and no
+    Free has been sent since (admit nothing); ``admit_limit``: admit at most
+    this many requests (None: no limit).
+    """
+    plan = StepPlan([], has_frees=bool(releases))
+    ops = plan.ops
+    for state in running:
+        if state.pending:
+            # sample 0 holds exactly the prompt (it is decoding its first token,
+            # or ended there and its Free follows): each child shares its blocks
+            parent = state.samples[0]
+            children = [child.forked_from(parent) for child in state.pending]
+            plan.forks.append((state, children))
+            ops += [Fork(parent.seq_id, child.seq_id) for child in children]
+        plan.decode += [seq for seq in state.live if seq.is_decoding]
+    for _, children in plan.forks:
+        plan.decode += children
+    ops += releases
+    prefilling = [seq for state in running for seq in state.live if seq.num_to_prefill > 0]
+    for seq in prefilling:
+        if seq.num_computed > seq.num_committed:
+            ops.append(Commit(seq.seq_id, seq.num_computed))
+            plan.commits.append(seq)
+    if plan.decode:
+        plan.decode_op = len(ops)
+        ops.append(DecodeAppend([s.seq_id for s in plan.decode], [s.token_ids[-1] for s in plan.decode]))
+    budget = config.max_num_batched_tokens - len(plan.decode)
+    for seq in prefilling:
+        chunk = min(budget, seq.num_to_prefill)
+        if chunk > 0:
+            plan.prefill.append((seq, chunk))
+            budget -= chunk
+    if not running:
+        # with nothing running nothing will ever make room: it would wait forever
+        for head in waiting:
+            reason = _never_admitted(head, config, admission)
+            if reason is None:
                 break
-            self._reject(self.waiting.popleft(), reason)
-        num_seqs = sum(state.num_seqs_when_running for state in self.running)
-        block_size = self.config.prefix_block_size
-        in_flight, committed = self._prompt_blocks(block_size) if block_size else (set(), set())
-        for state in self.waiting:
-            if budget <= 0 or self._admission_blocked or admit_limit == len(plan.admitted):
-                return
-            if num_seqs + state.num_seqs_when_running > self.config.max_num_seqs:
-                return
-            if not self.admission.can_admit(state, [admitted for admitted, _ in plan.admitted]):
-                return
-            if block_size:
-                blocks = {h for seq in state.live for h in _full_blocks(state, seq, block_size)}
-                if not in_flight.isdisjoint(blocks):
-                    return  # computed already in this or an earlier step: wait for its commit
-                in_flight |= blocks - committed
-            allocations = []
-            for seq in state.live:
-                plan.admit_at[len(plan.ops)] = len(plan.admitted)
-                chunk = min(budget, len(seq.token_ids))
-                allocations.append((len(plan.ops), chunk))
-                plan.ops.append(Allocate(seq.seq_id, list(seq.token_ids), state.request.extra_keys))
-                budget -= chunk
-            plan.admitted.append((state, allocations))
-            num_seqs += state.num_seqs_when_running
+            plan.rejected.append((head, reason))
+    if not admission_blocked:
+        queue = islice(waiting, len(plan.rejected), None)
+        _plan_admissions(plan, config, admission, running, queue, budget, admit_limit)
+    return plan
 
-    def _prompt_blocks(self, block_size: int) -> tuple[set[bytes], set[bytes]]:
-        """Hashes of the running sequences' full blocks: those this step's batch
-        does not commit (their prefill is not done: a waiting prompt sharing one
-        would compute it again if admitted now), and those committed by the
-        end of the batch (an admitted prompt takes them from the prefix cache).
-        Blocks cached by sequences no longer running are not known here: a
-        prompt sharing them with one admitted in the same step waits a step
-        it need not."""
-        in_flight: set[bytes] = set()
-        committed: set[bytes] = set()
-        for state in self.running:
-            for seq in state.live:
-                hashes = _full_blocks(state, seq, block_size)
-                done = seq.num_computed // block_size
-                committed.update(hashes[:done])
-                if seq.num_to_prefill > 0:
-                    in_flight.update(hashes[done:])
-        return in_flight, committed
+
+def _never_admitted(state: RequestState, config: SchedulerConfig,
+                    admission: PagingAdmission | ReservationAdmission) -> str | None:
+    """Why ``state`` could not start even on an empty pool (None: it could)."""
+    if state.num_seqs_when_running > config.max_num_seqs:
+        return f"its {state.num_seqs_when_running} sequences exceed max_num_seqs"
+    if not admission.can_admit(state):
+        return f"the {admission.name} admission policy can never admit it"
+    return None
+
+
+def _plan_admissions(plan: StepPlan, config: SchedulerConfig, admission: PagingAdmission | ReservationAdmission,
+                     running: Sequence[RequestState], queue: Iterable[RequestState], budget: int,
+                     admit_limit: int | None) -> None:
+    """FCFS: stop at the first request that does not fit, so a long prompt
+    is not starved by short ones behind it."""
+    num_seqs = sum(state.num_seqs_when_running for state in running)
+    block_size = config.prefix_block_size
+    in_flight, committed = _prompt_blocks(running, block_size) if block_size else (set(), set())
+    for state in queue:
+        if budget <= 0 or admit_limit == len(plan.admitted):
+            return
+        if num_seqs + state.num_seqs_when_running > config.max_num_seqs:
+            return
+        if not admission.can_admit(state, [admitted for admitted, _ in plan.admitted]):
+            return
+        if block_size:
+            blocks = {h for seq in state.live for h in _full_blocks(state, seq, block_size)}
+            if not in_flight.isdisjoint(blocks):
+                return  # computed already in this or an earlier step: wait for its commit
+            in_flight |= blocks - committed
+        allocations = []
+        for seq in state.live:
+            plan.admit_at[len(plan.ops)] = len(plan.admitted)
+            chunk = min(budget, len(seq.token_ids))
+            allocations.append((len(plan.ops), chunk))
+            plan.ops.append(Allocate(seq.seq_id, list(seq.token_ids), state.request.extra_keys))
+            budget -= chunk
+        plan.admitted.append((state, allocations))
+        num_seqs += state.num_seqs_when_running
+
+
+def _prompt_blocks(running: Sequence[RequestState], block_size: int) -> tuple[set[bytes], set[bytes]]:
+    """Hashes of the running sequences' full blocks: those this step's batch
+    does not commit (their prefill is not done: a waiting prompt sharing one
+    would compute it again if admitted now), and those committed by the
+    end of the batch (an admitted prompt takes them from the prefix cache).
+    Blocks cached by sequences no longer running are not known here: a
+    prompt sharing them with one admitted in the same step waits a step
+    it need not."""
+    in_flight: set[bytes] = set()
+    committed: set[bytes] = set()
+    for state in running:
+        for seq in state.live:
+            hashes = _full_blocks(state, seq, block_size)
+            done = seq.num_computed // block_size
+            committed.update(hashes[:done])
+            if seq.num_to_prefill > 0:
+                in_flight.update(hashes[done:])
+    return in_flight, committed
 
 
 def _full_blocks(state: RequestState, seq: SeqState, block_size: int) -> list[bytes]:
@@ -167,7 +180,7 @@ def _full_blocks(state: RequestState, seq: SeqState, block_size: int) -> list[by
     same for all of them."""
     tokens = seq.token_ids[: seq.num_in_pool] if seq.num_in_pool else seq.token_ids
     known, count = seq.block_hashes, len(tokens) // block_size
-    if len(known) < count:  # extend the chain from the last block hashed
+    if len(known) < count:  # extend the memo from the last block hashed
         known += hash_full_blocks(tokens[len(known) * block_size : count * block_size], block_size,
                                   state.request.extra_keys.digest(), parent=known[-1] if known else None)
     return known[:count]
