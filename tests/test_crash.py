@@ -28,7 +28,7 @@ KILLS = 20
 def state_of(engine: Engine) -> str:
     out = {}
     for stats in engine.list_pools():
-        data = dump_pool(engine._pools[stats.name].pool)
+        data = dump_pool(engine._state.pools[stats.name].pool)
         data.pop("deltas")  # a restart keeps them, but equality of tables is what matters here
         out[stats.name] = data
     return json.dumps(out, sort_keys=True)

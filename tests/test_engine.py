@@ -26,7 +26,7 @@ from blockd.engine.machine import Engine
 
 
 def pool_state(engine: Engine, name: str) -> str:
-    data = dump_pool(engine._pools[name].pool)
+    data = dump_pool(engine._state.pools[name].pool)
     return json.dumps(data, sort_keys=True)
 
 
@@ -55,12 +55,12 @@ def test_restart_restores_everything_exactly(tmp_path, fsync, snapshot_every):
     engine = Engine(config)
     results = drive(engine)
     before = {name: pool_state(engine, name) for name in ("a", "b")}
-    events = {name: list(engine._pools[name].events) for name in ("a", "b")}
+    events = {name: list(engine._state.pools[name].events) for name in ("a", "b")}
     engine.close()
 
     again = Engine(EngineConfig(data_dir=str(tmp_path), fsync=fsync, snapshot_every=snapshot_every))
     assert {name: pool_state(again, name) for name in ("a", "b")} == before
-    assert {name: list(again._pools[name].events) for name in ("a", "b")} == events
+    assert {name: list(again._state.pools[name].events) for name in ("a", "b")} == events
     again.check_invariants()
     # the idempotency table came back: a retried step returns its first result, changes nothing
     assert again.step("a", [Allocate("s0", list(range(9))), Commit("s0", 9)], "a0") == results[0]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from blockd.core import Allocate, DecodeAppend, InvalidArgument, NoRoom, PoolConfig
-from blockd.engine import machine as engine_module
+from blockd.engine import state as engine_module
 from blockd.engine.config import EngineConfig
 from blockd.engine.guardrails import Guardrails
 from blockd.engine.machine import Engine

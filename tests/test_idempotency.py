@@ -173,7 +173,7 @@ def test_table_stays_under_its_byte_cap_and_drops_oldest_answers_first():
         assert engine.idempotency_usage().num_bytes <= limits.max_bytes
     usage = engine.idempotency_usage()
     assert usage.num_ids == 201 and 10 < usage.num_answers < 150
-    kept = [answer is not None for _, _, _, answer, *_ in engine._requests.dump()["entries"]]
+    kept = [answer is not None for _, _, _, answer, *_ in engine._state.requests.dump()["entries"]]
     assert kept == [False] * (201 - usage.num_answers) + [True] * usage.num_answers  # the newest answers
     version = engine.get_pool("p").version
     # the newest ids still get their first answer
@@ -192,7 +192,7 @@ def test_count_cap_forgets_the_oldest_ids():
     decode_steps(engine, 30)
     usage = engine.idempotency_usage()
     assert usage.num_ids == usage.num_answers == 10
-    assert [rid for rid, *_ in engine._requests.dump()["entries"]] == [f"d-r{n}" for n in range(20, 30)]
+    assert [rid for rid, *_ in engine._state.requests.dump()["entries"]] == [f"d-r{n}" for n in range(20, 30)]
 
 
 def test_ids_older_than_the_ttl_are_forgotten():
@@ -207,7 +207,7 @@ def test_ids_older_than_the_ttl_are_forgotten():
     with pytest.raises(AlreadyExists):
         engine.step("p", [Allocate("a", [1])], "r1")
     engine.step("p", [Free("a")], "r3")  # the next record drops what its time says is too old
-    assert [rid for rid, *_ in engine._requests.dump()["entries"]] == ["r2", "r3"]
+    assert [rid for rid, *_ in engine._state.requests.dump()["entries"]] == ["r2", "r3"]
     assert first.version < second.version
 
 
@@ -217,7 +217,7 @@ def test_a_clock_going_back_never_makes_record_times_go_back():
     engine.step("p", [Allocate("a", [1])], "r1")
     clock.t -= 3600  # the wall clock was set back an hour
     engine.step("p", [Allocate("b", [1])], "r2")
-    times = [t for _, _, t, *_ in engine._requests.dump()["entries"]]
+    times = [t for _, _, t, *_ in engine._state.requests.dump()["entries"]]
     assert times == sorted(times) and len(times) == 3  # create-p, r1, r2
 
 

@@ -63,7 +63,7 @@ def test_a_new_worker_incarnation_loses_the_pools_kv():
     engine.register_worker(worker("life-2"))  # the worker restarted
     stats = engine.get_pool("p")
     assert stats.num_kv_lost_seqs == 2 and stats.last_event_seq_no == stored + 1
-    assert list(engine._pools["p"].events)[-1].kind == ALL_BLOCKS_CLEARED
+    assert list(engine._state.pools["p"].events)[-1].kind == ALL_BLOCKS_CLEARED
     assert engine.sequence_info("p", "a").kv_lost
     assert engine.lookup_prefix([1, 2, 3, 4, 5], None, ["p"]) == {"p": 0}, "lost blocks leave the prefix cache"
     for ops in ([Append("a", [5])], [Commit("b", 2)], [Fork("a", "c")],

@@ -1,34 +1,20 @@
-"""The daemon's state machine: every pool, and the steps that change them.
+"""The engine: the daemon's one lock around its state, and what each change goes through.
 
-:class:`Engine` is what the gRPC servicer wraps; it imports no gRPC. It owns
-the pools by name (each a :class:`~blockd.engine.pools.PoolEntry`: the
-allocator's :class:`blockd.core.Pool`, its identity and retained events) and
-runs every change as a typed record (:mod:`blockd.engine.records`), the same way
-for a caller's request and for recovery's replay:
-
-* the idempotency table (:mod:`blockd.engine.idempotency`): a mutating request's id
-  maps to its fingerprint and first result, so a retried request returns that
-  result and changes nothing; bounded by count, bytes and age, with the age
-  measured by the wall-clock time written into each log record;
-* durability (:mod:`blockd.engine.durability`, with a data dir): a batch is applied
-  in memory, then logged (and fsynced per policy), then acknowledged; a batch
-  that fails is never logged, so it leaves no trace;
-* followers (:mod:`blockd.engine.watch`): Watch and Events streams, woken after
-  every change;
-* tenants (:mod:`blockd.engine.tenancy`): every pool has an owner; a call naming
-  another tenant's pool is refused, listings show the caller's tenant only,
-  and the tenant's quotas are checked before a change is applied;
-* replication (optional, ``docs/ha.md``; the engine sees it only through the
-  :class:`~blockd.engine.config.Replication` gate): a replica that does not
-  lead refuses every call (NOT_LEADER); a leader writes its records in its
-  term and lets an answer leave only once the records it depends on are
-  committed -- a step after its own record, a read or a retried request id
-  after the last record logged when it was answered. A follower's engine is
-  fed the leader's records (:meth:`Engine.apply_replicated`) and re-read
-  from disk when its log is cut (:meth:`Engine.reload`);
-* the worker registry (:mod:`blockd.engine.worker_registry`; in memory: workers re-register)
-  and each pool's identity (:mod:`blockd.engine.incarnations`: a worker incarnation the
-  pool has not seen is a logged change, the KV of its sequences is lost).
+:class:`Engine` is what the gRPC servicer wraps; it imports no gRPC. Its
+:class:`~blockd.engine.state.State` holds the pools and applies records; the
+engine runs each caller's change as a record through, in order: the leader
+gate (replication, through :class:`~blockd.engine.config.Replication`: a
+replica that does not lead refuses, NOT_LEADER), the request-id table (a
+retried id returns its first answer, :mod:`blockd.engine.idempotency`), the
+guardrails and tenants' quotas (:mod:`blockd.engine.tenancy`), the state, the
+log (:mod:`blockd.engine.durability`: applied in memory, then logged and
+fsynced per policy, then acknowledged; a batch that fails is never logged),
+the watchers (:mod:`blockd.engine.watch`), and, with replication, the wait
+until the records the answer depends on are committed. A follower's engine is
+fed the leader's records (:meth:`Engine.apply_replicated`) and re-read from
+disk when its log is cut (:meth:`Engine.reload`). Workers register in memory
+(:mod:`blockd.engine.worker_registry`); a worker incarnation a pool has not
+seen is a logged change (:mod:`blockd.engine.incarnations`).
 
 Set up by one :class:`~blockd.engine.config.EngineConfig`. All public methods
 are thread-safe (one engine lock: the GIL serialises the allocator anyway, and
@@ -45,32 +31,19 @@ from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import TypeVar
 
-from blockd.core import (
-    AlreadyExists,
-    BlockdError,
-    ExtraKeys,
-    InvalidArgument,
-    KVEvent,
-    Op,
-    Pool,
-    PoolConfig,
-    PoolStats,
-    StepResult,
-    VersionDelta,
-    WrongState,
-    check_invariants,
-)
-from blockd.core.errors import NotFound, shown
-from blockd.core.incarnations import TermChanged, new_incarnation
+from blockd.core import BlockdError, ExtraKeys, InvalidArgument, KVEvent, Op, PoolConfig, PoolStats, StepResult
+from blockd.core.errors import WrongState, shown
+from blockd.core.incarnations import new_incarnation
 from blockd.core.terms import TermHistory
-from blockd.core.types import SequenceInfo, Snapshot, WorkerInfo, WorkerStatus
+from blockd.core.types import SequenceInfo, Snapshot, VersionDelta, WorkerInfo, WorkerStatus
 from blockd.core.validate import check_config, check_name
 from blockd.engine import records
 from blockd.engine.config import EngineConfig
 from blockd.engine.durability import Durability, recover
-from blockd.engine.idempotency import MISSING, IdempotencyTable, IdempotencyUsage, fingerprint
-from blockd.engine.incarnations import PoolIncarnations
+from blockd.engine.idempotency import MISSING, IdempotencyTable, IdempotencyUsage
 from blockd.engine.pools import PoolEntry
+from blockd.engine.state import State
+from blockd.engine.step_checks import check_previous_term, refuse_malformed
 from blockd.engine.tenancy import Tenancy, check_access, owner_of, visible, with_owner
 from blockd.engine.watch import Watchers
 from blockd.engine.worker_registry import WorkerRegistry
@@ -87,9 +60,8 @@ class Engine:
         self._lock = threading.RLock()
         self._gate = config.replication
         self._watchers = Watchers(self._lock, self._log_position, self._committed)
-        self._pools: dict[str, PoolEntry] = {}
-        self._requests = IdempotencyTable(config.idempotency, config.wall_clock)
         self.workers = WorkerRegistry(config.clock, config.worker_timeout_s)
+        self._state = State(IdempotencyTable(config.idempotency, config.wall_clock), self.workers)
         self._tenancy = Tenancy(config.quotas, config.clock)
         self._closed = False
         self._durability: Durability | None = None
@@ -110,26 +82,18 @@ class Engine:
 
     # --- recovery (blockd.engine.durability.Replayable) ---------------------------------------
     def load_snapshot(self, snapshot: dict) -> None:
-        for data in snapshot["pools"]:
-            entry = PoolEntry.load(data, snapshot["lsn"])
-            self._pools[entry.pool.config.name] = entry
-        self._requests.load(snapshot["requests"])
+        self._state.load_snapshot(snapshot)
 
     def apply_record(self, body: dict) -> None:
-        record, rid, t = records.decode(body)
-        result = self.apply(record)
-        if rid:
-            # the record's own time, never the clock now: replay rebuilds the same table
-            self._requests.put(rid, self._fingerprint(record), t, result, self._block_size(record.pool),
-                               self._scope(record.pool))
+        self._state.apply_record(body)
 
     def num_pools(self) -> int:
-        return len(self._pools)
+        return len(self._state.pools)
 
     def capture(self) -> dict:
         """The whole state as plain data (what a snapshot holds)."""
         with self._lock:
-            return {"pools": [entry.dump() for entry in self._pools.values()], "requests": self._requests.dump()}
+            return self._state.capture()
 
     def snapshot(self) -> None:
         """Write a snapshot now and wait for it (no-op without a data directory)."""
@@ -141,7 +105,7 @@ class Engine:
             if self._closed:
                 return
             self._closed = True
-            for entry in self._pools.values():
+            for entry in self._state.pools.values():
                 entry.deleted = True  # ends Watch/Events streams
             self._watchers.notify()
         if self._durability is not None:
@@ -150,43 +114,13 @@ class Engine:
                 self._durability.close()
 
     # --- changes -----------------------------------------------------------------------
-    def apply(self, record: records.Record) -> object:
-        """Run one record against the state (a request's, or a replayed one's)."""
-        if isinstance(record, records.TermStart):
-            return None
-        if isinstance(record, records.Step):
-            return self._run_step(self._pools[record.pool], record.ops)
-        if isinstance(record, records.CreatePool):
-            return self._create_pool(record.config, record.incarnation)
-        if isinstance(record, records.DeletePool):
-            self._delete_pool(record.pool)
-            return None
-        if isinstance(record, records.ResetPrefixCache):
-            entry = self._entry(record.pool)
-            entry.pool.reset_prefix_cache()
-            entry.drain_events()
-            return None
-        entry = self._entry(record.pool)
-        num_lost = entry.identity.join(entry.pool, record.worker_id, record.incarnation)
-        entry.drain_events()
-        return num_lost
-
-    @staticmethod
-    def _fingerprint(record: records.Record) -> str:
-        """Kind, pool and a hash of the content (a step's ops, a pool's config),
-        computed alike for a live request and a replayed record."""
-        return fingerprint(record.kind, record.pool, record.subject)
-
-    def _mutate(self, record: records.Record, rid: str = "", check: Callable[[], object] | None = None):
-        """Apply ``record`` for a caller, remember ``rid``'s answer, log it, wake
-        the followers; a retried ``rid`` gets the first answer. ``check`` runs
-        first, under the lock (a refusal changes nothing). With replication
-        the answer leaves once its record is committed."""
-        return self._mutate_in_term(record, rid, check)[0]
-
     def _mutate_in_term(self, record: records.Record, rid: str = "",
                         check: Callable[[], object] | None = None) -> tuple[object, int]:
-        """:meth:`_mutate`, with the leader term it was acknowledged in (0 without replication)."""
+        """Apply ``record`` for a caller, remember ``rid``'s answer, log it, wake
+        the watchers; a retried ``rid`` gets the first answer. ``check`` runs
+        first, under the lock (a refusal changes nothing). With replication
+        the answer leaves once its record is committed. Returns the answer and
+        the leader term it was acknowledged in (0 without replication)."""
         if rid:
             check_name(rid, "request_id")
         with self._lock:
@@ -195,27 +129,28 @@ class Engine:
 
     def _apply_and_log(self, record: records.Record, rid: str = "",
                        check: Callable[[], object] | None = None) -> tuple[object, int]:
-        """:meth:`_mutate` under the lock: ``(answer, the LSN it depends on)``."""
+        """:meth:`_mutate_in_term` under the lock: ``(answer, the LSN it depends on)``."""
         if self._closed:
             raise WrongState("blockd is shutting down; retry against the new instance")
         if self._durability is not None and self._durability.broken:
             raise WrongState(self._durability.broken)
         if self._gate is not None:
             self._gate.writable()
+        state = self._state
         if rid:
-            now = self._requests.stamp()
-            if self._requests.holds(rid, now):
-                found = self._requests.lookup(rid, self._fingerprint(record), now, self._scope(record.pool))
+            now = state.requests.stamp()
+            if state.requests.holds(rid, now):
+                found = state.requests.lookup(rid, state.fingerprint(record), now, state.scope(record.pool))
                 if found is not MISSING:
                     # the first answer's record is at or before the last one logged
                     return found, self._log_position()
         if check is not None:
             check()
-        result = self.apply(record)
+        result = state.apply(record)
         if rid:
             # fingerprinted only once applied: a batch that fails never pays for its hash
-            self._requests.put(rid, self._fingerprint(record), now, result, self._block_size(record.pool),
-                               self._scope(record.pool))
+            state.requests.put(rid, state.fingerprint(record), now, result, state.block_size(record.pool),
+                               state.scope(record.pool))
             body = records.encode(record, rid, now)
         else:
             body = records.encode(record)
@@ -250,44 +185,16 @@ class Engine:
         """Refuse another tenant's caller before the request table is read (a
         retried request id must not hand another tenant the first answer)."""
         with self._lock:
-            entry = self._pools.get(name) if type(name) is str else None
+            entry = self._state.pools.get(name) if type(name) is str else None
             if entry is not None:
                 check_access(entry.pool.config)
-
-    def _scope(self, name: str) -> str:
-        """The incarnation of pool ``name`` now, ``""`` when there is none: a
-        request id's answer is valid only while it is the same."""
-        entry = self._pools.get(name) if type(name) is str else None
-        return entry.identity.incarnation if entry is not None else ""
-
-    def _block_size(self, name: str) -> int:
-        entry = self._pools.get(name) if type(name) is str else None
-        return entry.pool.block_size if entry is not None else 0
 
     def idempotency_usage(self) -> IdempotencyUsage:
         """Request ids kept, how many still hold their answer, and their bytes."""
         with self._lock:
-            return self._requests.usage()
+            return self._state.requests.usage()
 
     # --- pools ---------------------------------------------------------------------------
-    def _entry(self, name: str) -> PoolEntry:
-        entry = self._pools.get(name) if type(name) is str else None
-        if entry is None:
-            check_name(name, "pool")  # a name no pool can have is the caller's mistake
-            raise NotFound(f"no pool named {shown(name)}; list pools to see which exist")
-        check_access(entry.pool.config)  # another tenant's pool: PERMISSION_DENIED (nobody's during replay)
-        return entry
-
-    def _create_pool(self, config: PoolConfig, incarnation: str) -> PoolStats:
-        check_config(config)  # a malformed config is INVALID_ARGUMENT whether or not the name is taken
-        if config.name in self._pools:
-            raise AlreadyExists(f"pool {shown(config.name)} already exists")
-        if not config.tenant:  # a create record written before tenants: the default tenant's
-            config = replace(config, tenant=owner_of(config))
-        entry = PoolEntry(Pool(config), PoolIncarnations(incarnation))
-        self._pools[config.name] = entry
-        return entry.stats()
-
     def create_pool(self, config: PoolConfig, request_id: str = "") -> PoolStats:
         if not isinstance(config, PoolConfig):
             raise InvalidArgument("create_pool takes a PoolConfig")
@@ -296,23 +203,19 @@ class Engine:
         def check() -> None:  # before the pool is built: a pool over quota costs no memory
             check_config(config)
             self.config.guardrails.check_pool(config)
-            self._tenancy.check_create(config, [entry.pool.config for entry in self._pools.values()])
+            self._tenancy.check_create(config, [entry.pool.config for entry in self._state.pools.values()])
 
-        return self._mutate(records.CreatePool(config, new_incarnation()), request_id, check)
-
-    def _delete_pool(self, name: str) -> None:
-        entry = self._entry(name)
-        entry.deleted = True
-        del self._pools[name]
-        self.workers.forget_pool(name)
+        stats = self._mutate_in_term(records.CreatePool(config, new_incarnation()), request_id, check)[0]
+        assert isinstance(stats, PoolStats), "a create record answers with the pool's stats"
+        return stats
 
     def delete_pool(self, name: str, request_id: str = "") -> None:
         self._guard(name)
-        self._mutate(records.DeletePool(name), request_id)
+        self._mutate_in_term(records.DeletePool(name), request_id)
 
     def reset_prefix_cache(self, pool: str, request_id: str = "") -> None:
         self._guard(pool)
-        self._mutate(records.ResetPrefixCache(pool), request_id)
+        self._mutate_in_term(records.ResetPrefixCache(pool), request_id)
 
     def _read(self, read: Callable[[], T]) -> T:
         """``read()`` under the lock; with replication, only on the leader and
@@ -325,70 +228,42 @@ class Engine:
         return value
 
     def get_pool(self, name: str) -> PoolStats:
-        return self._read(lambda: self._entry(name).stats())
+        return self._read(lambda: self._state.entry(name).stats())
 
     def pool_config(self, name: str) -> PoolConfig:
-        return self._read(lambda: self._entry(name).pool.config)
+        return self._read(lambda: self._state.entry(name).pool.config)
 
     def pool_incarnation(self, name: str) -> str:
-        return self._read(lambda: self._entry(name).identity.incarnation)
+        return self._read(lambda: self._state.entry(name).identity.incarnation)
 
     def list_pools(self, *, local: bool = False) -> list[PoolStats]:
         """``local``: this replica's own state, whatever its role (metrics, logs)."""
         if local:
             with self._lock:
-                return [entry.stats() for entry in self._pools.values()]
-        return self._read(lambda: [entry.stats() for entry in self._pools.values() if visible(entry.pool.config)])
+                return [entry.stats() for entry in self._state.pools.values()]
+        return self._read(lambda: [entry.stats() for entry in self._state.pools.values() if visible(entry.pool.config)])
 
     # --- steps ---------------------------------------------------------------------------
-    def _run_step(self, entry: PoolEntry, ops: list[Op]) -> StepResult:
-        result = entry.pool.step(ops)
-        entry.identity.after_step(ops)
-        entry.drain_events()
-        return entry.identity.result(result)
-
     def _checked_entry(self, pool: str, ops: list[Op], planned: str, dry_run: bool = False) -> PoolEntry:
-        entry = self._entry(pool)
+        entry = self._state.entry(pool)
         if planned and planned != entry.identity.incarnation:
-            _refuse_malformed(entry.pool, ops)  # the caller's mistake comes before the pool's history
+            refuse_malformed(entry.pool, ops)  # the caller's mistake comes before the pool's history
         entry.identity.check_planned(pool, planned)
         entry.identity.check_step(pool, ops)
         config = entry.pool.config
-        self._tenancy.check_step(config, ops, lambda: self._live_seqs(owner_of(config)), consume=not dry_run)
+        self._tenancy.check_step(config, ops, lambda: self._state.live_seqs(owner_of(config)), consume=not dry_run)
         return entry
-
-    def _check_previous_term(self, previous_term: int) -> None:
-        """Under the lock: refuse a step planned on what a leader of another
-        term acknowledged when this term may lack it (see StepRequest.previous_term).
-        A retried request id this leader logged is answered before this check:
-        its log then holds the caller's earlier steps too."""
-        gate = self._gate
-        if gate is None or not previous_term or not gate.term or previous_term == gate.term:
-            return
-        if previous_term > gate.term:
-            # writable() passed: this replica leads and can prove its lease, so no newer term exists
-            raise InvalidArgument(f"previous_term {previous_term} is newer than any term of this group (its "
-                                  f"leader serves term {gate.term}): name the term of your previous step's answer")
-        if not gate.keeps_committed:
-            raise TermChanged(f"the leader changed since the caller's previous step (term {previous_term}, now "
-                              f"{gate.term}) and this group's failover may lose acknowledged steps (async "
-                              f"replication or --min-in-sync 1): its sequences may lack steps it was told of; "
-                              f"rebuild them (a scheduler recomputes its requests) and step again naming term "
-                              f"{gate.term}", metadata={"term": str(gate.term)})
-
-    def _live_seqs(self, tenant: str) -> int:
-        return sum(len(e.pool.seqs) for e in self._pools.values() if owner_of(e.pool.config) == tenant)
 
     def step(self, pool: str, ops: list[Op], request_id: str = "", *, dry_run: bool = False,
              incarnation: str = "", previous_term: int = 0) -> StepResult:
         """``incarnation``: the pool incarnation the caller planned against
         (refused when it is not the current one); empty: not checked.
         ``previous_term``: the term its previous step was acknowledged in
-        (:meth:`_check_previous_term`); 0: not checked."""
+        (:func:`blockd.engine.step_checks.check_previous_term`); 0: not checked."""
         if dry_run:  # answers what the batch would do; nothing is remembered or logged
             def would() -> StepResult:
                 self.config.guardrails.check_step(ops)
-                self._check_previous_term(previous_term)
+                check_previous_term(self._gate, previous_term)
                 entry = self._checked_entry(pool, ops, incarnation, dry_run=True)
                 return entry.identity.result(entry.pool.step(ops, dry_run=True))
 
@@ -398,7 +273,7 @@ class Engine:
             self._guard(pool)
             def check() -> PoolEntry:
                 self.config.guardrails.check_step(ops)
-                self._check_previous_term(previous_term)
+                check_previous_term(self._gate, previous_term)
                 return self._checked_entry(pool, ops, incarnation)
 
             result, term = self._mutate_in_term(records.Step(pool, ops), request_id, check)
@@ -413,13 +288,13 @@ class Engine:
         finally:
             observe = self.config.observe_step
             # unknown pool names stay out of the metric labels
-            if observe is not None and type(pool) is str and pool in self._pools:
+            if observe is not None and type(pool) is str and pool in self._state.pools:
                 observe(pool, ops if isinstance(ops, (list, tuple)) else [], outcome, time.perf_counter() - start)
 
     # --- reads ---------------------------------------------------------------------------
     def get_tables(self, pool: str, seq_ids: list[str]) -> tuple[int, dict[str, list[int]]]:
         def read() -> tuple[int, dict[str, list[int]]]:
-            p = self._entry(pool).pool
+            p = self._state.entry(pool).pool
             if not seq_ids:
                 return p.version, p.tables()
             return p.version, {seq_id: p.block_table(seq_id) for seq_id in seq_ids}
@@ -428,7 +303,7 @@ class Engine:
 
     def sequence_info(self, pool: str, seq_id: str) -> SequenceInfo:
         def read() -> SequenceInfo:
-            entry = self._entry(pool)
+            entry = self._state.entry(pool)
             seq = entry.pool.get_seq(seq_id)
             return SequenceInfo(seq.seq_id, len(seq.token_ids), seq.num_committed, list(seq.table),
                                 seq.seq_id in entry.identity.lost)
@@ -437,27 +312,24 @@ class Engine:
 
     def lookup_prefix(self, token_ids: list[int], extra_keys: ExtraKeys, pools: list[str]) -> dict[str, int]:
         def read() -> dict[str, int]:
-            names = pools or [name for name, entry in self._pools.items() if visible(entry.pool.config)]
-            return {name: self._entry(name).pool.lookup_prefix(token_ids, extra_keys) for name in names}
+            names = pools or [name for name, entry in self._state.pools.items() if visible(entry.pool.config)]
+            return {name: self._state.entry(name).pool.lookup_prefix(token_ids, extra_keys) for name in names}
 
         return self._read(read)
 
     def check_invariants(self) -> None:
         with self._lock:
-            for entry in self._pools.values():
-                check_invariants(entry.pool)
+            self._state.check_invariants()
 
-    # --- followers -----------------------------------------------------------------------
+    # --- watchers -----------------------------------------------------------------------
     def watch(self, pool: str, from_version: int, should_stop: Callable[[], bool],
               incarnation: str = "", min_term: int = 0) -> Iterator[Snapshot | VersionDelta]:
         """See :meth:`blockd.engine.watch.Watchers.watch`; NOT_FOUND at once for an unknown pool.
-
         ``min_term``: the newest leader term that served the caller. Where a
-        failover may lose committed records (``async`` replication), a caller
-        that holds versions (``from_version`` > 0) served in another term than
-        this leader's may hold versions this leader never had, or made
-        otherwise: it gets a snapshot first, never deltas on top of them."""
-        entry = self._read(lambda: self._entry(pool))
+        failover may lose committed records (``async``), a caller holding
+        versions served in another term may hold versions this leader never
+        had: it gets a snapshot first, never deltas on top of them."""
+        entry = self._read(lambda: self._state.entry(pool))
         gate = self._gate
         resync = (gate is not None and from_version > 0 and min_term != gate.term and not gate.keeps_committed)
         return self._watchers.watch(entry, from_version, should_stop, incarnation, resync=resync)
@@ -466,7 +338,7 @@ class Engine:
         """See :meth:`blockd.engine.watch.Watchers.events`."""
         if type(from_seq_no) is not int or from_seq_no < 0:
             raise InvalidArgument(f"from_seq_no must be a non-negative int, got {shown(from_seq_no)}")
-        entry = self._read(lambda: self._entry(pool))
+        entry = self._read(lambda: self._state.entry(pool))
         return self._watchers.events(entry, pool, from_seq_no, should_stop)
 
     # --- workers -------------------------------------------------------------------------
@@ -476,7 +348,7 @@ class Engine:
         with self._lock:
             if self._gate is not None:
                 self._gate.writable()
-            entry = self._entry(info.pool)
+            entry = self._state.entry(info.pool)
             self.workers.check(info, entry.pool.config)
             lsn = self._log_position()
             if not entry.identity.knows(info.incarnation):
@@ -494,17 +366,18 @@ class Engine:
     def heartbeat(self, worker_id: str, applied_version: int) -> WorkerStatus:
         with self._lock:
             pool = self.workers.pool_of(worker_id)
-            if pool is not None and pool in self._pools:
-                self._entry(pool)  # only the pool's tenant (or an admin) speaks for its workers
+            if pool is not None and pool in self._state.pools:
+                self._state.entry(pool)  # only the pool's tenant (or an admin) speaks for its workers
             return self.workers.heartbeat(worker_id, applied_version)
 
     def list_workers(self, pool: str | None = None, *, local: bool = False) -> list[WorkerStatus]:
         """``local``: as :meth:`list_pools`."""
         def read() -> list[WorkerStatus]:
             if pool:
-                self._entry(pool)
+                self._state.entry(pool)
+            pools = self._state.pools
             return [status for status in self.workers.list(pool or None)
-                    if status.info.pool not in self._pools or visible(self._pools[status.info.pool].pool.config)]
+                    if status.info.pool not in pools or visible(pools[status.info.pool].pool.config)]
 
         if local:
             with self._lock:
@@ -535,14 +408,11 @@ class Engine:
                          persisted: Callable[[int], None] = lambda lsn: None) -> int:
         """A follower's part: append the leader's records ``(lsn, term, body)``
         to the log as they are (fsynced), call ``persisted(last LSN)`` (the
-        acknowledgement, which waits for the disk and not for the apply: in
-        sync mode every step waits for it), then apply them as recovery does;
-        the last LSN persisted. Nothing happens unless ``may_apply()`` holds
-        under the lock (this replica still follows). Every record is decoded
-        before anything is written. A log that fails, or a record that does
-        not apply, leaves memory behind the disk: the caller must
-        :meth:`reload` (and a record that does not apply fails there as in
-        any recovery, so nothing is served from a state the log disagrees with)."""
+        acknowledgement: it waits for the disk, not the apply), then apply them
+        as recovery does; returns the last LSN persisted. Only while
+        ``may_apply()`` holds under the lock. Every record is decoded before
+        anything is written; a log or a record that fails leaves memory behind
+        the disk, and the caller must :meth:`reload` (which fails as recovery would)."""
         with self._lock:
             durability = self._durability
             if durability is None or not may_apply():
@@ -566,19 +436,8 @@ class Engine:
             durability = self._durability
             if durability is None:
                 raise WrongState("an engine without a data dir has nothing to reload")
-            for entry in self._pools.values():
+            for entry in self._state.pools.values():
                 entry.deleted = True
             self._watchers.notify()
-            self._pools = {}
-            self._requests = IdempotencyTable(self.config.idempotency, self.config.wall_clock)
+            self._state = State(IdempotencyTable(self.config.idempotency, self.config.wall_clock), self.workers)
             durability.reopen(self, None if change is None else lambda: change(durability))
-
-
-def _refuse_malformed(pool: Pool, ops: list[Op]) -> None:
-    """Raise the batch's InvalidArgument, if it has one (a dry run: nothing changes)."""
-    try:
-        pool.step(ops, dry_run=True)
-    except InvalidArgument:
-        raise
-    except BlockdError:
-        pass
