@@ -38,8 +38,19 @@ Outputs are had two ways: :meth:`Scheduler.run` returns every request's
 returns a :class:`~client.streaming.RequestStream` of tokens as they are
 applied (stepped by its consumer, or by a :class:`~client.streaming.ServingLoop`).
 
+The scheduler is this module and the parts it imports, each owning its own
+state or none, none importing back::
+
+    client.scheduler         Scheduler: owns the requests' state, does the I/O
+                             (blockd, the model), carries out plans and recoveries
+    client.streaming         RequestStream, ServingLoop (over a Steppable protocol)
+    client.faults            a refusal or fault and the state -> a Recovery, no I/O
+    client.step_plan         plan_step: the state -> a StepPlan, no I/O
+    client.scheduler_config  SchedulerConfig, SchedulerCounters: plain data
+
 Faults (a worker restarted, the pool re-created) are dealt with as
-:mod:`client.faults` says.
+:mod:`client.faults` says. ``SchedulerConfig`` and ``SchedulerCounters`` are
+imported from here too.
 """
 
 from __future__ import annotations
@@ -53,7 +64,15 @@ from collections.abc import Callable
 from blockd.core.types import Commit, Free, Op, StepResult
 from client.backends import BlockdBackend, ModelBatch, ModelExecutor
 from client.errors import BlockdClientError, FailedPreconditionError, NotFoundError, ResourceExhaustedError
-from client.faults import FaultRecovery, PoolGone
+from client.faults import (
+    PoolGone,
+    Recovery,
+    on_kv_lost,
+    on_model_fault,
+    on_no_room,
+    on_pool_gone,
+    on_term_changed,
+)
 from client.scheduler_config import SchedulerConfig, SchedulerCounters
 from client.serving import (
     GenerationRequest,
@@ -66,10 +85,9 @@ from client.serving import (
     new_state,
 )
 from client.step_plan import StepPlan, plan_step
-from client.streaming import RequestStream, StreamToken
+from client.streaming import RequestStream, ServingLoop, StreamToken
 
 __all__ = ["RECENT_FREE_STEPS", "Scheduler", "SchedulerConfig", "SchedulerCounters"]
-
 
 #: steps whose Frees are sent again when a failover may have lost them: an ``async`` group's
 #: followers trail by at most ``--max-lag-records`` (100 by default) records
@@ -83,7 +101,7 @@ def _check_request(request) -> None:
         raise TypeError(f"the scheduler takes GenerationRequest s, got {type(request).__name__}")
 
 
-class Scheduler(FaultRecovery):
+class Scheduler:
     """Serves :class:`GenerationRequest` s on ``pool`` through ``client`` and ``executor``.
 
     ``admission`` decides who may start besides the pool's room:
@@ -115,7 +133,7 @@ class Scheduler(FaultRecovery):
         #: the sequences each of the last steps of this term freed: an ``async`` failover may lose those Frees
         self._recent_frees: deque[list[str]] = deque(maxlen=RECENT_FREE_STEPS)
         self._streams: dict[str, RequestStream] = {}
-        self._loop = None  # a ServingLoop stepping this scheduler, if any
+        self._loop: ServingLoop | None = None  # a ServingLoop stepping this scheduler, if any
         # steps and submissions may come from different threads (ServingLoop)
         self._lock = threading.RLock()
         self._seeds = random.SystemRandom()  # seeds of requests that name none
@@ -144,7 +162,7 @@ class Scheduler(FaultRecovery):
         if self._loop is not None:
             self._loop.notify()
 
-    def attach_loop(self, loop) -> None:
+    def attach_loop(self, loop: ServingLoop | None) -> None:
         """Streams submitted from now on wait for ``loop`` (a ServingLoop; None: their consumers step)."""
         self._loop = loop
 
@@ -193,7 +211,7 @@ class Scheduler(FaultRecovery):
         try:
             tokens = self.executor.run(result.version, batch, pool_incarnation=result.incarnation, term=result.term)
         except BlockdClientError as err:
-            self._on_model_fault(err, entries)
+            self._recover(on_model_fault(self.pool, err, [state for state, *_ in entries], self.running))
             return
         if len(tokens) != batch.num_draws:
             raise RuntimeError(f"the model returned {len(tokens)} tokens for {batch.num_draws} draws of "
@@ -225,53 +243,83 @@ class Scheduler(FaultRecovery):
                                           previous_term=self.term)
             except ResourceExhaustedError as err:
                 self.counters.num_refused_batches += 1
-                admit_limit, refused = self._on_refused(plan, err)
-                refused_admission |= refused
-                continue
+                recovery = on_no_room(err, plan, self.running)
+                # only a refusal for room changes how many the next plan admits
+                admit_limit = recovery.admit_limit
+                refused_admission |= recovery.admission_refused
             except FailedPreconditionError as err:
-                if err.reason == "KV_LOST":
-                    self.counters.num_refused_batches += 1
-                    self._on_kv_lost(err)
-                    continue
-                if err.reason == "TERM_CHANGED":
-                    self.counters.num_refused_batches += 1
-                    self._on_term_changed(err)
-                    continue
-                if err.reason == "POOL_INCARNATION_MISMATCH":
-                    self._pool_gone(err)
-                raise
+                recovery = self._on_refused_precondition(err)
             except NotFoundError as err:
-                if err.op_index is None:  # the pool itself, not one of its sequences
-                    self._pool_gone(err)
-                raise
-            # Only a Free makes room for a refused admission (appends only take blocks).
-            if refused_admission:
-                self._admission_blocked = True
-            elif plan.has_frees:
-                self._admission_blocked = False
-            self._release.clear()
-            if result.term != self.term:
-                self._recent_frees.clear()
-            self._recent_frees.append([op.seq_id for op in plan.ops if type(op) is Free])
-            return plan, result
+                if err.op_index is not None:  # one of the pool's sequences, not the pool itself
+                    raise
+                recovery = on_pool_gone(self.pool, err)
+            else:
+                self._sent(plan, result, refused_admission)
+                return plan, result
+            self._recover(recovery)
 
-    def _on_refused(self, plan: StepPlan, err: ResourceExhaustedError) -> tuple[int | None, bool]:
-        """Change the plan's inputs after a refused batch: ``(admit_limit, an admission was refused)``."""
-        index = err.op_index
-        if index is None:
-            raise err
-        if index in plan.admit_at:
-            position = plan.admit_at[index]
-            if position == 0 and not self.running:
-                # the pool is this scheduler's alone: empty, it still cannot hold it, so it never will
-                why = f"needs more blocks than the pool can give one request ({err.message})"
-                self._reject_head(self.waiting[0], why)
-                return None, False
-            return position, True
-        if not self.running:
-            raise err  # only running sequences append; anything else is a bug
-        self._preempt(self.running[-1])
-        return 0, False
+    def _on_refused_precondition(self, err: FailedPreconditionError) -> Recovery:
+        if err.reason == "KV_LOST":
+            self.counters.num_refused_batches += 1
+            return on_kv_lost(err, self.running, self._release)
+        if err.reason == "TERM_CHANGED":
+            self.counters.num_refused_batches += 1
+            _, tables = self.client.get_tables(self.pool)
+            return on_term_changed(err, self.running, self._release, self._recent_frees, tables)
+        if err.reason == "POOL_INCARNATION_MISMATCH":
+            return on_pool_gone(self.pool, err)
+        raise err
+
+    def _sent(self, plan: StepPlan, result: StepResult, refused_admission: bool) -> None:
+        """blockd took ``plan``'s batch."""
+        # Only a Free makes room for a refused admission (appends only take blocks).
+        if refused_admission:
+            self._admission_blocked = True
+        elif plan.has_frees:
+            self._admission_blocked = False
+        self._release.clear()
+        if result.term != self.term:
+            self._recent_frees.clear()
+        self._recent_frees.append([op.seq_id for op in plan.ops if type(op) is Free])
+
+    def _recover(self, recovery: Recovery) -> None:
+        """Carry out ``recovery``, field by field in the order :class:`~client.faults.Recovery` declares them."""
+        if recovery.fail_all is not None:
+            self._fail_all(recovery.fail_all)
+        if recovery.reject is not None:
+            self._reject_head(*recovery.reject)
+        for seq in recovery.lost:
+            seq.evict()  # so the preemption sends no Free for it
+        self.counters.num_lost_seqs += len(recovery.lost)
+        if recovery.releases is not None:
+            self._release = list(recovery.releases)
+        if recovery.term is not None:
+            self._recent_frees.clear()
+            self.term = recovery.term
+            self.counters.num_term_changes += 1
+        if recovery.fault == "worker_fault":
+            self.counters.num_worker_faults += 1
+        for state in recovery.preempt:
+            self._preempt(state, kv_lost=not recovery.keep_kv)
+        if recovery.reset_prefix_cache:
+            self.client.reset_prefix_cache(self.pool)
+        reconnect = getattr(self.executor, "reconnect", None)
+        if recovery.reconnect_workers and reconnect is not None:
+            reconnect(self.config.worker_restart_timeout_s)
+
+    def _fail_all(self, error: str) -> None:
+        """The pool is gone: fail every request held, then raise PoolGone (the step ends)."""
+        now = self.clock()
+        for state in [*self.running, *self.waiting]:
+            self.admission.on_release(state)
+            self._complete(state, finish(state, now, error=error))
+            self.counters.num_failed += 1
+        self.running.clear()
+        self.waiting.clear()
+        self._release.clear()
+        self._admission_blocked = False
+        self.pool_incarnation = ""
+        raise PoolGone(error)
 
     def _preempt(self, state: RequestState, *, kv_lost: bool = False) -> None:
         """Recompute preemption: free the request's sequences (committing what
