@@ -1,0 +1,289 @@
+"""``blockd serve``: the daemon's process, from parsed flags to a graceful stop.
+
+Builds the engine (recovering its data dir), the replica when ``--etcd`` is
+given, the metrics endpoint, the gRPC server; prints the listen and advertise
+lines; handles SIGTERM/SIGINT (graceful stop), SIGHUP (reload the identities
+file) and the pid file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib
+import importlib.util
+import logging
+import os
+import signal
+import threading
+
+from blockd.core.errors import BlockdError
+from blockd.engine.guardrails import Guardrails
+from blockd.engine.idempotency import IdempotencyLimits
+from blockd.rpc import addresses
+
+log = logging.getLogger("blockd")
+
+def _load_metrics(port: int):
+    """``blockd.service.metrics.BlockdMetrics`` when a port is asked for and the module
+    exists (it is optional); None otherwise."""
+    if not port:
+        return None
+    if importlib.util.find_spec("blockd.service.metrics") is None:
+        log.warning("--metrics-port %d given but blockd.service.metrics is not installed; metrics are off", port)
+        return None
+    return importlib.import_module("blockd.service.metrics").BlockdMetrics()
+
+
+def _start_metrics(engine, port: int, metrics, args: argparse.Namespace):
+    """Serve ``/metrics``; returns the HTTP server (``close()``), or None."""
+    if metrics is None:
+        return None
+    from blockd.auth import TlsConfig
+
+    tls = None
+    if args.metrics_tls_cert or args.metrics_tls_key or args.metrics_tls_client_ca:
+        tls = TlsConfig(args.metrics_tls_cert, args.metrics_tls_key, args.metrics_tls_client_ca)
+    _, http = importlib.import_module("blockd.service.metrics").start_metrics_server(
+        engine, port, metrics, tls=tls, users_file=args.metrics_basic_auth_file)
+    log.info("metrics on http://%s:%d/metrics", http.addr, http.port)
+    return http
+
+
+#: a health service name SERVING only on the replica that leads (load balancers, probes); the
+#: stock "" and per-service names stay SERVING on every live replica
+LEADER_HEALTH = "blockd.v1.Leader"
+
+
+def _leader_health(server, replica) -> None:
+    from grpc_health.v1 import health_pb2
+
+    status = health_pb2.HealthCheckResponse
+
+    def on_role(leading: bool) -> None:
+        if not server.stopping:
+            server.health.set(LEADER_HEALTH, status.SERVING if leading else status.NOT_SERVING)
+
+    on_role(False)
+    replica.on_role = on_role
+
+
+def _register_replication_metrics(metrics, replica) -> None:
+    """The election's and replication's collectors on the daemon's registry (read at scrape time)."""
+    from blockd.ha.metrics import ElectionCollector
+    from blockd.replication.metrics import ReplicationCollector
+
+    metrics.registry.register(ElectionCollector(replica.election))
+    metrics.registry.register(ReplicationCollector(replica))
+
+
+def _advertise_address(advertise: str | None, bound: str) -> str:
+    """What others should dial; ``ValueError`` for an ``--advertise-address``
+    nobody could. Without one, a wildcard bind is only warned about: clients
+    on this host can still reach it."""
+    address = addresses.advertised(advertise, bound)
+    reason = addresses.unroutable_reason(address)
+    if reason is not None and advertise:
+        raise ValueError(f"--advertise-address {advertise!r} cannot be used: {reason}")
+    if reason is not None:
+        log.warning("listening on %s, which other hosts cannot dial (%s); set --advertise-address "
+                    "(env BLOCKD_ADVERTISE_ADDRESS) to the address they should use", bound, reason)
+    return address
+
+
+def _freeze_gc(stop: threading.Event, interval_s: float) -> None:
+    """Keep CPython's full collections short.
+
+    A full (generation 2) collection walks every tracked object while holding
+    the GIL: with 100k sequences that is ~600k objects and 0.5-1.6 s during
+    which no step is served, and it fires whenever enough new objects have
+    survived (snapshots used to allocate millions at once). The state is
+    long-lived and, in the engine, free of reference cycles (it is freed by
+    reference counting), so each interval the young generations are
+    collected and whatever survived is frozen: full collections then walk
+    only what the last interval left behind. The cost is that a cycle which
+    survives an interval and dies later is never collected.
+    """
+    gc.freeze()  # the recovered state
+    while not stop.wait(interval_s):
+        gc.collect(1)
+        gc.freeze()
+
+
+
+def _peer_security(args: argparse.Namespace, tls) -> tuple:
+    """``(TlsConfig | None, token | None)`` a follower dials its leader with;
+    ValueError when the group's own security would refuse the stream."""
+    from blockd.auth.config import TlsConfig
+
+    peer_tls = None
+    if args.peer_tls_ca or args.peer_tls_cert or args.peer_tls_key or args.peer_tls_server_name:
+        peer_tls = TlsConfig(cert=args.peer_tls_cert, key=args.peer_tls_key, ca=args.peer_tls_ca,
+                             server_name=args.peer_tls_server_name)
+    if tls is not None and (peer_tls is None or not peer_tls.ca):
+        raise ValueError("--etcd with --tls-cert needs --peer-tls-ca: the CA bundle the other replicas' server "
+                         "certificates chain to, so a follower can verify its leader")
+    if tls is not None and tls.mutual and (peer_tls is None or not peer_tls.cert):
+        raise ValueError("--etcd with --tls-client-ca needs --peer-tls-cert and --peer-tls-key: the client "
+                         "certificate (an admin identity) a follower presents to its leader")
+    token = None
+    if args.peer_token_file:
+        try:
+            with open(args.peer_token_file, encoding="utf-8") as f:
+                token = f.read().strip()
+        except OSError as err:
+            raise ValueError(f"cannot read --peer-token-file {args.peer_token_file}: {err.strerror}") from None
+        if not token:
+            raise ValueError(f"--peer-token-file {args.peer_token_file} is empty")
+    elif args.tokens_file and (peer_tls is None or not peer_tls.cert):
+        raise ValueError("--etcd with --tokens-file needs --peer-token-file (an admin token a follower sends "
+                         "its leader) or a --peer-tls-cert the leader accepts")
+    return peer_tls, token
+
+
+def _replica(args: argparse.Namespace, tls):
+    """The replica of ``--etcd``'s group, or None (the embedded default: nothing of it is imported)."""
+    if not args.etcd:
+        return None
+    if not args.data_dir or not args.replica_id:
+        raise SystemExit("blockd serve --etcd needs --data-dir (the replica's own log) and --replica-id")
+    from blockd.replication.replica import Replica, ReplicaConfig
+    try:
+        peer_tls, peer_token = _peer_security(args, tls)
+        config = ReplicaConfig(args.etcd, args.replica_id, args.group, args.replication, args.min_in_sync,
+                               args.ack_timeout_s, args.lease_ttl_s, max_lag_records=args.max_lag_records,
+                               sync_followers=args.sync_followers, peer_tls=peer_tls, peer_token=peer_token,
+                               transport=args.replication_transport, server_tls=tls,
+                               listen=args.listen, replication_port=args.replication_port)
+    except ValueError as err:
+        raise SystemExit(str(err)) from None
+    return Replica(config, args.data_dir)
+
+
+def serve(args: argparse.Namespace) -> int:
+    # imported here so `blockd --help` stays fast and grpc-free
+    from blockd.auth import server_security
+    from blockd.auth.config import server_tls
+    from blockd.engine.config import EngineConfig
+    from blockd.engine.machine import Engine
+    from blockd.service.server import BlockdServer
+    from blockd.storage.reader import DataDirError, advice
+
+    try:  # before the data dir is touched: a refusal changes nothing
+        tls = server_tls(args)
+        security = server_security(args.listen, tls, args.tokens_file, args.insecure)
+    except ValueError as err:  # InsecureListen, TlsError, IdentitiesFileError
+        log.error("cannot serve: %s", err)
+        return 2
+    if args.etcd:
+        try:
+            _peer_security(args, tls)
+        except ValueError as err:
+            log.error("cannot serve: %s", err)
+            return 2
+    log.info("data dir: %s; fsync: %s", args.data_dir or "none (in memory)", args.fsync)
+    try:
+        limits = IdempotencyLimits(args.max_request_ids, args.max_request_bytes, args.request_ttl_s)
+        guardrails = Guardrails(args.max_ops_per_step, args.max_tokens_per_step, args.max_blocks_per_pool,
+                                args.max_name_length)
+    except ValueError as err:
+        raise SystemExit(str(err)) from None
+    metrics = _load_metrics(args.metrics_port)
+    replica = _replica(args, tls)
+    try:
+        engine = Engine(EngineConfig(
+            replication=replica, log_observer=replica.tail if replica is not None else None,
+            data_dir=args.data_dir, fsync=args.fsync, fsync_interval_s=args.fsync_interval_s,
+            snapshot_every=args.snapshot_every, snapshot_log_ratio=args.snapshot_log_ratio,
+            idempotency=limits, guardrails=guardrails, worker_timeout_s=args.worker_timeout_s,
+            quotas=security.quota_source(),
+            observe_wal_sync=metrics.observe_wal_sync if metrics is not None else None,
+            observe_step=metrics.observe_step if metrics is not None else None))
+    except DataDirError as err:
+        log.error("cannot start: the data dir is damaged: %s; nothing on disk was changed. %s", err, advice(err))
+        return 1
+    except (BlockdError, OSError, ValueError) as err:
+        log.error("cannot open the engine: %s", err)
+        return 1
+    for stats in sorted(engine.list_pools(local=True), key=lambda s: s.name):
+        log.info("pool %s: %d blocks of %d, %d sequences, version %d", stats.name, stats.num_blocks,
+                 stats.block_size, stats.num_seqs, stats.version)
+    try:
+        server = BlockdServer(engine, args.listen, max_workers=args.max_workers, grace_s=args.grace_s,
+                              interceptors=[*([metrics.interceptor()] if metrics is not None else []),
+                                            *security.interceptors], credentials=security.credentials,
+                              extra_services=[replica.servicer()] if replica is not None else [])
+        advertise = _advertise_address(args.advertise_address, server.address)
+        http = _start_metrics(engine, args.metrics_port, metrics, args)
+    except (OSError, ValueError, RuntimeError) as err:
+        log.error("cannot serve on %s (metrics port %d): %s", args.listen, args.metrics_port, err)
+        engine.close()
+        return 1
+
+    stop = threading.Event()
+
+    def on_signal(signum, frame) -> None:
+        log.info("received %s", signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    reload = threading.Event()  # SIGHUP: the identities file (and metrics users and certificate)
+    signal.signal(signal.SIGHUP, lambda signum, frame: reload.set())
+    if args.gc_freeze_interval_s > 0:
+        threading.Thread(target=_freeze_gc, args=(stop, args.gc_freeze_interval_s), name="blockd-gc",
+                         daemon=True).start()
+    server.start()
+    try:  # once serving, after the handlers: whoever reads the file may call or signal at once
+        pid_file = _write_pid_file(args.pid_file)
+    except OSError as err:
+        log.error("cannot write the pid file: %s", err)
+        server.stop()
+        if http is not None:
+            http.close()
+        return 1
+    if replica is not None:
+        _leader_health(server, replica)
+        replica.start(engine, advertise)
+        if metrics is not None:
+            _register_replication_metrics(metrics, replica)
+    print(f"blockd listening on {server.address}", flush=True)
+    print(f"blockd advertising {advertise}", flush=True)
+    # wait in short slices so the signal handler runs promptly
+    while not stop.wait(0.2):
+        if reload.is_set():
+            reload.clear()
+            security.reload()
+            if http is not None:
+                http.reload()
+    if replica is not None:
+        replica.stop()  # resign first: the next leader is elected within a poll
+    server.stop()
+    if http is not None:
+        http.close()
+    _remove_pid_file(pid_file)
+    return 0
+
+
+def _write_pid_file(path: str | None) -> str | None:
+    """Write this process's pid to ``path`` (atomically: a reader never sees half a number)."""
+    if not path:
+        return None
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        f.write(f"{os.getpid()}\n")
+    os.replace(tmp, path)
+    return path
+
+
+def _remove_pid_file(path: str | None) -> None:
+    """Remove the pid file if it still names this process (another daemon may have taken it over)."""
+    if not path:
+        return
+    try:
+        with open(path) as f:
+            ours = f.read().strip() == str(os.getpid())
+        if ours:
+            os.remove(path)
+    except OSError:
+        pass
