@@ -192,3 +192,11 @@ def test_a_failing_log_stops_writes_until_restart(tmp_path):
     engine.close()  # as the daemon's exit would: it releases the data dir's lock
     again = Engine(EngineConfig(data_dir=str(tmp_path)))
     assert again.get_tables("p", []) == (0, {})  # the unlogged batch never happened
+
+
+def test_all_tables_come_in_seq_id_order_as_the_protocol_says():
+    """GetTables with no ids answers by seq_id (blockd.proto), not in creation order."""
+    engine = Engine()
+    engine.create_pool(PoolConfig("p", num_blocks=8, block_size=4))
+    engine.step("p", [Allocate(s, [1]) for s in ("c", "a", "b")])
+    assert list(engine.get_tables("p", [])[1]) == ["a", "b", "c"]

@@ -296,7 +296,7 @@ class Engine:
         def read() -> tuple[int, dict[str, list[int]]]:
             p = self._state.entry(pool).pool
             if not seq_ids:
-                return p.version, p.tables()
+                return p.version, dict(sorted(p.tables().items()))  # by seq_id, as the protocol says
             return p.version, {seq_id: p.block_table(seq_id) for seq_id in seq_ids}
 
         return self._read(read)
