@@ -69,8 +69,8 @@ def parse_etcd_target(target: str) -> tuple[list[str], str] | None:
 def etcd_leader(endpoints: list[str], group: str, timeout_s: float = 2.0) -> str:
     """The address etcd's leader key names now; UnavailableError when there is none or etcd does not answer."""
     try:
-        from blockd.ha.group import read_leader
         from blockd.ha.etcd import EtcdUnavailable
+        from blockd.ha.group import read_leader
     except ImportError as err:
         raise ValueError(f"an etcd:// target needs the ha extra (pip install 'blockd[ha]'): {err}") from None
     where = ",".join(endpoints)

@@ -18,7 +18,7 @@ import pytest
 from blockd.auth import tokens
 from blockd.cluster.local import free_port
 from blockd.core import PoolConfig
-from client.cli_common import Exit
+from client.cli.common import Exit
 from client.errors import UnauthenticatedError
 from client.sdk import BlockdClient
 

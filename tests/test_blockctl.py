@@ -15,7 +15,7 @@ import pytest
 from blockd.core import Allocate, Commit, PoolConfig
 from blockd.core.types import WorkerInfo
 from client.cli import main as blockctl
-from client.cli_common import EPILOG, EXIT_CODES, Exit
+from client.cli.common import EPILOG, EXIT_CODES, Exit
 from client.sdk import BlockdClient
 
 pytest_plugins = ["tests.grpc_fixtures"]

@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry
 
 from blockd.ha.metrics import ElectionCollector
 from client.cli import main as blockctl
-from client.cli_common import Exit
+from client.cli.common import Exit
 from tests.ha_fixtures import the_leader, wait_for
 
 pytest_plugins = ["tests.etcd", "tests.ha_fixtures", "tests.grpc_fixtures"]

@@ -51,7 +51,8 @@ def import_graph(root: Path, packages: tuple[str, ...] = CHECKED) -> dict[str, s
                 # ``from pkg import mod`` imports the module ``pkg.mod`` when there is one
                 subs = [f"{base}.{alias.name}" for alias in node.names if f"{base}.{alias.name}" in files]
                 targets = subs if len(subs) == len(node.names) else [base, *subs]
-            for target in targets:
+            for imported in targets:
+                target = imported
                 while target and target not in files:  # ``import a.b.c`` of a name inside a module
                     target = target.rpartition(".")[0]
                 if target and target != name:

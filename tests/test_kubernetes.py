@@ -24,9 +24,9 @@ import pytest
 from blockd import config_env
 from blockd.cli import build_parser as blockd_parser
 from blockd.cluster.local import model_config
-from client import pool_apply
 from client.cli import ENV_OVERRIDES as BLOCKCTL_OVERRIDES
 from client.cli import build_parser as blockctl_parser
+from client.cli import pool_apply
 from worker.main import ENV_OVERRIDES as WORKER_OVERRIDES
 from worker.main import build_parser as worker_parser
 

@@ -1,4 +1,4 @@
-"""``blockctl top`` (client.top): frames from an in-process engine and over real gRPC."""
+"""``blockctl top`` (client.cli.top): frames from an in-process engine and over real gRPC."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 
 from blockd.core.types import Allocate, Commit, Free, PoolConfig, WorkerInfo
 from blockd.engine.machine import Engine
-from client.top import add_top, prefix_hit_cell, render_frame, run_top, utilisation_bar
+from client.cli.top import add_top, prefix_hit_cell, render_frame, run_top, utilisation_bar
 
 pytest_plugins = ["tests.grpc_fixtures"]
 

@@ -37,7 +37,7 @@ from blockd.auth.config import add_tls_flags, client_security, server_tls
 from blockd.auth.security import ServerSecurity, server_security
 from blockd.core.types import WorkerInfo
 from blockd.rpc import addresses
-from client.cli_common import EXIT_CODES, Exit
+from client.cli.common import EXIT_CODES, Exit
 from client.errors import BlockdClientError
 from client.sdk import BlockdClient
 from worker.attachment import Attachment

@@ -25,8 +25,8 @@ import argparse
 import grpc
 
 from blockd.core.types import ReplicaStatus
-from client.cli_cluster import check_health
-from client.cli_common import CommandFailed, Exit, emit, render_table
+from client.cli.common import CommandFailed, Exit, emit, render_table
+from client.cli.workers import check_health
 from client.errors import BlockdClientError
 from client.leader import parse_etcd_target
 from client.sdk import BlockdClient

@@ -4,12 +4,12 @@
     blockctl pools list
     blockctl pools show NAME
     blockctl pools delete NAME
-    blockctl pools apply FILE        # idempotent: see client.pool_apply
+    blockctl pools apply FILE        # idempotent: see client.cli.pool_apply
     blockctl prefix-cache reset POOL
 
 Each ``add_*`` registers one command group with the parser (an entry of
 ``client.cli.COMMANDS``); the SDK owns the calls and their errors, and
-:mod:`client.cli_common` the output and the exit status.
+:mod:`client.cli.common` the output and the exit status.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import dataclasses
 
 from blockd.config_env import non_negative_int, positive_int
 from blockd.core.types import PoolConfig
-from client import pool_apply
-from client.cli_common import CommandFailed, Exit, emit, render_table
+from client.cli import pool_apply
+from client.cli.common import CommandFailed, Exit, emit, render_table
 from client.sdk import BlockdClient
 
 _POOL_COLUMNS = ("name", "num_blocks", "block_size", "num_free_blocks", "num_used_blocks",

@@ -21,13 +21,13 @@ which reads ``BLOCKD_TARGET`` like ``blockd-worker``; the target defaults to
 ``--tls-server-name``, ``--token`` or ``--token-file`` (a bearer token;
 ``BLOCKCTL_TOKEN`` keeps it out of ``ps``). The exit status tells the failure class (0 ok, 2 usage,
 3 not found, 4 conflict, 5 wrong state, 6 no room, 7 not allowed, 69
-unavailable, 1 other: :mod:`client.cli_common`); the status and blockd's
+unavailable, 1 other: :mod:`client.cli.common`); the status and blockd's
 message go to stderr as one line.
 
 Each command group registers itself in :data:`COMMANDS` through one
-``add_*(subparsers)`` function (pools in :mod:`client.cli_pools`, workers and
-health in :mod:`client.cli_cluster`, ``top`` in :mod:`client.top`, ``cluster
-status`` in :mod:`client.cli_ha`).
+``add_*(subparsers)`` function (pools in :mod:`client.cli.pools`, workers and
+health in :mod:`client.cli.workers`, ``top`` in :mod:`client.cli.top`, ``cluster
+status`` in :mod:`client.cli.group`).
 """
 
 from __future__ import annotations
@@ -49,13 +49,13 @@ from typing import Any
 from blockd import build_info, config_env
 from blockd.auth.config import add_tls_flags, client_security
 from client.channel import DEFAULT_TARGET
-from client.cli_cluster import add_health, add_workers
-from client.cli_common import EPILOG, EXIT_CODES, CommandFailed, Exit, emit, jsonable, render_table
-from client.cli_ha import add_cluster
-from client.cli_pools import add_pools, add_prefix_cache
+from client.cli.common import EPILOG, EXIT_CODES, CommandFailed, Exit, emit, jsonable, render_table
+from client.cli.group import add_cluster
+from client.cli.pools import add_pools, add_prefix_cache
+from client.cli.top import add_top
+from client.cli.workers import add_health, add_workers
 from client.errors import BlockdClientError, NotFoundError
 from client.sdk import BlockdClient
-from client.top import add_top
 
 #: events `events tail` shows when no --from is given, like tail(1)
 TAIL_DEFAULT = 10
@@ -244,6 +244,3 @@ def main(argv: list[str] | None = None) -> int:
 
 __all__ = ["COMMANDS", "build_parser", "jsonable", "main", "render_table"]
 
-
-if __name__ == "__main__":
-    sys.exit(main())

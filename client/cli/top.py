@@ -30,7 +30,7 @@ from typing import TextIO
 
 from blockd import config_env
 from blockd.core.types import PoolStats
-from client.cli_common import jsonable
+from client.cli.common import jsonable
 
 BAR_WIDTH = 20
 #: ANSI: cursor home, clear screen; only written to a terminal

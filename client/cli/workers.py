@@ -19,7 +19,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from client.channel import dial
-from client.cli_common import CommandFailed, Exit, emit, render_table
+from client.cli.common import CommandFailed, Exit, emit, render_table
 from client.errors import from_rpc_error
 from client.sdk import BlockdClient
 
