@@ -31,7 +31,9 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from blockd.core.types import PoolConfig
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+#: the tree holding the blockd, worker and client packages (the repository, or site-packages):
+#: children start there with it on their path, so they import this very blockd
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 START_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 10.0
 
