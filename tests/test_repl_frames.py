@@ -13,9 +13,10 @@ import time
 
 import pytest
 
+from blockd.replication.framing import FrameError, Link
 from blockd.replication.leader import LinkFeed
 from blockd.replication.log_tail import LogTail
-from blockd.replication.transport import FrameError, FramesListener, Link, connect, split_bind
+from blockd.replication.transport import FramesListener, connect, split_bind
 from blockd.v1 import replication_pb2 as rpb
 
 

@@ -54,7 +54,8 @@ import grpc
 from blockd.auth.channels import open_channel
 from blockd.auth.config import TlsConfig
 from blockd.engine.machine import Engine
-from blockd.replication.transport import Link, connect
+from blockd.replication.framing import Link
+from blockd.replication.transport import connect
 from blockd.storage.cut import CannotTruncate
 from blockd.v1 import replication_pb2 as rpb
 from blockd.v1 import replication_pb2_grpc as rpb_grpc

@@ -54,8 +54,10 @@ from blockd.core.errors import NoLeader, NotLeader, NotReplicated
 from blockd.core.terms import TermHistory, common_prefix
 from blockd.core.types import ReplicaStatus
 from blockd.engine.machine import Engine
+from blockd.replication.ack_reader import AckReader
+from blockd.replication.framing import Link, frame
 from blockd.replication.log_tail import LogTail
-from blockd.replication.transport import CONNECT_S, AckReader, FramesListener, Link, frame
+from blockd.replication.transport import CONNECT_S, FramesListener
 from blockd.rpc.convert import replica_status_to_proto
 from blockd.rpc.errors import client_stream, server_stream, unary
 from blockd.storage.wal import parse_name
