@@ -73,3 +73,29 @@ def test_the_import_contract_covers_every_daemon_module() -> None:
     assert daemon - NOT_DAEMON - layered == set(), "daemon modules outside the layers contract"
     assert daemon - NOT_DAEMON - forbidden == set(), "daemon modules the SDK and workers could import"
     assert layered >= NOT_DAEMON
+
+
+#: the rooms' sizes (issue 27): a module a reader takes in at once, a folder whose list fits a screen
+MAX_MODULE_LINES = 450
+MAX_MODULES_PER_FOLDER = 16
+
+
+def shipped() -> list[Path]:
+    root = Path(ROOT)
+    return [p for package in PACKAGES for p in sorted((root / package).rglob("*.py")) if "_pb2" not in p.name]
+
+
+def test_no_shipped_module_is_longer_than_450_lines() -> None:
+    long = {p.relative_to(ROOT).as_posix(): n for p in shipped()
+            if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert not long, f"modules over {MAX_MODULE_LINES} lines: split them by what they own: {long}"
+
+
+def test_no_folder_of_shipped_code_holds_more_than_16_modules() -> None:
+    folders: dict[str, int] = {}
+    for p in shipped():
+        if p.name != "__init__.py":
+            folder = p.parent.relative_to(ROOT).as_posix()
+            folders[folder] = folders.get(folder, 0) + 1
+    crowded = {folder: n for folder, n in folders.items() if n > MAX_MODULES_PER_FOLDER}
+    assert not crowded, f"folders with more than {MAX_MODULES_PER_FOLDER} modules beside their sub-packages: {crowded}"
