@@ -1,4 +1,6 @@
-"""The leader's commit point (blockd/replication/leader.py ``Commits``).
+"""The leader's commit point shared by threads (blockd/replication/commits.py ``Commits``): waits and etcd writes.
+
+Its rules alone, as plain data, are ``tests/test_repl_commit_point.py``.
 
 ``async`` mode, the lag bound: a step waits while a live follower (one that
 acknowledged within ``live_s``) trails its record by more than
@@ -22,7 +24,7 @@ import time
 import pytest
 
 from blockd.core.errors import NotLeader, NotReplicated
-from blockd.replication.leader import Commits
+from blockd.replication.commits import Commits
 
 
 class _NoInSyncSet:

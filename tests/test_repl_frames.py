@@ -1,4 +1,5 @@
-"""The replication transport's framed socket (:mod:`blockd.replication.transport`) on real loopback sockets:
+"""The replication transport's framed socket (:mod:`blockd.replication.transport`, its frames
+:mod:`blockd.replication.framing`, the feed :mod:`blockd.replication.feeds`) on real loopback sockets:
 a ticket admits one connection to the feed it was offered for, anything else is closed, and
 frames that cannot be messages of the feed end the connection instead of being guessed at."""
 
@@ -13,8 +14,8 @@ import time
 
 import pytest
 
+from blockd.replication.feeds import LinkFeed
 from blockd.replication.framing import FrameError, Link
-from blockd.replication.leader import LinkFeed
 from blockd.replication.log_tail import LogTail
 from blockd.replication.transport import FramesListener, connect, split_bind
 from blockd.v1 import replication_pb2 as rpb

@@ -41,7 +41,7 @@ class LogTail:
         self.generation = 0  #: bumped by every reset: a stream reading across one must restart
         #: ``(push, wake)`` pairs. ``push`` is called with each record as it is appended (before the
         #: readers are woken): a leader's socket feeds send it to their followers from the appending
-        #: thread (:class:`blockd.replication.leader.LinkFeed`). ``wake`` is called where the readers are woken
+        #: thread (:class:`blockd.replication.feeds.LinkFeed`). ``wake`` is called where the readers are woken
         #: for anything but a record (a reset, a role change): a feed's thread waits on its own signal,
         #: not on this tail, and must re-check too
         self._listeners: list[tuple[Callable[[int, int, bytes], None], Callable[[], None]]] = []

@@ -2,7 +2,7 @@
 
 :class:`ReplicationCollector` reads a :class:`~blockd.replication.replica.Replica`'s
 role, its log position, the leader's view of each follower
-(:class:`blockd.replication.leader.Commits`) and the follower loop's state when
+(:class:`blockd.replication.commits.Commits`) and the follower loop's state when
 Prometheus scrapes; the replication threads never touch a metric.
 ``blockd serve`` registers it, with the election's
 :class:`~blockd.ha.metrics.ElectionCollector`, on the daemon's registry when

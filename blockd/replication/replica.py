@@ -5,7 +5,7 @@ gate and the election's callbacks (:class:`blockd.ha.election.Election`):
 
 * it **leads** from the moment ``on_elected`` has been handled: the in-sync
   set loaded (the previous leader dropped from it until it catches up,
-  :class:`blockd.replication.leader.Commits`), the follower loop stopped, and a
+  :class:`blockd.replication.commits.Commits`), the follower loop stopped, and a
   ``term_start`` record logged in the new term. From then on the engine's
   records carry that term, ``writable()`` lets calls through while the
   election can prove its lease, and ``committed(lsn)`` waits (outside the
@@ -40,9 +40,10 @@ from blockd.engine.machine import Engine
 from blockd.ha.election import Election, ElectionConfig, Leadership
 from blockd.ha.etcd import EtcdClient
 from blockd.ha.insync import InSyncSet
+from blockd.replication.commits import Commits
 from blockd.replication.follower import FollowerLoop
-from blockd.replication.leader import Commits, ReplicationServicer
 from blockd.replication.log_tail import LogTail
+from blockd.replication.servicer import ReplicationServicer
 from blockd.replication.transport import FramesListener, split_bind
 from blockd.storage.wal import fsync_dir
 from blockd.v1 import replication_pb2 as rpb
