@@ -116,3 +116,20 @@ def test_close_ends_the_stream_without_sending_more():
                 _until(lambda: acks.send("r1", 7, 1) and False, "a closed stream to refuse", timeout_s=5)
     finally:
         server.stop(None)
+
+
+def test_a_stream_closed_after_the_leader_refused_it_sends_no_more_calls():
+    """An older leader's UNIMPLEMENTED has ended the call before ``close``: the
+    acknowledgements must not go on as ``AckLog`` calls (the race made the test above flaky)."""
+    leader = OlderLeader()
+    server, address = _serve(leader)
+    try:
+        with grpc.insecure_channel(address) as channel:
+            acks = AckStream(rpb_grpc.ReplicationServiceStub(channel))
+            _until(acks._call.done, "the leader to refuse the stream")
+            acks.close()
+            with pytest.raises(ConnectionError, match="closed"):
+                acks.send("r1", 7, 1)
+            assert leader.acks == []
+    finally:
+        server.stop(None)

@@ -94,6 +94,9 @@ class AckStream:
         self._queue: queue.SimpleQueue[rpb.StreamAcksRequest | None] = queue.SimpleQueue()
         self._call = stub.StreamAcks.future(self._requests())
         self._unary = False
+        #: closed by this side: cancel() does nothing to a call already ended (an older leader's
+        #: UNIMPLEMENTED), so without this flag a closed stream went on sending as AckLog calls
+        self._closed = False
 
     def _requests(self) -> Iterator[rpb.StreamAcksRequest]:
         while True:
@@ -105,6 +108,8 @@ class AckStream:
             yield latest
 
     def send(self, replica_id: str, term: int, persisted_lsn: int) -> None:
+        if self._closed:
+            raise ConnectionError("this feed's acknowledgement stream is closed")
         if not self._unary and self._call.done():
             if self._call.cancelled():
                 raise ConnectionError("this feed's acknowledgement stream is closed")
@@ -121,6 +126,7 @@ class AckStream:
             self._queue.put(rpb.StreamAcksRequest(replica_id=replica_id, term=term, persisted_lsn=persisted_lsn))
 
     def close(self) -> None:
+        self._closed = True
         self._queue.put(None)
         self._call.cancel()
 
