@@ -23,6 +23,8 @@ from blockd.core.types import (
     ALL_BLOCKS_CLEARED,
     BLOCK_REMOVED,
     BLOCK_STORED,
+    OFFLOAD,
+    RESTORE,
     Allocate,
     Append,
     Commit,
@@ -36,6 +38,7 @@ from blockd.core.types import (
     PoolStats,
     StepResult,
     TableUpdate,
+    TierOp,
     VersionDelta,
 )
 
@@ -44,6 +47,8 @@ __all__ = [
     "BLOCK_REMOVED",
     "BLOCK_STORED",
     "NO_EXTRA_KEYS",
+    "OFFLOAD",
+    "RESTORE",
     "Allocate",
     "AlreadyExists",
     "Append",
@@ -66,6 +71,7 @@ __all__ = [
     "SnapshotRequired",
     "StepResult",
     "TableUpdate",
+    "TierOp",
     "VersionDelta",
     "WrongState",
     "check_invariants",

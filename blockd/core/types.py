@@ -46,6 +46,11 @@ class PoolConfig:
     #: "the caller's tenant" (the daemon fills it in); the allocator treats it
     #: as the default tenant
     tenant: str = ""
+    #: blocks of the host-memory tier, per shard, with the device blocks' layout
+    #: (0: no host tier). A cached block evicted from the device tier moves here
+    #: (an OFFLOAD tier op) instead of being dropped, and comes back (RESTORE) on
+    #: a prefix hit; only eviction from this tier drops its hash.
+    num_host_blocks: int = 0
 
     @property
     def bytes_per_slot(self) -> int:
@@ -135,6 +140,30 @@ class OpResult:
     copy_ops: tuple[tuple[int, int], ...] = ()
     slot_start: int = 0
     slot_mapping: tuple[int, ...] = ()
+    #: of ``num_cached_tokens``, those whose blocks come back from the host tier
+    #: (RESTORE tier ops at this version): cached for the scheduler, copied by the workers
+    num_restored_tokens: int = 0
+
+
+#: :class:`TierOp` kinds
+OFFLOAD = "offload"
+RESTORE = "restore"
+
+
+@dataclass(frozen=True)
+class TierOp:
+    """One block copied between a pool's device blocks and its host tier.
+
+    ``OFFLOAD``: device block -> host block, so the device block can be reused
+    while its KV stays cached; ``RESTORE``: host block -> device block, a
+    prefix hit in the host tier. Every worker of the pool runs a version's tier
+    ops in order, before that version's copy-on-write copies and before
+    anything writes the device block or reads it (write_kv, attention).
+    """
+
+    kind: str
+    device_block: int
+    host_block: int
 
 
 @dataclass(frozen=True)
@@ -151,7 +180,7 @@ class TableUpdate:
 @dataclass(frozen=True)
 class VersionDelta:
     """Everything a follower applies to go from ``version - 1`` to ``version``:
-    first the copy ops, then the table updates in order."""
+    first the tier ops, then the copy ops, then the table updates in order."""
 
     version: int
     updates: tuple[TableUpdate, ...]
@@ -159,6 +188,8 @@ class VersionDelta:
     #: the leader term that served this delta over Watch (a replicated group,
     #: docs/ha.md); 0 when not replicated. The core leaves it 0.
     term: int = 0
+    #: offloads and restores between the tiers, run before ``copy_ops``
+    tier_ops: tuple[TierOp, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -174,6 +205,8 @@ class StepResult:
     #: the term of the leader that acknowledged it (a replicated group); 0 when
     #: not replicated. Set by the daemon, like ``incarnation``.
     term: int = 0
+    #: the batch's offloads and restores between the tiers (its delta's), run before ``copy_ops``
+    tier_ops: tuple[TierOp, ...] = ()
 
 
 BLOCK_STORED = "BlockStored"
@@ -191,6 +224,9 @@ class KVEvent:
     parent_hash: bytes = b""
     block_id: int = -1
     token_ids: tuple[int, ...] = field(default=())
+    #: where the block was (``"device"`` or ``"host"``): a BlockStored is always
+    #: on the device; a BlockRemoved names the tier it was evicted from
+    medium: str = "device"
 
 
 @dataclass(frozen=True)
@@ -220,6 +256,12 @@ class PoolStats:
     num_kv_lost_seqs: int = 0
     #: the pool's tenant (its config's)
     tenant: str = ""
+    #: the host tier: its size, and how many of its blocks hold a cached block
+    num_host_blocks: int = 0
+    num_host_cached_blocks: int = 0
+    #: blocks moved device -> host, and host -> device on a prefix hit, since the pool was made
+    num_offloads: int = 0
+    num_restores: int = 0
 
     @property
     def utilisation_ratio(self) -> float:
