@@ -69,8 +69,8 @@ from blockd.core import Allocate, PoolConfig
 from blockd.core.types import DecodeAppend
 from client.errors import BlockdClientError
 from client.sdk import BlockdClient
-from tests.etcd import EtcdServer
-from tests.procs import free_port
+from tests.support.etcd import EtcdServer
+from tests.support.procs import free_port
 
 BLOCK_SIZE = 16
 #: how long a thawed group's followers must look caught up before its window begins (:func:`settle`)

@@ -2,7 +2,7 @@
 # The CUDA path's check, for a machine with an NVIDIA GPU: installs what it
 # needs (flashinfer-python, pytest, ninja; a CUDA build of torch must already
 # be there, or pip's default Linux wheel is taken), runs every CUDA test
-# (tests/test_kernels.py: the "cuda" device and "flashinfer" backend cases,
+# (tests/worker/test_kernels.py: the "cuda" device and "flashinfer" backend cases,
 # FlashInfer against the dense reference) and the GPU benchmarks (paged vs
 # contiguous attention, achieved HBM bandwidth), and prints one JSON object per
 # line for each result. Each step has its own time limit; the whole run stays
@@ -46,7 +46,7 @@ print(json.dumps(info))
 EOF
 
 # Every CUDA test: one JSON line per test from pytest's JUnit report.
-timeout 240 "$PY" -m pytest tests/test_kernels.py -k "cuda or flashinfer" -o addopts="" -q -p no:cacheprovider \
+timeout 240 "$PY" -m pytest tests/worker/test_kernels.py -k "cuda or flashinfer" -o addopts="" -q -p no:cacheprovider \
     --junitxml="$OUT/junit.xml" >"$OUT/pytest" 2>&1
 status=$?
 "$PY" - "$OUT/junit.xml" <<'EOF'

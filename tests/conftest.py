@@ -11,4 +11,4 @@ if ROOT not in sys.path:
 
 # plugin modules that tests also import helpers from: rewrite their asserts
 # on that first import (pytest would warn that it came too late otherwise)
-pytest.register_assert_rewrite("tests.ha_fixtures")
+pytest.register_assert_rewrite("tests.support.ha_fixtures")

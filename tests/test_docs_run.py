@@ -1,4 +1,4 @@
-"""Every shell and Python block of README.md and docs/ runs as written (:mod:`tests.docs_runner`).
+"""Every shell and Python block of README.md and docs/ runs as written (:mod:`tests.support.docs_runner`).
 
 One test per page: its runnable blocks run top to bottom in a fresh
 directory, against the daemons (and etcd) the blocks themselves start, on
@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from tests import docs_runner
 from tests.conftest import ROOT
-from tests.etcd import require_etcd
+from tests.support import docs_runner
+from tests.support.etcd import require_etcd
 
 PAGES = ["README.md", *sorted(p.relative_to(ROOT).as_posix() for p in Path(ROOT, "docs").glob("*.md"))]
 #: the pages' excluded blocks, counted, so that a new exclusion is a decision made here

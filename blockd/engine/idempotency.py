@@ -62,7 +62,7 @@ log = logging.getLogger("blockd.engine.idempotency")
 MISSING = object()
 #: estimated bytes an id costs besides its own characters (ordered-dict node,
 #: entry object, fingerprint and key strings' headers) and an answer besides
-#: its bytes; measured with tracemalloc (tests/test_idempotency.py checks it)
+#: its bytes; measured with tracemalloc (tests/blockd/engine/test_idempotency.py checks it)
 ENTRY_OVERHEAD = 272
 ANSWER_OVERHEAD = 112
 

@@ -2,7 +2,7 @@
 
 UNTESTED on a GPU so far (no GPU was available where it was written); it is
 written against FlashInfer's documented API (``flashinfer-python`` >= 0.2.5,
-the ``flashinfer`` extra) and checked by ``tests/test_kernels.py`` and
+the ``flashinfer`` extra) and checked by ``tests/worker/test_kernels.py`` and
 ``scripts/gpu_check.sh`` on a CUDA machine.
 
 The pool layer ``[2, N, H, b, D]`` is FlashInfer's "HND" paged cache as the

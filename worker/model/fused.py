@@ -25,7 +25,7 @@ model is sharded and packed. Only the decoder layers' order of float32
 operations changes (the concatenated projections' sums may be blocked
 differently by oneDNN, the mean of squares is summed in another order), as the
 packed linears already do; greedy tokens are checked against transformers'
-``generate`` (tests/test_real_model.py, ``make demo``).
+``generate`` (tests/worker/test_real_model.py, ``make demo``).
 Imports torch and :mod:`worker.kernels.native`, :mod:`worker.model.linear`,
 :mod:`worker.model.paged`.
 """

@@ -16,7 +16,7 @@ Exactness: oneDNN sums in another order than MKL, so logits differ from
 magnitude ~20); the batched paged forward already differs from
 transformers' own ``generate`` by the same order (another batch shape,
 another kernel), and greedy tokens are checked against ``generate``
-(tests/test_real_model.py, ``make demo``).
+(tests/worker/test_real_model.py, ``make demo``).
 
 :func:`pack_linears` changes the class of every plain ``nn.Linear`` of a
 model in place to :class:`PackedLinear` (so forward hooks, such as tensor

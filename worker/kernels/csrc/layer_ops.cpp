@@ -25,7 +25,7 @@
 // Numerics: the products and sums are the ones transformers computes, each
 // rounded to float32 as torch rounds them (no FMA contraction: see the pragma);
 // only the order of the mean's sum differs (float32 rounding, ~1e-7 relative).
-// worker/model/fused.py has the torch fallback; tests/test_kernels.py compares the two.
+// worker/model/fused.py has the torch fallback; tests/worker/test_kernels.py compares the two.
 
 #pragma GCC optimize("fp-contract=off")
 

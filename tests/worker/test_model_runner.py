@@ -1,0 +1,378 @@
+"""The model runner on a real pool: tiny Llama, Qwen2 and GPT-2 models whose
+attention runs on the paged KV pool give the same logits as the same
+Hugging Face model's own full-sequence forward (fp32, atol = rtol = 1e-4, and
+the largest absolute difference below 1e-4; measured: about 1e-5 on logits of
+magnitude up to ~7) and the same greedy tokens as its
+``generate(do_sample=False)``.
+
+One scenario drives every case like a small continuous-batching scheduler:
+three prompts of different lengths (one prefilled in two chunks), a fork
+whose first decode copies a shared block on write, a prefix-cache hit, and
+decode steps until each sequence generated 9 tokens. It runs in process
+(one runtime fed by a core Pool) and over gRPC against a tensor-parallel
+pair of ``blockd-worker`` processes and a real ``blockd serve``.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+from torch import nn
+
+from blockd.core import Allocate, Commit, DecodeAppend, Fork, Pool
+from blockd.core.errors import InvalidArgument, NotFound, WrongState
+from blockd.core.incarnations import KVNotWritten
+from client.errors import FailedPreconditionError, InvalidArgumentError
+from client.sdk import BlockdClient
+from client.worker import WorkerClient
+from tests.support.procs import free_port, start_blockd, start_worker
+from worker.model import ModelRunner, build_model, pool_config_for
+from worker.model.linear import PackedLinear, pack_linears
+from worker.runtime import WorkerRuntime
+from worker.service import WorkerServer
+
+TOL = 1e-4
+NEW_TOKENS = 9
+BLOCK_SIZE = 4
+
+
+def reference(spec: str):
+    """The same weights (same seed), attending with transformers' own eager path."""
+    model = build_model(spec, seed=0)
+    model.set_attn_implementation("eager")
+    return model
+
+
+class Scenario:
+    """Drives ``step`` (pool ops -> StepResult) and ``forward`` (one model step ->
+    logits [batch, vocab]) and checks every step against ``ref``."""
+
+    def __init__(self, step, forward, ref) -> None:
+        self.step_pool, self.forward, self.ref = step, forward, ref
+        self.vocab = ref.config.vocab_size
+        self.seqs: dict[str, list[int]] = {}  # every token, prompt + generated
+        self.prompt_lens: dict[str, int] = {}
+        self.generated: dict[str, list[int]] = {}
+        self.max_diff = 0.0
+
+    def run(self, version, batch) -> None:
+        """``batch``: (seq_id, context_len, query_len, slots) per sequence."""
+        tokens = [t for s, n, q, _ in batch for t in self.seqs[s][n - q : n]]
+        logits = self.forward(version, [b[0] for b in batch], [b[2] for b in batch], [b[1] for b in batch],
+                              tokens, [slot for b in batch for slot in b[3]])
+        for row, (seq_id, n, _, _) in enumerate(batch):
+            with torch.no_grad():
+                want = self.ref(torch.tensor([self.seqs[seq_id][:n]])).logits[0, -1]
+            torch.testing.assert_close(logits[row], want, atol=TOL, rtol=TOL)
+            self.max_diff = max(self.max_diff, float((logits[row] - want).abs().max()))
+            if n == len(self.seqs[seq_id]):  # not a partial prefill chunk
+                self.generated.setdefault(seq_id, []).append(int(logits[row].argmax()))
+
+    def decode_ops(self, seq_ids):
+        tokens = [self.generated[s][-1] for s in seq_ids]
+        for seq_id, token in zip(seq_ids, tokens):
+            self.seqs[seq_id].append(token)
+        return DecodeAppend(list(seq_ids), tokens)
+
+    def decode_batch(self, result, seq_ids, op_index):
+        slots = result.results[op_index].slot_mapping
+        return [(s, len(self.seqs[s]), 1, [slots[i]]) for i, s in enumerate(seq_ids)]
+
+    def drive(self) -> None:
+        gen = torch.Generator().manual_seed(7)
+        prompts = {s: torch.randint(0, self.vocab, (n,), generator=gen).tolist()
+                   for s, n in (("a", 11), ("b", 6), ("c", 17))}
+        self.seqs = {s: list(p) for s, p in prompts.items()}
+        r = self.step_pool([Allocate(s, p) for s, p in prompts.items()])
+        slots = {s: list(res.slot_mapping) for s, res in zip(prompts, r.results)}
+        # a and b prefill whole; c prefills its first 9 tokens (a chunk).
+        self.run(r.version, [("a", 11, 11, slots["a"]), ("b", 6, 6, slots["b"]), ("c", 9, 9, slots["c"][:9])])
+        # Fork a; the child's first token differs so the two diverge. Both append
+        # into their shared, partly filled last block: copy on write.
+        self.seqs["a2"] = list(self.seqs["a"])
+        self.generated["a2"] = [(self.generated["a"][-1] + 1) % self.vocab]
+        r = self.step_pool([Commit("c", 9), Fork("a", "a2"), self.decode_ops(["a", "a2", "b"])])
+        assert r.copy_ops, "appending to a shared, partly filled block must copy it"
+        self.run(r.version, [*self.decode_batch(r, ["a", "a2", "b"], 2), ("c", 17, 8, slots["c"][9:])])
+        # d shares a's first two (committed, full) blocks: a prefix-cache hit.
+        d_prompt = [*prompts["a"][:8], 1, 2, 3]
+        self.seqs["d"] = list(d_prompt)
+        running = ["a", "a2", "b", "c"]
+        r = self.step_pool([self.decode_ops(running), Allocate("d", d_prompt)])
+        assert r.results[1].num_cached_tokens == 8
+        d_slots = list(r.results[1].slot_mapping)
+        self.run(r.version, [*self.decode_batch(r, running, 0), ("d", 11, 3, d_slots)])
+        prompts.update(a2=prompts["a"] + [self.generated["a2"][0]], d=d_prompt)
+        self.generated["a2"] = self.generated["a2"][1:]  # the forced token is part of a2's prompt
+        running.append("d")
+        while min(len(self.generated[s]) for s in running) < NEW_TOKENS:
+            r = self.step_pool([self.decode_ops(running)])
+            self.run(r.version, self.decode_batch(r, running, 0))
+        self.check_greedy(prompts)
+
+    def check_greedy(self, prompts) -> None:
+        for seq_id, prompt in prompts.items():
+            with torch.no_grad():
+                out = self.ref.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt),
+                                        dtype=torch.long), max_new_tokens=NEW_TOKENS, do_sample=False,
+                                        pad_token_id=0)
+            assert self.generated[seq_id][:NEW_TOKENS] == out[0, len(prompt):].tolist(), seq_id
+
+
+# --- in process ----------------------------------------------------------------
+
+class Local:
+    """A core Pool and one runtime following its deltas, with a model runner."""
+
+    def __init__(self, spec: str, model=None, linear: str = "auto") -> None:
+        model = model if model is not None else build_model(spec, seed=0)
+        self.config = pool_config_for(model.config, "m", num_blocks=64, block_size=BLOCK_SIZE)
+        self.pool = Pool(self.config)
+        self.runtime = WorkerRuntime(self.config, device="cpu", version_timeout_s=0.2,
+                                     latest_committed=lambda: self.pool.version)
+        self.runner = ModelRunner(model, self.runtime, linear=linear)
+
+    def step(self, ops):
+        result = self.pool.step(ops)
+        for delta in self.pool.deltas_since(self.runtime.mirror.received_version):
+            self.runtime.mirror.push(delta)
+        return result
+
+
+@pytest.mark.parametrize("linear", ["auto", "torch"])
+@pytest.mark.parametrize("spec", ["tiny-llama", "tiny-qwen2", "tiny-gpt2"])
+def test_runner_matches_hf_logits_and_greedy_generate(spec, linear):
+    """With the linear weights packed for oneDNN (the default on the CPU) and with plain nn.Linear."""
+    local = Local(spec, linear=linear)
+    linears = sum(type(m) in (nn.Linear, PackedLinear) for m in local.runner.model.modules())
+    assert local.runner.packed_linears == (linears if linear == "auto" else 0)
+    # Llama and Qwen2 layers run fused on the packed path (GPT-2 keeps transformers' layers)
+    assert local.runner.fused_layers == (2 if linear == "auto" and spec != "tiny-gpt2" else 0)
+    scenario = Scenario(local.step, local.runner.step, reference(spec))
+    scenario.drive()
+    assert scenario.max_diff < TOL
+
+
+@pytest.mark.parametrize("spec", ["tiny-llama", "tiny-qwen2"])
+def test_fused_layers_with_the_torch_ops_keep_weights_and_hooks(spec, monkeypatch):
+    """The fused layers on the torch fallback of their compiled ops (as where
+    nothing compiles) match transformers too; fusing adds no state-dict entry,
+    changes no weight, and o_proj's forward hook (tensor parallelism's
+    all-reduce) still runs."""
+    monkeypatch.setenv("BLOCKD_ATTENTION_BACKEND", "torch")
+    model = build_model(spec, seed=0)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    seen = []
+    model.model.layers[1].self_attn.o_proj.register_forward_hook(lambda mod, args, out: seen.append(out.shape))
+    local = Local(spec, model)
+    assert local.runner.fused_layers == 2
+    assert type(model.model.layers[0]).__name__.startswith("FusedLayer")
+    assert model.model.layers[0]._ops.__name__ == "_TorchOps"
+    assert state.keys() == model.state_dict().keys()
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+    scenario = Scenario(local.step, local.runner.step, reference(spec))
+    scenario.drive()
+    assert scenario.max_diff < TOL
+    assert seen
+
+
+def test_packed_linears_keep_outputs_hooks_and_weights():
+    """A packed layer computes nn.Linear's function (to float32 rounding) on any
+    row count and shape, keeps its forward hooks (tensor parallelism's
+    all-reduce hangs on them) and its state dict; bad settings are refused
+    before the model is touched."""
+    model = build_model("tiny-qwen2", seed=0)
+    plain = dict(build_model("tiny-qwen2", seed=0).named_modules())
+    seen = []
+    model.model.layers[0].self_attn.o_proj.register_forward_hook(lambda mod, args, out: seen.append(out.shape))
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    config = pool_config_for(model.config, "m", num_blocks=8, block_size=BLOCK_SIZE)
+    with pytest.raises(ValueError, match="linear must be one of"):
+        ModelRunner(model, WorkerRuntime(config, device="cpu"), linear="mkl")
+    assert not any(isinstance(m, PackedLinear) for m in model.modules())
+    assert pack_linears(model) == 2 * 7 + 1  # q k v o gate up down per layer, and the LM head
+    for name, module in model.named_modules():
+        if isinstance(module, PackedLinear):
+            for shape in ((1, module.in_features), (7, module.in_features), (2, 5, module.in_features)):
+                x = torch.randn(shape)
+                with torch.no_grad():
+                    torch.testing.assert_close(module(x), plain[name](x), atol=1e-5, rtol=1e-5)
+    assert seen, "the forward hook still runs"
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+    with pytest.raises(ValueError, match="float32 weights on the CPU"):
+        pack_linears(build_model("tiny-llama", dtype="bfloat16"))
+
+
+def test_runs_a_model_loaded_from_a_local_directory(tmp_path):
+    saved = build_model("tiny-llama", seed=3)
+    saved.save_pretrained(tmp_path)
+    local = Local("", build_model(str(tmp_path)))
+    prompt = [5, 6, 7, 8, 9, 10]
+    r = local.step([Allocate("a", prompt)])
+    logits = local.runner.step(r.version, ["a"], [6], [6], prompt, list(r.results[0].slot_mapping))
+    saved.set_attn_implementation("eager")
+    with torch.no_grad():
+        torch.testing.assert_close(logits[0], saved(torch.tensor([prompt])).logits[0, -1], atol=TOL, rtol=TOL)
+    with pytest.raises(ValueError, match="local model directory"):
+        build_model(str(tmp_path / "missing"))
+
+
+def test_runner_refuses_bad_steps_before_running():
+    local = Local("tiny-llama")
+    r = local.step([Allocate("a", [1, 2, 3, 4, 5])])
+    slots = list(r.results[0].slot_mapping)
+    step = local.runner.step
+    with pytest.raises(InvalidArgument, match="vocabulary"):
+        step(r.version, ["a"], [5], [5], [1, 2, 3, 4, 512], slots)
+    with pytest.raises(InvalidArgument, match="sum"):
+        step(r.version, ["a"], [5], [5], [1, 2, 3, 4], slots)
+    with pytest.raises(InvalidArgument, match="one entry per sequence"):
+        step(r.version, ["a"], [5, 1], [5], [1, 2, 3, 4, 5], slots)
+    with pytest.raises(InvalidArgument, match="not its slots"):
+        step(r.version, ["a"], [5], [5], [1, 2, 3, 4, 5], slots[::-1])
+    with pytest.raises(NotFound):
+        step(r.version, ["ghost"], [5], [5], [1, 2, 3, 4, 5], slots)
+    step(r.version, ["a"], [5], [5], [1, 2, 3, 4, 5], slots)
+    r2 = local.step([Allocate("b", [1])])
+    step(r2.version, ["b"], [1], [1], [1], list(r2.results[0].slot_mapping))
+    with pytest.raises(WrongState, match="stale"):
+        step(r.version, ["a"], [5], [5], [1, 2, 3, 4, 5], slots)
+    with pytest.raises(WrongState, match="never committed"):
+        step(r2.version + 5, ["b"], [1], [1], [1], list(r2.results[0].slot_mapping))
+    with pytest.raises(ValueError, match="needs"):  # GPT-2's 8 KV heads do not fit a 2-head pool
+        ModelRunner(build_model("tiny-gpt2"), local.runtime)
+
+
+def test_a_restarted_worker_refuses_steps_over_kv_it_lost():
+    """A new runtime (the worker after a restart) rebuilt from the same pool holds
+    the tables but none of the KV: a step whose cached context it never wrote is
+    refused before the model runs, naming the sequence; a fresh prompt runs."""
+    model = build_model("tiny-llama", seed=0)
+    local = Local("", model)
+    r = local.step([Allocate("a", [1, 2, 3, 4, 5])])
+    local.runner.step(r.version, ["a"], [5], [5], [1, 2, 3, 4, 5], list(r.results[0].slot_mapping))
+    restarted = WorkerRuntime(local.config, device="cpu", version_timeout_s=0.2,
+                              latest_committed=lambda: local.pool.version)
+    runner = ModelRunner(model, restarted)
+    assert restarted.incarnation != local.runtime.incarnation
+    r = local.step([DecodeAppend(["a"], [6]), Allocate("b", [7, 8])])
+    for delta in local.pool.deltas_since(0):
+        restarted.mirror.push(delta)
+    with pytest.raises(KVNotWritten, match=r"sequence .a. reads .*positions 0..4 of its 5"):
+        runner.step(r.version, ["a"], [1], [6], [6], list(r.results[0].slot_mapping))
+    runner.step(r.version, ["b"], [2], [2], [7, 8], list(r.results[1].slot_mapping))
+
+
+def test_model_step_without_a_model_is_failed_precondition():
+    local = Local("tiny-llama")
+    server = WorkerServer(local.runtime, "w")
+    server.start()
+    try:
+        with WorkerClient(server.address, timeout_s=10) as worker, \
+                pytest.raises(FailedPreconditionError, match="runs no model"):
+            worker.model_step("m", 0, ["a"], [1], [1], [1], [0], pool_incarnation="any")
+    finally:
+        server.stop(0)
+
+
+def test_a_model_step_planned_on_a_term_the_worker_has_not_followed_is_refused():
+    """ModelStep (and WriteKV, Attention) names the leader term of its Step response (a replicated
+    blockd): a worker whose Watch has not been served in that term yet waits for it, then refuses,
+    TERM_NOT_SEEN, before anything else is checked or run (its tables may still be an older leader's)."""
+    local = Local("tiny-llama")
+    local.runtime.version_timeout_s = 0.3
+    local.runtime.mirror.note_term(4)
+    server = WorkerServer(local.runtime, "w")
+    server.start()
+    try:
+        with WorkerClient(server.address, timeout_s=10) as worker:
+            with pytest.raises(FailedPreconditionError, match="planned on leader term 5") as info:
+                worker.model_step("m", 0, ["a"], [1], [1], [1], [0], pool_incarnation="any", term=5)
+            assert info.value.reason == "TERM_NOT_SEEN"
+            rows = torch.zeros(1, local.config.num_kv_heads, local.config.head_dim)
+            with pytest.raises(FailedPreconditionError, match="planned on leader term 5"):
+                worker.write_kv("m", 0, 0, rows, rows, [0], pool_incarnation="any", term=5)
+            query = torch.zeros(1, 4, local.config.head_dim)
+            with pytest.raises(FailedPreconditionError, match="planned on leader term 5"):
+                worker.attention("m", 0, 0, ["a"], [1], [1], query, pool_incarnation="any", term=5)
+            with pytest.raises(FailedPreconditionError, match="runs no model"):  # its own term: on to the model
+                worker.model_step("m", 0, ["a"], [1], [1], [1], [0], pool_incarnation="any", term=4)
+    finally:
+        server.stop(0)
+
+
+# --- a tensor-parallel pair over gRPC ----------------------------------------------
+
+class TPCluster:
+    """The test as a minimal scheduler: blockd for the tables, both ranks for each step."""
+
+    def __init__(self, blockd: BlockdClient, workers: list[WorkerClient]) -> None:
+        self.blockd, self.workers = blockd, workers
+        self.calls = ThreadPoolExecutor(len(workers))
+        self.incarnation = ""
+
+    def step(self, ops):
+        result = self.blockd.step("m", ops)
+        self.incarnation = result.incarnation
+        return result
+
+    def model_step(self, *args):
+        futures = [self.calls.submit(w.model_step, "m", *args, return_logits=True, pool_incarnation=self.incarnation)
+                   for w in self.workers]
+        results = [f.result() for f in futures]
+        (tokens0, logits0), (tokens1, logits1) = results
+        assert tokens0 == tokens1 == logits0.argmax(-1).tolist()
+        assert torch.equal(logits0, logits1), "TP ranks must return identical logits"
+        return logits0
+
+    def refusals(self, *args) -> list[Exception]:
+        futures = [self.calls.submit(w.model_step, "m", *args, pool_incarnation=self.incarnation)
+                   for w in self.workers]
+        return [f.exception() for f in futures]
+
+
+def _start_tp_pair(target: str, spec: str):
+    init = f"tcp://127.0.0.1:{free_port()}"
+
+    def start(rank):
+        # Both at once: each rank blocks at start until its peer joined.
+        return start_worker(target, "m", "--device", "cpu", "--worker-id", f"rank{rank}", "--model", spec,
+                            "--tp-world-size", "2", "--tp-rank", str(rank), "--tp-init", init)
+    with ThreadPoolExecutor(2) as pool:
+        futures = [pool.submit(start, rank) for rank in (0, 1)]
+        return [f.result() for f in futures]
+
+
+@pytest.mark.parametrize("spec", ["tiny-qwen2", "tiny-gpt2"])
+def test_tensor_parallel_pair_matches_single_model(spec):
+    ref = reference(spec)
+    procs = [start_blockd()]
+    try:
+        with BlockdClient(procs[0].address, timeout_s=10) as blockd:
+            blockd.create_pool(pool_config_for(ref.config, "m", num_blocks=64, block_size=BLOCK_SIZE))
+            procs += _start_tp_pair(procs[0].address, spec)
+            workers = [WorkerClient(p.address, timeout_s=30) for p in procs[1:]]
+            half = pool_config_for(ref.config, "m", 1, 1).num_kv_heads // 2  # each rank derives its half
+            assert [(w.stats().kv_head_start, w.stats().kv_head_end) for w in workers] == [(0, half),
+                                                                                          (half, 2 * half)]
+            cluster = TPCluster(blockd, workers)
+            scenario = Scenario(cluster.step, cluster.model_step, ref)
+            scenario.drive()
+            assert scenario.max_diff < TOL
+            version = blockd.get_pool("m").version
+            bad = cluster.refusals(version - 1, ["a"], [1], [len(scenario.seqs["a"])], [1], [0])
+            assert all(isinstance(e, FailedPreconditionError) and "stale" in str(e) for e in bad), bad
+            bad = cluster.refusals(version, ["a"], [1], [len(scenario.seqs["a"])], [10**6], [0])
+            assert all(isinstance(e, InvalidArgumentError) for e in bad), bad
+            r = blockd.step("m", [scenario.decode_ops(["a"])])  # the pair still steps together
+            scenario.run(r.version, scenario.decode_batch(r, ["a"], 0))
+            for w in workers:
+                w.close()
+        with ThreadPoolExecutor(2) as stopping:  # in parallel: each takes seconds to stop
+            codes = list(stopping.map(lambda p: p.stop(), procs[1:]))
+        assert codes == [0, 0], procs[1].output()[-2000:] + procs[2].output()[-2000:]
+    finally:
+        for proc in reversed(procs):
+            proc.kill()
