@@ -187,6 +187,20 @@ class FeedWatch:
             return
 
 
+class Repeats:
+    """Whether a feed ended the same way as the one before: a leader that is
+    gone refuses every ``RETRY_S`` until the election names the next one, so
+    the first such end is logged at INFO and the same end again at DEBUG."""
+
+    def __init__(self) -> None:
+        self._last: tuple[str, str] | None = None
+
+    def level(self, target: str, why: str) -> int:
+        repeated = self._last == (target, why)
+        self._last = (target, why)
+        return logging.DEBUG if repeated else logging.INFO
+
+
 class FollowerLoop:
     """Follows whichever replica ``leader()`` names while ``following()``; see the module docstring."""
 
@@ -208,6 +222,7 @@ class FollowerLoop:
         self._call: grpc.Call | None = None
         # read by the metrics (blockd.replication.metrics) at scrape time; plain values, written by this loop only
         self.streaming = False  #: a feed from the leader is open and has delivered a message
+        self._ends = Repeats()
         self._heard = (0, 0.0)  #: (term, monotonic time) of the last message taken from a leader
         self.leader_commit_lsn = 0  #: the leader's commit point in its last message
         self.snapshots_installed = self.truncations = 0
@@ -238,7 +253,8 @@ class FollowerLoop:
                 self._follow(target)
             except grpc.RpcError as err:
                 if not self._stop.is_set():
-                    log.info("replication from %s ended: %s %s", target, err.code(), err.details())
+                    why = f"{err.code()} {err.details()}"
+                    log.log(self._ends.level(target, why), "replication from %s ended: %s", target, why)
             except _GaveUp as err:
                 if not self._stop.is_set():
                     log.warning("replication from %s given up: %s; dialling the leader again", target, err)

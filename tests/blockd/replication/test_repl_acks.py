@@ -133,3 +133,18 @@ def test_a_stream_closed_after_the_leader_refused_it_sends_no_more_calls():
             assert leader.acks == []
     finally:
         server.stop(None)
+
+
+def test_a_feed_that_ends_the_same_way_again_is_logged_once_at_info():
+    """During a failover the old leader refuses every retry (UNAVAILABLE every
+    0.2 s) until the election names the next: one INFO line, then DEBUG."""
+    import logging
+
+    from blockd.replication.follower import Repeats
+
+    ends = Repeats()
+    assert ends.level("a:1", "UNAVAILABLE gone") == logging.INFO
+    assert ends.level("a:1", "UNAVAILABLE gone") == logging.DEBUG
+    assert ends.level("a:1", "UNAVAILABLE gone") == logging.DEBUG
+    assert ends.level("b:1", "UNAVAILABLE gone") == logging.INFO  # another leader: say it
+    assert ends.level("b:1", "CANCELLED stop") == logging.INFO  # another end: say it
