@@ -26,6 +26,8 @@ from blockd.core.types import (
     BLOCK_REMOVED,
     BLOCK_STORED,
     MAX_DEVICE_LEN,
+    OFFLOAD,
+    RESTORE,
     Allocate,
     Append,
     Commit,
@@ -43,6 +45,7 @@ from blockd.core.types import (
     Snapshot,
     StepResult,
     TableUpdate,
+    TierOp,
     VersionDelta,
     WorkerInfo,
     WorkerStatus,
@@ -61,6 +64,11 @@ _EVENT_KINDS = {
     ALL_BLOCKS_CLEARED: pb.EVENT_KIND_ALL_BLOCKS_CLEARED,
 }
 _EVENT_NAMES = {number: name for name, number in _EVENT_KINDS.items()}
+_TIER_KINDS = {OFFLOAD: pb.TIER_OP_KIND_OFFLOAD, RESTORE: pb.TIER_OP_KIND_RESTORE}
+_TIER_NAMES = {number: name for name, number in _TIER_KINDS.items()}
+_MEDIA = {"device": pb.MEDIUM_DEVICE, "host": pb.MEDIUM_HOST}
+#: an unset medium is a blockd without a host tier: its blocks are all on the device
+_MEDIUM_NAMES = {pb.MEDIUM_UNSPECIFIED: "device", pb.MEDIUM_DEVICE: "device", pb.MEDIUM_HOST: "host"}
 _CONFIG_DEFAULTS = {name: f.default for name, f in PoolConfig.__dataclass_fields__.items()}
 _OptionalField = Literal["num_layers", "num_kv_heads", "head_dim", "dtype", "max_retained_versions"]
 _OPTIONAL_CONFIG: tuple[_OptionalField, ...] = (
@@ -108,14 +116,16 @@ def pool_config_from_proto(msg: pb.PoolConfig, field: str = "config") -> PoolCon
     if len(msg.tenant) > MAX_ID_LEN:
         raise BadField(f"{field}.tenant", f"is {len(msg.tenant)} characters long; tenants are at most 128")
     return PoolConfig(name=msg.name, num_blocks=msg.num_blocks, block_size=msg.block_size,
-                      watermark_blocks=msg.watermark_blocks, tenant=msg.tenant, **optional)
+                      watermark_blocks=msg.watermark_blocks, tenant=msg.tenant,
+                      num_host_blocks=msg.num_host_blocks, **optional)
 
 
 def pool_config_to_proto(cfg: PoolConfig) -> pb.PoolConfig:
     return pb.PoolConfig(
         name=cfg.name, num_blocks=cfg.num_blocks, block_size=cfg.block_size, num_layers=cfg.num_layers,
         num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, dtype=cfg.dtype,
-        watermark_blocks=cfg.watermark_blocks, max_retained_versions=cfg.max_retained_versions, tenant=cfg.tenant)
+        watermark_blocks=cfg.watermark_blocks, max_retained_versions=cfg.max_retained_versions, tenant=cfg.tenant,
+        num_host_blocks=cfg.num_host_blocks)
 
 
 def pool_config_from_reply(msg: pb.PoolConfig) -> PoolConfig:
@@ -226,14 +236,46 @@ def _copies_from_proto(msgs) -> tuple[tuple[int, int], ...]:
     return tuple((c.src_block_id, c.dst_block_id) for c in msgs)
 
 
+def tier_ops_to_proto(tier_ops) -> list[pb.TierOp]:
+    """Tier ops as messages; a kind other than OFFLOAD/RESTORE or a negative
+    block is a bug of whoever made the op (ValueError, naming it), not a value
+    for protobuf to refuse without a field name."""
+    out = []
+    for i, op in enumerate(tier_ops):
+        kind = _TIER_KINDS.get(op.kind)
+        if kind is None:
+            raise ValueError(f"tier_ops[{i}].kind is {op.kind!r}, not {OFFLOAD!r} or {RESTORE!r}")
+        if not (type(op.device_block) is int and type(op.host_block) is int
+                and op.device_block >= 0 and op.host_block >= 0):
+            raise ValueError(f"tier_ops[{i}] names blocks {op.device_block!r} (device) and {op.host_block!r} "
+                             "(host); both must be integers >= 0")
+        out.append(pb.TierOp(kind=kind, device_block_id=op.device_block, host_block_id=op.host_block))
+    return out
+
+
+def tier_ops_from_proto(msgs, field: str = "tier_ops") -> tuple[TierOp, ...]:
+    """Tier ops of a reply or a Watch delta. A kind this code does not know (unset,
+    or a newer blockd's) is refused (:class:`~blockd.rpc.errors.BadField`):
+    a worker that skipped it would hold other KV than blockd's tables say."""
+    out = []
+    for i, m in enumerate(msgs):
+        kind = _TIER_NAMES.get(m.kind)
+        if kind is None:
+            raise BadField(f"{field}[{i}].kind", f"is {m.kind}, not a tier op kind this client knows "
+                                                  "(offload, restore): upgrade it")
+        out.append(TierOp(kind, m.device_block_id, m.host_block_id))
+    return tuple(out)
+
+
 def step_result_to_proto(result: StepResult) -> pb.StepResponse:
     response = pb.StepResponse(version=result.version, copy_ops=_copies_to_proto(result.copy_ops),
-                               pool_incarnation=result.incarnation, term=result.term)
+                               pool_incarnation=result.incarnation, term=result.term,
+                               tier_ops=tier_ops_to_proto(result.tier_ops))
     add = response.results.add  # built in place: no copy of the slot arrays
     for r in result.results:
         add(seq_id=r.seq_id, num_tokens=r.num_tokens, num_cached_tokens=r.num_cached_tokens,
             new_block_ids=r.new_block_ids, copy_ops=_copies_to_proto(r.copy_ops), slot_start=r.slot_start,
-            slot_mapping=r.slot_mapping)
+            slot_mapping=r.slot_mapping, num_restored_tokens=r.num_restored_tokens)
     return response
 
 
@@ -241,10 +283,11 @@ def step_result_from_proto(msg: pb.StepResponse) -> StepResult:
     results = tuple(
         OpResult(seq_id=r.seq_id, num_tokens=r.num_tokens, num_cached_tokens=r.num_cached_tokens,
                  new_block_ids=tuple(r.new_block_ids), copy_ops=_copies_from_proto(r.copy_ops),
-                 slot_start=r.slot_start, slot_mapping=tuple(r.slot_mapping))
+                 slot_start=r.slot_start, slot_mapping=tuple(r.slot_mapping),
+                 num_restored_tokens=r.num_restored_tokens)
         for r in msg.results)
     return StepResult(version=msg.version, results=results, copy_ops=_copies_from_proto(msg.copy_ops),
-                      incarnation=msg.pool_incarnation, term=msg.term)
+                      incarnation=msg.pool_incarnation, term=msg.term, tier_ops=tier_ops_from_proto(msg.tier_ops))
 
 
 # --- tables, sequences, followers ----------------------------------------------------
@@ -275,7 +318,8 @@ def watch_item_to_proto(item: Snapshot | VersionDelta, incarnation: str, term: i
     updates = [pb.TableUpdate(seq_id=u.seq_id, keep=u.keep, block_ids=u.block_ids, freed=u.freed)
                for u in item.updates]
     return pb.WatchResponse(delta=pb.VersionDelta(version=item.version, updates=updates,
-                                                  copy_ops=_copies_to_proto(item.copy_ops)),
+                                                  copy_ops=_copies_to_proto(item.copy_ops),
+                                                  tier_ops=tier_ops_to_proto(item.tier_ops)),
                             pool_incarnation=incarnation, term=term)
 
 
@@ -287,19 +331,26 @@ def watch_item_from_proto(msg: pb.WatchResponse) -> Snapshot | VersionDelta:
                         msg.term, msg.resync)
     delta = msg.delta
     updates = tuple(TableUpdate(u.seq_id, u.keep, tuple(u.block_ids), u.freed) for u in delta.updates)
-    return VersionDelta(delta.version, updates, _copies_from_proto(delta.copy_ops), msg.term)
+    return VersionDelta(delta.version, updates, _copies_from_proto(delta.copy_ops), msg.term,
+                        tier_ops_from_proto(delta.tier_ops, "delta.tier_ops"))
 
 
 def event_to_proto(event: KVEvent) -> pb.KVEvent:
+    medium = _MEDIA.get(event.medium)
+    if medium is None:
+        raise ValueError(f"KVEvent.medium is {event.medium!r}, not 'device' or 'host'")
     return pb.KVEvent(seq_no=event.seq_no, kind=_EVENT_KINDS[event.kind], block_hash=event.block_hash,
                       parent_hash=event.parent_hash,
                       block_id=event.block_id if event.block_id >= 0 else None,
-                      token_ids=event.token_ids)
+                      token_ids=event.token_ids, medium=medium)
 
 
 def event_from_proto(msg: pb.KVEvent) -> KVEvent:
+    """An unknown kind reads "Unknown" and an unknown medium "unknown": events only
+    inform (a router's prefix index), so a newer blockd's are passed on, not refused."""
     return KVEvent(msg.seq_no, _EVENT_NAMES.get(msg.kind, "Unknown"), msg.block_hash, msg.parent_hash,
-                   msg.block_id if msg.HasField("block_id") else -1, tuple(msg.token_ids))
+                   msg.block_id if msg.HasField("block_id") else -1, tuple(msg.token_ids),
+                   _MEDIUM_NAMES.get(msg.medium, "unknown"))
 
 
 # --- workers ---------------------------------------------------------------------------

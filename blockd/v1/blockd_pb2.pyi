@@ -48,6 +48,32 @@ else:
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class _TierOpKind:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _TierOpKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_TierOpKind.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    TIER_OP_KIND_UNSPECIFIED: _TierOpKind.ValueType  # 0
+    TIER_OP_KIND_OFFLOAD: _TierOpKind.ValueType  # 1
+    """device block -> host block: the device block can be reused while its KV
+    stays cached in the host tier.
+    """
+    TIER_OP_KIND_RESTORE: _TierOpKind.ValueType  # 2
+    """host block -> device block: a prefix hit in the host tier."""
+
+class TierOpKind(_TierOpKind, metaclass=_TierOpKindEnumTypeWrapper):
+    """The kinds of tier ops."""
+
+TIER_OP_KIND_UNSPECIFIED: TierOpKind.ValueType  # 0
+TIER_OP_KIND_OFFLOAD: TierOpKind.ValueType  # 1
+"""device block -> host block: the device block can be reused while its KV
+stays cached in the host tier.
+"""
+TIER_OP_KIND_RESTORE: TierOpKind.ValueType  # 2
+"""host block -> device block: a prefix hit in the host tier."""
+Global___TierOpKind: _TypeAlias = TierOpKind  # noqa: Y015
+
 class _EventKind:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -68,6 +94,26 @@ EVENT_KIND_BLOCK_REMOVED: EventKind.ValueType  # 2
 EVENT_KIND_ALL_BLOCKS_CLEARED: EventKind.ValueType  # 3
 Global___EventKind: _TypeAlias = EventKind  # noqa: Y015
 
+class _Medium:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _MediumEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Medium.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    MEDIUM_UNSPECIFIED: _Medium.ValueType  # 0
+    """Sent by a blockd without a host tier: read as the device."""
+    MEDIUM_DEVICE: _Medium.ValueType  # 1
+    MEDIUM_HOST: _Medium.ValueType  # 2
+
+class Medium(_Medium, metaclass=_MediumEnumTypeWrapper):
+    """Where a block of a prefix-index event is."""
+
+MEDIUM_UNSPECIFIED: Medium.ValueType  # 0
+"""Sent by a blockd without a host tier: read as the device."""
+MEDIUM_DEVICE: Medium.ValueType  # 1
+MEDIUM_HOST: Medium.ValueType  # 2
+Global___Medium: _TypeAlias = Medium  # noqa: Y015
+
 @_typing.final
 class PoolConfig(_message.Message):
     """One logical KV cache: num_blocks blocks of block_size token slots.
@@ -87,6 +133,7 @@ class PoolConfig(_message.Message):
     WATERMARK_BLOCKS_FIELD_NUMBER: _builtins.int
     MAX_RETAINED_VERSIONS_FIELD_NUMBER: _builtins.int
     TENANT_FIELD_NUMBER: _builtins.int
+    NUM_HOST_BLOCKS_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     num_blocks: _builtins.int
     block_size: _builtins.int
@@ -105,6 +152,12 @@ class PoolConfig(_message.Message):
     Always set in replies ("default" when blockd authenticates nobody). The
     tenant is folded into every block hash of the pool.
     """
+    num_host_blocks: _builtins.int
+    """Blocks of the host-memory tier, per shard, with the device blocks' layout
+    (0: no host tier). A cached block evicted from the device tier moves
+    there (an OFFLOAD tier op) instead of being dropped, and comes back
+    (RESTORE) on a prefix hit; only eviction from the host tier drops it.
+    """
     def __init__(
         self,
         *,
@@ -118,10 +171,11 @@ class PoolConfig(_message.Message):
         watermark_blocks: _builtins.int = ...,
         max_retained_versions: _builtins.int | None = ...,
         tenant: _builtins.str = ...,
+        num_host_blocks: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_dtype", b"_dtype", "_head_dim", b"_head_dim", "_max_retained_versions", b"_max_retained_versions", "_num_kv_heads", b"_num_kv_heads", "_num_layers", b"_num_layers", "dtype", b"dtype", "head_dim", b"head_dim", "max_retained_versions", b"max_retained_versions", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_dtype", b"_dtype", "_head_dim", b"_head_dim", "_max_retained_versions", b"_max_retained_versions", "_num_kv_heads", b"_num_kv_heads", "_num_layers", b"_num_layers", "block_size", b"block_size", "dtype", b"dtype", "head_dim", b"head_dim", "max_retained_versions", b"max_retained_versions", "name", b"name", "num_blocks", b"num_blocks", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers", "tenant", b"tenant", "watermark_blocks", b"watermark_blocks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_dtype", b"_dtype", "_head_dim", b"_head_dim", "_max_retained_versions", b"_max_retained_versions", "_num_kv_heads", b"_num_kv_heads", "_num_layers", b"_num_layers", "block_size", b"block_size", "dtype", b"dtype", "head_dim", b"head_dim", "max_retained_versions", b"max_retained_versions", "name", b"name", "num_blocks", b"num_blocks", "num_host_blocks", b"num_host_blocks", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers", "tenant", b"tenant", "watermark_blocks", b"watermark_blocks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__dtype: _TypeAlias = _typing.Literal["dtype"]  # noqa: Y015
     _WhichOneofArgType__dtype: _TypeAlias = _typing.Literal["_dtype", b"_dtype"]  # noqa: Y015
@@ -171,6 +225,10 @@ class PoolStats(_message.Message):
     INCARNATION_FIELD_NUMBER: _builtins.int
     NUM_KV_LOST_SEQS_FIELD_NUMBER: _builtins.int
     TENANT_FIELD_NUMBER: _builtins.int
+    NUM_HOST_BLOCKS_FIELD_NUMBER: _builtins.int
+    NUM_HOST_CACHED_BLOCKS_FIELD_NUMBER: _builtins.int
+    NUM_OFFLOADS_FIELD_NUMBER: _builtins.int
+    NUM_RESTORES_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     num_blocks: _builtins.int
     block_size: _builtins.int
@@ -197,6 +255,14 @@ class PoolStats(_message.Message):
     """
     tenant: _builtins.str
     """The tenant that owns the pool (its config's)."""
+    num_host_blocks: _builtins.int
+    """The host tier: its size, and how many of its blocks hold a cached block."""
+    num_host_cached_blocks: _builtins.int
+    num_offloads: _builtins.int
+    """Blocks moved device -> host (offloads), and host -> device on a prefix
+    hit (restores), since the pool was made.
+    """
+    num_restores: _builtins.int
     def __init__(
         self,
         *,
@@ -219,10 +285,14 @@ class PoolStats(_message.Message):
         incarnation: _builtins.str = ...,
         num_kv_lost_seqs: _builtins.int = ...,
         tenant: _builtins.str = ...,
+        num_host_blocks: _builtins.int = ...,
+        num_host_cached_blocks: _builtins.int = ...,
+        num_offloads: _builtins.int = ...,
+        num_restores: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "incarnation", b"incarnation", "last_event_seq_no", b"last_event_seq_no", "name", b"name", "num_blocks", b"num_blocks", "num_copies", b"num_copies", "num_evictable_blocks", b"num_evictable_blocks", "num_evictions", b"num_evictions", "num_free_blocks", b"num_free_blocks", "num_kv_lost_seqs", b"num_kv_lost_seqs", "num_seqs", b"num_seqs", "num_tokens", b"num_tokens", "num_used_blocks", b"num_used_blocks", "prefix_hit_tokens", b"prefix_hit_tokens", "prefix_queried_tokens", b"prefix_queried_tokens", "tail_waste_bytes", b"tail_waste_bytes", "tail_waste_slots", b"tail_waste_slots", "tenant", b"tenant", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "incarnation", b"incarnation", "last_event_seq_no", b"last_event_seq_no", "name", b"name", "num_blocks", b"num_blocks", "num_copies", b"num_copies", "num_evictable_blocks", b"num_evictable_blocks", "num_evictions", b"num_evictions", "num_free_blocks", b"num_free_blocks", "num_host_blocks", b"num_host_blocks", "num_host_cached_blocks", b"num_host_cached_blocks", "num_kv_lost_seqs", b"num_kv_lost_seqs", "num_offloads", b"num_offloads", "num_restores", b"num_restores", "num_seqs", b"num_seqs", "num_tokens", b"num_tokens", "num_used_blocks", b"num_used_blocks", "prefix_hit_tokens", b"prefix_hit_tokens", "prefix_queried_tokens", b"prefix_queried_tokens", "tail_waste_bytes", b"tail_waste_bytes", "tail_waste_slots", b"tail_waste_slots", "tenant", b"tenant", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -698,6 +768,36 @@ class CopyOp(_message.Message):
 Global___CopyOp: _TypeAlias = CopyOp  # noqa: Y015
 
 @_typing.final
+class TierOp(_message.Message):
+    """One block copied between a pool's device blocks and its host tier. Every
+    worker of the pool runs a version's tier ops in order, before that
+    version's copy ops and before anything writes or reads the device block.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KIND_FIELD_NUMBER: _builtins.int
+    DEVICE_BLOCK_ID_FIELD_NUMBER: _builtins.int
+    HOST_BLOCK_ID_FIELD_NUMBER: _builtins.int
+    kind: Global___TierOpKind.ValueType
+    device_block_id: _builtins.int
+    host_block_id: _builtins.int
+    def __init__(
+        self,
+        *,
+        kind: Global___TierOpKind.ValueType = ...,
+        device_block_id: _builtins.int = ...,
+        host_block_id: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["device_block_id", b"device_block_id", "host_block_id", b"host_block_id", "kind", b"kind"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TierOp: _TypeAlias = TierOp  # noqa: Y015
+
+@_typing.final
 class OpResult(_message.Message):
     """What one operation did. slot_mapping holds the physical slots of the tokens
     to compute, from token position slot_start (for decode_append: one slot per
@@ -713,10 +813,16 @@ class OpResult(_message.Message):
     COPY_OPS_FIELD_NUMBER: _builtins.int
     SLOT_START_FIELD_NUMBER: _builtins.int
     SLOT_MAPPING_FIELD_NUMBER: _builtins.int
+    NUM_RESTORED_TOKENS_FIELD_NUMBER: _builtins.int
     seq_id: _builtins.str
     num_tokens: _builtins.int
     num_cached_tokens: _builtins.int
     slot_start: _builtins.int
+    num_restored_tokens: _builtins.int
+    """Of num_cached_tokens, those whose blocks come back from the host tier
+    (RESTORE tier ops at this version): cached for the scheduler (it does
+    not compute them), copied by the workers.
+    """
     @_builtins.property
     def new_block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
@@ -733,10 +839,11 @@ class OpResult(_message.Message):
         copy_ops: _abc.Iterable[Global___CopyOp] | None = ...,
         slot_start: _builtins.int = ...,
         slot_mapping: _abc.Iterable[_builtins.int] | None = ...,
+        num_restored_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["copy_ops", b"copy_ops", "new_block_ids", b"new_block_ids", "num_cached_tokens", b"num_cached_tokens", "num_tokens", b"num_tokens", "seq_id", b"seq_id", "slot_mapping", b"slot_mapping", "slot_start", b"slot_start"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["copy_ops", b"copy_ops", "new_block_ids", b"new_block_ids", "num_cached_tokens", b"num_cached_tokens", "num_restored_tokens", b"num_restored_tokens", "num_tokens", b"num_tokens", "seq_id", b"seq_id", "slot_mapping", b"slot_mapping", "slot_start", b"slot_start"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -803,7 +910,7 @@ Global___StepRequest: _TypeAlias = StepRequest  # noqa: Y015
 
 @_typing.final
 class StepResponse(_message.Message):
-    """Step output: the new version, one result per op, and all copy ops."""
+    """Step output: the new version, one result per op, and all tier and copy ops."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -812,6 +919,7 @@ class StepResponse(_message.Message):
     COPY_OPS_FIELD_NUMBER: _builtins.int
     POOL_INCARNATION_FIELD_NUMBER: _builtins.int
     TERM_FIELD_NUMBER: _builtins.int
+    TIER_OPS_FIELD_NUMBER: _builtins.int
     version: _builtins.int
     pool_incarnation: _builtins.str
     """The pool incarnation the version belongs to; name it (with the version)
@@ -825,6 +933,12 @@ class StepResponse(_message.Message):
     def results(self) -> _containers.RepeatedCompositeFieldContainer[Global___OpResult]: ...
     @_builtins.property
     def copy_ops(self) -> _containers.RepeatedCompositeFieldContainer[Global___CopyOp]: ...
+    @_builtins.property
+    def tier_ops(self) -> _containers.RepeatedCompositeFieldContainer[Global___TierOp]:
+        """The batch's offloads and restores between the tiers, run in order before
+        copy_ops.
+        """
+
     def __init__(
         self,
         *,
@@ -833,10 +947,11 @@ class StepResponse(_message.Message):
         copy_ops: _abc.Iterable[Global___CopyOp] | None = ...,
         pool_incarnation: _builtins.str = ...,
         term: _builtins.int = ...,
+        tier_ops: _abc.Iterable[Global___TierOp] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["copy_ops", b"copy_ops", "pool_incarnation", b"pool_incarnation", "results", b"results", "term", b"term", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["copy_ops", b"copy_ops", "pool_incarnation", b"pool_incarnation", "results", b"results", "term", b"term", "tier_ops", b"tier_ops", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1085,28 +1200,34 @@ Global___TableUpdate: _TypeAlias = TableUpdate  # noqa: Y015
 
 @_typing.final
 class VersionDelta(_message.Message):
-    """version - 1 -> version: first the copy ops, then the updates in order."""
+    """version - 1 -> version: first the tier ops, then the copy ops, then the
+    updates, each in order.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
     VERSION_FIELD_NUMBER: _builtins.int
     UPDATES_FIELD_NUMBER: _builtins.int
     COPY_OPS_FIELD_NUMBER: _builtins.int
+    TIER_OPS_FIELD_NUMBER: _builtins.int
     version: _builtins.int
     @_builtins.property
     def updates(self) -> _containers.RepeatedCompositeFieldContainer[Global___TableUpdate]: ...
     @_builtins.property
     def copy_ops(self) -> _containers.RepeatedCompositeFieldContainer[Global___CopyOp]: ...
+    @_builtins.property
+    def tier_ops(self) -> _containers.RepeatedCompositeFieldContainer[Global___TierOp]: ...
     def __init__(
         self,
         *,
         version: _builtins.int = ...,
         updates: _abc.Iterable[Global___TableUpdate] | None = ...,
         copy_ops: _abc.Iterable[Global___CopyOp] | None = ...,
+        tier_ops: _abc.Iterable[Global___TierOp] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["copy_ops", b"copy_ops", "updates", b"updates", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["copy_ops", b"copy_ops", "tier_ops", b"tier_ops", "updates", b"updates", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1173,12 +1294,17 @@ class KVEvent(_message.Message):
     PARENT_HASH_FIELD_NUMBER: _builtins.int
     BLOCK_ID_FIELD_NUMBER: _builtins.int
     TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    MEDIUM_FIELD_NUMBER: _builtins.int
     seq_no: _builtins.int
     kind: Global___EventKind.ValueType
     block_hash: _builtins.bytes
     parent_hash: _builtins.bytes
     block_id: _builtins.int
     """Unset for AllBlocksCleared."""
+    medium: Global___Medium.ValueType
+    """A BlockStored is always on the device; a BlockRemoved names the tier
+    the block was evicted from.
+    """
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     def __init__(
@@ -1190,10 +1316,11 @@ class KVEvent(_message.Message):
         parent_hash: _builtins.bytes = ...,
         block_id: _builtins.int | None = ...,
         token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        medium: Global___Medium.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_block_id", b"_block_id", "block_id", b"block_id"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_block_id", b"_block_id", "block_hash", b"block_hash", "block_id", b"block_id", "kind", b"kind", "parent_hash", b"parent_hash", "seq_no", b"seq_no", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_block_id", b"_block_id", "block_hash", b"block_hash", "block_id", b"block_id", "kind", b"kind", "medium", b"medium", "parent_hash", b"parent_hash", "seq_no", b"seq_no", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__block_id: _TypeAlias = _typing.Literal["block_id"]  # noqa: Y015
     _WhichOneofArgType__block_id: _TypeAlias = _typing.Literal["_block_id", b"_block_id"]  # noqa: Y015
