@@ -150,7 +150,7 @@ def _exported_names() -> set[str]:
     for registry in (metrics.registry, worker.registry):
         names |= {s.name for family in registry.collect() for s in family.samples}
     # a replica's collectors need a live group to collect; their families name what they export
-    # (tests/test_ha_metrics.py scrapes them from real replicas)
+    # (tests/blockd/replication/test_ha_replication.py and tests/blockd/ha/test_ha_ops.py scrape real ones)
     for family in [*ElectionCollector._families(), *ReplicationCollector._families().values()]:
         names.add(family.name + ("_total" if family.type == "counter" else ""))
     return names

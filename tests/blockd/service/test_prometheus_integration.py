@@ -287,7 +287,7 @@ def test_every_instrumented_panel_returns_data(stack):
                            "blockd_wal_sync_duration_seconds_count ") if p not in stack.exposition]
     if missing:
         pytest.skip(f"`blockd serve` does not feed {missing} yet: wire BlockdMetrics.observe_step, "
-                    "interceptor() and observe_wal_sync in blockd/cli.py (see blockd/service/metrics.py)")
+                    "interceptor() and observe_wal_sync in blockd/cli/serve.py (see blockd/service/metrics.py)")
     _check_panels(stack, [(t, e) for t, e in dashboard_queries() if any(p in e for p in INSTRUMENTED)])
 
 
