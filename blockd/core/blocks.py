@@ -3,7 +3,9 @@
 Owns, per block id: the ref count, how many of its slots hold tokens (``fill``)
 and its prefix hash; and, pool-wide: the never-used counter, the free list, the
 evictable LRU (:class:`~blockd.core.lru.BlockLRU`), the prefix index
-(hash -> block id) and the evictions not yet announced as events.
+(hash -> block id), the host tier (:class:`~blockd.core.lru.HostTier`, when the
+pool has one), and what the open batch produced for the pool to publish: the
+evictions not yet announced as events and the tier ops.
 
 Every block is in exactly one state:
 
@@ -12,6 +14,26 @@ Every block is in exactly one state:
   order first, then in the order they were released.
 * **evictable**: ref count 0, indexed hash, in the LRU.
 * **used**: ref count > 0 (it may or may not carry an indexed hash).
+
+The host tier (exclusive with the device tier: a hash is in at most one):
+
+* **offload**: when :meth:`BlockSpace.take` evicts a cached device block and
+  the pool has a host tier, its hash moves to a host block (never used, then
+  free, then the host LRU's front, whose hash is dropped: ``BlockRemoved``
+  with medium host) and the batch queues ``TierOp(OFFLOAD, device, host)``;
+  if every host block is pinned by the allocation in progress, it is dropped.
+* **restore** (:meth:`BlockSpace.restore`, after :meth:`BlockSpace.pin_host`):
+  a fresh device block takes the hash back, the batch queues
+  ``TierOp(RESTORE, device, host)``, the host block joins the host free list.
+* **supersede**: a device block committed under a hash the host tier holds
+  takes it over; the host block is freed (no event: the hash stays cached).
+
+Ordering within a batch: workers run the tier ops in the order generated, then
+the copies, then write KV. A device block is handed out only after its OFFLOAD
+is queued, and a host block is freed only after its RESTORE is queued, so each
+tier op reads a block before any later one overwrites it. Copies run after
+every tier op, so a copy's source or destination in the batch is never a
+restore's target (:meth:`BlockSpace.take_clean` skips them).
 
 While a batch is open (:meth:`BlockSpace.begin`) every mutation appends one
 :class:`Undo` entry to the batch's journal; replaying the journal in reverse
@@ -23,31 +45,22 @@ standard library.
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
 from collections import deque
 
 from blockd.core.errors import InvariantViolation
-from blockd.core.lru import BlockLRU
+from blockd.core.lru import BlockLRU, HostTier, Journal, Undo
+from blockd.core.types import OFFLOAD, RESTORE, TierOp
 
+DEVICE = "device"
+HOST = "host"
 
-class Undo(ABC):
-    """One journal entry: how to take back one mutation, exactly."""
-
-    __slots__ = ()
-
-    @abstractmethod
-    def undo(self) -> None:
-        """Restore what the mutation changed (entries are undone newest first)."""
-
-
-#: the open batch's undo entries, oldest first
-Journal = list[Undo]
+__all__ = ["DEVICE", "HOST", "BlockSpace", "Journal", "Undo"]
 
 
 class BlockSpace:
     """Block states of one pool. Callers check capacity before taking blocks."""
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, num_host_blocks: int = 0) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.ref = [0] * num_blocks
@@ -60,9 +73,16 @@ class BlockSpace:
         self.num_used = 0
         #: sum of ``fill`` over used blocks: distinct token slots in use
         self.filled_slots = 0
+        #: cached hashes dropped to make room, from either tier
         self.num_evictions = 0
-        #: hashes dropped by evictions since the last drain (for BlockRemoved)
-        self.evicted: list[tuple[int, bytes]] = []
+        #: hashes dropped by evictions since the last drain (for BlockRemoved):
+        #: (device or host block, hash, :data:`DEVICE` or :data:`HOST`)
+        self.evicted: list[tuple[int, bytes, str]] = []
+        self.host = HostTier(num_host_blocks) if num_host_blocks else None
+        #: the open batch's offloads and restores, in order (drained by the pool)
+        self.tier_ops: list[TierOp] = []
+        self.num_offloads = 0
+        self.num_restores = 0
         #: the open batch's journal; None outside a batch (nothing is recorded)
         self.journal: Journal | None = None
 
@@ -72,8 +92,7 @@ class BlockSpace:
         puts the counters back, so undoing the whole journal restores them."""
         if self.journal is not None:
             raise InvariantViolation("a batch is already open on this block space")
-        journal.append(_Counters(self, self.num_used, self.filled_slots, self.num_evictions,
-                                 len(self.evicted)))
+        journal.append(_Counters(self))
         self.journal = journal
 
     def end(self) -> None:
@@ -116,7 +135,9 @@ class BlockSpace:
         return block
 
     def _evict(self) -> int:
-        """Drop the hash of the least recently used evictable block and return it."""
+        """Take the least recently used evictable block out of the device tier
+        and return it: its hash moves to the host tier (an offload) or, without
+        room there, is dropped."""
         block = self.lru.front()
         h = self.hash[block] if block is not None else None
         if block is None or h is None:
@@ -126,8 +147,73 @@ class BlockSpace:
             self.journal.append(_TookEvicted(self, block, self.fill[block], h, prev, nxt))
         del self.index[h]
         self.hash[block] = None
-        self.num_evictions += 1
-        self.evicted.append((block, h))
+        if self.host is None or not self._offload(block, h):
+            self.num_evictions += 1
+            self.evicted.append((block, h, DEVICE))
+        return block
+
+    def take_clean(self, fill: int, dirty: set[int]) -> int | None:
+        """:meth:`take`, but never a block in ``dirty`` (a restore's target must
+        not be a copy op's source or destination of the batch, see the module
+        docstring); None when only such blocks are left."""
+        if not dirty or self.next_fresh < self.num_blocks:
+            return self.take(fill)
+        free = self.free
+        at = next((i for i, block in enumerate(free) if block not in dirty), -1)
+        if at == 0 or (at < 0 and not free):
+            return self.take(fill)
+        if at > 0:
+            block = free[at]
+            del free[at]
+            if self.journal is not None:
+                self.journal.append(_TookFreeAt(self, block, self.fill[block], at))
+        elif len(self.lru):
+            block = self._evict()
+        else:
+            return None
+        self.ref[block] = 1
+        self.fill[block] = fill
+        self.num_used += 1
+        self.filled_slots += fill
+        return block
+
+    # --- the host tier (only called when the pool has one) -------------------
+    def _offload(self, block: int, h: bytes) -> bool:
+        """Move the evicted device ``block``'s hash ``h`` to a host block."""
+        host = self.host
+        assert host is not None
+        hb, dropped = host.take(self.journal)
+        if hb < 0:
+            return False
+        if dropped is not None:
+            self.num_evictions += 1
+            self.evicted.append((hb, dropped, HOST))
+        host.store(self.journal, hb, h)
+        self.tier_ops.append(TierOp(OFFLOAD, block, hb))
+        self.num_offloads += 1
+        return True
+
+    def pin_host(self, h: bytes) -> int:
+        """Pin the host block holding ``h`` for :meth:`restore` (see the module docstring)."""
+        assert self.host is not None
+        return self.host.pin(self.journal, h)
+
+    def restore(self, hb: int, dirty: set[int]) -> int | None:
+        """Bring pinned host block ``hb``'s hash back into a fresh, full device
+        block (ref count 1) and queue its RESTORE; None when no device block
+        outside ``dirty`` is left."""
+        host = self.host
+        assert host is not None
+        block = self.take_clean(self.block_size, dirty)
+        if block is None:
+            return None
+        h = host.release(self.journal, hb)
+        self.index[h] = block
+        self.hash[block] = h
+        if self.journal is not None:
+            self.journal.append(_Indexed(self, block, h))
+        self.tier_ops.append(TierOp(RESTORE, block, hb))
+        self.num_restores += 1
         return block
 
     def acquire(self, block: int) -> None:
@@ -182,14 +268,20 @@ class BlockSpace:
         self.filled_slots += len(blocks)
 
     def index_block(self, block: int, h: bytes) -> bool:
-        """Enter a full, committed block under ``h``; False if ``h`` is taken."""
+        """Enter a full, committed block under ``h``; whether ``h`` is new to
+        the pool's cache (a BlockStored is due). A hash on another device block
+        stays there; one in the host tier moves to ``block`` (supersede)."""
         if h in self.index:
             return False
+        host = self.host
+        superseded = host is not None and h in host.index
+        if host is not None and superseded:
+            host.drop(self.journal, h)
         self.index[h] = block
         self.hash[block] = h
         if self.journal is not None:
             self.journal.append(_Indexed(self, block, h))
-        return True
+        return not superseded
 
     def clear_index(self) -> None:
         """Forget every hash; evictable blocks become free (an operator action
@@ -202,6 +294,8 @@ class BlockSpace:
         for block in self.index.values():
             self.hash[block] = None
         self.index.clear()
+        if self.host is not None:
+            self.host.clear()
 
 
 # --- undo entries: one class per kind of mutation ---------------------------
@@ -211,20 +305,21 @@ class BlockSpace:
 
 
 class _Counters(Undo):
-    """The batch began: put the O(1) counters and the eviction queue back."""
+    """The batch began: put the O(1) counters, the eviction queue and the tier ops back."""
 
-    __slots__ = ("filled_slots", "num_evicted", "num_evictions", "num_used", "space")
+    __slots__ = ("counts", "space")
 
-    def __init__(self, space: BlockSpace, num_used: int, filled_slots: int, num_evictions: int,
-                 num_evicted: int) -> None:
-        self.space, self.num_used, self.filled_slots = space, num_used, filled_slots
-        self.num_evictions, self.num_evicted = num_evictions, num_evicted
+    def __init__(self, space: BlockSpace) -> None:
+        self.space = space
+        self.counts = (space.num_used, space.filled_slots, space.num_evictions, space.num_offloads,
+                       space.num_restores, len(space.evicted), len(space.tier_ops))
 
     def undo(self) -> None:
         space = self.space
-        space.num_used, space.filled_slots, space.num_evictions = (
-            self.num_used, self.filled_slots, self.num_evictions)
-        del space.evicted[self.num_evicted:]
+        (space.num_used, space.filled_slots, space.num_evictions, space.num_offloads, space.num_restores,
+         num_evicted, num_tier_ops) = self.counts
+        del space.evicted[num_evicted:]
+        del space.tier_ops[num_tier_ops:]
 
 
 class _TookFresh(Undo):
@@ -250,6 +345,21 @@ class _TookFree(_TookFresh):
     def undo(self) -> None:
         space = self.space
         space.free.appendleft(self.block)
+        space.ref[self.block] = 0
+        space.fill[self.block] = self.fill
+
+
+class _TookFreeAt(Undo):
+    """A block from the middle of the free list was handed out (:meth:`BlockSpace.take_clean`)."""
+
+    __slots__ = ("at", "block", "fill", "space")
+
+    def __init__(self, space: BlockSpace, block: int, fill: int, at: int) -> None:
+        self.space, self.block, self.fill, self.at = space, block, fill, at
+
+    def undo(self) -> None:
+        space = self.space
+        space.free.insert(self.at, self.block)
         space.ref[self.block] = 0
         space.fill[self.block] = self.fill
 

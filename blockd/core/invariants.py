@@ -12,7 +12,11 @@ invariant:
   hashed block is indexed; evictable blocks are hashed, free ones are not;
 * free + evictable + used == num_blocks;
 * every holder of a block agrees on how many of its slots hold tokens, and the
-  O(1) counters (used blocks, filled slots, tokens) equal their recomputation.
+  O(1) counters (used blocks, filled slots, tokens) equal their recomputation;
+* the host tier: each host block is free (never used, or once in its free
+  list) xor holds exactly one hash and is in its LRU; its index maps each hash
+  to the host block holding it; no hash is in both tiers; and the stats'
+  host counts agree.
 
 Imports only the standard library.
 """
@@ -82,3 +86,32 @@ def check_invariants(pool: Pool) -> None:
     if (used, filled, num_tokens) != (blocks.num_used, blocks.filled_slots, pool.num_tokens):
         _fail(pool, f"counters (used, filled, tokens) = {(blocks.num_used, blocks.filled_slots, pool.num_tokens)}"
                     f", recomputed {(used, filled, num_tokens)}")
+    _check_host(pool)
+
+
+def _check_host(pool: Pool) -> None:
+    host, stats = pool.blocks.host, pool.stats()
+    if host is None:
+        if (stats.num_host_blocks, stats.num_host_cached_blocks) != (0, 0) or pool.blocks.tier_ops:
+            _fail(pool, "a pool without a host tier reports one")
+        return
+    free_list = set(host.free)
+    if len(free_list) != len(host.free):
+        _fail(pool, "a host block is twice in the host free list")
+    cached = set(host.lru)
+    for hb in range(host.num_blocks):
+        is_free = hb >= host.next_fresh or hb in free_list
+        h = host.hash[hb]
+        if is_free == (hb in cached) or is_free != (h is None):
+            _fail(pool, f"host block {hb}: free {is_free}, in the host LRU {hb in cached}, hash {h is not None}")
+        if h is not None and host.index.get(h) != hb:
+            _fail(pool, f"host block {hb} carries a hash the host index maps elsewhere")
+        if h is not None and h in pool.blocks.index:
+            _fail(pool, f"host block {hb}'s hash is also on device block {pool.blocks.index[h]}")
+    if len(host.index) != len(cached) or host.num_free + len(cached) != host.num_blocks:
+        _fail(pool, "host index, host LRU and host free blocks do not add up to num_host_blocks")
+    if (stats.num_host_blocks, stats.num_host_cached_blocks) != (host.num_blocks, len(cached)):
+        _fail(pool, f"stats give {stats.num_host_cached_blocks} of {stats.num_host_blocks} host blocks cached, "
+                    f"recomputed {len(cached)} of {host.num_blocks}")
+    if pool.blocks.tier_ops:
+        _fail(pool, "tier ops are left over from a batch")

@@ -1,4 +1,7 @@
-"""The evictable-block queue: an intrusive doubly linked list over block ids.
+"""The queues of cached blocks: the evictable-block LRU and the host tier.
+
+:class:`BlockLRU` is an intrusive doubly linked list over block ids, used by
+the device tier and, over host block ids, by the host tier (:class:`HostTier`).
 
 Blocks whose ref count fell to 0 but which still hold a full, committed,
 hashed prefix block wait here until either a prefix hit revives them (taken
@@ -19,9 +22,26 @@ Imports only the standard library.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+from collections import deque
 from collections.abc import Iterator
 
 _UNLINKED = -1
+
+
+class Undo(ABC):
+    """One journal entry: how to take back one mutation, exactly
+    (:mod:`blockd.core.blocks` says how batches use them)."""
+
+    __slots__ = ()
+
+    @abstractmethod
+    def undo(self) -> None:
+        """Restore what the mutation changed (entries are undone newest first)."""
+
+
+#: the open batch's undo entries, oldest first
+Journal = list[Undo]
 
 
 class BlockLRU:
@@ -75,3 +95,195 @@ class BlockLRU:
         self._next[prev] = block_id
         self._prev[nxt] = block_id
         self._len += 1
+
+
+class HostTier:
+    """The host-memory tier's index: ``num_blocks`` host blocks, each free or
+    holding exactly one cached hash.
+
+    A host block is never in a table: it only keeps a cached block's KV while
+    its device block is reused, so it has no ref count. Free host blocks are
+    handed out like device ones (never-used ids ascending, then the FIFO free
+    list); every host block holding a hash is in :attr:`lru` (front = least
+    recently offloaded, the one dropped when the tier is full), except while an
+    allocation has it pinned for a restore. Every mutation journals into the
+    ``journal`` it is given (None outside a batch);
+    :class:`~blockd.core.blocks.BlockSpace` decides when to call them.
+    """
+
+    __slots__ = ("free", "hash", "index", "lru", "next_fresh", "num_blocks")
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self.hash: list[bytes | None] = [None] * num_blocks
+        #: hash -> host block holding it
+        self.index: dict[bytes, int] = {}
+        self.next_fresh = 0
+        self.free: deque[int] = deque()
+        self.lru = BlockLRU(num_blocks)
+
+    @property
+    def num_free(self) -> int:
+        return self.num_blocks - self.next_fresh + len(self.free)
+
+    def take(self, journal: Journal | None) -> tuple[int, bytes | None]:
+        """A host block to offload into, and the hash dropped to free it:
+        never used, then the free list, then the LRU's front; ``(-1, None)``
+        when every host block is pinned."""
+        if self.next_fresh < self.num_blocks:
+            hb = self.next_fresh
+            self.next_fresh += 1
+            if journal is not None:
+                journal.append(_HostTookFresh(self, hb))
+            return hb, None
+        if self.free:
+            hb = self.free.popleft()
+            if journal is not None:
+                journal.append(_HostTookFree(self, hb))
+            return hb, None
+        front = self.lru.front()
+        if front is None:
+            return -1, None
+        hb = front
+        old = self.hash[hb]
+        assert old is not None, "a host block in the LRU holds a hash"
+        prev, nxt = self.lru.remove(hb)
+        del self.index[old]
+        self.hash[hb] = None
+        if journal is not None:
+            journal.append(_HostEvicted(self, hb, old, prev, nxt))
+        return hb, old
+
+    def store(self, journal: Journal | None, hb: int, h: bytes) -> None:
+        """Host block ``hb`` (just taken) holds ``h``, most recently offloaded."""
+        self.hash[hb] = h
+        self.index[h] = hb
+        self.lru.push_back(hb)
+        if journal is not None:
+            journal.append(_HostStored(self, hb, h))
+
+    def pin(self, journal: Journal | None, h: bytes) -> int:
+        """Take the host block holding ``h`` out of the LRU until :meth:`release`."""
+        hb = self.index[h]
+        prev, nxt = self.lru.remove(hb)
+        if journal is not None:
+            journal.append(_HostPinned(self, hb, prev, nxt))
+        return hb
+
+    def release(self, journal: Journal | None, hb: int) -> bytes:
+        """Pinned ``hb`` gives its hash up (restored to the device) and joins
+        the back of the free list; returns the hash."""
+        h = self.hash[hb]
+        assert h is not None, "a pinned host block holds a hash"
+        del self.index[h]
+        self.hash[hb] = None
+        self.free.append(hb)
+        if journal is not None:
+            journal.append(_HostReleased(self, hb, h))
+        return h
+
+    def drop(self, journal: Journal | None, h: bytes) -> None:
+        """Forget ``h`` (a device block took it over); its block joins the free list."""
+        hb = self.index.pop(h)
+        self.hash[hb] = None
+        prev, nxt = self.lru.remove(hb)
+        self.free.append(hb)
+        if journal is not None:
+            journal.append(_HostDropped(self, hb, h, prev, nxt))
+
+    def clear(self) -> None:
+        """Forget every hash (an operator action outside any batch)."""
+        for hb in list(self.lru):
+            self.lru.remove(hb)
+            self.free.append(hb)
+            self.hash[hb] = None
+        self.index.clear()
+
+# --- undo entries of the host tier ---------------------------------------------
+
+
+class _HostTookFresh(Undo):
+    """A never-used host block was taken for an offload."""
+
+    __slots__ = ("hb", "host")
+
+    def __init__(self, host: HostTier, hb: int) -> None:
+        self.host, self.hb = host, hb
+
+    def undo(self) -> None:
+        self.host.next_fresh -= 1
+
+
+class _HostTookFree(_HostTookFresh):
+    """The front of the host free list was taken for an offload."""
+
+    __slots__ = ()
+
+    def undo(self) -> None:
+        self.host.free.appendleft(self.hb)
+
+
+class _HostStored(Undo):
+    """An offloaded hash entered a host block (at the back of the host LRU)."""
+
+    __slots__ = ("h", "hb", "host")
+
+    def __init__(self, host: HostTier, hb: int, h: bytes) -> None:
+        self.host, self.hb, self.h = host, hb, h
+
+    def undo(self) -> None:
+        host = self.host
+        host.lru.remove(self.hb)
+        del host.index[self.h]
+        host.hash[self.hb] = None
+
+
+class _HostReleased(_HostStored):
+    """A pinned host block's hash moved to a device block; the host block joined the free list."""
+
+    __slots__ = ()
+
+    def undo(self) -> None:
+        host = self.host
+        popped = host.free.pop()
+        assert popped == self.hb, "undo out of order: the host free list's back is another block"
+        host.hash[self.hb] = self.h
+        host.index[self.h] = self.hb
+
+
+class _HostPinned(Undo):
+    """A host block left the host LRU (pinned for a restore)."""
+
+    __slots__ = ("hb", "host", "nxt", "prev")
+
+    def __init__(self, host: HostTier, hb: int, prev: int, nxt: int) -> None:
+        self.host, self.hb, self.prev, self.nxt = host, hb, prev, nxt
+
+    def undo(self) -> None:
+        self.host.lru.relink(self.hb, self.prev, self.nxt)
+
+
+class _HostEvicted(Undo):
+    """The host LRU's front lost its hash (dropped) to take an offload."""
+
+    __slots__ = ("h", "hb", "host", "nxt", "prev")
+
+    def __init__(self, host: HostTier, hb: int, h: bytes, prev: int, nxt: int) -> None:
+        self.host, self.hb, self.h, self.prev, self.nxt = host, hb, h, prev, nxt
+
+    def undo(self) -> None:
+        host = self.host
+        host.hash[self.hb] = self.h
+        host.index[self.h] = self.hb
+        host.lru.relink(self.hb, self.prev, self.nxt)
+
+
+class _HostDropped(_HostEvicted):
+    """A device block superseded a host block's hash; the host block joined the free list."""
+
+    __slots__ = ()
+
+    def undo(self) -> None:
+        popped = self.host.free.pop()
+        assert popped == self.hb, "undo out of order: the host free list's back is another block"
+        super().undo()

@@ -36,6 +36,9 @@ from blockd.core.types import Allocate, Append, Commit, DecodeAppend, Fork, Free
 from blockd.core.validate import check_extra_keys, check_int, check_name
 
 MAX_TOKENS_PER_SEQ = 1 << 24
+#: a prefix hit in the host tier, in :func:`cached_prefix`'s blocks (its host
+#: block is the host index's entry for the hash)
+IN_HOST = -1
 
 
 def describe(op: object) -> str:
@@ -75,10 +78,15 @@ def _check_tokens(token_ids: object, what: str) -> list[int] | tuple[int, ...]:
 
 def cached_prefix(blocks: BlockSpace, token_ids: object, extra: ExtraKeys | None,
                   max_blocks: int, tenant: str = "") -> tuple[list[int], list[bytes]]:
-    """Longest run of indexed full blocks of ``token_ids``: (blocks, hashes)."""
+    """Longest run of cached full blocks of ``token_ids``: (blocks, hashes).
+
+    The chain runs on as long as each next block is cached in either tier, so
+    it may go device, host, device...; a hit in the host tier is
+    :data:`IN_HOST` in the blocks."""
     tokens = _check_tokens(token_ids, "token_ids")
     extra = check_extra_keys(extra if extra is not None else NO_EXTRA_KEYS)
     b, index, digest = blocks.block_size, blocks.index, _digest(extra, tenant)
+    host_index = blocks.host.index if blocks.host is not None else None
     hits: list[int] = []
     hashes: list[bytes] = []
     parent = None
@@ -86,7 +94,9 @@ def cached_prefix(blocks: BlockSpace, token_ids: object, extra: ExtraKeys | None
         parent = hash_block(parent, tokens[i * b : (i + 1) * b], digest)
         block = index.get(parent)
         if block is None:
-            break
+            if host_index is None or parent not in host_index:
+                break
+            block = IN_HOST
         hits.append(block)
         hashes.append(parent)
     return hits, hashes
@@ -95,13 +105,16 @@ def cached_prefix(blocks: BlockSpace, token_ids: object, extra: ExtraKeys | None
 def allocation_need(blocks: BlockSpace, watermark: int, token_ids: object,
                     extra: ExtraKeys | None, tenant: str = "") -> tuple[list[int], list[bytes]] | None:
     """``(hit blocks, hashes)`` if an allocation of this prompt is admitted now,
-    else None. At least the last prompt token is always left to compute."""
+    else None. At least the last prompt token is always left to compute. A
+    host-tier hit needs a device block like a miss."""
     num_tokens = len(token_ids) if isinstance(token_ids, (list, tuple)) else 0
     max_hit = (num_tokens - 1) // blocks.block_size if num_tokens else 0
     hits, hashes = cached_prefix(blocks, token_ids, extra, max_hit, tenant)
     ref = blocks.ref
-    revived = sum(1 for block in hits if ref[block] == 0)
-    need = num_blocks_for(num_tokens, blocks.block_size) - len(hits) + revived
+    in_host = hits.count(IN_HOST) if blocks.host is not None else 0
+    revived = sum(1 for block in hits if block >= 0 and ref[block] == 0) if in_host else (
+        sum(1 for block in hits if ref[block] == 0))
+    need = num_blocks_for(num_tokens, blocks.block_size) - len(hits) + in_host + revived
     if blocks.num_available - need < watermark:
         return None
     return hits, hashes
@@ -131,8 +144,12 @@ def _apply_allocate(batch: Batch, op: Allocate) -> OpResult:
     hits, hashes = need
     b = batch.block_size
     seq = Sequence(seq_id, op.extra_keys, _digest(op.extra_keys, batch.config.tenant))
+    num_restored = hits.count(IN_HOST) if blocks.host is not None else 0
     for block in hits:
-        blocks.acquire(block)
+        if block >= 0:
+            blocks.acquire(block)
+    if num_restored:
+        _restore(batch, hits, hashes)
     seq.table = list(hits)
     for logical in range(len(hits), num_blocks_for(len(tokens), b)):
         seq.table.append(blocks.take(min(b, len(tokens) - logical * b)))
@@ -146,7 +163,26 @@ def _apply_allocate(batch: Batch, op: Allocate) -> OpResult:
     batch.record_update(TableUpdate(seq_id=seq_id, keep=0, block_ids=tuple(seq.table)))
     return OpResult(seq_id=seq_id, num_tokens=len(tokens), num_cached_tokens=cached,
                     new_block_ids=tuple(seq.table[len(hits):]), slot_start=cached,
-                    slot_mapping=tuple(slot_mapping(seq.table, cached, len(tokens), b)))
+                    slot_mapping=tuple(slot_mapping(seq.table, cached, len(tokens), b)),
+                    num_restored_tokens=num_restored * b)
+
+
+def _restore(batch: Batch, hits: list[int], hashes: list[bytes]) -> None:
+    """Replace each :data:`IN_HOST` of ``hits`` by a device block restored from
+    the host tier. Every host hit is pinned first, so the offloads these takes
+    cause cannot reuse a host block that is still to be read; device hits are
+    already acquired, so no take evicts them. Restore targets avoid the batch's
+    copy-op blocks (:meth:`~blockd.core.blocks.BlockSpace.take_clean`)."""
+    blocks = batch.blocks
+    pinned = [blocks.pin_host(hashes[i]) if block == IN_HOST else -1 for i, block in enumerate(hits)]
+    dirty = {block for copy in batch.copy_ops for block in copy}
+    for i, hb in enumerate(pinned):
+        if hb >= 0:
+            block = blocks.restore(hb, dirty)
+            if block is None:
+                raise batch.no_room("restoring cached blocks from the host tier needs blocks that this batch's "
+                                    "copy-on-write copies do not use", watermark=False)
+            hits[i] = block
 
 
 def _apply_append(batch: Batch, op: Append) -> OpResult:

@@ -15,7 +15,7 @@ committed, i.e. their KV is written)::
     table      [ 5 ]     [ 1 ]     [ 7 ]   fill of block 7 = 2 of 4
 
 A successful mutating batch bumps ``version`` and records a
-:class:`~blockd.core.types.VersionDelta` (table changes, copy ops, frees); the
+:class:`~blockd.core.types.VersionDelta` (tier ops, copy ops, table changes); the
 last ``max_retained_versions`` deltas are kept for followers. Changes to the
 prefix index are queued as :class:`~blockd.core.types.KVEvent` for
 :meth:`take_events`. Imports only the standard library.
@@ -27,7 +27,7 @@ from collections import OrderedDict, deque
 from itertools import islice
 
 from blockd.core.batch import Batch
-from blockd.core.blocks import BlockSpace
+from blockd.core.blocks import DEVICE, BlockSpace
 from blockd.core.errors import BlockdError, InvalidArgument, InvariantViolation, WrongState, shown
 from blockd.core.hashing import ExtraKeys
 from blockd.core.ops import allocation_need, append_need, apply, cached_prefix, describe
@@ -62,7 +62,7 @@ class Pool:
         check_config(config)
         self.config = config
         self.block_size = config.block_size
-        self.blocks = BlockSpace(config.num_blocks, config.block_size)
+        self.blocks = BlockSpace(config.num_blocks, config.block_size, config.num_host_blocks)
         self.seqs: dict[str, Sequence] = {}
         #: recently freed sequence id -> the version that freed it
         self.freed: OrderedDict[str, int] = OrderedDict()
@@ -103,8 +103,10 @@ class Pool:
             batch.rollback()
             raise InvariantViolation(f"operation {index} failed unexpectedly: {err!r}") from err
         if dry_run:
+            tier_ops = tuple(self.blocks.tier_ops)  # the rollback drops them
             batch.rollback()
-            return StepResult(version=self.version, results=tuple(results), copy_ops=tuple(batch.copy_ops))
+            return StepResult(version=self.version, results=tuple(results), copy_ops=tuple(batch.copy_ops),
+                              tier_ops=tier_ops)
         batch.commit()
         return self._finish(batch, tuple(results))
 
@@ -122,25 +124,29 @@ class Pool:
         while len(self.freed) > MAX_TOMBSTONES:
             self.freed.popitem(last=False)
         copy_ops = tuple(batch.copy_ops)
-        self.deltas.append(VersionDelta(version=self.version, updates=tuple(batch.updates), copy_ops=copy_ops))
+        tier_ops = tuple(self.blocks.tier_ops) if self.blocks.tier_ops else ()
+        self.blocks.tier_ops.clear()
+        self.deltas.append(VersionDelta(version=self.version, updates=tuple(batch.updates), copy_ops=copy_ops,
+                                        tier_ops=tier_ops))
         self._publish_events(batch)
-        return StepResult(version=self.version, results=results, copy_ops=copy_ops)
+        return StepResult(version=self.version, results=results, copy_ops=copy_ops, tier_ops=tier_ops)
 
     def _publish_events(self, batch: Batch) -> None:
         """Turn the batch's evictions and stores into numbered events, in order:
         evictions happen while taking blocks, before any store of the batch
         could reuse the hash."""
-        for block, h in self.blocks.evicted:
-            self._emit(BLOCK_REMOVED, block_hash=h, block_id=block)
+        for block, h, medium in self.blocks.evicted:
+            self._emit(BLOCK_REMOVED, block_hash=h, block_id=block, medium=medium)
         self.blocks.evicted.clear()
         for block, h, parent, tokens in batch.stored:
             self._emit(BLOCK_STORED, block_hash=h, parent_hash=parent, block_id=block, token_ids=tokens)
 
     def _emit(self, kind: str, *, block_hash: bytes = b"", parent_hash: bytes = b"", block_id: int = -1,
-              token_ids: tuple[int, ...] = ()) -> None:
+              token_ids: tuple[int, ...] = (), medium: str = DEVICE) -> None:
         self.last_event_seq_no += 1
         self._events.append(KVEvent(seq_no=self.last_event_seq_no, kind=kind, block_hash=block_hash,
-                                    parent_hash=parent_hash, block_id=block_id, token_ids=token_ids))
+                                    parent_hash=parent_hash, block_id=block_id, token_ids=token_ids,
+                                    medium=medium))
 
     def get_seq(self, seq_id: str) -> Sequence:
         seq = self.seqs.get(seq_id) if type(seq_id) is str else None
@@ -162,7 +168,7 @@ class Pool:
         return append_need(self.blocks, self.get_seq(seq_id), num_new_tokens) <= self.blocks.num_available
 
     def lookup_prefix(self, token_ids: list[int] | tuple[int, ...], extra_keys: ExtraKeys | None = None) -> int:
-        """Tokens of ``token_ids`` whose full blocks are cached (no allocation)."""
+        """Tokens of ``token_ids`` whose full blocks are cached, in either tier (no allocation)."""
         hits = cached_prefix(self.blocks, token_ids, extra_keys, len(token_ids), self.config.tenant)[0]
         return len(hits) * self.block_size
 
@@ -207,11 +213,14 @@ class Pool:
             prefix_hit_tokens=self.prefix_hit_tokens, num_evictions=blocks.num_evictions,
             num_copies=self.num_copies, version=self.version,
             last_event_seq_no=self.last_event_seq_no, tenant=cfg.tenant,
+            num_host_blocks=cfg.num_host_blocks,
+            num_host_cached_blocks=len(blocks.host.index) if blocks.host is not None else 0,
+            num_offloads=blocks.num_offloads, num_restores=blocks.num_restores,
         )
 
     # --- operator actions ---------------------------------------------------
     def reset_prefix_cache(self) -> None:
-        """Drop every cached hash (evictable blocks become free) and emit
+        """Drop every cached hash, in both tiers (evictable blocks become free) and emit
         ``AllBlocksCleared``. Tables are unchanged, so the version is too.
         Running sequences keep their hash chains, so blocks they fill later
         are cached again; blocks already full stay uncached."""

@@ -3,7 +3,8 @@
 Used by the daemon's snapshots: :func:`dump_pool` captures everything that
 determines future behaviour (ref counts, fills, hashes, the free list order,
 the LRU order, the never-used counter, every sequence with its tokens and
-hash chain, counters, version, retained deltas, event numbering), so a pool
+hash chain, counters, version, retained deltas, event numbering, and the
+host tier's hashes, free list and LRU order), so a pool
 rebuilt by :func:`load_pool` and then fed the same batches hands out the
 same block ids and evicts in the same order as the original.
 
@@ -33,6 +34,7 @@ from blockd.core.types import (
     Op,
     PoolConfig,
     TableUpdate,
+    TierOp,
     VersionDelta,
 )
 
@@ -68,13 +70,42 @@ def config_to_json(cfg: PoolConfig) -> dict[str, Any]:
 
 
 def _delta_to_json(delta: VersionDelta) -> list[Any]:
-    return [delta.version, [[u.seq_id, u.keep, list(u.block_ids), u.freed] for u in delta.updates],
+    data = [delta.version, [[u.seq_id, u.keep, list(u.block_ids), u.freed] for u in delta.updates],
             [list(c) for c in delta.copy_ops]]
+    if delta.tier_ops:  # absent before the host tier, and in deltas without tier ops
+        data.append([[t.kind, t.device_block, t.host_block] for t in delta.tier_ops])
+    return data
 
 
 def _delta_from_json(data: list[Any]) -> VersionDelta:
     updates = tuple(TableUpdate(s, k, tuple(ids), f) for s, k, ids, f in data[1])
-    return VersionDelta(data[0], updates, tuple(tuple(c) for c in data[2]))
+    tier_ops = tuple(TierOp(*t) for t in data[3]) if len(data) > 3 else ()
+    return VersionDelta(data[0], updates, tuple(tuple(c) for c in data[2]), tier_ops=tier_ops)
+
+
+def _dump_host(pool: Pool) -> dict[str, Any] | None:
+    host = pool.blocks.host
+    if host is None:
+        return None
+    return {"hash": {str(hb): h.hex() for hb, h in enumerate(host.hash) if h is not None},
+            "next_fresh": host.next_fresh, "free": pack(host.free), "lru": pack(list(host.lru)),
+            "num_offloads": pool.blocks.num_offloads, "num_restores": pool.blocks.num_restores}
+
+
+def _load_host(pool: Pool, data: dict[str, Any] | None) -> None:
+    """The host tier as dumped; a snapshot without one (older, or of a pool
+    without a tier) leaves the tier empty."""
+    host = pool.blocks.host
+    if host is None or data is None:
+        return
+    for hb, h in data["hash"].items():
+        host.hash[int(hb)] = digest = bytes.fromhex(h)
+        host.index[digest] = int(hb)
+    host.next_fresh = data["next_fresh"]
+    host.free = deque(unpack(data["free"]))
+    for hb in unpack(data["lru"]):
+        host.lru.push_back(hb)
+    pool.blocks.num_offloads, pool.blocks.num_restores = data["num_offloads"], data["num_restores"]
 
 
 def _dump_seqs(pool: Pool) -> dict[str, Any]:
@@ -130,6 +161,7 @@ def dump_pool(pool: Pool) -> dict[str, Any]:
                      pool.prefix_hit_tokens, pool.num_copies, pool.last_event_seq_no],
         "deltas": [_delta_to_json(d) for d in pool.deltas],
         "freed": [[seq_id, version] for seq_id, version in pool.freed.items()],
+        "host": _dump_host(pool),
     }
 
 
@@ -152,6 +184,7 @@ def load_pool(data: dict[str, Any]) -> Pool:
      pool.num_copies, pool.last_event_seq_no) = data["counters"]
     pool.deltas.extend(_delta_from_json(d) for d in data["deltas"])
     pool.freed.update((seq_id, version) for seq_id, version in data.get("freed", []))
+    _load_host(pool, data.get("host"))
     return pool
 
 

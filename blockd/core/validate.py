@@ -56,6 +56,7 @@ def check_config(cfg: PoolConfig) -> None:
     check_int(cfg.num_kv_heads, "num_kv_heads", 1, MAX_GEOMETRY)
     check_int(cfg.head_dim, "head_dim", 1, MAX_GEOMETRY)
     check_int(cfg.watermark_blocks, "watermark_blocks", 0, cfg.num_blocks)
+    check_int(cfg.num_host_blocks, "num_host_blocks (host-tier blocks; 0: no host tier)", 0, MAX_NUM_BLOCKS)
     check_int(cfg.max_retained_versions, "max_retained_versions", 1, 1 << 20)
     if cfg.tenant != "" and (type(cfg.tenant) is not str or not SAFE_NAME_RE.match(cfg.tenant)):
         raise InvalidArgument(f"tenant must be 1-128 of letters, digits, '.', '-', '_' (starting with a letter or "
