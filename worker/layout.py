@@ -35,6 +35,15 @@ The pool is zero-initialised: attention gathers whole blocks, so keys past a
 sequence's length (masked to probability 0) must be finite, or ``0 * NaN``
 would poison the output.
 
+The host tier (a pool's ``num_host_blocks``) is a second tensor of exactly
+this layout with ``num_host_blocks`` in place of ``num_blocks``
+(:func:`allocate_host_pool`): a block moves between the tiers as the same
+``H*b*D`` spans per (layer, K/V), so an offload and a restore are gathers and
+scatters of whole rows of ``kv.view(L * 2, N, H*b*D)``, and a restored block
+holds the very bytes that were offloaded. Beside a CUDA pool it is pinned
+host memory (page-locked: the copies go by DMA, and may overlap compute);
+beside a CPU pool, a plain tensor.
+
 A CPU pool asks Linux for transparent huge pages (:func:`empty_huge_pages`)
 before its first touch: attention jumps between blocks scattered over the
 whole pool, and with 4 KiB pages nearly every block costs a TLB miss and a page
@@ -49,12 +58,13 @@ from __future__ import annotations
 
 import ctypes
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 __all__ = [
     "KVGeometry",
+    "allocate_host_pool",
     "allocate_kv_pool",
     "as_rows",
     "as_token_rows",
@@ -114,6 +124,23 @@ def allocate_kv_pool(
     if torch.device(device).type != "cpu":
         return torch.zeros(geometry.shape, dtype=dtype, device=device)
     return empty_huge_pages(geometry.shape, dtype).zero_()
+
+
+def allocate_host_pool(geometry: KVGeometry, num_host_blocks: int, dtype: torch.dtype,
+                       device: torch.device | str = "cpu") -> torch.Tensor | None:
+    """The zeroed host tier of a shard whose device pool is ``geometry`` on ``device``:
+    ``geometry.shape`` with ``num_host_blocks`` blocks, in host memory (pinned when
+    ``device`` is CUDA). None for ``num_host_blocks == 0`` (no tier)."""
+    if type(num_host_blocks) is not int or num_host_blocks < 0:
+        raise ValueError(f"num_host_blocks must be an int >= 0, got {num_host_blocks!r}")
+    if not num_host_blocks:
+        return None
+    if not dtype.is_floating_point:
+        raise ValueError(f"KV pools hold floating-point keys and values, not {dtype}")
+    shape = replace(geometry, num_blocks=num_host_blocks).shape
+    if torch.device(device).type == "cuda":
+        return torch.empty(shape, dtype=dtype, pin_memory=True).zero_()
+    return empty_huge_pages(shape, dtype).zero_()
 
 
 _HUGE_PAGE = 2 << 20

@@ -227,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     runtime = _runtime(args, config, ShardSpec(*layers, *heads), metrics)
     if metrics is not None:
         metrics.set_pool_bytes(runtime.pool_bytes)
+        metrics.set_host_pool_bytes(runtime.host_pool_bytes)
     runner = None
     if model is not None:
         import torch
@@ -246,8 +247,10 @@ def main(argv: list[str] | None = None) -> int:
     runtime.latest_committed = follower.latest_committed
     follower.start()
     server.start()
-    log.info("worker %s (incarnation %s) holds layers %s and KV heads %s of pool %s: %d bytes on %s",
-             args.worker_id, runtime.incarnation, layers, heads, config.name, runtime.pool_bytes, runtime.device)
+    log.info("worker %s (incarnation %s) holds layers %s and KV heads %s of pool %s: %d bytes on %s, "
+             "host tier %d blocks, %d bytes%s", args.worker_id, runtime.incarnation, layers, heads, config.name,
+             runtime.pool_bytes, runtime.device, config.num_host_blocks, runtime.host_pool_bytes,
+             " (pinned)" if runtime.host_pool_bytes and runtime.device.type == "cuda" else "")
     print(f"blockd-worker listening on {server.address}", flush=True)
     done = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

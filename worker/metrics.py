@@ -25,9 +25,12 @@ from blockd.rpc.metrics_http import ServedMetrics, serve_metrics
 #: kernel label values; a kernel outside this list is a programming error
 #: "attention" is a planned mixed batch (decode and prefill together); "model_forward"
 #: is a whole ModelStep forward (attention and write_kv included) and "sampling" its
-#: token choice, so a step's time splits into model, attention and sampling
-KERNELS = ("write_kv", "copy_blocks", "attention", "decode_attention", "prefill_attention", "model_forward",
-           "sampling")
+#: token choice, so a step's time splits into model, attention and sampling;
+#: "offload_blocks" / "restore_blocks" are one batch of tier ops (device -> host / back)
+KERNELS = ("write_kv", "copy_blocks", "offload_blocks", "restore_blocks", "attention", "decode_attention",
+           "prefill_attention", "model_forward", "sampling")
+#: ``kind`` label values of the tier op counter (blockd.core.types.OFFLOAD / RESTORE)
+TIER_OP_KINDS = ("offload", "restore")
 #: kernels run from a few µs (a small copy on CPU) to seconds (long CPU prefill)
 KERNEL_BUCKETS = (0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01,
                   0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
@@ -58,12 +61,20 @@ class WorkerMetrics:
                         ("pool",), registry=self.registry)
         pool_bytes = Gauge("blockd_worker_pool_bytes", "Bytes of KV memory this worker's pool shard holds.",
                            ("pool",), registry=self.registry)
+        host_bytes = Gauge("blockd_worker_host_pool_bytes",
+                           "Bytes of host memory (pinned beside a GPU) this worker's host tier holds; 0: no tier.",
+                           ("pool",), registry=self.registry)
+        tier_ops = Counter("blockd_worker_tier_ops", "Blocks copied between the device pool and the host tier, "
+                           "by kind (offload: device -> host, restore: host -> device).",
+                           ("pool", "kind"), registry=self.registry)
         # one pool per worker: bind the children once, off the hot path
         self._tokens = tokens.labels(pool)
         self._copies = copies.labels(pool)
         self._lag = lag.labels(pool)
         self._applied = applied.labels(pool)
         self._pool_bytes = pool_bytes.labels(pool)
+        self._host_bytes = host_bytes.labels(pool)
+        self._tier_ops = {kind: tier_ops.labels(pool, kind) for kind in TIER_OP_KINDS}
         self._kernels = {name: self.kernel_duration.labels(pool, name) for name in self._kernel_names}
 
     def observe_kernel(self, kernel: str, seconds: float) -> None:
@@ -86,6 +97,12 @@ class WorkerMetrics:
 
     def set_pool_bytes(self, num_bytes: int) -> None:
         self._pool_bytes.set(num_bytes)
+
+    def set_host_pool_bytes(self, num_bytes: int) -> None:
+        self._host_bytes.set(num_bytes)
+
+    def add_tier_ops(self, kind: str, n: int) -> None:
+        self._tier_ops[kind].inc(n)
 
     def start_http(self, port: int, addr: str | None = None) -> ServedMetrics:
         """Serve ``/metrics`` on ``addr:port`` (port 0 picks one; see ``.port``).

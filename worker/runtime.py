@@ -5,8 +5,9 @@ A model runner living in the worker process calls :class:`WorkerRuntime`
 directly; the gRPC service (:mod:`worker.service`) is a thin adapter over the
 same methods. Every call names the pool version its tables come from; the
 runtime advances the replica to exactly that version (running that version's
-copy-on-write copies first) under one execution lock, so kernels never race
-with copy ops.
+tier ops and copy-on-write copies first) under one execution lock, so kernels
+never race with copy ops. A pool with ``num_host_blocks`` gets a host tier
+beside the device shard (:mod:`worker.tiers`).
 
 The shard holds layers ``[layer_start, layer_end)`` and KV heads
 ``[kv_head_start, kv_head_end)`` of the pool; a tensor-parallel group of
@@ -34,8 +35,9 @@ from blockd.core.errors import InvalidArgument, WrongState, shown
 from blockd.core.incarnations import new_incarnation
 from blockd.core.types import PoolConfig
 from worker.kernels import PagedAttention, copy_blocks, native, select_device, write_kv
-from worker.layout import KVGeometry, allocate_kv_pool, split_slots
+from worker.layout import KVGeometry, allocate_host_pool, allocate_kv_pool, split_slots
 from worker.tables import TableMirror
+from worker.tiers import HostTier
 from worker.written import ContextBlocks, WrittenSlots
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -97,6 +99,7 @@ class _NoMetrics:
     def observe_kernel(self, kernel: str, seconds: float) -> None: ...
     def add_tokens(self, n: int) -> None: ...
     def add_copy_ops(self, n: int) -> None: ...
+    def add_tier_ops(self, kind: str, n: int) -> None: ...
 
 
 def _batch_lengths(seq_ids: Sequence[str], query_lens, context_lens) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -152,10 +155,16 @@ class WorkerRuntime:
         if tuple(self.kv.shape) != self.geometry.shape or self.kv.dtype != self.dtype:
             raise ValueError(f"the allocator made a {self.kv.dtype} pool of shape {tuple(self.kv.shape)}, "
                              f"not {self.dtype} {self.geometry.shape}")
-        self.mirror = TableMirror(self._copy_blocks)
         #: this process's worker incarnation: KV written by an earlier one is gone
         self.incarnation = new_incarnation()
-        self.written = WrittenSlots(self.geometry.num_layers, config.num_blocks, config.block_size)
+        self.written = WrittenSlots(self.geometry.num_layers, config.num_blocks, config.block_size,
+                                    config.num_host_blocks)
+        self.metrics = metrics or _NoMetrics()
+        host_kv = allocate_host_pool(self.geometry, config.num_host_blocks, self.dtype, self.device)
+        #: the host tier (None: the pool has none)
+        self.host = None if host_kv is None else HostTier(self.kv, host_kv, self.written, self.metrics)
+        self.mirror = TableMirror(self._copy_blocks, tier_ops=None if self.host is None else self.host.run,
+                                  on_snapshot=self.written.forget_host)
         #: the pool incarnation the written-slot record (so the KV) belongs to
         self._kv_incarnation = ""
         #: why this worker can serve nothing any more (its pool changed geometry)
@@ -163,7 +172,6 @@ class WorkerRuntime:
         self._context: ContextBlocks | None = None
         self.version_timeout_s = version_timeout_s
         self.latest_committed = latest_committed
-        self.metrics = metrics or _NoMetrics()
         self.tokens_processed = 0
         self._attention = PagedAttention(self.device)
         self._plan_key: tuple | None = None
@@ -177,6 +185,11 @@ class WorkerRuntime:
     @property
     def pool_bytes(self) -> int:
         return self.kv.numel() * self.kv.element_size()
+
+    @property
+    def host_pool_bytes(self) -> int:
+        """Bytes of the host tier (0: none)."""
+        return 0 if self.host is None else self.host.nbytes
 
     # --- replica feeding (the Watch follower calls these) ---------------------
     def catch_up(self) -> None:
@@ -419,6 +432,8 @@ class WorkerRuntime:
             "copy_ops_applied": self.mirror.num_copy_ops,
             "snapshots_loaded": self.mirror.num_snapshots,
             "pool_bytes": self.pool_bytes,
+            "host_pool_bytes": self.host_pool_bytes,
+            "tier_ops_applied": self.mirror.num_tier_ops,
             "worker_incarnation": self.incarnation,
             "pool_incarnation": self.mirror.incarnation,
         }

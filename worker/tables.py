@@ -4,8 +4,9 @@ The mirror receives the pool's Watch stream (ordered
 :class:`~blockd.core.types.VersionDelta`\\ s, or a snapshot when it fell too
 far behind) into a pending queue and applies it *lazily*: work that names
 version V first applies every pending delta up to V -- running each
-version's copy ops on the KV memory before its table updates -- and then runs
-on exactly V's tables. Applying lazily matters because KV memory cannot be
+version's tier ops (offloads to and restores from the host tier), then its
+copy ops, on the KV memory before its table updates -- and then runs on
+exactly V's tables. Applying lazily matters because KV memory cannot be
 rewound: once V+1's copy ops ran, V's blocks may hold other data, so work for
 an older version than the applied one is refused as stale.
 
@@ -19,7 +20,11 @@ naming one not loaded yet waits for it, bounded
 
 :meth:`trim` applies the oldest pending deltas once more than ``max_pending``
 pile up, so an idle worker's memory stays bounded. Pure Python, thread-safe; the copy op
-executor is injected (the torch shard, or a list in tests).
+and tier op executors are injected (the torch shard, or lists in tests).
+
+A version whose tier or copy ops fail leaves the KV memory somewhere between
+two versions, so the mirror refuses every later call (:class:`MirrorBroken`)
+instead of answering over it: the worker must restart.
 """
 
 from __future__ import annotations
@@ -31,9 +36,10 @@ from collections.abc import Callable, Sequence
 
 from blockd.core.errors import InvalidArgument, NotFound, WrongState, shown
 from blockd.core.incarnations import PoolIncarnationMismatch, PoolIncarnationUnavailable, TermNotSeen, short
-from blockd.core.types import VersionDelta
+from blockd.core.types import TierOp, VersionDelta
 
 CopyFn = Callable[[Sequence[tuple[int, int]]], None]
+TierFn = Callable[[Sequence[TierOp]], None]
 #: replaced pool incarnations remembered (to refuse work naming them at once)
 MAX_REPLACED = 64
 
@@ -46,9 +52,21 @@ class VersionUnavailable(WrongState):
     """The named version did not arrive in time (or never will)."""
 
 
+class MirrorBroken(WrongState):
+    """A version's tier or copy ops failed: the KV memory matches no version."""
+
+
 class TableMirror:
-    def __init__(self, copy_blocks: CopyFn, max_pending: int = 4096) -> None:
+    def __init__(self, copy_blocks: CopyFn, max_pending: int = 4096, tier_ops: TierFn | None = None,
+                 on_snapshot: Callable[[], None] | None = None) -> None:
+        """``tier_ops`` runs a version's tier ops in order (None: the shard has no
+        host tier, and a version that has tier ops breaks the mirror);
+        ``on_snapshot`` is called as a snapshot replaces the tables, before any
+        later delta applies: the tier ops of the versions it skips never ran, so
+        the host tier holds what no table vouches for."""
         self._copy_blocks = copy_blocks
+        self._tier_ops = tier_ops
+        self._on_snapshot = on_snapshot
         self.max_pending = max_pending
         self.tables: dict[str, list[int]] = {}
         self.applied_version = 0
@@ -56,6 +74,9 @@ class TableMirror:
         self.received_version = 0
         self.num_snapshots = 0
         self.num_copy_ops = 0
+        self.num_tier_ops = 0
+        #: why the mirror serves nothing any more ("" while it does)
+        self.broken = ""
         #: the pool incarnation the tables belong to ("" until one is known)
         self.incarnation = ""
         #: the newest leader term that served this replica (0: none, or blockd is not replicated)
@@ -88,6 +109,8 @@ class TableMirror:
             self.tables = {seq_id: list(t) for seq_id, t in tables.items()}
             self.applied_version = self.received_version = version
             self._pending.clear()
+            if self._on_snapshot is not None:
+                self._on_snapshot()
             self.num_snapshots += 1
             self._cond.notify_all()
 
@@ -168,6 +191,8 @@ class TableMirror:
         checked = False
         with self._cond:
             while True:
+                if self.broken:
+                    raise MirrorBroken(self.broken)
                 if incarnation is not None and incarnation != self.incarnation:
                     self._check_incarnation(incarnation, deadline)
                     continue
@@ -216,9 +241,20 @@ class TableMirror:
     def _apply_until(self, version: int) -> None:
         while self._pending and self._pending[0].version <= version:
             delta = self._pending.popleft()
-            if delta.copy_ops:
-                self._copy_blocks(delta.copy_ops)
-                self.num_copy_ops += len(delta.copy_ops)
+            try:
+                if delta.tier_ops:
+                    if self._tier_ops is None:
+                        raise WrongState(f"{len(delta.tier_ops)} tier ops, but this worker has no host tier")
+                    self._tier_ops(delta.tier_ops)
+                    self.num_tier_ops += len(delta.tier_ops)
+                if delta.copy_ops:
+                    self._copy_blocks(delta.copy_ops)
+                    self.num_copy_ops += len(delta.copy_ops)
+            except Exception as err:
+                self.broken = (f"version {delta.version}'s tier or copy ops failed ({err}), so this worker's KV "
+                               "matches no version of the pool; restart the worker")
+                self._cond.notify_all()
+                raise MirrorBroken(self.broken) from err
             for update in delta.updates:
                 if update.freed:
                     self.tables.pop(update.seq_id, None)

@@ -4,7 +4,8 @@ A worker never answers over KV it cannot vouch for: after a restart its pool is
 zeros, and after its replica moves to a new pool incarnation the memory holds
 the old pool's data under the new pool's block ids. So the runtime records,
 per layer, every slot that ``write_kv`` stored, carries the record along with
-``copy_blocks``, and clears it when the pool incarnation changes; attention
+``copy_blocks`` and with the host tier's offloads and restores, and clears it
+when the pool incarnation changes; attention
 whose context reaches a slot not recorded is refused
 (:class:`~blockd.core.incarnations.KVNotWritten`) instead of computed.
 
@@ -15,6 +16,12 @@ one gather over the blocks it reads (vectorised, on the CPU: no device sync)::
 
     block 7, block_size 4:  written  1 1 0 1   -> leading 2
     a sequence whose context ends 3 slots into block 7 needs leading >= 3: refused
+
+The host tier's blocks have rows of their own after the device blocks (host
+block ``h`` is row ``num_blocks + h``): an offload copies a device block's row
+to its host row and a restore copies it back, so a restored block is written
+exactly where its offloaded source was, and a host block nothing was offloaded
+to restores as unwritten (refused, never answered over).
 
 Imports torch and :mod:`blockd.core.incarnations` only.
 """
@@ -56,10 +63,12 @@ class ContextBlocks:
 class WrittenSlots:
     """The written-slot record of one shard (see the module docstring)."""
 
-    def __init__(self, num_layers: int, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_host_blocks: int = 0) -> None:
         self.block_size = block_size
-        self.bits = torch.zeros(num_layers, num_blocks, block_size, dtype=torch.bool)
-        self.lead = torch.zeros(num_layers, num_blocks, dtype=torch.int32)
+        self.num_blocks = num_blocks
+        rows = num_blocks + num_host_blocks  # device blocks, then the host tier's
+        self.bits = torch.zeros(num_layers, rows, block_size, dtype=torch.bool)
+        self.lead = torch.zeros(num_layers, rows, dtype=torch.int32)
 
     def clear(self) -> None:
         self.bits.zero_()
@@ -92,6 +101,19 @@ class WrittenSlots:
         src, dst = pairs[:, 0], pairs[:, 1]
         self.bits[:, dst] = self.bits[:, src]
         self.lead[:, dst] = self.lead[:, src]
+
+    def forget_host(self) -> None:
+        """Nothing in the host tier is vouched for any more (a snapshot skipped tier ops)."""
+        self.bits[:, self.num_blocks:] = False
+        self.lead[:, self.num_blocks:] = 0
+
+    def offload(self, device_blocks: torch.Tensor, host_blocks: torch.Tensor) -> None:
+        """Device blocks were copied to host blocks (int64 ``[n]`` each, CPU)."""
+        self.copy(torch.stack((device_blocks, host_blocks + self.num_blocks), 1))
+
+    def restore(self, host_blocks: torch.Tensor, device_blocks: torch.Tensor) -> None:
+        """Host blocks were copied to device blocks: each is written as its source was."""
+        self.copy(torch.stack((host_blocks + self.num_blocks, device_blocks), 1))
 
     def check(self, layers: int | slice, context: ContextBlocks, seq_ids: Sequence[str],
               lengths: Sequence[int] | torch.Tensor) -> None:

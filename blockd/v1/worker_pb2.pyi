@@ -109,6 +109,8 @@ class GetWorkerStatsResponse(_message.Message):
     SNAPSHOTS_LOADED_FIELD_NUMBER: _builtins.int
     WORKER_INCARNATION_FIELD_NUMBER: _builtins.int
     POOL_INCARNATION_FIELD_NUMBER: _builtins.int
+    HOST_POOL_BYTES_FIELD_NUMBER: _builtins.int
+    TIER_OPS_APPLIED_FIELD_NUMBER: _builtins.int
     worker_id: _builtins.str
     pool: _builtins.str
     layer_start: _builtins.int
@@ -130,6 +132,10 @@ class GetWorkerStatsResponse(_message.Message):
     """The pool incarnation the worker's replica belongs to (empty before the
     first one arrives).
     """
+    host_pool_bytes: _builtins.int
+    """Bytes of the host tier beside the pool shard (0: the pool has none)."""
+    tier_ops_applied: _builtins.int
+    """Offloads and restores run between the device pool and the host tier."""
     def __init__(
         self,
         *,
@@ -150,10 +156,12 @@ class GetWorkerStatsResponse(_message.Message):
         snapshots_loaded: _builtins.int = ...,
         worker_incarnation: _builtins.str = ...,
         pool_incarnation: _builtins.str = ...,
+        host_pool_bytes: _builtins.int = ...,
+        tier_ops_applied: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["applied_version", b"applied_version", "copy_ops_applied", b"copy_ops_applied", "device", b"device", "dtype", b"dtype", "kv_head_end", b"kv_head_end", "kv_head_start", b"kv_head_start", "layer_end", b"layer_end", "layer_start", b"layer_start", "num_sequences", b"num_sequences", "pool", b"pool", "pool_bytes", b"pool_bytes", "pool_incarnation", b"pool_incarnation", "received_version", b"received_version", "snapshots_loaded", b"snapshots_loaded", "tokens_processed", b"tokens_processed", "worker_id", b"worker_id", "worker_incarnation", b"worker_incarnation"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["applied_version", b"applied_version", "copy_ops_applied", b"copy_ops_applied", "device", b"device", "dtype", b"dtype", "host_pool_bytes", b"host_pool_bytes", "kv_head_end", b"kv_head_end", "kv_head_start", b"kv_head_start", "layer_end", b"layer_end", "layer_start", b"layer_start", "num_sequences", b"num_sequences", "pool", b"pool", "pool_bytes", b"pool_bytes", "pool_incarnation", b"pool_incarnation", "received_version", b"received_version", "snapshots_loaded", b"snapshots_loaded", "tier_ops_applied", b"tier_ops_applied", "tokens_processed", b"tokens_processed", "worker_id", b"worker_id", "worker_incarnation", b"worker_incarnation"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,6 +1,7 @@
 """The worker's data-plane kernels (CPU, or CUDA when present).
 
-* :func:`write_kv`, :func:`copy_blocks` (:mod:`.cache_ops`): writes into the pool.
+* :func:`write_kv`, :func:`copy_blocks`, :func:`move_blocks` (:mod:`.cache_ops`): writes into
+  the pool, and blocks between it and its host tier.
 * :class:`PagedAttention` (:mod:`.attention`): paged decode, prefill/extend and
   mixed-batch attention, grouped-query included, with a batch validated once
   (:mod:`.batch`) and one of three backends: the compiled CPU kernel
@@ -14,13 +15,14 @@ The pool layout they all read is documented once, in :mod:`worker.layout`.
 """
 
 from worker.kernels.attention import PagedAttention, paged_decode_attention, paged_prefill_attention
-from worker.kernels.cache_ops import copy_blocks, write_kv
+from worker.kernels.cache_ops import copy_blocks, move_blocks, write_kv
 from worker.kernels.device import default_tile_bytes, select_device
 
 __all__ = [
     "PagedAttention",
     "copy_blocks",
     "default_tile_bytes",
+    "move_blocks",
     "paged_decode_attention",
     "paged_prefill_attention",
     "select_device",

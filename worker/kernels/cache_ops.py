@@ -1,5 +1,6 @@
-"""Writes into the KV pool: ``write_kv`` (new tokens' K/V into their slots) and
-``copy_blocks`` (copy-on-write of whole blocks).
+"""Writes into the KV pool: ``write_kv`` (new tokens' K/V into their slots),
+``copy_blocks`` (copy-on-write of whole blocks) and ``move_blocks`` (whole
+blocks between the device pool and its host tier: offload and restore).
 
 Both take the pool of :mod:`worker.layout` (or one layer of it) and change it in
 place; neither allocates anything proportional to the pool. Slots come from
@@ -14,7 +15,7 @@ import torch
 
 from worker.layout import split_slots
 
-__all__ = ["copy_blocks", "write_kv"]
+__all__ = ["copy_blocks", "move_blocks", "write_kv"]
 
 
 def write_kv(kv: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -109,3 +110,43 @@ def copy_blocks(kv: torch.Tensor, pairs: torch.Tensor) -> None:
     block_elems = kv.shape[-3] * kv.shape[-2] * kv.shape[-1]
     slabs = kv.view(-1, num_blocks, block_elems)
     slabs.index_copy_(1, dst, slabs.index_select(1, src))
+
+
+def move_blocks(src: torch.Tensor, dst: torch.Tensor, src_blocks: torch.Tensor, dst_blocks: torch.Tensor) -> None:
+    """Copy whole blocks ``src_blocks[i]`` of pool ``src`` to ``dst_blocks[i]`` of
+    pool ``dst``, every layer, K and V: an offload (device pool -> host tier) or a
+    restore (host tier -> device pool), as one gather and one scatter.
+
+    * ``src``, ``dst``: contiguous pools ``[L, 2, N, H, b, D]`` that differ only
+      in ``N`` (:func:`worker.layout.allocate_host_pool`), of one dtype, on any
+      devices (the gathered blocks cross once).
+    * ``src_blocks``, ``dst_blocks``: integer ``[n]``; destinations distinct.
+
+    The bytes are copied as they are, so a block moved there and back is equal
+    bit for bit.
+    """
+    for name, kv in (("src", src), ("dst", dst)):
+        if kv.dim() != 6 or kv.shape[1] != 2 or not kv.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous pool [L, 2, N, H, b, D]; got {list(kv.shape)}")
+    if src.shape[:2] != dst.shape[:2] or src.shape[3:] != dst.shape[3:] or src.dtype != dst.dtype:
+        raise ValueError(f"pools {list(src.shape)} {src.dtype} and {list(dst.shape)} {dst.dtype} differ in more "
+                         "than their number of blocks")
+    ids = []
+    for name, given, kv in (("src_blocks", src_blocks, src), ("dst_blocks", dst_blocks, dst)):
+        if given.dim() != 1 or given.dtype.is_floating_point or given.dtype == torch.bool:
+            raise ValueError(f"{name} must be an integer [n] tensor, got {list(given.shape)} of {given.dtype}")
+        blocks = given.to(torch.int64)
+        if blocks.numel() and (int(blocks.min()) < 0 or int(blocks.max()) >= kv.shape[2]):
+            raise ValueError(f"{name} must be in [0, {kv.shape[2]}), got ids from {int(blocks.min())} to "
+                             f"{int(blocks.max())}")
+        ids.append(blocks)
+    src_ids, dst_ids = ids
+    if src_ids.numel() != dst_ids.numel():
+        raise ValueError(f"{src_ids.numel()} source blocks but {dst_ids.numel()} destinations")
+    if torch.unique(dst_ids).numel() != dst_ids.numel():
+        raise ValueError("move_blocks destinations must be distinct: two blocks into one")
+    if not src_ids.numel():
+        return
+    block_elems = src.shape[3] * src.shape[4] * src.shape[5]
+    gathered = src.view(-1, src.shape[2], block_elems).index_select(1, src_ids.to(src.device))
+    dst.view(-1, dst.shape[2], block_elems).index_copy_(1, dst_ids.to(dst.device), gathered.to(dst.device))
