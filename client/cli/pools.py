@@ -24,15 +24,18 @@ from client.cli.common import CommandFailed, Exit, emit, render_table
 from client.sdk import BlockdClient
 
 _POOL_COLUMNS = ("name", "num_blocks", "block_size", "num_free_blocks", "num_used_blocks",
-                 "num_evictable_blocks", "num_seqs", "num_tokens", "version", "tenant")
+                 "num_evictable_blocks", "num_host_blocks", "num_host_cached_blocks", "num_seqs", "num_tokens",
+                 "version", "tenant")
 
 
 def _pools_create(client: BlockdClient, args: argparse.Namespace) -> None:
     config = PoolConfig(name=args.name, num_blocks=args.num_blocks, block_size=args.block_size,
                         num_layers=args.num_layers, num_kv_heads=args.num_kv_heads, head_dim=args.head_dim,
-                        dtype=args.dtype, watermark_blocks=args.watermark_blocks, tenant=args.tenant)
+                        dtype=args.dtype, watermark_blocks=args.watermark_blocks, tenant=args.tenant,
+                        num_host_blocks=args.host_blocks)
     stats = client.create_pool(config)
-    emit(args, stats, lambda: f"created pool {stats.name}: {stats.num_blocks} blocks of {stats.block_size}")
+    host = f", {stats.num_host_blocks} in the host tier" if stats.num_host_blocks else ""
+    emit(args, stats, lambda: f"created pool {stats.name}: {stats.num_blocks} blocks of {stats.block_size}{host}")
 
 
 def _pools_list(client: BlockdClient, args: argparse.Namespace) -> None:
@@ -67,7 +70,8 @@ APPLY_HELP = """\
 The file is JSON: {"pools": [{"name": "default", "num_blocks": 4096,
 "block_size": 16, ...}, ...]}, or the list alone; an entry takes the fields
 of a pool config (name, num_blocks, block_size, num_layers, num_kv_heads,
-head_dim, dtype, watermark_blocks, max_retained_versions, tenant).
+head_dim, dtype, watermark_blocks, max_retained_versions, tenant,
+num_host_blocks).
 
 For each pool: a missing one is created; one whose stated fields all match
 is left alone; one with another value for a stated field is reported and
@@ -105,6 +109,10 @@ def add_pools(sub: argparse._SubParsersAction) -> None:
     create.add_argument("--dtype", default="float16", help="KV element type")
     create.add_argument("--watermark-blocks", type=non_negative_int, default=0,
                         help="blocks kept back from new sequences so running ones can append")
+    create.add_argument("--host-blocks", type=non_negative_int, default=0,
+                        help="blocks of the host-memory tier per worker shard, with the device blocks' layout "
+                             "(pinned host memory beside a GPU): evicted cached blocks move there and come "
+                             "back on a prefix hit (default 0: no host tier)")
     create.add_argument("--tenant", default="",
                         help="the tenant that owns the pool (default: the caller's; only an admin names another)")
     create.set_defaults(run=_pools_create)

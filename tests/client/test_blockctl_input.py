@@ -88,6 +88,7 @@ CREATE = ("pools", "create", "p", "--num-blocks", "8", "--block-size", "16")
     ((*CREATE, "--num-layers", "0"), "argument --num-layers: must be an integer >= 1"),
     ((*CREATE, "--head-dim", "1.5"), "argument --head-dim: must be an integer >= 1"),
     ((*CREATE, "--watermark-blocks", "-1"), "argument --watermark-blocks: must be an integer >= 0"),
+    ((*CREATE, "--host-blocks", "-1"), "argument --host-blocks: must be an integer >= 0"),
     (("--timeout-s", "-1", "pools", "list"), "argument --timeout-s: must be a number > 0"),
     (("pools", "list", "--timeout-s", "inf"), "argument --timeout-s: must be a number > 0"),
 ])

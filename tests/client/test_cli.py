@@ -50,6 +50,17 @@ def test_pools_create_list_show(target, capsys) -> None:
     assert data["config"]["num_layers"] == 4 and data["stats"]["num_blocks"] == 64
 
 
+def test_pools_create_with_a_host_tier(target, capsys) -> None:
+    code, out, _ = run(capsys, "--target", target, "pools", "create", "tiered", "--num-blocks", "16",
+                       "--block-size", "4", "--host-blocks", "64")
+    assert code == 0, out
+    code, out, _ = run(capsys, "--target", target, "--json", "pools", "show", "tiered")
+    assert json.loads(out)["config"]["num_host_blocks"] == 64
+    code, out, _ = run(capsys, "--target", target, "pools", "list")
+    header = out.splitlines()[0].split()
+    assert "NUM_HOST_BLOCKS" in header and "NUM_HOST_CACHED_BLOCKS" in header
+
+
 def test_seq_show(target, capsys) -> None:
     with BlockdClient(target) as c:
         c.create_pool(PoolConfig("p", num_blocks=16, block_size=4))
