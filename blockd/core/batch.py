@@ -40,8 +40,9 @@ from blockd.core.validate import check_name
 
 #: a sequence before an operation: (seq, num_tokens, num_committed, last block or -1)
 Mark = tuple[Sequence, int, int, int]
-#: a block that entered the prefix index: (block, hash, parent hash or b"", tokens)
-Stored = tuple[int, bytes, bytes, tuple[int, ...]]
+#: a block that entered the prefix index: (evictions queued before it, block,
+#: hash, parent hash or b"", tokens); the first field orders the events
+Stored = tuple[int, int, bytes, bytes, tuple[int, ...]]
 
 
 class Batch:
@@ -165,7 +166,7 @@ class Batch:
             hashes.append(h)
             block = seq.table[logical]
             if blocks.hash[block] is None and blocks.index_block(block, h):
-                self.stored.append((block, h, parent or b"", tuple(tokens)))
+                self.stored.append((len(blocks.evicted), block, h, parent or b"", tuple(tokens)))
 
     def copy_on_write(self, seq: Sequence, offset: int) -> tuple[int, int]:
         """Give ``seq`` its own copy of its shared, partly filled last block,

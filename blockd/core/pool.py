@@ -132,14 +132,20 @@ class Pool:
         return StepResult(version=self.version, results=results, copy_ops=copy_ops, tier_ops=tier_ops)
 
     def _publish_events(self, batch: Batch) -> None:
-        """Turn the batch's evictions and stores into numbered events, in order:
-        evictions happen while taking blocks, before any store of the batch
-        could reuse the hash."""
-        for block, h, medium in self.blocks.evicted:
-            self._emit(BLOCK_REMOVED, block_hash=h, block_id=block, medium=medium)
-        self.blocks.evicted.clear()
-        for block, h, parent, tokens in batch.stored:
+        """Turn the batch's evictions and stores into numbered events in the
+        order they happened: a block the batch commits may be evicted later in
+        the batch (its BlockRemoved follows its BlockStored), and an evicted
+        hash may be stored again (the other way round)."""
+        evicted = self.blocks.evicted
+        done = 0
+        for before, block, h, parent, tokens in batch.stored:
+            for e_block, e_hash, medium in evicted[done:before]:
+                self._emit(BLOCK_REMOVED, block_hash=e_hash, block_id=e_block, medium=medium)
+            done = max(done, before)
             self._emit(BLOCK_STORED, block_hash=h, parent_hash=parent, block_id=block, token_ids=tokens)
+        for e_block, e_hash, medium in evicted[done:]:
+            self._emit(BLOCK_REMOVED, block_hash=e_hash, block_id=e_block, medium=medium)
+        evicted.clear()
 
     def _emit(self, kind: str, *, block_hash: bytes = b"", parent_hash: bytes = b"", block_id: int = -1,
               token_ids: tuple[int, ...] = (), medium: str = DEVICE) -> None:

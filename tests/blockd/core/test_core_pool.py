@@ -397,3 +397,11 @@ def test_an_id_allocated_twice_in_one_batch_is_called_a_duplicate_not_an_existin
         pool.step([Allocate("d", [2])])
     pool.step([Free("d"), Allocate("d", [3])])  # freed then allocated again in one batch: fine
     check_invariants(pool)
+
+
+def test_events_follow_the_batch_order_when_a_block_is_stored_then_evicted():
+    pool = make_pool(num_blocks=2, block_size=2)
+    pool.step([Allocate("a", [1, 2, 3])])
+    pool.step([Commit("a", 2), Free("a"), Allocate("b", [9, 9, 9])])  # a's block 0 is cached, then evicted
+    assert [(e.kind, e.block_id) for e in pool.take_events()] == [(BLOCK_STORED, 0), (BLOCK_REMOVED, 0)]
+    assert pool.blocks.index == {}
