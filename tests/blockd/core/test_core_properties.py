@@ -229,3 +229,48 @@ class SmallPoolMachine(PoolMachine):
 
 SmallPoolMachine.TestCase.settings = PoolMachine.TestCase.settings
 TestSmallPoolMachine = SmallPoolMachine.TestCase
+
+
+class HostTierPoolMachine(SmallPoolMachine):
+    """The same rules on the small pool with a host tier of 3 blocks: evictions
+    offload, prefix hits restore, and a full host tier drops its oldest hash.
+    Tier moves change no event, so the events describe the hashes cached in
+    either tier (their block ids may have moved)."""
+
+    num_host_blocks = 3
+
+    def __init__(self):
+        super().__init__()
+        self.pool = Pool(PoolConfig("p", num_blocks=self.num_blocks, block_size=self.block_size,
+                                    watermark_blocks=self.watermark_blocks, max_retained_versions=8,
+                                    num_host_blocks=self.num_host_blocks))
+
+    @invariant()
+    def events_describe_the_index(self):
+        for event in self.pool.take_events():
+            self.last_seq_no += 1
+            assert event.seq_no == self.last_seq_no
+            if event.kind == BLOCK_STORED:
+                assert event.block_hash not in self.index_from_events and event.medium == "device"
+                self.index_from_events[event.block_hash] = event.block_id
+            elif event.kind == BLOCK_REMOVED:
+                self.index_from_events.pop(event.block_hash)
+            else:
+                assert event.kind == ALL_BLOCKS_CLEARED
+                self.index_from_events.clear()
+        host = self.pool.blocks.host
+        assert set(self.index_from_events) == set(self.pool.blocks.index) | set(host.index)
+
+
+HostTierPoolMachine.TestCase.settings = PoolMachine.TestCase.settings
+TestHostTierPoolMachine = HostTierPoolMachine.TestCase
+
+
+class OneHostBlockPoolMachine(HostTierPoolMachine):
+    """A host tier of one block: nearly every offload drops the previous one."""
+
+    num_host_blocks = 1
+
+
+OneHostBlockPoolMachine.TestCase.settings = PoolMachine.TestCase.settings
+TestOneHostBlockPoolMachine = OneHostBlockPoolMachine.TestCase
