@@ -26,11 +26,14 @@ MAX_RETAINED_EVENTS = 65536
 
 def event_to_json(event: KVEvent) -> list:
     return [event.seq_no, event.kind, event.block_hash.hex(), event.parent_hash.hex(), event.block_id,
-            list(event.token_ids)]
+            list(event.token_ids), event.medium]
 
 
 def event_from_json(data: list) -> KVEvent:
-    return KVEvent(data[0], data[1], bytes.fromhex(data[2]), bytes.fromhex(data[3]), data[4], tuple(data[5]))
+    """An event as :func:`event_to_json` wrote it; one written before the host
+    tier has no medium: it was on the device."""
+    return KVEvent(data[0], data[1], bytes.fromhex(data[2]), bytes.fromhex(data[3]), data[4], tuple(data[5]),
+                   data[6] if len(data) > 6 else "device")
 
 
 class PoolEntry:
