@@ -16,6 +16,7 @@ again at the same address (fault tests: a new worker incarnation, its KV gone).
 from __future__ import annotations
 
 import collections
+import dataclasses
 import os
 import queue
 import signal
@@ -140,6 +141,8 @@ class ClusterSpec:
     num_blocks: int = 256
     block_size: int = 16
     watermark_blocks: int = 0
+    #: the pool's host tier (blocks per shard; 0: none): evicted prefixes move there and come back on a hit
+    num_host_blocks: int = 0
     model_seed: int = 0
     #: serve each worker's Prometheus metrics on a free port (``LocalCluster.worker_metrics_urls``)
     worker_metrics: bool = False
@@ -147,6 +150,8 @@ class ClusterSpec:
     def __post_init__(self) -> None:
         if self.tp_size < 1 or self.num_blocks < 1 or self.block_size < 1:
             raise ValueError("tp_size, num_blocks and block_size must be >= 1")
+        if self.num_host_blocks < 0:
+            raise ValueError("num_host_blocks must be >= 0")
 
 
 class LocalCluster:
@@ -201,6 +206,7 @@ class LocalCluster:
         self.blockd.wait_ready(time.monotonic() + START_TIMEOUT_S)
         config = pool_config_for(model_config(spec.model), spec.pool, spec.num_blocks, spec.block_size,
                                  dtype="float32", watermark_blocks=spec.watermark_blocks)
+        config = dataclasses.replace(config, num_host_blocks=spec.num_host_blocks)
         with BlockdClient(self.blockd.address) as client:
             client.create_pool(config)
         self.pool_config = config
