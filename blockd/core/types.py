@@ -141,7 +141,8 @@ class OpResult:
     slot_start: int = 0
     slot_mapping: tuple[int, ...] = ()
     #: of ``num_cached_tokens``, those whose blocks come back from the host tier
-    #: (RESTORE tier ops at this version): cached for the scheduler, copied by the workers
+    #: (RESTORE tier ops at this version): cached for the scheduler, copied by the workers.
+    #: Their blocks are in the table's cached prefix, not in ``new_block_ids``.
     num_restored_tokens: int = 0
 
 
@@ -225,7 +226,9 @@ class KVEvent:
     block_id: int = -1
     token_ids: tuple[int, ...] = field(default=())
     #: where the block was (``"device"`` or ``"host"``): a BlockStored is always
-    #: on the device; a BlockRemoved names the tier it was evicted from
+    #: on the device; a BlockRemoved names the tier it was evicted from (its
+    #: ``block_id`` is then a host block). Offloads and restores move a hash
+    #: between the tiers without an event: it stays cached.
     medium: str = "device"
 
 
@@ -246,6 +249,8 @@ class PoolStats:
     tail_waste_bytes: int
     prefix_queried_tokens: int
     prefix_hit_tokens: int
+    #: cached hashes dropped to make room (each a BlockRemoved), from either
+    #: tier; a block offloaded to the host tier is not one
     num_evictions: int
     num_copies: int
     version: int
