@@ -24,10 +24,13 @@ import json
 import struct
 import sys
 from array import array
+from dataclasses import replace
 from hashlib import blake2b
 from itertools import chain
 
 from blockd.core.types import (
+    OFFLOAD,
+    RESTORE,
     Allocate,
     Append,
     Commit,
@@ -38,6 +41,7 @@ from blockd.core.types import (
     PoolConfig,
     PoolStats,
     StepResult,
+    TierOp,
 )
 
 _LEN = struct.Struct("<Q")
@@ -221,8 +225,43 @@ def _encode_step(result: StepResult, b: int) -> bytes:
         parts += (_RESULT.pack(len(seq_id), r.num_tokens, r.num_cached_tokens, r.slot_start, block_form,
                                len(blocks), len(r.copy_ops), slot_form, len(slots)),
                   seq_id, blocks, _pairs(r.copy_ops), slots)
+    parts.append(_tiers(result))
     parts.append(_incarnation(result.incarnation))
     return b"".join(parts)
+
+
+#: the tier section's marker, which no incarnation trailer starts with (``\x01``, ``\x02``)
+_TIERS = b"\x03"
+_TIER_KINDS = {OFFLOAD: 0, RESTORE: 1}
+_KIND_OF = {code: kind for kind, code in _TIER_KINDS.items()}
+
+
+def _tiers(result: StepResult) -> bytes:
+    """A step's host-tier part, between the results and the incarnation: its
+    tier ops and each result's restored tokens, so a retried request id gets
+    the ops its workers must run and the tokens it must not compute. Absent
+    for a step with neither (every answer kept before there was a host tier)."""
+    restored = [(i, r.num_restored_tokens) for i, r in enumerate(result.results) if r.num_restored_tokens]
+    if not result.tier_ops and not restored:
+        return b""
+    ops = array("I", [x for op in result.tier_ops for x in (_TIER_KINDS[op.kind], op.device_block, op.host_block)])
+    return (_TIERS + _LEN.pack(len(result.tier_ops)) + _le(ops) + _LEN.pack(len(restored))
+            + _le(array("I", [x for pair in restored for x in pair])))
+
+
+def _tiers_of(data: bytes, pos: int) -> tuple[tuple[TierOp, ...], dict[int, int], int]:
+    if data[pos : pos + 1] != _TIERS:
+        return (), {}, pos
+    (num_ops,) = _LEN.unpack_from(data, pos + 1)
+    pos += 1 + _LEN.size
+    flat = _array("I", data[pos : pos + 12 * num_ops])
+    pos += 12 * num_ops
+    ops = tuple(TierOp(_KIND_OF[flat[i]], flat[i + 1], flat[i + 2]) for i in range(0, len(flat), 3))
+    (num_restored,) = _LEN.unpack_from(data, pos)
+    pos += _LEN.size
+    pairs = _array("I", data[pos : pos + 8 * num_restored])
+    pos += 8 * num_restored
+    return ops, dict(zip(pairs[0::2], pairs[1::2])), pos
 
 
 def _incarnation(text: str) -> bytes:
@@ -269,8 +308,11 @@ def _decode_step(data: bytes) -> StepResult:
             new = _unpack_ints(block_form, new_part)
         results.append(OpResult(seq_id=seq_id, num_tokens=tokens, num_cached_tokens=cached, new_block_ids=new,
                                 copy_ops=op_copies, slot_start=start, slot_mapping=slots))
+    tier_ops, restored, pos = _tiers_of(data, pos)
+    for i, count in restored.items():
+        results[i] = replace(results[i], num_restored_tokens=count)
     return StepResult(version=version, results=tuple(results), copy_ops=copies,
-                      incarnation=_incarnation_of(data[pos:]))
+                      incarnation=_incarnation_of(data[pos:]), tier_ops=tier_ops)
 
 
 def encode_result(result: object, block_size: int = 0) -> bytes:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import tracemalloc
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -23,7 +24,7 @@ from blockd.core import (
     WrongState,
 )
 from blockd.core.state import op_to_json
-from blockd.core.types import DecodeAppend, OpResult, PoolStats, StepResult
+from blockd.core.types import OFFLOAD, RESTORE, DecodeAppend, OpResult, PoolStats, StepResult, TierOp
 from blockd.engine.config import EngineConfig
 from blockd.engine.idempotency import IdempotencyLimits, IdempotencyTable
 from blockd.engine.idempotency_codec import decode_result, encode_result, fingerprint
@@ -134,6 +135,32 @@ def test_answers_survive_their_compact_form(answer, block_size, table):
     b, result = table
     step = StepResult(7, (result,))
     assert decode_result(encode_result(step, b)) == step
+
+
+tier_ops = st.lists(st.builds(TierOp, st.sampled_from([OFFLOAD, RESTORE]), st.integers(0, 2**32 - 1),
+                              st.integers(0, 2**32 - 1)), max_size=4).map(tuple)
+
+
+@given(step=st.builds(StepResult, u64, st.lists(op_results, max_size=3).map(tuple), pairs,
+                      st.sampled_from(["", "0123456789abcdef0123456789abcdef", "other"]), st.just(0), tier_ops),
+       restored=st.lists(st.integers(0, 2**32 - 1), max_size=3))
+def test_a_step_keeps_its_tier_ops_and_restored_tokens(step, restored):
+    """A retried request id must get the host-tier ops its workers run and the
+    restored tokens its scheduler must not compute, not an answer without them."""
+    results = tuple(replace(r, num_restored_tokens=n) for r, n in zip(step.results, restored + [0] * 3))
+    step = replace(step, results=results)
+    assert decode_result(encode_result(step, 4)) == step
+
+
+def test_a_retried_step_answers_with_its_restores():
+    engine = Engine()
+    engine.create_pool(PoolConfig("t", num_blocks=4, block_size=2, num_host_blocks=8))
+    engine.step("t", [Allocate("a", [1, 2, 3, 4, 5]), Commit("a", 5)])
+    engine.step("t", [Free("a"), Allocate("b", [9, 8, 7, 6, 5])])  # b's blocks push a cached one to the host
+    first = engine.step("t", [Free("b"), Allocate("c", [1, 2, 3, 4, 6])], "rid-restore")
+    restores = [op for op in first.tier_ops if op.kind == RESTORE]
+    assert restores and first.results[1].num_restored_tokens == 2 * len(restores)
+    assert engine.step("t", [Free("b"), Allocate("c", [1, 2, 3, 4, 6])], "rid-restore") == first
 
 
 def test_answers_are_compact():
