@@ -1,0 +1,203 @@
+"""The host tier on multi-turn chat: prefix hits, TTFT and TPOT with and without it.
+
+    .venv/bin/python bench/tiers.py            # the real default model, rows: host tier 0, 4x, 16x
+    .venv/bin/python bench/tiers.py --quick    # tiny-llama, fewer conversations (a smoke run)
+
+Workload: ``--conversations`` conversations of ``--turns`` turns, greedy.
+Each turn's prompt is the conversation's whole history (its first prompt,
+then every earlier question and the model's answers) plus a new question.
+A round sends every conversation's next turn; with ``--max-seqs`` running at
+once and a device pool far smaller than all histories together, a
+conversation's history has left the device tier by its next turn. The rows
+run the same requests on a fresh cluster with the same device pool and a
+host tier of 0, 4x and 16x its blocks.
+
+Each row (one JSON line, ``name: tiers``): the prefix hit rate of turns after
+the first (prompt tokens served from cache / prompt tokens), TTFT p50/p99
+and TPOT p50 of those turns, output tokens/s of the whole run, offloads and
+restores per second, the worker's time per restored block against its
+forward time per prompt block (what recomputing it costs), whether the
+verified outputs equal transformers' ``generate``, and ratios against the
+no-tier row. The setup (model, precision, versions, lengths, concurrency,
+hardware) is in every row.
+
+Not here yet: vLLM as the anchor on the same requests (its CPU build's
+``--kv-offloading-size`` is untried), and two pools with sharing across them
+(issue 28 item 3 is not built).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import re
+import sys
+import time
+import urllib.request
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from blockd.cluster.local import ClusterSpec, LocalCluster, model_config
+
+MODEL = "smollm2-135m"
+BLOCK_SIZE = 16
+
+
+def conversations(num: int, seed: int, vocab: int, first: tuple[int, int], question: tuple[int, int]):
+    rng = random.Random(seed)
+    starts = [tuple(rng.randrange(vocab) for _ in range(rng.randint(*first))) for _ in range(num)]
+    questions = [[tuple(rng.randrange(vocab) for _ in range(rng.randint(*question))) for _ in range(16)]
+                 for _ in range(num)]
+    return starts, questions
+
+
+def _metric(url: str, name: str, **labels: str) -> float:
+    """One sample of a worker's /metrics (0 when it is not there)."""
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    for line in text.splitlines():
+        if line.startswith(name) and (not want or want in line):
+            match = re.match(r"^[^ ]+ ([0-9.eE+-]+)$", line)
+            if match:
+                return float(match.group(1))
+    return 0.0
+
+
+def run_row(args, num_host_blocks: int) -> tuple[dict, list, list]:
+    from client.model_group import WorkerGroup
+    from client.scheduler import Scheduler, SchedulerConfig
+    from client.sdk import BlockdClient
+    from client.serving import GREEDY, GenerationRequest, percentile
+
+    config = model_config(args.model)
+    starts, questions = conversations(args.conversations, args.seed, config.vocab_size, args.first_tokens,
+                                      args.question_tokens)
+    spec = ClusterSpec(args.model, 1, "tiers", num_blocks=args.device_blocks, block_size=BLOCK_SIZE,
+                       num_host_blocks=num_host_blocks, worker_metrics=True)
+    requests, outputs, later = [], [], []
+    with LocalCluster(spec) as cluster, BlockdClient(cluster.blockd_address) as client, \
+            WorkerGroup("tiers", cluster.worker_addresses) as group:
+        sched = Scheduler(client, "tiers", group, SchedulerConfig(args.max_batched_tokens, args.max_seqs))
+        history = [tuple(s) for s in starts]
+        start = time.perf_counter()
+        base = None
+        for turn in range(args.turns):
+            if turn == 1:
+                base = client.get_pool("tiers")  # the later turns are what a host tier can help
+            wave = []
+            for c in range(args.conversations):
+                prompt = history[c] if turn == 0 else history[c] + questions[c][turn]
+                wave.append(GenerationRequest(f"c{c}-t{turn}", prompt, args.output_tokens, sampling=GREEDY))
+            for req in wave:
+                sched.add_request(req)
+            done = {o.request_id: o for o in sched.run()}
+            for c, req in enumerate(wave):
+                out = done[req.request_id]
+                history[c] = req.prompt_token_ids + out.output_token_ids[0]
+                outputs.append(out)
+                if turn:
+                    later.append(out)
+            requests += wave
+        seconds = time.perf_counter() - start
+        stats = client.get_pool("tiers")
+        url = cluster.worker_metrics_urls[0]
+        restore_s = _metric(url, "blockd_worker_kernel_duration_seconds_sum", kernel="restore_blocks")
+        forward_s = _metric(url, "blockd_worker_kernel_duration_seconds_sum", kernel="model_forward")
+        tokens = _metric(url, "blockd_worker_tokens_processed_total")
+    queried = stats.prefix_queried_tokens - base.prefix_queried_tokens if base else 0
+    hits = stats.prefix_hit_tokens - base.prefix_hit_tokens if base else 0
+    ttft = [o.ttft_s * 1e3 for o in later]
+    tpot = [o.tpot_s * 1e3 for o in later if len(o.output_token_ids[0]) > 1]
+    out_tokens = sum(len(o.output_token_ids[0]) for o in outputs)
+    row = {
+        "host_blocks": num_host_blocks, "host_ratio": round(num_host_blocks / args.device_blocks, 2),
+        "hit_rate_later_turns": round(hits / queried, 4) if queried else 0.0,
+        "ttft_p50_ms": round(percentile(ttft, 50), 1), "ttft_p99_ms": round(percentile(ttft, 99), 1),
+        "tpot_p50_ms": round(percentile(tpot, 50), 2), "tokens_per_s": round(out_tokens / seconds, 2),
+        "seconds": round(seconds, 1), "offloads": stats.num_offloads, "restores": stats.num_restores,
+        "offloads_per_s": round(stats.num_offloads / seconds, 2),
+        "restores_per_s": round(stats.num_restores / seconds, 2),
+        # the worker's own clocks: copying one block back against running its 16 tokens through the model
+        "restore_ms_per_block": round(restore_s / stats.num_restores * 1e3, 4) if stats.num_restores else None,
+        "forward_ms_per_prompt_block": round(forward_s / tokens * BLOCK_SIZE * 1e3, 3) if tokens else None,
+        "prompt_tokens_computed": sched.counters.num_prefill_tokens,
+        "prompt_tokens_cached": sched.counters.num_cached_tokens,
+    }
+    return row, requests, outputs
+
+
+def verify(model: str, requests, outputs, num: int) -> dict:
+    """Whether the first turn's first requests and the last turn's equal transformers' ``generate``."""
+    from worker.model.reference import ContiguousReference
+
+    picked = requests[:num // 2] + requests[-(num - num // 2):]
+    problems = ContiguousReference(model).mismatches(picked, outputs)
+    return {"verified_requests": len(picked), "outputs_match_reference": not problems,
+            **({"reference_problems": problems[:3]} if problems else {})}
+
+
+def setup(args) -> dict:
+    import grpc
+    import torch
+    import transformers
+
+    config = model_config(args.model)
+    return {
+        "model": {"name": args.model, "num_hidden_layers": config.num_hidden_layers,
+                  "num_key_value_heads": config.num_key_value_heads, "vocab_size": config.vocab_size},
+        "precision": "float32",
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
+                     "grpcio": grpc.__version__, "python": platform.python_version()},
+        "hardware": {"cpu_count": os.cpu_count(), "machine": platform.machine(), "device": "cpu"},
+        "workload": {"conversations": args.conversations, "turns": args.turns,
+                     "first_prompt_tokens": list(args.first_tokens), "question_tokens": list(args.question_tokens),
+                     "output_tokens": args.output_tokens, "sampling": "greedy", "seed": args.seed,
+                     "tokens": "random ids (the KV and the cache do not depend on their meaning)"},
+        "pool": {"device_blocks": args.device_blocks, "block_size": BLOCK_SIZE},
+        "concurrency": {"max_num_seqs": args.max_seqs, "max_num_batched_tokens": args.max_batched_tokens},
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny-llama, 6 conversations of 3 turns")
+    parser.add_argument("--model", default=None, help=f"model spec (default {MODEL}; tiny-llama with --quick)")
+    parser.add_argument("--conversations", type=int, default=None)
+    parser.add_argument("--turns", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--ratios", default="0,4,16", help="host tier sizes, in device pools (default 0,4,16)")
+    parser.add_argument("--verify", type=int, default=6, help="requests checked against transformers (default 6)")
+    args = parser.parse_args(argv)
+    args.model = args.model or ("tiny-llama" if args.quick else MODEL)
+    args.conversations = args.conversations or (6 if args.quick else 12)
+    if args.conversations < 1 or args.turns < 2 or args.verify < 0:
+        parser.error("--conversations >= 1, --turns >= 2 and --verify >= 0")
+    ratios = [float(r) for r in args.ratios.split(",")]
+    if not ratios or ratios[0] != 0 or any(r < 0 for r in ratios):
+        parser.error("--ratios must start at 0 (the row the others are compared with)")
+    if args.quick:  # the tiny models have 256 positions
+        args.first_tokens, args.question_tokens, args.output_tokens = (40, 64), (8, 16), 8
+        args.device_blocks, args.max_seqs, args.max_batched_tokens = 24, 2, 128
+    else:
+        args.first_tokens, args.question_tokens, args.output_tokens = (96, 160), (16, 32), 24
+        args.device_blocks, args.max_seqs, args.max_batched_tokens = 96, 4, 512
+    common = {"name": "tiers", **setup(args)}
+    base = None
+    for ratio in ratios:
+        row, requests, outputs = run_row(args, int(ratio * args.device_blocks))
+        row.update(verify(args.model, requests, outputs, args.verify) if args.verify else {})
+        if base is None:
+            base = row
+        row["ratio_hit_rate_vs_no_tier"] = (round(row["hit_rate_later_turns"] / base["hit_rate_later_turns"], 2)
+                                            if base["hit_rate_later_turns"] else None)
+        row["ratio_ttft_p50_vs_no_tier"] = round(row["ttft_p50_ms"] / base["ttft_p50_ms"], 3)
+        row["ratio_tpot_p50_vs_no_tier"] = round(row["tpot_p50_ms"] / base["tpot_p50_ms"], 3)
+        print(json.dumps({**common, **row}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,32 @@
+"""``bench/tiers.py --quick`` as a user runs it: one JSON row per host-tier
+size, the tier raising the later turns' hit rate, outputs equal to
+transformers' in every row, and bad arguments a usage error."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from tests.conftest import ROOT
+
+
+def test_the_tier_rows_run_and_the_tier_raises_the_hit_rate_with_exact_outputs():
+    out = subprocess.run([sys.executable, "bench/tiers.py", "--quick", "--ratios", "0,4", "--verify", "4"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [json.loads(line) for line in out.stdout.splitlines()]
+    assert [r["host_ratio"] for r in rows] == [0.0, 4.0]
+    plain, tiered = rows
+    assert plain["restores"] == plain["offloads"] == 0
+    assert tiered["restores"] > 0 and tiered["hit_rate_later_turns"] > plain["hit_rate_later_turns"]
+    assert tiered["prompt_tokens_computed"] < plain["prompt_tokens_computed"]
+    assert all(r["outputs_match_reference"] and r["verified_requests"] == 4 for r in rows)
+    assert tiered["ratio_hit_rate_vs_no_tier"] > 1 and tiered["restore_ms_per_block"] is not None
+
+
+def test_bad_arguments_are_a_usage_error():
+    for bad in (["--ratios", "4,16"], ["--turns", "1"]):
+        out = subprocess.run([sys.executable, "bench/tiers.py", *bad], cwd=ROOT, capture_output=True, text=True,
+                             timeout=60, check=False)
+        assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
