@@ -100,7 +100,8 @@ class PoolIncarnations:
         while len(self.workers) > MAX_KNOWN_WORKERS:
             self.workers.popitem(last=False)
         stats = pool.stats()
-        if not stats.num_seqs and not stats.num_evictable_blocks:
+        # the host tier is the worker's memory too: its cached blocks are lost with the process
+        if not stats.num_seqs and not stats.num_evictable_blocks and not stats.num_host_cached_blocks:
             return 0
         newly = [seq_id for seq_id in pool.seqs if seq_id not in self.lost]
         for seq_id in newly:
