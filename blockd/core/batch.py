@@ -34,6 +34,7 @@ from blockd.core.arith import num_blocks_for
 from blockd.core.blocks import BlockSpace, Journal, Undo
 from blockd.core.errors import AlreadyExists, InvalidArgument, NoRoom, shown
 from blockd.core.hashing import hash_block
+from blockd.core.lru import MissLedger
 from blockd.core.sequence import Sequence, find_seq
 from blockd.core.types import PoolConfig, TableUpdate
 from blockd.core.validate import check_name
@@ -41,8 +42,9 @@ from blockd.core.validate import check_name
 #: a sequence before an operation: (seq, num_tokens, num_committed, last block or -1)
 Mark = tuple[Sequence, int, int, int]
 #: a block that entered the prefix index: (evictions queued before it, block,
-#: hash, parent hash or b"", tokens); the first field orders the events
-Stored = tuple[int, int, bytes, bytes, tuple[int, ...]]
+#: hash, parent hash or b"", tokens, its sequence, its logical index); the
+#: first field orders the events, the last two find its tokens-only hash
+Stored = tuple[int, int, bytes, bytes, tuple[int, ...], Sequence, int]
 
 
 class Batch:
@@ -54,8 +56,10 @@ class Batch:
     """
 
     def __init__(self, config: PoolConfig, blocks: BlockSpace, seqs: dict[str, Sequence],
-                 freed: Mapping[str, int], version: int) -> None:
+                 freed: Mapping[str, int], version: int, misses: MissLedger) -> None:
         self.config = config
+        #: read only: the pool updates it when the batch commits
+        self.misses = misses
         self.block_size = config.block_size
         self.blocks = blocks
         self.seqs = seqs
@@ -78,6 +82,8 @@ class Batch:
         self.num_tokens = 0
         self.prefix_queried_tokens = 0
         self.prefix_hit_tokens = 0
+        #: missed prompt tokens by reason (:data:`~blockd.core.types.MISS_REASONS` order)
+        self.prefix_miss_tokens = [0, 0, 0, 0, 0]
         self.num_copies = 0
 
     # --- lifecycle ----------------------------------------------------------
@@ -166,7 +172,7 @@ class Batch:
             hashes.append(h)
             block = seq.table[logical]
             if blocks.hash[block] is None and blocks.index_block(block, h):
-                self.stored.append((len(blocks.evicted), block, h, parent or b"", tuple(tokens)))
+                self.stored.append((len(blocks.evicted), block, h, parent or b"", tuple(tokens), seq, logical))
 
     def copy_on_write(self, seq: Sequence, offset: int) -> tuple[int, int]:
         """Give ``seq`` its own copy of its shared, partly filled last block,

@@ -16,7 +16,12 @@ invariant:
 * the host tier: each host block is free (never used, or once in its free
   list) xor holds exactly one hash and is in its LRU; its index maps each hash
   to the host block holding it; no hash is in both tiers; and the stats'
-  host counts agree.
+  host counts agree;
+* the miss ledger: every tokens-only entry is of a cached hash, the
+  tokens-only index is exactly what those entries give, no dropped record
+  is of a cached hash, each tier's records are within their bound, and the
+  missed tokens by reason never exceed the queried tokens minus the hits
+  (equal from a pool's start; a snapshot from before the ledger counts 0).
 
 Imports only the standard library.
 """
@@ -87,6 +92,25 @@ def check_invariants(pool: Pool) -> None:
         _fail(pool, f"counters (used, filled, tokens) = {(blocks.num_used, blocks.filled_slots, pool.num_tokens)}"
                     f", recomputed {(used, filled, num_tokens)}")
     _check_host(pool)
+    _check_misses(pool)
+
+
+def _check_misses(pool: Pool) -> None:
+    misses, blocks = pool.misses, pool.blocks
+    cached = set(blocks.index) | (set(blocks.host.index) if blocks.host is not None else set())
+    if not cached.issuperset(misses.plain_of):
+        _fail(pool, "the miss ledger holds a tokens-only hash of a hash that is not cached")
+    variants: dict[bytes, set[bytes]] = {}
+    for h, plain in misses.plain_of.items():
+        variants.setdefault(plain, set()).add(h)
+    if variants != misses.variants:
+        _fail(pool, "the tokens-only index does not match the cached hashes' tokens-only hashes")
+    for name, records in (("device", misses.dropped_device), ("host", misses.dropped_host)):
+        if len(records) > misses.limit or not cached.isdisjoint(records):
+            _fail(pool, f"the {name} tier's dropped-hash records exceed {misses.limit} or hold a cached hash")
+    missed = pool.prefix_miss_tokens
+    if min(missed) < 0 or sum(missed) > pool.prefix_queried_tokens - pool.prefix_hit_tokens:
+        _fail(pool, f"missed tokens {missed} exceed the queried tokens less the hits")
 
 
 def _check_host(pool: Pool) -> None:

@@ -1,4 +1,5 @@
-"""The queues of cached blocks: the evictable-block LRU and the host tier.
+"""The queues of cached blocks: the evictable-block LRU, the host tier, and
+the miss ledger (recently dropped hashes, the tokens-only index).
 
 :class:`BlockLRU` is an intrusive doubly linked list over block ids, used by
 the device tier and, over host block ids, by the host tier (:class:`HostTier`).
@@ -23,7 +24,7 @@ Imports only the standard library.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Iterator
 
 _UNLINKED = -1
@@ -198,6 +199,79 @@ class HostTier:
             self.free.append(hb)
             self.hash[hb] = None
         self.index.clear()
+
+class MissLedger:
+    """What explains a prefix miss (:data:`~blockd.core.types.MISS_REASONS`).
+
+    ``dropped_device`` / ``dropped_host``: the hashes most recently dropped
+    from each tier (evicted from the device tier with no host tier to take
+    them, or from the host tier), oldest first, at most ``limit`` each. They
+    are a bounded memory, not a log: past ``limit`` the oldest record is
+    forgotten, and a miss on its hash is then reported as never stored.
+    ``plain_of``: each cached hash (either tier) -> its *tokens-only* hash, the
+    same chain over the same tokens and tenant without extra keys
+    (``plain_digest``); ``variants``: tokens-only hash -> the cached hashes
+    with those tokens, so a miss can tell "these tokens are cached under other
+    extra keys". A cached hash may lack an entry (a snapshot from before the
+    ledger): it then explains no miss.
+
+    Changed only when a batch commits (:meth:`blockd.core.pool.Pool._publish_events`
+    replays the batch's stores and drops in order), so a failed or dry-run
+    batch leaves nothing without needing a journal; the operations of a batch
+    see the ledger as it was when the batch began.
+    """
+
+    __slots__ = ("dropped_device", "dropped_host", "limit", "plain_digest", "plain_of", "variants")
+
+    def __init__(self, limit: int, plain_digest: bytes) -> None:
+        self.limit = limit
+        self.plain_digest = plain_digest
+        self.dropped_device: OrderedDict[bytes, None] = OrderedDict()
+        self.dropped_host: OrderedDict[bytes, None] = OrderedDict()
+        self.plain_of: dict[bytes, bytes] = {}
+        self.variants: dict[bytes, set[bytes]] = {}
+
+    def stored(self, h: bytes, plain: bytes) -> None:
+        """``h`` (tokens-only hash ``plain``) entered the cache."""
+        self.dropped_device.pop(h, None)
+        self.dropped_host.pop(h, None)
+        self.plain_of[h] = plain
+        variants = self.variants.get(plain)
+        if variants is None:
+            self.variants[plain] = {h}
+        else:
+            variants.add(h)
+
+    def dropped(self, h: bytes, from_host: bool) -> None:
+        """``h`` left the cache, from the host tier or the device tier."""
+        plain = self.plain_of.pop(h, None)
+        if plain is not None:
+            variants = self.variants[plain]
+            variants.discard(h)
+            if not variants:
+                del self.variants[plain]
+        records = self.dropped_host if from_host else self.dropped_device
+        records[h] = None
+        records.move_to_end(h)
+        if len(records) > self.limit:
+            records.popitem(last=False)
+
+    def clear_cached(self) -> None:
+        """The prefix cache was reset: no cached hash is left to explain a miss."""
+        self.plain_of.clear()
+        self.variants.clear()
+
+    def explains(self, h: bytes, plain: bytes) -> int:
+        """The reason a full block with hash ``h`` missed: its index in
+        :data:`~blockd.core.types.MISS_REASONS` (never 3, partial)."""
+        if h in self.dropped_host:
+            return 2
+        if h in self.dropped_device:
+            return 1
+        variants = self.variants.get(plain)
+        if variants and (len(variants) > 1 or h not in variants):
+            return 4
+        return 0
 
 # --- undo entries of the host tier ---------------------------------------------
 

@@ -29,8 +29,10 @@ from blockd.core.hashing import (
     ExtraKeys,
     check_token_ids,
     hash_block,
+    hash_full_blocks,
     tenant_digest,
 )
+from blockd.core.lru import MissLedger
 from blockd.core.sequence import Sequence
 from blockd.core.types import Allocate, Append, Commit, DecodeAppend, Fork, Free, OpResult, TableUpdate
 from blockd.core.validate import check_extra_keys, check_int, check_name
@@ -160,11 +162,47 @@ def _apply_allocate(batch: Batch, op: Allocate) -> OpResult:
     batch.num_tokens += len(tokens)
     batch.prefix_queried_tokens += len(tokens)
     batch.prefix_hit_tokens += cached
+    miss = explain_misses(batch.misses, tokens, b, len(hits), hashes, seq.extra_digest)
+    totals = batch.prefix_miss_tokens
+    for i, count in enumerate(miss):
+        totals[i] += count
     batch.record_update(TableUpdate(seq_id=seq_id, keep=0, block_ids=tuple(seq.table)))
     return OpResult(seq_id=seq_id, num_tokens=len(tokens), num_cached_tokens=cached,
                     new_block_ids=tuple(seq.table[len(hits):]), slot_start=cached,
                     slot_mapping=tuple(slot_mapping(seq.table, cached, len(tokens), b)),
-                    num_restored_tokens=num_restored * b)
+                    num_restored_tokens=num_restored * b, miss_never_stored=miss[0], miss_evicted_device=miss[1],
+                    miss_evicted_host=miss[2], miss_partial=miss[3], miss_other_extra_keys=miss[4])
+
+
+def explain_misses(misses: MissLedger, tokens: list[int] | tuple[int, ...], b: int, num_hits: int,
+                   hashes: list[bytes], digest: bytes) -> list[int]:
+    """A prompt's tokens not served from cache, by reason (:data:`~blockd.core.types.MISS_REASONS`)::
+
+        tokens   | hit | hit | miss: own reason | miss: own reason | partial |
+                   ^ num_hits blocks ^ full blocks a hit may cover ^ the rest
+
+    Only when the ledger can explain something are the missed blocks hashed
+    (the tokens-only chain too, for a prompt with extra keys); otherwise
+    every missed full block is never stored, for no hashing at all."""
+    n = len(tokens)
+    max_hit = (n - 1) // b if n else 0
+    miss = [0, 0, 0, n - max_hit * b, 0]
+    if num_hits >= max_hit:
+        return miss
+    variants = misses.variants
+    if not (misses.dropped_device or misses.dropped_host or variants):
+        miss[0] = (max_hit - num_hits) * b
+        return miss
+    plain_digest = misses.plain_digest
+    parent = hashes[num_hits - 1] if num_hits else None
+    has_extra = digest != plain_digest and bool(variants)
+    plain = hash_full_blocks(tokens, b, plain_digest, limit=num_hits)[-1] if has_extra and num_hits else parent
+    for i in range(num_hits, max_hit):
+        block = tokens[i * b : (i + 1) * b]
+        parent = hash_block(parent, block, digest)
+        plain = hash_block(plain, block, plain_digest) if has_extra else parent
+        miss[misses.explains(parent, plain)] += b
+    return miss
 
 
 def _restore(batch: Batch, hits: list[int], hashes: list[bytes]) -> None:

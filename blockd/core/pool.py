@@ -27,9 +27,10 @@ from collections import OrderedDict, deque
 from itertools import islice
 
 from blockd.core.batch import Batch
-from blockd.core.blocks import DEVICE, BlockSpace
+from blockd.core.blocks import DEVICE, HOST, BlockSpace
 from blockd.core.errors import BlockdError, InvalidArgument, InvariantViolation, WrongState, shown
-from blockd.core.hashing import ExtraKeys
+from blockd.core.hashing import NO_EXTRA_DIGEST, ExtraKeys, hash_full_blocks, tenant_digest
+from blockd.core.lru import MissLedger
 from blockd.core.ops import allocation_need, append_need, apply, cached_prefix, describe
 from blockd.core.sequence import Sequence, find_seq
 from blockd.core.types import (
@@ -49,6 +50,8 @@ from blockd.core.validate import check_config, check_name
 MAX_OPS_PER_STEP = 65536
 #: freed sequence ids remembered, so a late append is told 'freed', not 'unknown'
 MAX_TOMBSTONES = 65536
+#: dropped hashes remembered per tier, per block of the pool (:class:`~blockd.core.lru.MissLedger`)
+DROPPED_PER_BLOCK = 4
 
 
 class SnapshotRequired(WrongState):
@@ -70,6 +73,8 @@ class Pool:
         self.num_tokens = 0
         self.prefix_queried_tokens = 0
         self.prefix_hit_tokens = 0
+        self.prefix_miss_tokens = [0, 0, 0, 0, 0]
+        self.misses = MissLedger(DROPPED_PER_BLOCK * config.num_blocks, tenant_digest(NO_EXTRA_DIGEST, config.tenant))
         self.num_copies = 0
         self.deltas: deque[VersionDelta] = deque(maxlen=config.max_retained_versions)
         self.last_event_seq_no = 0
@@ -89,7 +94,7 @@ class Pool:
             raise InvalidArgument(f"a step holds at most {MAX_OPS_PER_STEP} operations, got {len(ops)}")
         if not ops:
             return StepResult(version=self.version, results=())
-        batch = Batch(self.config, self.blocks, self.seqs, self.freed, self.version)
+        batch = Batch(self.config, self.blocks, self.seqs, self.freed, self.version, self.misses)
         batch.begin()
         results = []
         index = 0
@@ -115,6 +120,8 @@ class Pool:
         self.num_tokens += batch.num_tokens
         self.prefix_queried_tokens += batch.prefix_queried_tokens
         self.prefix_hit_tokens += batch.prefix_hit_tokens
+        if batch.prefix_queried_tokens:
+            self.prefix_miss_tokens = [a + b for a, b in zip(self.prefix_miss_tokens, batch.prefix_miss_tokens)]
         self.num_copies += batch.num_copies
         self.version = batch.version
         for seq_id, freed_at in batch.tombstones:
@@ -135,17 +142,35 @@ class Pool:
         """Turn the batch's evictions and stores into numbered events in the
         order they happened: a block the batch commits may be evicted later in
         the batch (its BlockRemoved follows its BlockStored), and an evicted
-        hash may be stored again (the other way round)."""
-        evicted = self.blocks.evicted
+        hash may be stored again (the other way round). The miss ledger
+        follows the same order."""
+        evicted, misses = self.blocks.evicted, self.misses
         done = 0
-        for before, block, h, parent, tokens in batch.stored:
+        for before, block, h, parent, tokens, seq, logical in batch.stored:
             for e_block, e_hash, medium in evicted[done:before]:
+                misses.dropped(e_hash, medium == HOST)
                 self._emit(BLOCK_REMOVED, block_hash=e_hash, block_id=e_block, medium=medium)
             done = max(done, before)
+            misses.stored(h, self._plain_hash(h, parent, seq, logical))
             self._emit(BLOCK_STORED, block_hash=h, parent_hash=parent, block_id=block, token_ids=tokens)
         for e_block, e_hash, medium in evicted[done:]:
+            misses.dropped(e_hash, medium == HOST)
             self._emit(BLOCK_REMOVED, block_hash=e_hash, block_id=e_block, medium=medium)
         evicted.clear()
+
+    def _plain_hash(self, h: bytes, parent: bytes, seq: Sequence, logical: int) -> bytes:
+        """The tokens-only hash of ``seq``'s block ``logical`` (hash ``h``):
+        ``h`` itself without extra keys, else chained on the parent's, which
+        is known while the parent is cached; otherwise the chain is rehashed."""
+        plain_digest = self.misses.plain_digest
+        if seq.extra_digest == plain_digest:
+            return h
+        b = self.block_size
+        plain_parent = self.misses.plain_of.get(parent) if parent else None
+        if parent and plain_parent is None:
+            return hash_full_blocks(seq.token_ids[: (logical + 1) * b], b, plain_digest)[-1]
+        return hash_full_blocks(seq.token_ids[logical * b : (logical + 1) * b], b, plain_digest,
+                                parent=plain_parent)[-1]
 
     def _emit(self, kind: str, *, block_hash: bytes = b"", parent_hash: bytes = b"", block_id: int = -1,
               token_ids: tuple[int, ...] = (), medium: str = DEVICE) -> None:
@@ -222,6 +247,7 @@ class Pool:
             num_host_blocks=cfg.num_host_blocks,
             num_host_cached_blocks=len(blocks.host.index) if blocks.host is not None else 0,
             num_offloads=blocks.num_offloads, num_restores=blocks.num_restores,
+            prefix_miss_tokens=tuple(self.prefix_miss_tokens),
         )
 
     # --- operator actions ---------------------------------------------------
@@ -231,4 +257,5 @@ class Pool:
         Running sequences keep their hash chains, so blocks they fill later
         are cached again; blocks already full stay uncached."""
         self.blocks.clear_index()
+        self.misses.clear_cached()
         self._emit(ALL_BLOCKS_CLEARED)

@@ -4,7 +4,8 @@ Used by the daemon's snapshots: :func:`dump_pool` captures everything that
 determines future behaviour (ref counts, fills, hashes, the free list order,
 the LRU order, the never-used counter, every sequence with its tokens and
 hash chain, counters, version, retained deltas, event numbering, and the
-host tier's hashes, free list and LRU order), so a pool
+host tier's hashes, free list and LRU order, and the miss ledger: dropped
+hashes in order, tokens-only hashes, missed tokens by reason), so a pool
 rebuilt by :func:`load_pool` and then fed the same batches hands out the
 same block ids and evicts in the same order as the original.
 
@@ -108,6 +109,29 @@ def _load_host(pool: Pool, data: dict[str, Any] | None) -> None:
     pool.blocks.num_offloads, pool.blocks.num_restores = data["num_offloads"], data["num_restores"]
 
 
+def _dump_misses(pool: Pool) -> dict[str, Any]:
+    """The miss ledger; a tokens-only hash equal to its hash (no extra keys) is ``""``."""
+    misses = pool.misses
+    return {"dropped_device": [h.hex() for h in misses.dropped_device],
+            "dropped_host": [h.hex() for h in misses.dropped_host],
+            "plain_of": {h.hex(): "" if p == h else p.hex() for h, p in misses.plain_of.items()},
+            "tokens": list(pool.prefix_miss_tokens)}
+
+
+def _load_misses(pool: Pool, data: dict[str, Any] | None) -> None:
+    """The miss ledger as dumped (its variants rebuilt); a snapshot from before
+    it leaves it empty and the counts 0."""
+    if data is None:
+        return
+    misses = pool.misses
+    for key in ("dropped_device", "dropped_host"):
+        getattr(misses, key).update((bytes.fromhex(h), None) for h in data[key])
+    for h, p in data["plain_of"].items():
+        digest = bytes.fromhex(h)
+        misses.stored(digest, bytes.fromhex(p) if p else digest)
+    pool.prefix_miss_tokens = list(data["tokens"])
+
+
 def _dump_seqs(pool: Pool) -> dict[str, Any]:
     """Every sequence, columnar: one packed array per field for all of them, so
     100k sequences cost a few list extends each rather than a dict apiece.
@@ -162,6 +186,7 @@ def dump_pool(pool: Pool) -> dict[str, Any]:
         "deltas": [_delta_to_json(d) for d in pool.deltas],
         "freed": [[seq_id, version] for seq_id, version in pool.freed.items()],
         "host": _dump_host(pool),
+        "misses": _dump_misses(pool),
     }
 
 
@@ -185,6 +210,7 @@ def load_pool(data: dict[str, Any]) -> Pool:
     pool.deltas.extend(_delta_from_json(d) for d in data["deltas"])
     pool.freed.update((seq_id, version) for seq_id, version in data.get("freed", []))
     _load_host(pool, data.get("host"))
+    _load_misses(pool, data.get("misses"))
     return pool
 
 

@@ -144,6 +144,24 @@ class OpResult:
     #: (RESTORE tier ops at this version): cached for the scheduler, copied by the workers.
     #: Their blocks are in the table's cached prefix, not in ``new_block_ids``.
     num_restored_tokens: int = 0
+    #: an :class:`Allocate`'s prompt tokens not served from cache, by reason
+    #: (:data:`MISS_REASONS`; they add up to ``num_tokens - num_cached_tokens``).
+    #: ``miss_partial``: the tokens past the last block a hit may cover (the last,
+    #: not-full block; for a prompt of whole blocks its last block, since the last
+    #: token is always computed). Each full block from the first miss on has its
+    #: own reason: its hash was dropped from the device tier with no host tier to
+    #: take it (``evicted_device``) or from the host tier (``evicted_host``); its
+    #: tokens are cached in the pool under other extra keys (``other_extra_keys``);
+    #: or none of these is known (``never_stored``). 0 for other operations.
+    miss_never_stored: int = 0
+    miss_evicted_device: int = 0
+    miss_evicted_host: int = 0
+    miss_partial: int = 0
+    miss_other_extra_keys: int = 0
+
+
+#: why prompt tokens missed the prefix cache (:class:`OpResult`'s ``miss_*``, in this order)
+MISS_REASONS = ("never_stored", "evicted_device", "evicted_host", "partial", "other_extra_keys")
 
 
 #: :class:`TierOp` kinds
@@ -267,6 +285,12 @@ class PoolStats:
     #: blocks moved device -> host, and host -> device on a prefix hit, since the pool was made
     num_offloads: int = 0
     num_restores: int = 0
+    #: prompt tokens missed since the pool was made, by reason, in :data:`MISS_REASONS` order
+    prefix_miss_tokens: tuple[int, ...] = (0, 0, 0, 0, 0)
+
+    @property
+    def prefix_miss_by_reason(self) -> dict[str, int]:
+        return dict(zip(MISS_REASONS, self.prefix_miss_tokens, strict=True))
 
     @property
     def utilisation_ratio(self) -> float:

@@ -29,6 +29,7 @@ from hashlib import blake2b
 from itertools import chain
 
 from blockd.core.types import (
+    MISS_REASONS,
     OFFLOAD,
     RESTORE,
     Allocate,
@@ -226,6 +227,7 @@ def _encode_step(result: StepResult, b: int) -> bytes:
                                len(blocks), len(r.copy_ops), slot_form, len(slots)),
                   seq_id, blocks, _pairs(r.copy_ops), slots)
     parts.append(_tiers(result))
+    parts.append(_misses(result))
     parts.append(_incarnation(result.incarnation))
     return b"".join(parts)
 
@@ -262,6 +264,59 @@ def _tiers_of(data: bytes, pos: int) -> tuple[tuple[TierOp, ...], dict[int, int]
     pairs = _array("I", data[pos : pos + 8 * num_restored])
     pos += 8 * num_restored
     return ops, dict(zip(pairs[0::2], pairs[1::2])), pos
+
+
+#: the miss section's marker (after the tier section, before the incarnation trailer)
+_MISSES = b"\x04"
+_MISS_FIELDS = tuple(f"miss_{reason}" for reason in MISS_REASONS)
+#: where PoolStats.prefix_miss_tokens is in a kept PoolStats' field list
+_MISS_AT = list(PoolStats.__dataclass_fields__).index("prefix_miss_tokens")
+
+
+def _misses(result: StepResult) -> bytes:
+    """Each allocation's missed tokens by reason, as varints (result index, 5
+    counts): ~8 bytes a prefill. Absent for a step without any (every answer
+    kept before they existed, and decode steps)."""
+    rows = [(i, *(getattr(r, f) for f in _MISS_FIELDS)) for i, r in enumerate(result.results)
+            if r.miss_never_stored or r.miss_evicted_device or r.miss_evicted_host or r.miss_partial
+            or r.miss_other_extra_keys]
+    if not rows:
+        return b""
+    out = bytearray(_MISSES)
+    for count in (len(rows), *(x for row in rows for x in row)):
+        value = count
+        while value > 0x7F:
+            out.append(value & 0x7F | 0x80)
+            value >>= 7
+        out.append(value)
+    return bytes(out)
+
+
+def _misses_of(data: bytes, pos: int, results: list[OpResult]) -> int:
+    if data[pos : pos + 1] != _MISSES:
+        return pos
+    pos += 1
+    values: list[int] = []
+    num_rows = -1
+    while num_rows < 0 or len(values) < num_rows * (1 + len(_MISS_FIELDS)):
+        value = shift = 0
+        while True:
+            byte = data[pos]
+            pos += 1
+            value |= (byte & 0x7F) << shift
+            shift += 7
+            if byte < 0x80:
+                break
+        if num_rows < 0:
+            num_rows = value
+        else:
+            values.append(value)
+    width = 1 + len(_MISS_FIELDS)
+    for row in range(num_rows):
+        i, never, device, host, partial, other = values[row * width : (row + 1) * width]
+        results[i] = replace(results[i], miss_never_stored=never, miss_evicted_device=device,
+                             miss_evicted_host=host, miss_partial=partial, miss_other_extra_keys=other)
+    return pos
 
 
 def _incarnation(text: str) -> bytes:
@@ -311,6 +366,7 @@ def _decode_step(data: bytes) -> StepResult:
     tier_ops, restored, pos = _tiers_of(data, pos)
     for i, count in restored.items():
         results[i] = replace(results[i], num_restored_tokens=count)
+    pos = _misses_of(data, pos, results)
     return StepResult(version=version, results=tuple(results), copy_ops=copies,
                       incarnation=_incarnation_of(data[pos:]), tier_ops=tier_ops)
 
@@ -334,5 +390,8 @@ def decode_result(data: bytes) -> object:
     if kind == b"R":
         return _decode_step(data)
     if kind == b"S":
-        return PoolStats(*json.loads(data[1:]))
+        fields = json.loads(data[1:])
+        if len(fields) > _MISS_AT:  # prefix_miss_tokens: a tuple, as PoolStats holds it
+            fields[_MISS_AT] = tuple(fields[_MISS_AT])
+        return PoolStats(*fields)
     raise ValueError(f"unknown answer form {kind!r}")

@@ -56,7 +56,7 @@ from blockd.v1 import blockd_pb2 as pb
 from blockd.v1 import replication_pb2 as rpb
 
 _OP_KINDS = "allocate, append, decode_append, commit, fork, free"
-_STATS_FIELDS = tuple(PoolStats.__dataclass_fields__)
+_STATS_FIELDS = tuple(f for f in PoolStats.__dataclass_fields__ if f != "prefix_miss_tokens")
 _WORKER_FIELDS = tuple(WorkerInfo.__dataclass_fields__)
 _EVENT_KINDS = {
     BLOCK_STORED: pb.EVENT_KIND_BLOCK_STORED,

@@ -168,7 +168,7 @@ def test_answers_are_compact():
     engine.step("p", [Allocate(f"s{i}", [i] * 4) for i in range(256)])
     prefill = engine.step("p", [Allocate("long", list(range(2048)))], "prefill")
     decode = engine.step("p", [DecodeAppend([f"s{i}" for i in range(256)], [7] * 256)], "decode")
-    assert len(encode_result(prefill, 4)) < 120  # slots through one run of blocks
+    assert len(encode_result(prefill, 4)) < 128  # slots through one run of blocks, ~8 bytes of missed tokens
     assert len(encode_result(decode, 4)) < 256 * 4 + 120  # 256 slots as u32, the 256 new blocks as one run
     # freed tail first, a sequence's blocks come back in reverse: the slots are
     # still kept as their blocks, the blocks as one run down
@@ -177,7 +177,7 @@ def test_answers_are_compact():
     engine.step("full", [Free("long")])
     again = engine.step("full", [Allocate("again", list(range(5000, 7048)))], "again")
     assert list(again.results[0].new_block_ids) == sorted(again.results[0].new_block_ids, reverse=True)
-    assert len(encode_result(again, 4)) < 120
+    assert len(encode_result(again, 4)) < 128
     assert decode_result(encode_result(again, 4)) == again
 
 
