@@ -102,6 +102,8 @@ def _check_misses(pool: Pool) -> None:
         _fail(pool, "the miss ledger holds a tokens-only hash of a hash that is not cached")
     variants: dict[bytes, set[bytes]] = {}
     for h, plain in misses.plain_of.items():
+        if plain == h:
+            _fail(pool, "the miss ledger holds a hash without extra keys (its own tokens-only hash)")
         variants.setdefault(plain, set()).add(h)
     if variants != misses.variants:
         _fail(pool, "the tokens-only index does not match the cached hashes' tokens-only hashes")

@@ -208,17 +208,21 @@ class MissLedger:
     them, or from the host tier), oldest first, at most ``limit`` each. They
     are a bounded memory, not a log: past ``limit`` the oldest record is
     forgotten, and a miss on its hash is then reported as never stored.
-    ``plain_of``: each cached hash (either tier) -> its *tokens-only* hash, the
-    same chain over the same tokens and tenant without extra keys
-    (``plain_digest``); ``variants``: tokens-only hash -> the cached hashes
-    with those tokens, so a miss can tell "these tokens are cached under other
-    extra keys". A cached hash may lack an entry (a snapshot from before the
+    ``plain_of``: each cached hash (either tier) *with extra keys* -> its
+    tokens-only hash, the same chain over the same tokens and tenant without
+    extra keys (``plain_digest``); ``variants``: tokens-only hash -> the cached
+    hashes with extra keys and those tokens. A hash without extra keys is its
+    own tokens-only hash, so it needs no entry: whether it is cached is asked
+    of the tiers' indexes (this keeps a decode step's stores as cheap as
+    before). So a miss can tell "these tokens are cached under other extra
+    keys". A cached hash may lack an entry (a snapshot from before the
     ledger): it then explains no miss.
 
     Changed only when a batch commits (:meth:`blockd.core.pool.Pool._publish_events`
     replays the batch's stores and drops in order), so a failed or dry-run
     batch leaves nothing without needing a journal; the operations of a batch
-    see the ledger as it was when the batch began.
+    see the ledger as it was when the batch began (and the tiers' indexes as
+    they are).
     """
 
     __slots__ = ("dropped_device", "dropped_host", "limit", "plain_digest", "plain_of", "variants")
@@ -232,9 +236,13 @@ class MissLedger:
         self.variants: dict[bytes, set[bytes]] = {}
 
     def stored(self, h: bytes, plain: bytes) -> None:
-        """``h`` (tokens-only hash ``plain``) entered the cache."""
-        self.dropped_device.pop(h, None)
-        self.dropped_host.pop(h, None)
+        """``h`` entered the cache; ``plain`` its tokens-only hash, or ``h`` itself without extra keys."""
+        if self.dropped_device:
+            self.dropped_device.pop(h, None)
+        if self.dropped_host:
+            self.dropped_host.pop(h, None)
+        if plain == h:
+            return
         self.plain_of[h] = plain
         variants = self.variants.get(plain)
         if variants is None:
@@ -261,15 +269,16 @@ class MissLedger:
         self.plain_of.clear()
         self.variants.clear()
 
-    def explains(self, h: bytes, plain: bytes) -> int:
+    def explains(self, h: bytes, plain: bytes, plain_cached: bool) -> int:
         """The reason a full block with hash ``h`` missed: its index in
-        :data:`~blockd.core.types.MISS_REASONS` (never 3, partial)."""
+        :data:`~blockd.core.types.MISS_REASONS` (never 3, partial);
+        ``plain_cached``: its tokens-only hash ``plain`` (not ``h``) is cached."""
         if h in self.dropped_host:
             return 2
         if h in self.dropped_device:
             return 1
         variants = self.variants.get(plain)
-        if variants and (len(variants) > 1 or h not in variants):
+        if plain_cached or (variants and (len(variants) > 1 or h not in variants)):
             return 4
         return 0
 

@@ -146,6 +146,8 @@ def _apply_allocate(batch: Batch, op: Allocate) -> OpResult:
     hits, hashes = need
     b = batch.block_size
     seq = Sequence(seq_id, op.extra_keys, _digest(op.extra_keys, batch.config.tenant))
+    # before this allocation's own takes evict anything: the cache as the prompt found it
+    miss = explain_misses(blocks, batch.misses, tokens, len(hits), hashes, seq.extra_digest)
     num_restored = hits.count(IN_HOST) if blocks.host is not None else 0
     for block in hits:
         if block >= 0:
@@ -162,7 +164,6 @@ def _apply_allocate(batch: Batch, op: Allocate) -> OpResult:
     batch.num_tokens += len(tokens)
     batch.prefix_queried_tokens += len(tokens)
     batch.prefix_hit_tokens += cached
-    miss = explain_misses(batch.misses, tokens, b, len(hits), hashes, seq.extra_digest)
     totals = batch.prefix_miss_tokens
     for i, count in enumerate(miss):
         totals[i] += count
@@ -174,7 +175,7 @@ def _apply_allocate(batch: Batch, op: Allocate) -> OpResult:
                     miss_evicted_host=miss[2], miss_partial=miss[3], miss_other_extra_keys=miss[4])
 
 
-def explain_misses(misses: MissLedger, tokens: list[int] | tuple[int, ...], b: int, num_hits: int,
+def explain_misses(blocks: BlockSpace, misses: MissLedger, tokens: list[int] | tuple[int, ...], num_hits: int,
                    hashes: list[bytes], digest: bytes) -> list[int]:
     """A prompt's tokens not served from cache, by reason (:data:`~blockd.core.types.MISS_REASONS`)::
 
@@ -184,24 +185,27 @@ def explain_misses(misses: MissLedger, tokens: list[int] | tuple[int, ...], b: i
     Only when the ledger can explain something are the missed blocks hashed
     (the tokens-only chain too, for a prompt with extra keys); otherwise
     every missed full block is never stored, for no hashing at all."""
-    n = len(tokens)
+    n, b = len(tokens), blocks.block_size
     max_hit = (n - 1) // b if n else 0
     miss = [0, 0, 0, n - max_hit * b, 0]
     if num_hits >= max_hit:
         return miss
-    variants = misses.variants
-    if not (misses.dropped_device or misses.dropped_host or variants):
+    plain_digest = misses.plain_digest
+    has_extra = digest != plain_digest
+    if not (misses.dropped_device or misses.dropped_host or misses.variants or has_extra):
         miss[0] = (max_hit - num_hits) * b
         return miss
-    plain_digest = misses.plain_digest
+    index, host_index = blocks.index, blocks.host.index if blocks.host is not None else {}
     parent = hashes[num_hits - 1] if num_hits else None
-    has_extra = digest != plain_digest and bool(variants)
     plain = hash_full_blocks(tokens, b, plain_digest, limit=num_hits)[-1] if has_extra and num_hits else parent
     for i in range(num_hits, max_hit):
         block = tokens[i * b : (i + 1) * b]
         parent = hash_block(parent, block, digest)
-        plain = hash_block(plain, block, plain_digest) if has_extra else parent
-        miss[misses.explains(parent, plain)] += b
+        if has_extra:
+            plain = hash_block(plain, block, plain_digest)
+            miss[misses.explains(parent, plain, plain in index or plain in host_index)] += b
+        else:
+            miss[misses.explains(parent, parent, False)] += b
     return miss
 
 

@@ -151,20 +151,22 @@ class Pool:
                 misses.dropped(e_hash, medium == HOST)
                 self._emit(BLOCK_REMOVED, block_hash=e_hash, block_id=e_block, medium=medium)
             done = max(done, before)
-            misses.stored(h, self._plain_hash(h, parent, seq, logical))
+            if seq.extra_digest == misses.plain_digest:  # its own tokens-only hash: cheap
+                if misses.dropped_device or misses.dropped_host:
+                    misses.stored(h, h)
+            else:
+                misses.stored(h, self._plain_hash(parent, seq, logical))
             self._emit(BLOCK_STORED, block_hash=h, parent_hash=parent, block_id=block, token_ids=tokens)
         for e_block, e_hash, medium in evicted[done:]:
             misses.dropped(e_hash, medium == HOST)
             self._emit(BLOCK_REMOVED, block_hash=e_hash, block_id=e_block, medium=medium)
         evicted.clear()
 
-    def _plain_hash(self, h: bytes, parent: bytes, seq: Sequence, logical: int) -> bytes:
-        """The tokens-only hash of ``seq``'s block ``logical`` (hash ``h``):
-        ``h`` itself without extra keys, else chained on the parent's, which
-        is known while the parent is cached; otherwise the chain is rehashed."""
+    def _plain_hash(self, parent: bytes, seq: Sequence, logical: int) -> bytes:
+        """The tokens-only hash of block ``logical`` of ``seq``, which has extra
+        keys: chained on its parent's, which is known while the parent is
+        cached; otherwise the chain is rehashed."""
         plain_digest = self.misses.plain_digest
-        if seq.extra_digest == plain_digest:
-            return h
         b = self.block_size
         plain_parent = self.misses.plain_of.get(parent) if parent else None
         if parent and plain_parent is None:

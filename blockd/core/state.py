@@ -110,11 +110,11 @@ def _load_host(pool: Pool, data: dict[str, Any] | None) -> None:
 
 
 def _dump_misses(pool: Pool) -> dict[str, Any]:
-    """The miss ledger; a tokens-only hash equal to its hash (no extra keys) is ``""``."""
+    """The miss ledger (its tokens-only hashes are of hashes with extra keys only)."""
     misses = pool.misses
     return {"dropped_device": [h.hex() for h in misses.dropped_device],
             "dropped_host": [h.hex() for h in misses.dropped_host],
-            "plain_of": {h.hex(): "" if p == h else p.hex() for h, p in misses.plain_of.items()},
+            "plain_of": {h.hex(): p.hex() for h, p in misses.plain_of.items()},
             "tokens": list(pool.prefix_miss_tokens)}
 
 
@@ -128,7 +128,7 @@ def _load_misses(pool: Pool, data: dict[str, Any] | None) -> None:
         getattr(misses, key).update((bytes.fromhex(h), None) for h in data[key])
     for h, p in data["plain_of"].items():
         digest = bytes.fromhex(h)
-        misses.stored(digest, bytes.fromhex(p) if p else digest)
+        misses.stored(digest, bytes.fromhex(p))
     pool.prefix_miss_tokens = list(data["tokens"])
 
 

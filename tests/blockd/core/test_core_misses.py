@@ -139,8 +139,8 @@ def test_a_full_record_forgets_its_oldest_hash_which_then_reads_never_stored():
     for h in (b"1" * 16, b"2" * 16, b"3" * 16):
         ledger.dropped(h, from_host=False)
     assert list(ledger.dropped_device) == [b"2" * 16, b"3" * 16]
-    assert ledger.explains(b"1" * 16, b"1" * 16) == MISS_REASONS.index("never_stored")
-    assert ledger.explains(b"3" * 16, b"3" * 16) == MISS_REASONS.index("evicted_device")
+    assert ledger.explains(b"1" * 16, b"1" * 16, False) == MISS_REASONS.index("never_stored")
+    assert ledger.explains(b"3" * 16, b"3" * 16, False) == MISS_REASONS.index("evicted_device")
 
 
 def test_snapshots_keep_the_ledger_and_old_ones_load_empty():
