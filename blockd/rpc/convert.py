@@ -26,6 +26,7 @@ from blockd.core.types import (
     BLOCK_REMOVED,
     BLOCK_STORED,
     MAX_DEVICE_LEN,
+    MISS_REASONS,
     OFFLOAD,
     RESTORE,
     Allocate,
@@ -57,6 +58,7 @@ from blockd.v1 import replication_pb2 as rpb
 
 _OP_KINDS = "allocate, append, decode_append, commit, fork, free"
 _STATS_FIELDS = tuple(f for f in PoolStats.__dataclass_fields__ if f != "prefix_miss_tokens")
+_MISS_FIELDS = tuple(f"miss_{reason}" for reason in MISS_REASONS)
 _WORKER_FIELDS = tuple(WorkerInfo.__dataclass_fields__)
 _EVENT_KINDS = {
     BLOCK_STORED: pb.EVENT_KIND_BLOCK_STORED,
@@ -137,11 +139,14 @@ def pool_config_from_reply(msg: pb.PoolConfig) -> PoolConfig:
 
 
 def stats_to_proto(stats: PoolStats) -> pb.PoolStats:
-    return pb.PoolStats(**{name: getattr(stats, name) for name in _STATS_FIELDS})
+    return pb.PoolStats(**{name: getattr(stats, name) for name in _STATS_FIELDS},
+                        prefix_miss_tokens=pb.MissTokens(**stats.prefix_miss_by_reason))
 
 
 def stats_from_proto(msg: pb.PoolStats) -> PoolStats:
-    return PoolStats(**{name: getattr(msg, name) for name in _STATS_FIELDS})
+    missed = msg.prefix_miss_tokens
+    return PoolStats(**{name: getattr(msg, name) for name in _STATS_FIELDS},
+                     prefix_miss_tokens=tuple(getattr(missed, reason) for reason in MISS_REASONS))
 
 
 # --- operations -----------------------------------------------------------------
@@ -275,7 +280,10 @@ def step_result_to_proto(result: StepResult) -> pb.StepResponse:
     for r in result.results:
         add(seq_id=r.seq_id, num_tokens=r.num_tokens, num_cached_tokens=r.num_cached_tokens,
             new_block_ids=r.new_block_ids, copy_ops=_copies_to_proto(r.copy_ops), slot_start=r.slot_start,
-            slot_mapping=r.slot_mapping, num_restored_tokens=r.num_restored_tokens)
+            slot_mapping=r.slot_mapping, num_restored_tokens=r.num_restored_tokens,
+            miss_never_stored=r.miss_never_stored, miss_evicted_device=r.miss_evicted_device,
+            miss_evicted_host=r.miss_evicted_host, miss_partial=r.miss_partial,
+            miss_other_extra_keys=r.miss_other_extra_keys)
     return response
 
 
@@ -284,7 +292,9 @@ def step_result_from_proto(msg: pb.StepResponse) -> StepResult:
         OpResult(seq_id=r.seq_id, num_tokens=r.num_tokens, num_cached_tokens=r.num_cached_tokens,
                  new_block_ids=tuple(r.new_block_ids), copy_ops=_copies_from_proto(r.copy_ops),
                  slot_start=r.slot_start, slot_mapping=tuple(r.slot_mapping),
-                 num_restored_tokens=r.num_restored_tokens)
+                 num_restored_tokens=r.num_restored_tokens, miss_never_stored=r.miss_never_stored,
+                 miss_evicted_device=r.miss_evicted_device, miss_evicted_host=r.miss_evicted_host,
+                 miss_partial=r.miss_partial, miss_other_extra_keys=r.miss_other_extra_keys)
         for r in msg.results)
     return StepResult(version=msg.version, results=results, copy_ops=_copies_from_proto(msg.copy_ops),
                       incarnation=msg.pool_incarnation, term=msg.term, tier_ops=tier_ops_from_proto(msg.tier_ops))

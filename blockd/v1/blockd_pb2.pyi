@@ -229,6 +229,7 @@ class PoolStats(_message.Message):
     NUM_HOST_CACHED_BLOCKS_FIELD_NUMBER: _builtins.int
     NUM_OFFLOADS_FIELD_NUMBER: _builtins.int
     NUM_RESTORES_FIELD_NUMBER: _builtins.int
+    PREFIX_MISS_TOKENS_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     num_blocks: _builtins.int
     block_size: _builtins.int
@@ -263,6 +264,12 @@ class PoolStats(_message.Message):
     hit (restores), since the pool was made.
     """
     num_restores: _builtins.int
+    @_builtins.property
+    def prefix_miss_tokens(self) -> Global___MissTokens:
+        """Prompt tokens of Allocate operations not served from cache since the
+        pool was made, by reason (see MissTokens).
+        """
+
     def __init__(
         self,
         *,
@@ -289,14 +296,58 @@ class PoolStats(_message.Message):
         num_host_cached_blocks: _builtins.int = ...,
         num_offloads: _builtins.int = ...,
         num_restores: _builtins.int = ...,
+        prefix_miss_tokens: Global___MissTokens | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["prefix_miss_tokens", b"prefix_miss_tokens"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "incarnation", b"incarnation", "last_event_seq_no", b"last_event_seq_no", "name", b"name", "num_blocks", b"num_blocks", "num_copies", b"num_copies", "num_evictable_blocks", b"num_evictable_blocks", "num_evictions", b"num_evictions", "num_free_blocks", b"num_free_blocks", "num_host_blocks", b"num_host_blocks", "num_host_cached_blocks", b"num_host_cached_blocks", "num_kv_lost_seqs", b"num_kv_lost_seqs", "num_offloads", b"num_offloads", "num_restores", b"num_restores", "num_seqs", b"num_seqs", "num_tokens", b"num_tokens", "num_used_blocks", b"num_used_blocks", "prefix_hit_tokens", b"prefix_hit_tokens", "prefix_queried_tokens", b"prefix_queried_tokens", "tail_waste_bytes", b"tail_waste_bytes", "tail_waste_slots", b"tail_waste_slots", "tenant", b"tenant", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "incarnation", b"incarnation", "last_event_seq_no", b"last_event_seq_no", "name", b"name", "num_blocks", b"num_blocks", "num_copies", b"num_copies", "num_evictable_blocks", b"num_evictable_blocks", "num_evictions", b"num_evictions", "num_free_blocks", b"num_free_blocks", "num_host_blocks", b"num_host_blocks", "num_host_cached_blocks", b"num_host_cached_blocks", "num_kv_lost_seqs", b"num_kv_lost_seqs", "num_offloads", b"num_offloads", "num_restores", b"num_restores", "num_seqs", b"num_seqs", "num_tokens", b"num_tokens", "num_used_blocks", b"num_used_blocks", "prefix_hit_tokens", b"prefix_hit_tokens", "prefix_miss_tokens", b"prefix_miss_tokens", "prefix_queried_tokens", b"prefix_queried_tokens", "tail_waste_bytes", b"tail_waste_bytes", "tail_waste_slots", b"tail_waste_slots", "tenant", b"tenant", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___PoolStats: _TypeAlias = PoolStats  # noqa: Y015
+
+@_typing.final
+class MissTokens(_message.Message):
+    """Prompt tokens an allocation did not serve from cache, by reason. They add
+    up to the prompt's tokens less its cached ones. partial: the tokens past the
+    last block a hit may cover (the last, not-full block; for a prompt of whole
+    blocks its last block, as the last token is always computed). Each full
+    block from the first miss on has its own reason: evicted_device (its hash
+    was dropped from the device tier with no host tier to take it),
+    evicted_host (dropped from the host tier), other_extra_keys (the same
+    tokens are cached in the pool under other extra keys: model, adapter, salt)
+    or never_stored (none of these is known; also a hash dropped so long ago
+    that the pool's bounded record of dropped hashes forgot it).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NEVER_STORED_FIELD_NUMBER: _builtins.int
+    EVICTED_DEVICE_FIELD_NUMBER: _builtins.int
+    EVICTED_HOST_FIELD_NUMBER: _builtins.int
+    PARTIAL_FIELD_NUMBER: _builtins.int
+    OTHER_EXTRA_KEYS_FIELD_NUMBER: _builtins.int
+    never_stored: _builtins.int
+    evicted_device: _builtins.int
+    evicted_host: _builtins.int
+    partial: _builtins.int
+    other_extra_keys: _builtins.int
+    def __init__(
+        self,
+        *,
+        never_stored: _builtins.int = ...,
+        evicted_device: _builtins.int = ...,
+        evicted_host: _builtins.int = ...,
+        partial: _builtins.int = ...,
+        other_extra_keys: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["evicted_device", b"evicted_device", "evicted_host", b"evicted_host", "never_stored", b"never_stored", "other_extra_keys", b"other_extra_keys", "partial", b"partial"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___MissTokens: _TypeAlias = MissTokens  # noqa: Y015
 
 @_typing.final
 class CreatePoolRequest(_message.Message):
@@ -814,6 +865,11 @@ class OpResult(_message.Message):
     SLOT_START_FIELD_NUMBER: _builtins.int
     SLOT_MAPPING_FIELD_NUMBER: _builtins.int
     NUM_RESTORED_TOKENS_FIELD_NUMBER: _builtins.int
+    MISS_NEVER_STORED_FIELD_NUMBER: _builtins.int
+    MISS_EVICTED_DEVICE_FIELD_NUMBER: _builtins.int
+    MISS_EVICTED_HOST_FIELD_NUMBER: _builtins.int
+    MISS_PARTIAL_FIELD_NUMBER: _builtins.int
+    MISS_OTHER_EXTRA_KEYS_FIELD_NUMBER: _builtins.int
     seq_id: _builtins.str
     num_tokens: _builtins.int
     num_cached_tokens: _builtins.int
@@ -823,6 +879,14 @@ class OpResult(_message.Message):
     (RESTORE tier ops at this version): cached for the scheduler (it does
     not compute them), copied by the workers.
     """
+    miss_never_stored: _builtins.int
+    """An Allocate's prompt tokens not served from cache, by reason (as in
+    MissTokens); 0 for other operations.
+    """
+    miss_evicted_device: _builtins.int
+    miss_evicted_host: _builtins.int
+    miss_partial: _builtins.int
+    miss_other_extra_keys: _builtins.int
     @_builtins.property
     def new_block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
@@ -840,10 +904,15 @@ class OpResult(_message.Message):
         slot_start: _builtins.int = ...,
         slot_mapping: _abc.Iterable[_builtins.int] | None = ...,
         num_restored_tokens: _builtins.int = ...,
+        miss_never_stored: _builtins.int = ...,
+        miss_evicted_device: _builtins.int = ...,
+        miss_evicted_host: _builtins.int = ...,
+        miss_partial: _builtins.int = ...,
+        miss_other_extra_keys: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["copy_ops", b"copy_ops", "new_block_ids", b"new_block_ids", "num_cached_tokens", b"num_cached_tokens", "num_restored_tokens", b"num_restored_tokens", "num_tokens", b"num_tokens", "seq_id", b"seq_id", "slot_mapping", b"slot_mapping", "slot_start", b"slot_start"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["copy_ops", b"copy_ops", "miss_evicted_device", b"miss_evicted_device", "miss_evicted_host", b"miss_evicted_host", "miss_never_stored", b"miss_never_stored", "miss_other_extra_keys", b"miss_other_extra_keys", "miss_partial", b"miss_partial", "new_block_ids", b"new_block_ids", "num_cached_tokens", b"num_cached_tokens", "num_restored_tokens", b"num_restored_tokens", "num_tokens", b"num_tokens", "seq_id", b"seq_id", "slot_mapping", b"slot_mapping", "slot_start", b"slot_start"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
