@@ -72,8 +72,8 @@ def _gauge(name: str, doc: str, labels: Sequence[str] = ("pool",), unit: str = "
     return GaugeMetricFamily(name, doc, labels=list(labels), unit=unit)
 
 
-def _counter(name: str, doc: str) -> CounterMetricFamily:
-    return CounterMetricFamily(name, doc, labels=["pool"])
+def _counter(name: str, doc: str, labels: Sequence[str] = ("pool",)) -> CounterMetricFamily:
+    return CounterMetricFamily(name, doc, labels=list(labels))
 
 
 def tail_waste_ratio(stats: PoolStats) -> float:
@@ -111,6 +111,10 @@ class EngineCollector(Collector):
             "queried": _counter("blockd_prefix_queried_tokens",
                                 "Prompt tokens looked up in the prefix cache by allocations."),
             "hit": _counter("blockd_prefix_hit_tokens", "Prompt tokens served from cached prefix blocks."),
+            "missed": _counter("blockd_prefix_miss_tokens",
+                               "Prompt tokens not served from cache, by reason: never_stored, evicted_device, "
+                               "evicted_host, partial (the block-size floor), other_extra_keys (the same tokens "
+                               "cached under another model, adapter or salt).", ("pool", "reason")),
             "evictions": _counter("blockd_evictions", "Cached blocks evicted to make room."),
             "copies": _counter("blockd_cow_copies", "Copy-on-write block copies emitted to workers."),
             "workers": _gauge("blockd_workers", "Registered workers by heartbeat state (up or down).",
@@ -152,6 +156,8 @@ class EngineCollector(Collector):
                            ("queried", s.prefix_queried_tokens), ("hit", s.prefix_hit_tokens),
                            ("evictions", s.num_evictions), ("copies", s.num_copies)):
             families[key].add_metric(pool, value)
+        for reason, count in s.prefix_miss_by_reason.items():
+            families["missed"].add_metric([s.name, reason], count)
 
 
 class BlockdMetrics:

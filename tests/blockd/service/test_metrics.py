@@ -34,7 +34,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.a
 PROMTOOL = shutil.which("promtool")
 needs_promtool = pytest.mark.skipif(
     PROMTOOL is None, reason="promtool not found: apt-get install prometheus (Debian) to run this check")
-ALLOWED_LABELS = {"pool", "state", "kind", "outcome", "method", "code", "kernel", "le",
+ALLOWED_LABELS = {"pool", "state", "kind", "outcome", "method", "code", "kernel", "le", "reason",
                   # the build's, constant for a process: blockd_build_info and the standard python_info
                   "version", "python_version", "implementation", "major", "minor", "patchlevel"}
 
@@ -101,9 +101,12 @@ def test_collector_values_equal_engine_stats():
         assert value("blockd_prefix_hit_tokens_total", pool) == s.prefix_hit_tokens
         assert value("blockd_evictions_total", pool) == s.num_evictions
         assert value("blockd_cow_copies_total", pool) == s.num_copies
+        for reason, count in s.prefix_miss_by_reason.items():
+            assert value("blockd_prefix_miss_tokens_total", {**pool, "reason": reason}) == count
     alpha = engine.get_pool("alpha")
     # the workload really exercised every counter, so the equalities above mean something
     assert alpha.prefix_hit_tokens == 8 and alpha.num_evictions > 0 and alpha.num_copies == 1
+    assert sum(alpha.prefix_miss_tokens) == alpha.prefix_queried_tokens - alpha.prefix_hit_tokens > 0
     assert alpha.tail_waste_slots > 0 and alpha.tail_waste_bytes == alpha.tail_waste_slots * 2 * 2 * 2 * 8 * 2
     assert value("blockd_workers", {"pool": "alpha", "state": "up"}) == 1
     assert value("blockd_workers", {"pool": "alpha", "state": "down"}) == 1
@@ -262,8 +265,8 @@ def test_exposition_parses_and_names_follow_conventions(scraped_blockd):
                  "blockd_step_duration_seconds", "blockd_rpc_duration_seconds",
                  "blockd_wal_sync_duration_seconds", "blockd_workers"):
         assert name in families, name
-    for name in ("blockd_prefix_queried_tokens", "blockd_prefix_hit_tokens", "blockd_evictions",
-                 "blockd_cow_copies", "blockd_step_operations"):
+    for name in ("blockd_prefix_queried_tokens", "blockd_prefix_hit_tokens", "blockd_prefix_miss_tokens",
+                 "blockd_evictions", "blockd_cow_copies", "blockd_step_operations"):
         assert families[name].type == "counter", name
     for family in families.values():
         if family.type != "counter":
