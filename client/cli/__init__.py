@@ -2,7 +2,7 @@
 
     blockctl [--target HOST:PORT] [--json] [--timeout-s S] COMMAND ...
     blockctl pools create NAME --num-blocks N --block-size B
-    blockctl pools list | show NAME | delete NAME | apply FILE
+    blockctl pools list | show NAME | misses NAME | delete NAME | apply FILE
     blockctl prefix-cache reset POOL
     blockctl workers list [--pool POOL]
     blockctl health [--service NAME]

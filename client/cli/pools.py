@@ -3,6 +3,7 @@
     blockctl pools create NAME --num-blocks N --block-size B [geometry flags]
     blockctl pools list
     blockctl pools show NAME
+    blockctl pools misses NAME       # prompt tokens not served from cache, by reason
     blockctl pools delete NAME
     blockctl pools apply FILE        # idempotent: see client.cli.pool_apply
     blockctl prefix-cache reset POOL
@@ -51,6 +52,18 @@ def _pools_show(client: BlockdClient, args: argparse.Namespace) -> None:
     rows += [("utilisation_ratio", f"{stats.utilisation_ratio:.3f}"),
              ("prefix_hit_ratio", f"{stats.prefix_hit_ratio:.3f}")]
     emit(args, {"config": config, "stats": stats}, lambda: render_table(("field", "value"), rows))
+
+
+def _pools_misses(client: BlockdClient, args: argparse.Namespace) -> None:
+    stats = client.get_pool(args.name)
+    missed = stats.prefix_miss_by_reason
+    total = sum(missed.values())
+    rows = [(reason, count, f"{count / total * 100:.1f}%" if total else "-") for reason, count in missed.items()]
+    data = {"pool": stats.name, "queried_tokens": stats.prefix_queried_tokens,
+            "hit_tokens": stats.prefix_hit_tokens, "missed_tokens": total, "miss_tokens": missed}
+    emit(args, data, lambda: (f"pool {stats.name}: {stats.prefix_queried_tokens} prompt tokens queried, "
+                              f"{stats.prefix_hit_tokens} hit, {total} missed\n"
+                              + render_table(("reason", "tokens", "share"), rows)))
 
 
 def _pools_delete(client: BlockdClient, args: argparse.Namespace) -> None:
@@ -120,6 +133,12 @@ def add_pools(sub: argparse._SubParsersAction) -> None:
     show = pools.add_parser("show", help="one pool's config and counters")
     show.add_argument("name")
     show.set_defaults(run=_pools_show)
+    misses = pools.add_parser(
+        "misses", help="a pool's prompt tokens not served from cache since it was made, by reason: never_stored, "
+                       "evicted_device, evicted_host, partial (the block-size floor), other_extra_keys "
+                       "(cached under another model, adapter or salt)")
+    misses.add_argument("name")
+    misses.set_defaults(run=_pools_misses)
     delete = pools.add_parser("delete", help="delete a pool with all its sequences and cached blocks")
     delete.add_argument("name")
     delete.set_defaults(run=_pools_delete)

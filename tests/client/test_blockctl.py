@@ -12,7 +12,7 @@ import socket
 import grpc
 import pytest
 
-from blockd.core import Allocate, Commit, PoolConfig
+from blockd.core import Allocate, Commit, ExtraKeys, PoolConfig
 from blockd.core.types import WorkerInfo
 from client.cli import main as blockctl
 from client.cli.common import EPILOG, EXIT_CODES, Exit
@@ -185,3 +185,20 @@ def test_blockctl_as_a_command_with_environment_variables(daemon, run_module) ->
     assert bad.returncode == 2 and bad.stderr == "blockctl: BLOCKCTL_TIMEOUT_S must be a number > 0, got 'soon'\n"
     with BlockdClient(d.address) as c:
         assert sorted(p.name for p in c.list_pools()) == ["envpool", "flagwins"]
+
+
+def test_pools_misses_shows_the_missed_tokens_by_reason(target, client, capsys) -> None:
+    client.create_pool(PoolConfig("mx", num_blocks=16, block_size=4))
+    client.step("mx", [Allocate("a", list(range(13)), ExtraKeys(model_id="m")), Commit("a", 13)])
+    client.free("mx", "a")
+    client.step("mx", [Allocate("b", list(range(13)))])  # the same tokens without the model id
+    code, out, _ = run(capsys, "--target", target, "pools", "misses", "mx", "--json")
+    assert code == 0 and json.loads(out) == {
+        "pool": "mx", "queried_tokens": 26, "hit_tokens": 0, "missed_tokens": 26,
+        "miss_tokens": {"never_stored": 12, "evicted_device": 0, "evicted_host": 0, "partial": 2,
+                        "other_extra_keys": 12}}
+    code, out, _ = run(capsys, "--target", target, "pools", "misses", "mx")
+    assert code == 0 and out.startswith("pool mx: 26 prompt tokens queried, 0 hit, 26 missed\n")
+    assert re.search(r"other_extra_keys\s+12\s+46\.2%", out) and re.search(r"partial\s+2\s+7\.7%", out)
+    code, _, err = run(capsys, "--target", target, "pools", "misses", "nope")
+    assert code == Exit.NOT_FOUND and "NOT_FOUND" in err
