@@ -223,8 +223,9 @@ def test_format_1_dirs_are_read_and_upgraded(tmp_path):
     shutil.copytree(LEGACY, data_dir)
     engine = Engine(EngineConfig(data_dir=data_dir, snapshot_every=1 << 30))
     # the format-1 snapshot's request ids are forgotten (their fingerprints did
-    # not cover the requests' content; blockd logs a warning): compare the rest
-    assert state(engine, requests=False) == state(reference(3), requests=False)
+    # not cover the requests' content; blockd logs a warning), and it predates
+    # counting misses, so the misses of its history are unknown: compare the rest
+    assert state(engine, requests=False, miss_totals=False) == state(reference(3), requests=False, miss_totals=False)
     workload(engine, 3)
     engine.snapshot()  # the first snapshot replaces every format-1 file
     engine.close()
@@ -233,5 +234,5 @@ def test_format_1_dirs_are_read_and_upgraded(tmp_path):
     reader.load_snapshot()
     assert reader.snapshot_format == 2
     again = Engine(EngineConfig(data_dir=data_dir))
-    assert state(again, requests=False) == state(reference(4), requests=False)
+    assert state(again, requests=False, miss_totals=False) == state(reference(4), requests=False, miss_totals=False)
     again.close()
