@@ -93,19 +93,25 @@ def _dump_host(pool: Pool) -> dict[str, Any] | None:
             "num_offloads": pool.blocks.num_offloads, "num_restores": pool.blocks.num_restores}
 
 
+def _load_tier(tier: Any, data: dict[str, Any]) -> None:
+    """What both tiers keep alike: the hash of each block and its index, the
+    never-used front, the free list and the LRU order."""
+    for block, h in data["hash"].items():
+        tier.hash[int(block)] = digest = bytes.fromhex(h)
+        tier.index[digest] = int(block)
+    tier.next_fresh = data["next_fresh"]
+    tier.free = deque(unpack(data["free"]))
+    for block in unpack(data["lru"]):
+        tier.lru.push_back(block)
+
+
 def _load_host(pool: Pool, data: dict[str, Any] | None) -> None:
     """The host tier as dumped; a snapshot without one (older, or of a pool
     without a tier) leaves the tier empty."""
     host = pool.blocks.host
     if host is None or data is None:
         return
-    for hb, h in data["hash"].items():
-        host.hash[int(hb)] = digest = bytes.fromhex(h)
-        host.index[digest] = int(hb)
-    host.next_fresh = data["next_fresh"]
-    host.free = deque(unpack(data["free"]))
-    for hb in unpack(data["lru"]):
-        host.lru.push_back(hb)
+    _load_tier(host, data)
     pool.blocks.num_offloads, pool.blocks.num_restores = data["num_offloads"], data["num_restores"]
 
 
@@ -195,13 +201,7 @@ def load_pool(data: dict[str, Any]) -> Pool:
     blocks = pool.blocks
     blocks.ref = unpack(data["ref"])
     blocks.fill = unpack(data["fill"])
-    for block, h in data["hash"].items():
-        blocks.hash[int(block)] = digest = bytes.fromhex(h)
-        blocks.index[digest] = int(block)
-    blocks.next_fresh = data["next_fresh"]
-    blocks.free = deque(unpack(data["free"]))
-    for block in unpack(data["lru"]):
-        blocks.lru.push_back(block)
+    _load_tier(blocks, data)
     blocks.num_used, blocks.filled_slots = data["num_used"], data["filled_slots"]
     blocks.num_evictions = data["num_evictions"]
     _load_seqs(pool, data["seqs"])
