@@ -17,13 +17,14 @@ scheduler and demos.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import TypeVar
 
 import grpc
 
 from blockd.core.errors import BlockdError
 from blockd.core.hashing import NO_EXTRA_KEYS, ExtraKeys
-from blockd.core.types import Op, OpResult, PoolConfig, PoolStats, StepResult
+from blockd.core.types import Op, PoolConfig, PoolStats, StepResult
 from blockd.engine.machine import Engine
 from blockd.rpc.errors import error_parts
 from client.errors import error_for
@@ -33,9 +34,10 @@ T = TypeVar("T")
 
 def _copied(result: StepResult) -> StepResult:
     """The result as the SDK reads it off the wire: tuples nobody else holds."""
-    results = tuple(OpResult(r.seq_id, r.num_tokens, r.num_cached_tokens, tuple(r.new_block_ids),
-                             tuple(r.copy_ops), r.slot_start, tuple(r.slot_mapping)) for r in result.results)
-    return StepResult(result.version, results, tuple(result.copy_ops), result.incarnation)
+    # replace(), not a field list: every field the core adds (tier ops, restored and missed tokens) comes along
+    results = tuple(replace(r, new_block_ids=tuple(r.new_block_ids), copy_ops=tuple(r.copy_ops),
+                            slot_mapping=tuple(r.slot_mapping)) for r in result.results)
+    return replace(result, results=results, copy_ops=tuple(result.copy_ops), tier_ops=tuple(result.tier_ops))
 
 
 class InProcessBlockd:
