@@ -21,7 +21,7 @@ transport:
 
 ``token_ids`` and ``slot_mapping`` hold the sequences' new tokens, packed in
 batch order; ``sampling`` says how each sequence chooses its next token
-(:class:`~blockd.core.types.SamplingSpec`: greedy, or seeded draws, several where
+(:class:`SamplingSpec`: greedy, or seeded draws, several where
 a prompt ends and its samples fork), and the answer has ``num_draws`` tokens.
 Plain data and protocols: no grpc, no torch.
 """
@@ -32,7 +32,35 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from blockd.core.types import PLAIN_GREEDY, Op, SamplingSpec, StepResult
+from blockd.core.types import Op, StepResult
+
+
+@dataclass(frozen=True)
+class SamplingSpec:
+    """How one sequence of a model step chooses its next token(s): the
+    ``SamplingParams`` message of ``ModelStep`` (see worker.proto), shared by
+    the scheduler that asks and the worker that draws. The worker draws
+    ``num_samples`` tokens, for sample indices ``sample_index`` onwards (more
+    than one only where a prompt ends and its samples fork)."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    sample_index: int = 0
+    num_samples: int = 1
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def is_plain_greedy(self) -> bool:
+        """One argmax token: what a ModelStep without sampling answers."""
+        return self.temperature == 0.0 and self.num_samples == 1
+
+
+PLAIN_GREEDY = SamplingSpec()
 
 
 @dataclass

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 
 from blockd.core.arith import num_blocks_for
 from blockd.core.hashing import NO_EXTRA_KEYS, ExtraKeys
-from blockd.core.types import PLAIN_GREEDY, SamplingSpec
+from client.backends import PLAIN_GREEDY, SamplingSpec
 
 #: the largest seed the workers take (uint64)
 MAX_SEED = (1 << 64) - 1

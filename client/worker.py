@@ -24,10 +24,10 @@ import grpc
 import torch
 
 from blockd.auth.config import TlsConfig
-from blockd.core.types import SamplingSpec
 from blockd.rpc.tensors import from_proto, to_proto
 from blockd.v1 import worker_pb2 as pb
 from blockd.v1 import worker_pb2_grpc
+from client.backends import SamplingSpec
 from client.channel import dial
 from client.errors import from_rpc_error
 

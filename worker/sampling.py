@@ -40,7 +40,7 @@ from collections.abc import Sequence
 import torch
 
 from blockd.core.errors import InvalidArgument
-from blockd.core.types import SamplingSpec
+from client.backends import SamplingSpec
 from worker.kernels import native
 
 #: draws one sequence may ask for in one step (the samples forked from it)

@@ -26,12 +26,12 @@ from blockd.auth.security import ServerSecurity
 from blockd.core.errors import InvalidArgument, NotFound, WrongState, shown
 from blockd.core.hashing import DEFAULT_TENANT
 from blockd.core.incarnations import WorkerIncarnationMismatch, short
-from blockd.core.types import SamplingSpec
 from blockd.rpc.convert import require_id, require_ids
 from blockd.rpc.endpoint import GrpcEndpoint
 from blockd.rpc.errors import BadField, unary
 from blockd.rpc.tensors import from_proto, to_proto
 from blockd.v1 import worker_pb2 as pb
+from client.backends import SamplingSpec
 from worker.runtime import WorkerRuntime
 from worker.sampling import check_spec, next_tokens
 

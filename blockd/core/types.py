@@ -393,31 +393,3 @@ class ReplicaStatus:
     streaming: bool = False
     in_sync_replicas: int = 0
     followers: tuple[FollowerStatus, ...] = ()
-
-
-@dataclass(frozen=True)
-class SamplingSpec:
-    """How one sequence of a model step chooses its next token(s): the
-    ``SamplingParams`` message of ``ModelStep`` (see worker.proto), shared by
-    the scheduler that asks and the worker that draws. The worker draws
-    ``num_samples`` tokens, for sample indices ``sample_index`` onwards (more
-    than one only where a prompt ends and its samples fork)."""
-
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int = 0
-    sample_index: int = 0
-    num_samples: int = 1
-
-    @property
-    def is_greedy(self) -> bool:
-        return self.temperature == 0.0
-
-    @property
-    def is_plain_greedy(self) -> bool:
-        """One argmax token: what a ModelStep without sampling answers."""
-        return self.temperature == 0.0 and self.num_samples == 1
-
-
-PLAIN_GREEDY = SamplingSpec()

@@ -23,8 +23,7 @@ import torch
 from google.rpc import error_details_pb2
 
 from blockd.core import PoolConfig
-from blockd.core.types import SamplingSpec
-from client.backends import ModelBatch
+from client.backends import ModelBatch, SamplingSpec
 from client.errors import FailedPreconditionError
 from client.scheduler import Scheduler
 from client.serving import GREEDY, SamplingParams

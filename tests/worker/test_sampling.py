@@ -20,7 +20,7 @@ import torch
 
 from blockd.core import Allocate
 from blockd.core.errors import InvalidArgument
-from blockd.core.types import SamplingSpec
+from client.backends import SamplingSpec
 from client.errors import InvalidArgumentError
 from client.worker import WorkerClient
 from tests.worker.test_model_runner import Local

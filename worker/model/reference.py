@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from blockd.core.types import SamplingSpec
+from client.backends import SamplingSpec
 from client.serving import GREEDY, SamplingParams
 from worker.model import build_model
 from worker.sampling import next_tokens
