@@ -40,6 +40,7 @@ import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench import tiers_vllm
 from blockd.cluster.local import ClusterSpec, LocalCluster, model_config
 
 MODEL = "smollm2-135m"
@@ -170,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--ratios", default="0,4,16", help="host tier sizes, in device pools (default 0,4,16)")
     parser.add_argument("--verify", type=int, default=6, help="requests checked against transformers (default 6)")
+    parser.add_argument("--vllm-python", default=None,
+                        help="a vLLM venv's python: vLLM's rows on the same requests first (bench/tiers_vllm.py)")
     args = parser.parse_args(argv)
     args.model = args.model or ("tiny-llama" if args.quick else MODEL)
     args.conversations = args.conversations or (6 if args.quick else 12)
@@ -185,10 +188,12 @@ def main(argv: list[str] | None = None) -> int:
         args.first_tokens, args.question_tokens, args.output_tokens = (96, 160), (16, 32), 24
         args.device_blocks, args.max_seqs, args.max_batched_tokens = 96, 4, 512
     common = {"name": "tiers", **setup(args)}
+    against_vllm = tiers_vllm.anchor(args, common, conversations)  # prints vLLM's rows (none without the flag)
     base = None
     for ratio in ratios:
         row, requests, outputs = run_row(args, int(ratio * args.device_blocks))
         row.update(verify(args.model, requests, outputs, args.verify) if args.verify else {})
+        row.update(against_vllm(row, requests, outputs))
         if base is None:
             base = row
         row["ratio_hit_rate_vs_no_tier"] = (round(row["hit_rate_later_turns"] / base["hit_rate_later_turns"], 2)

@@ -54,6 +54,18 @@ def main(path: str, rounds: bool = False) -> int:
     return 0
 
 
+def request_times(output) -> tuple[float | None, float | None]:
+    """One ``RequestOutput``'s TTFT (from its arrival) and TPOT in ms, from
+    vLLM's own request stats (None where it has none)."""
+    stats, num = output.metrics, len(output.outputs[0].token_ids)
+    if stats is None:
+        return None, None
+    tpot = None
+    if num > 1 and stats.last_token_ts > stats.first_token_ts:
+        tpot = (stats.last_token_ts - stats.first_token_ts) / (num - 1) * 1e3
+    return stats.first_token_latency * 1e3, tpot
+
+
 def timed_round(llm, work: dict, prompts: list, params) -> dict:
     import vllm
 
@@ -62,14 +74,9 @@ def timed_round(llm, work: dict, prompts: list, params) -> dict:
     outputs = llm.generate(prompts, params)
     seconds = time.perf_counter() - start
     tokens = [list(o.outputs[0].token_ids) for o in outputs]
-    ttft, tpot = [], []
-    for o, out in zip(outputs, tokens):
-        stats = o.metrics
-        if stats is None:
-            continue
-        ttft.append(stats.first_token_latency * 1e3)
-        if len(out) > 1 and stats.last_token_ts > stats.first_token_ts:
-            tpot.append((stats.last_token_ts - stats.first_token_ts) / (len(out) - 1) * 1e3)
+    times = [request_times(o) for o in outputs]
+    ttft = [t for t, _ in times if t is not None]
+    tpot = [t for _, t in times if t is not None]
     num_tokens = sum(len(t) for t in tokens)
     cached = sum(o.num_cached_tokens or 0 for o in outputs)  # prompt tokens vLLM did not compute
     return {
