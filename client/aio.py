@@ -22,7 +22,7 @@ import grpc
 import grpc.aio
 
 from blockd.auth.config import TlsConfig
-from blockd.core.hashing import ExtraKeys
+from blockd.core.hashing import HASH_SPEC_ID, ExtraKeys, HashSpec
 from blockd.core.types import (
     Allocate,
     Append,
@@ -44,6 +44,7 @@ from blockd.core.types import (
     WorkerStatus,
 )
 from blockd.rpc import convert
+from blockd.rpc.hash_spec import hash_spec_from_proto
 from blockd.v1 import blockd_pb2 as pb
 from blockd.v1 import blockd_pb2_grpc as pb_grpc
 from blockd.v1 import replication_pb2 as rpb
@@ -229,9 +230,17 @@ class AsyncBlockdClient:
         request = messages.lookup_prefix_request(token_ids, extra_keys, pools)
         return dict((await self._unary(self._blocks.LookupPrefix, request)).num_cached_tokens)
 
+    async def get_hash_spec(self, pool: str | None = None) -> HashSpec:
+        reply = await self._unary(self._blocks.GetHashSpec, pb.GetHashSpecRequest(pool=pool or ""))
+        return hash_spec_from_proto(reply)
+
+    async def check_hash_spec(self) -> HashSpec:
+        return messages.checked_hash_spec(await self.get_hash_spec(), self.target)
+
     # --- workers -----------------------------------------------------------------------
-    async def register_worker(self, info: WorkerInfo, *, request_id: str | None = None) -> WorkerStatus:
-        request = messages.register_worker_request(info, request_id)
+    async def register_worker(self, info: WorkerInfo, *, request_id: str | None = None,
+                              hash_spec: str = HASH_SPEC_ID) -> WorkerStatus:
+        request = messages.register_worker_request(info, request_id, hash_spec)
         return convert.worker_status_from_proto((await self._unary(self._workers.RegisterWorker, request)).status)
 
     async def heartbeat(self, worker_id: str, applied_version: int, *,

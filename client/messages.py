@@ -12,12 +12,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from blockd.core.hashing import NO_EXTRA_KEYS, ExtraKeys
+from google.rpc import error_details_pb2
+
+from blockd.core.hashing import HASH_SPEC_ID, NO_EXTRA_KEYS, ExtraKeys, HashSpec, HashSpecMismatch
 from blockd.core.types import KVEvent, Op, PoolConfig, WorkerInfo
 from blockd.rpc import convert
 from blockd.v1 import blockd_pb2 as pb
 from client.channel import new_request_id
-from client.errors import InvalidArgumentError
+from client.errors import FailedPreconditionError, InvalidArgumentError
 
 
 def _rid(request_id: str | None) -> str:
@@ -84,9 +86,26 @@ def event_reply(reply: pb.EventsResponse) -> KVEvent:
     return convert.event_from_proto(reply.event)
 
 
+def checked_hash_spec(spec: HashSpec, target: str) -> HashSpec:
+    """``spec`` (blockd's at ``target``) if this client hashes blocks the same
+    way (:data:`~blockd.core.hashing.HASH_SPEC_ID`); else FailedPreconditionError,
+    reason ``HASH_SPEC_MISMATCH``, as blockd refuses a worker of another spec."""
+    if spec.spec_id == HASH_SPEC_ID:
+        return spec
+    message = (f"blockd at {target} hashes blocks by spec {spec.spec_id!r}, this client by {HASH_SPEC_ID!r}: "
+               f"the hashes it computes (the scheduler's admission de-duplication) would never match "
+               f"blockd's; run a client release built for {spec.spec_id!r} (upgrade the client, or the "
+               f"daemon if the client is newer)")
+    info = error_details_pb2.ErrorInfo(reason=HashSpecMismatch.reason, domain="blockd",
+                                       metadata={"hash_spec": HASH_SPEC_ID, "blockd_hash_spec": spec.spec_id})
+    raise FailedPreconditionError(message, details=(info,))
+
+
 # --- workers --------------------------------------------------------------------------
-def register_worker_request(info: WorkerInfo, request_id: str | None) -> pb.RegisterWorkerRequest:
-    return pb.RegisterWorkerRequest(info=convert.worker_info_to_proto(info), request_id=_rid(request_id))
+def register_worker_request(info: WorkerInfo, request_id: str | None,
+                            hash_spec: str = HASH_SPEC_ID) -> pb.RegisterWorkerRequest:
+    return pb.RegisterWorkerRequest(info=convert.worker_info_to_proto(info), request_id=_rid(request_id),
+                                    hash_spec=hash_spec)
 
 
 def heartbeat_request(worker_id: str, applied_version: int, request_id: str | None) -> pb.HeartbeatRequest:

@@ -25,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING
 
 from blockd.auth.config import TlsConfig
+from blockd.core.types import TransferPlan
 from client.backends import ModelBatch
 from client.errors import BlockdClientError, UnavailableError
 from client.worker import WorkerClient
@@ -100,6 +101,30 @@ class WorkerGroup:
         message = (f"rank {rank} ({self.workers[rank].target}) of the worker group of pool {self.pool!r}: "
                    f"{err.message}" + (f" [also failed: {others}]" if others else ""))
         return type(err)(message, code=err.code, details=err.details)
+
+    def fetch_blocks(self, version: int, plan: TransferPlan, *, pool_incarnation: str = "",
+                     term: int = 0) -> str:
+        """Every rank fetches ``plan``'s blocks from the source worker of its
+        shard (rank ``r`` from the source's rank ``r``); ``""`` when all did, else
+        why not (the caller computes those tokens: a rank that fetched holds
+        blocks the computation overwrites)."""
+        if len(plan.source_workers) != len(self.workers):
+            return (f"the source pool {plan.source_pool!r} has {len(plan.source_workers)} workers up, this "
+                    f"group {len(self.workers)}: shards pair only between groups of one tensor-parallel size")
+        def one(rank: int) -> int:
+            return self.workers[rank].fetch_blocks(self.pool, version, plan, rank, pool_incarnation=pool_incarnation,
+                                                   term=term)
+        if self._threads is None:
+            try:
+                one(0)
+            except BlockdClientError as err:
+                return err.message
+            return ""
+        futures = [self._threads.submit(one, rank) for rank in range(len(self.workers))]
+        wait(futures)
+        errors = [f"rank {rank}: {getattr(err, 'message', err)}" for rank, f in enumerate(futures)
+                  if (err := f.exception()) is not None]
+        return "; ".join(errors)
 
     def run(self, version: int, batch: ModelBatch, *, pool_incarnation: str = "", term: int = 0) -> list[int]:
         if self._threads is None:

@@ -137,6 +137,7 @@ class Scheduler:
         # steps and submissions may come from different threads (ServingLoop)
         self._lock = threading.RLock()
         self._seeds = random.SystemRandom()  # seeds of requests that name none
+        self._spec_checked = False  # blockd's block-hash spec, checked before the first step
 
     # --- public ------------------------------------------------------------------
     def add_request(self, request: GenerationRequest) -> None:
@@ -193,6 +194,9 @@ class Scheduler:
     def step(self) -> bool:
         """One scheduler step (see the module docstring); False if there was nothing to send."""
         with self._lock:
+            if not self._spec_checked:  # plans de-duplicate admissions by hashes that must be blockd's
+                getattr(self.client, "check_hash_spec", lambda: None)()  # optional in a BlockdBackend
+                self._spec_checked = True
             try:
                 sent = self._send()
                 if sent is None:

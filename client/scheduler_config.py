@@ -31,8 +31,15 @@ class SchedulerConfig:
     #: publishes only committed blocks; vLLM shares such blocks within a step).
     #: Admission stays FCFS: the requests behind it wait too. 0: off.
     prefix_block_size: int = 0
+    #: another pool of the tenant (same model geometry) whose cached prefixes this
+    #: scheduler's admissions may fetch instead of computing (``Allocate.source_pool``;
+    #: the executor's workers fetch them, :meth:`client.model_group.WorkerGroup.fetch_blocks`).
+    #: "": none
+    source_pool: str = ""
 
     def __post_init__(self) -> None:
+        if type(self.source_pool) is not str:
+            raise ValueError(f"source_pool must be a pool name or '', got {self.source_pool!r}")
         if type(self.prefix_block_size) is not int or self.prefix_block_size < 0:
             raise ValueError(f"prefix_block_size must be an integer >= 0 (0: off), got {self.prefix_block_size!r}")
         if not all(type(t) is int and t >= 0 for t in self.eos_token_ids):
@@ -56,6 +63,10 @@ class SchedulerCounters:
     #: prompt tokens the model computed (recomputed ones included) / the prefix cache spared
     num_prefill_tokens: int = 0
     num_cached_tokens: int = 0
+    #: prompt tokens fetched from ``source_pool``'s workers instead of computed, and
+    #: transfers that failed (their tokens were computed)
+    num_transferred_tokens: int = 0
+    num_failed_transfers: int = 0
     num_output_tokens: int = 0
     peak_running_requests: int = 0
     peak_running_seqs: int = 0

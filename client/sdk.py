@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import grpc
 
 from blockd.auth.config import TlsConfig
-from blockd.core.hashing import ExtraKeys
+from blockd.core.hashing import HASH_SPEC_ID, ExtraKeys, HashSpec
 from blockd.core.types import (
     Allocate,
     Append,
@@ -53,6 +53,7 @@ from blockd.core.types import (
     WorkerStatus,
 )
 from blockd.rpc import convert
+from blockd.rpc.hash_spec import hash_spec_from_proto
 from blockd.v1 import blockd_pb2 as pb
 from blockd.v1 import blockd_pb2_grpc as pb_grpc
 from blockd.v1 import replication_pb2 as rpb
@@ -262,9 +263,25 @@ class BlockdClient:
         request = messages.lookup_prefix_request(token_ids, extra_keys, pools)
         return dict(self._unary(self._blocks.LookupPrefix, request).num_cached_tokens)
 
+    def get_hash_spec(self, pool: str | None = None) -> HashSpec:
+        """blockd's block-hash algorithm in words, with test vectors; with
+        ``pool``, that pool's block size and tenant too (NOT_FOUND if unknown)."""
+        reply = self._unary(self._blocks.GetHashSpec, pb.GetHashSpecRequest(pool=pool or ""))
+        return hash_spec_from_proto(reply)
+
+    def check_hash_spec(self) -> HashSpec:
+        """blockd's spec, if it is this client's (:data:`~blockd.core.hashing.HASH_SPEC_ID`);
+        FailedPreconditionError (reason ``HASH_SPEC_MISMATCH``) if not."""
+        return messages.checked_hash_spec(self.get_hash_spec(), self.target)
+
     # --- workers -----------------------------------------------------------------------
-    def register_worker(self, info: WorkerInfo, *, request_id: str | None = None) -> WorkerStatus:
-        reply = self._unary(self._workers.RegisterWorker, messages.register_worker_request(info, request_id))
+    def register_worker(self, info: WorkerInfo, *, request_id: str | None = None,
+                        hash_spec: str = HASH_SPEC_ID) -> WorkerStatus:
+        """``hash_spec``: the block-hash spec the worker is built for; blockd
+        refuses another one than its own (FailedPreconditionError, reason
+        ``HASH_SPEC_MISMATCH``), nothing registered."""
+        request = messages.register_worker_request(info, request_id, hash_spec)
+        reply = self._unary(self._workers.RegisterWorker, request)
         return convert.worker_status_from_proto(reply.status)
 
     def heartbeat(self, worker_id: str, applied_version: int, *, request_id: str | None = None) -> WorkerStatus:

@@ -24,6 +24,7 @@ import grpc
 import torch
 
 from blockd.auth.config import TlsConfig
+from blockd.core.types import TransferPlan
 from blockd.rpc.tensors import from_proto, to_proto
 from blockd.v1 import worker_pb2 as pb
 from blockd.v1 import worker_pb2_grpc
@@ -126,3 +127,17 @@ class WorkerClient:
         response = self._call(self._stub.ModelStep, request)
         logits = from_proto(response.logits, "logits") if response.HasField("logits") else None
         return list(response.next_token_ids), logits
+
+    def fetch_blocks(self, pool: str, version: int, plan: TransferPlan, rank: int, *, pool_incarnation: str,
+                     term: int = 0) -> int:
+        """Fetch ``plan``'s blocks from its source worker of ``rank`` (this
+        worker's shard) into this worker at ``version`` (see ``FetchBlocksRequest``);
+        returns the blocks written. A failure raises: compute the tokens instead."""
+        _, address, source_incarnation = plan.source_workers[rank]
+        response = self._call(self._stub.FetchBlocks, pb.FetchBlocksRequest(
+            pool=pool, pool_incarnation=pool_incarnation, worker_incarnation=self._worker_incarnation(),
+            version=version, term=term, source_pool=plan.source_pool,
+            source_pool_incarnation=plan.source_incarnation, source_version=plan.source_version,
+            source_address=address, source_worker_incarnation=source_incarnation, src_tiers=list(plan.src_tiers),
+            src_blocks=list(plan.src_blocks), dst_blocks=list(plan.dst_blocks)))
+        return response.num_blocks

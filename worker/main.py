@@ -43,6 +43,7 @@ from client.sdk import BlockdClient
 from worker.attachment import Attachment
 from worker.runtime import ShardSpec, WorkerRuntime
 from worker.service import WorkerServer
+from worker.transfer import Peers
 
 log = logging.getLogger("blockd.worker")
 
@@ -126,13 +127,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def _secured(args: argparse.Namespace) -> tuple[ServerSecurity, BlockdClient]:
-    """The worker's server security and its blockd client, from the flags;
-    exits with one line for settings that cannot work."""
+def _secured(args: argparse.Namespace) -> tuple[ServerSecurity, BlockdClient, tuple]:
+    """The worker's server security, its blockd client and its client
+    credentials ``(tls, token)`` (for other pools' workers too), from the
+    flags; exits with one line for settings that cannot work."""
     try:
         tls, token = client_security(args)
         security = server_security(args.listen, server_tls(args), args.tokens_file, args.insecure)
-        return security, BlockdClient(args.blockd, tls=tls, token=token)
+        return security, BlockdClient(args.blockd, tls=tls, token=token), (tls, token)
     except ValueError as err:  # InsecureListen, TlsError, IdentitiesFileError
         raise SystemExit(f"blockd-worker: {err}") from None
 
@@ -213,7 +215,7 @@ def _runtime(args: argparse.Namespace, config, shard: ShardSpec, metrics) -> Wor
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logs.configure(args.log_level, args.log_format, "%(asctime)s %(name)s %(levelname)s %(message)s")
-    security, client = _secured(args)
+    security, client, credentials = _secured(args)
     try:
         config = client.pool_config(args.pool)
     except BlockdClientError as err:  # a pool that does not exist, blockd not there: one line, not a traceback
@@ -240,7 +242,8 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"cannot run model {args.model!r} on this shard: {err}") from None
         log.info("running model %s (TP rank %d of %d, %d linear layers packed for oneDNN, %d torch threads)",
                  args.model, args.tp_rank, args.tp_world_size, runner.packed_linears, torch.get_num_threads())
-    server = WorkerServer(runtime, args.worker_id, args.listen, runner=runner, security=security)
+    server = WorkerServer(runtime, args.worker_id, args.listen, runner=runner, security=security,
+                          peers=Peers(runtime, *credentials))
     info = WorkerInfo(args.worker_id, config.name, advertised_address(args, server.address), *layers, *heads,
                       pool_bytes=runtime.pool_bytes, device=str(runtime.device), incarnation=runtime.incarnation)
     follower = Attachment(client, runtime, info, args.heartbeat_s, metrics)

@@ -26,9 +26,12 @@ from blockd.rpc.metrics_http import ServedMetrics, serve_metrics
 #: "attention" is a planned mixed batch (decode and prefill together); "model_forward"
 #: is a whole ModelStep forward (attention and write_kv included) and "sampling" its
 #: token choice, so a step's time splits into model, attention and sampling;
-#: "offload_blocks" / "restore_blocks" are one batch of tier ops (device -> host / back)
-KERNELS = ("write_kv", "copy_blocks", "offload_blocks", "restore_blocks", "attention", "decode_attention",
-           "prefill_attention", "model_forward", "sampling")
+#: "offload_blocks" / "restore_blocks" are one batch of tier ops (device -> host / back);
+#: "fetch_blocks" one cross-pool fetch (FetchBlocks: read from the source worker, written here)
+KERNELS = ("write_kv", "copy_blocks", "offload_blocks", "restore_blocks", "fetch_blocks", "attention",
+           "decode_attention", "prefill_attention", "model_forward", "sampling")
+#: outcomes of cross-pool transfer blocks (``blockd_worker_transfer_blocks_total{result}``)
+TRANSFER_RESULTS = ("served", "fetched", "failed")
 #: ``kind`` label values of the tier op counter (blockd.core.types.OFFLOAD / RESTORE)
 TIER_OP_KINDS = ("offload", "restore")
 #: kernels run from a few µs (a small copy on CPU) to seconds (long CPU prefill)
@@ -67,6 +70,10 @@ class WorkerMetrics:
         tier_ops = Counter("blockd_worker_tier_ops", "Blocks copied between the device pool and the host tier, "
                            "by kind (offload: device -> host, restore: host -> device).",
                            ("pool", "kind"), registry=self.registry)
+        transfers = Counter("blockd_worker_transfer_blocks", "Blocks of cross-pool transfers: served to another "
+                            "pool's worker, fetched from one, or failed to fetch (the tokens were computed).",
+                            ("pool", "result"), registry=self.registry)
+        self._transfers = {r: transfers.labels(pool, r) for r in TRANSFER_RESULTS}
         # one pool per worker: bind the children once, off the hot path
         self._tokens = tokens.labels(pool)
         self._copies = copies.labels(pool)
@@ -103,6 +110,9 @@ class WorkerMetrics:
 
     def add_tier_ops(self, kind: str, n: int) -> None:
         self._tier_ops[kind].inc(n)
+
+    def add_transfer_blocks(self, result: str, n: int) -> None:
+        self._transfers[result].inc(n)
 
     def start_http(self, port: int, addr: str | None = None) -> ServedMetrics:
         """Serve ``/metrics`` on ``addr:port`` (port 0 picks one; see ``.port``).

@@ -28,10 +28,11 @@ from blockd.core.hashing import DEFAULT_TENANT
 from blockd.core.incarnations import WorkerIncarnationMismatch, short
 from blockd.rpc.convert import require_id, require_ids
 from blockd.rpc.endpoint import GrpcEndpoint
-from blockd.rpc.errors import BadField, unary
+from blockd.rpc.errors import BadField, server_stream, unary
 from blockd.rpc.tensors import from_proto, to_proto
 from blockd.v1 import worker_pb2 as pb
 from client.backends import SamplingSpec
+from worker import transfer
 from worker.runtime import WorkerRuntime
 from worker.sampling import check_spec, next_tokens
 
@@ -43,8 +44,11 @@ MAX_MESSAGE_BYTES = 256 << 20
 
 
 class KVShardServicer:
-    def __init__(self, runtime: WorkerRuntime, worker_id: str, device: str, runner=None) -> None:
+    def __init__(self, runtime: WorkerRuntime, worker_id: str, device: str, runner=None,
+                 peers: transfer.Peers | None = None) -> None:
         self.runtime = runtime
+        #: other pools' workers, for FetchBlocks
+        self.peers = peers or transfer.Peers(runtime)
         self.runner = runner
         self.worker_id = worker_id
         self.device = device
@@ -145,6 +149,48 @@ class KVShardServicer:
         return response
 
 
+    @server_stream
+    def ReadBlocks(self, request, context):
+        self._check_tenant()
+        incarnation = self._check_call(request)
+        expected = (request.layer_start, request.layer_end, request.kv_head_start, request.kv_head_end,
+                    request.block_size, request.head_dim, request.dtype)
+        blocks = transfer.read_blocks(self.runtime, request.version, incarnation, list(request.tiers),
+                                      list(request.block_ids), expected)
+        for index, offset, data, crc, size in transfer.chunks(blocks):
+            yield pb.ReadBlocksResponse(index=index, offset=offset, data=data, crc32=crc, block_bytes=size)
+        self.runtime.metrics.add_transfer_blocks("served", len(blocks))
+
+    @unary
+    def FetchBlocks(self, request, context):
+        self._check_tenant()
+        incarnation = self._check_call(request)
+        n = len(request.dst_blocks)
+        if not n or len(request.src_blocks) != n or len(request.src_tiers) != n:
+            raise BadField("dst_blocks", f"needs one source block and tier per destination block (got {n} "
+                           f"destinations, {len(request.src_blocks)} sources, {len(request.src_tiers)} tiers)")
+        if not request.source_address or not request.source_worker_incarnation:
+            raise BadField("source_address", "and source_worker_incarnation are required (the plan's source "
+                           "worker of this shard)")
+        start = time.perf_counter()
+        shard, config = self.runtime.shard, self.runtime.config
+        read = pb.ReadBlocksRequest(
+            pool=request.source_pool, pool_incarnation=request.source_pool_incarnation,
+            worker_incarnation=request.source_worker_incarnation, version=request.source_version,
+            tiers=list(request.src_tiers), block_ids=list(request.src_blocks), layer_start=shard.layer_start,
+            layer_end=shard.layer_end, kv_head_start=shard.kv_head_start, kv_head_end=shard.kv_head_end,
+            block_size=config.block_size, head_dim=config.head_dim, dtype=config.dtype)
+        try:
+            blobs = self.peers.read(request.source_address, read, n)
+            transfer.write_blocks(self.runtime, request.version, incarnation, list(request.dst_blocks), blobs)
+        except Exception:
+            self.runtime.metrics.add_transfer_blocks("failed", n)
+            raise
+        metrics = self.runtime.metrics
+        metrics.add_transfer_blocks("fetched", n)
+        metrics.observe_kernel("fetch_blocks", time.perf_counter() - start)
+        return pb.FetchBlocksResponse(num_blocks=n, num_bytes=sum(len(b) for b in blobs))
+
     def _model_step(self, request, specs: list[SamplingSpec], incarnation: str | None):
         """The forward and the token choice of one ModelStep (on :attr:`compute`)."""
         start = time.perf_counter()
@@ -172,11 +218,13 @@ def _sampling_specs(request) -> list[SamplingSpec]:
 class WorkerServer:
     """The worker's gRPC endpoint (port 0 picks a free port). ``security``
     (:func:`blockd.auth.server_security`, as blockd's): TLS credentials and
-    the auth interceptor; None serves plain text to anyone (loopback)."""
+    the auth interceptor; None serves plain text to anyone (loopback).
+    ``peers``: how FetchBlocks dials other pools' workers (default: plain text)."""
 
     def __init__(self, runtime: WorkerRuntime, worker_id: str, listen: str = "127.0.0.1:0",
-                 max_workers: int = 8, runner=None, security: ServerSecurity | None = None) -> None:
-        servicer = self._servicer = KVShardServicer(runtime, worker_id, str(runtime.device), runner)
+                 max_workers: int = 8, runner=None, security: ServerSecurity | None = None,
+                 peers: transfer.Peers | None = None) -> None:
+        servicer = self._servicer = KVShardServicer(runtime, worker_id, str(runtime.device), runner, peers)
         self._endpoint = GrpcEndpoint([(servicer, SERVICE)], listen, max_workers=max_workers,
                                       max_message_bytes=MAX_MESSAGE_BYTES, thread_name_prefix="worker-rpc",
                                       interceptors=security.interceptors if security is not None else (),

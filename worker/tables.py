@@ -36,7 +36,7 @@ from collections.abc import Callable, Sequence
 
 from blockd.core.errors import InvalidArgument, NotFound, WrongState, shown
 from blockd.core.incarnations import PoolIncarnationMismatch, PoolIncarnationUnavailable, TermNotSeen, short
-from blockd.core.types import TierOp, VersionDelta
+from blockd.core.types import RESTORE, TierOp, VersionDelta
 
 CopyFn = Callable[[Sequence[tuple[int, int]]], None]
 TierFn = Callable[[Sequence[TierOp]], None]
@@ -82,6 +82,14 @@ class TableMirror:
         #: the newest leader term that served this replica (0: none, or blockd is not replicated)
         self.term = 0
         self.replaced: OrderedDict[str, str] = OrderedDict()  # old -> the one that replaced it
+        #: per device block and per host block, the last applied version that gave it
+        #: other contents (a table took it, a restore or copy wrote it; an offload wrote
+        #: the host block), so a block read for another pool is known unchanged since
+        #: the version blockd planned the read at (:meth:`changed_since`)
+        self.reassigned: dict[int, int] = {}
+        self.host_reassigned: dict[int, int] = {}
+        #: the last snapshot's version: which blocks changed before it is not known
+        self.reassigned_floor = 0
         self._pending: deque[VersionDelta] = deque()
         self._cond = threading.Condition()
 
@@ -109,6 +117,9 @@ class TableMirror:
             self.tables = {seq_id: list(t) for seq_id, t in tables.items()}
             self.applied_version = self.received_version = version
             self._pending.clear()
+            self.reassigned.clear()
+            self.host_reassigned.clear()
+            self.reassigned_floor = version
             if self._on_snapshot is not None:
                 self._on_snapshot()
             self.num_snapshots += 1
@@ -255,6 +266,7 @@ class TableMirror:
                                "matches no version of the pool; restart the worker")
                 self._cond.notify_all()
                 raise MirrorBroken(self.broken) from err
+            self._note_reassigned(delta)
             for update in delta.updates:
                 if update.freed:
                     self.tables.pop(update.seq_id, None)
@@ -264,6 +276,27 @@ class TableMirror:
                     table.extend(update.block_ids)
                     self.tables[update.seq_id] = table
             self.applied_version = delta.version
+
+    def _note_reassigned(self, delta: VersionDelta) -> None:
+        version, device = delta.version, self.reassigned
+        for op in delta.tier_ops:
+            if op.kind == RESTORE:
+                device[op.device_block] = version
+            else:
+                self.host_reassigned[op.host_block] = version
+        for _, dst in delta.copy_ops:
+            device[dst] = version
+        for update in delta.updates:
+            for block in update.block_ids:
+                device[block] = version
+
+    def changed_since(self, host: bool, block: int, version: int) -> int:
+        """The applied version after ``version`` that gave device (or ``host``)
+        block ``block`` other contents, 0 when none did (call under the lock
+        that keeps kernels off the KV memory, after the mirror reached ``version``)."""
+        with self._cond:
+            at = max((self.host_reassigned if host else self.reassigned).get(block, 0), self.reassigned_floor)
+            return at if at > version else 0
 
     def tables_of(self, seq_ids: Sequence[str], version: int | None = None,
                   incarnation: str | None = None) -> list[list[int]]:

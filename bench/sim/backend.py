@@ -23,11 +23,13 @@ from typing import TypeVar
 import grpc
 
 from blockd.core.errors import BlockdError
-from blockd.core.hashing import NO_EXTRA_KEYS, ExtraKeys
+from blockd.core.hashing import NO_EXTRA_KEYS, ExtraKeys, HashSpec, hash_spec
 from blockd.core.types import Op, PoolConfig, PoolStats, StepResult
 from blockd.engine.machine import Engine
+from blockd.engine.tenancy import owner_of
 from blockd.rpc.errors import error_parts
 from client.errors import error_for
+from client.messages import checked_hash_spec
 
 T = TypeVar("T")
 
@@ -69,6 +71,16 @@ class InProcessBlockd:
                       pools: Sequence[str] = ()) -> dict[str, int]:
         extra = extra_keys if extra_keys is not None else NO_EXTRA_KEYS
         return self._call("LookupPrefix", lambda: self.engine.lookup_prefix(list(token_ids), extra, list(pools)))
+
+    def get_hash_spec(self, pool: str | None = None) -> HashSpec:
+        if not pool:
+            return hash_spec()
+        config = self._call("GetHashSpec", lambda: self.engine.pool_config(pool))
+        return hash_spec(config.block_size, owner_of(config))
+
+    def check_hash_spec(self) -> HashSpec:
+        """As the SDK's (the engine here is this build's, so it always passes)."""
+        return checked_hash_spec(self.get_hash_spec(), "in process")
 
     def step(self, pool: str, ops: Sequence[Op], *, request_id: str | None = None,
              timeout_s: float | None = None, dry_run: bool = False, incarnation: str = "",

@@ -7,7 +7,8 @@ same kind of thing:
 permission         RPCs
 =================  ===========================================================
 ``pool.admin``     CreatePool, DeletePool, ResetPrefixCache
-``pool.read``      GetPool, ListPools, ListWorkers, GetReplicaStatus (sizes, versions, addresses)
+``pool.read``      GetPool, ListPools, ListWorkers, GetReplicaStatus, GetHashSpec (sizes, versions, addresses,
+                   the hash spec and a pool's block size and tenant)
 ``tables.read``    GetTables, GetSequence, Watch (block tables)
 ``cache.read``     Events, LookupPrefix (block hashes and token ids: prompts)
 ``step``           Step (allocate/append/commit/fork/free)
@@ -72,7 +73,7 @@ _BLOCKD = {
     },
     "blockd.v1.BlockService": {
         "Step": STEP, "GetTables": TABLES_READ, "GetSequence": TABLES_READ, "Watch": TABLES_READ,
-        "Events": CACHE_READ, "LookupPrefix": CACHE_READ,
+        "Events": CACHE_READ, "LookupPrefix": CACHE_READ, "GetHashSpec": POOL_READ,
     },
     "blockd.v1.WorkerService": {
         "RegisterWorker": WORKER_JOIN, "Heartbeat": WORKER_JOIN, "ListWorkers": POOL_READ,

@@ -146,12 +146,19 @@ class ClusterSpec:
     model_seed: int = 0
     #: serve each worker's Prometheus metrics on a free port (``LocalCluster.worker_metrics_urls``)
     worker_metrics: bool = False
+    #: pools of this geometry in the one daemon, each with its own ``tp_size`` workers:
+    #: ``pool``, then ``pool-1``, ``pool-2``... (:attr:`pool_names`); they may share prefixes
+    num_pools: int = 1
+
+    @property
+    def pool_names(self) -> list[str]:
+        return [self.pool] + [f"{self.pool}-{i}" for i in range(1, self.num_pools)]
 
     def __post_init__(self) -> None:
         if self.tp_size < 1 or self.num_blocks < 1 or self.block_size < 1:
             raise ValueError("tp_size, num_blocks and block_size must be >= 1")
-        if self.num_host_blocks < 0:
-            raise ValueError("num_host_blocks must be >= 0")
+        if self.num_host_blocks < 0 or self.num_pools < 1:
+            raise ValueError("num_host_blocks must be >= 0 and num_pools >= 1")
 
 
 class LocalCluster:
@@ -172,7 +179,13 @@ class LocalCluster:
 
     @property
     def worker_addresses(self) -> list[str]:
-        return [worker.address for worker in self.workers]
+        """The first pool's workers (rank order)."""
+        return [worker.address for worker in self.workers[: self.spec.tp_size]]
+
+    def pool_worker_addresses(self, pool: str) -> list[str]:
+        """Pool ``pool``'s workers (rank order)."""
+        i = self.spec.pool_names.index(pool) * self.spec.tp_size
+        return [worker.address for worker in self.workers[i : i + self.spec.tp_size]]
 
     @property
     def pids(self) -> list[int]:
@@ -208,22 +221,24 @@ class LocalCluster:
                                  dtype="float32", watermark_blocks=spec.watermark_blocks)
         config = dataclasses.replace(config, num_host_blocks=spec.num_host_blocks)
         with BlockdClient(self.blockd.address) as client:
-            client.create_pool(config)
+            for name in spec.pool_names:
+                client.create_pool(dataclasses.replace(config, name=name))
         self.pool_config = config
-        tp_init = f"tcp://127.0.0.1:{free_port()}"
-        for rank in range(spec.tp_size):
-            args = ["-m", "worker.main", "--blockd", self.blockd.address, "--pool", spec.pool,
-                    "--model", spec.model, "--model-seed", str(spec.model_seed), "--device", "cpu",
-                    "--worker-id", f"{spec.pool}-rank{rank}", "--heartbeat-s", "0.5"]
-            if spec.tp_size > 1:
-                args += ["--tp-rank", str(rank), "--tp-world-size", str(spec.tp_size), "--tp-init", tp_init]
-            if spec.worker_metrics:
-                port = free_port()
-                args += ["--metrics-port", str(port)]
-                self.worker_metrics_urls.append(f"http://127.0.0.1:{port}/metrics")
-            self._worker_args.append(args)
-            self.workers.append(ChildProcess(f"worker rank {rank}", args, "blockd-worker listening on",
-                                             env=worker_env()))
+        for name in spec.pool_names:
+            tp_init = f"tcp://127.0.0.1:{free_port()}"
+            for rank in range(spec.tp_size):
+                args = ["-m", "worker.main", "--blockd", self.blockd.address, "--pool", name,
+                        "--model", spec.model, "--model-seed", str(spec.model_seed), "--device", "cpu",
+                        "--worker-id", f"{name}-rank{rank}", "--heartbeat-s", "0.5"]
+                if spec.tp_size > 1:
+                    args += ["--tp-rank", str(rank), "--tp-world-size", str(spec.tp_size), "--tp-init", tp_init]
+                if spec.worker_metrics:
+                    port = free_port()
+                    args += ["--metrics-port", str(port)]
+                    self.worker_metrics_urls.append(f"http://127.0.0.1:{port}/metrics")
+                self._worker_args.append(args)
+                self.workers.append(ChildProcess(f"worker rank {rank} of {name}", args,
+                                                 "blockd-worker listening on", env=worker_env()))
         # the ranks meet in their rendezvous before any prints its ready line
         deadline = time.monotonic() + START_TIMEOUT_S
         for worker in self.workers:

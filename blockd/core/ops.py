@@ -20,7 +20,7 @@ from typing import Any
 
 from blockd.core.arith import num_blocks_for, slot_mapping
 from blockd.core.batch import Batch
-from blockd.core.blocks import BlockSpace
+from blockd.core.blocks import DEVICE, HOST, BlockSpace
 from blockd.core.decode import apply_decode
 from blockd.core.errors import InvalidArgument, shown
 from blockd.core.hashing import (
@@ -102,6 +102,30 @@ def cached_prefix(blocks: BlockSpace, token_ids: object, extra: ExtraKeys | None
         hits.append(block)
         hashes.append(parent)
     return hits, hashes
+
+
+def located(blocks: BlockSpace, token_ids: object, extra: ExtraKeys | None, first: int, count: int,
+            tenant: str = "") -> list[tuple[str, int]]:
+    """Where full blocks ``first .. first + count - 1`` of ``token_ids`` are
+    cached, as ``(DEVICE or HOST, block)``, up to the first that is not (so a
+    run another pool can copy in order). Read only: no LRU touch, no counts."""
+    tokens = _check_tokens(token_ids, "token_ids")
+    extra = check_extra_keys(extra if extra is not None else NO_EXTRA_KEYS)
+    b, digest = blocks.block_size, _digest(extra, tenant)
+    host_index = blocks.host.index if blocks.host is not None else {}
+    out: list[tuple[str, int]] = []
+    parent = None
+    for i in range(min(first + count, len(tokens) // b)):
+        parent = hash_block(parent, tokens[i * b : (i + 1) * b], digest)
+        if i < first:
+            continue
+        if parent in blocks.index:
+            out.append((DEVICE, blocks.index[parent]))
+        elif parent in host_index:
+            out.append((HOST, host_index[parent]))
+        else:
+            break
+    return out
 
 
 def allocation_need(blocks: BlockSpace, watermark: int, token_ids: object,

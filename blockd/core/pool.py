@@ -31,7 +31,7 @@ from blockd.core.blocks import DEVICE, HOST, BlockSpace
 from blockd.core.errors import BlockdError, InvalidArgument, InvariantViolation, WrongState, shown
 from blockd.core.hashing import NO_EXTRA_DIGEST, ExtraKeys, hash_full_blocks, tenant_digest
 from blockd.core.lru import MissLedger
-from blockd.core.ops import allocation_need, append_need, apply, cached_prefix, describe
+from blockd.core.ops import allocation_need, append_need, apply, cached_prefix, describe, located
 from blockd.core.sequence import Sequence, find_seq
 from blockd.core.types import (
     ALL_BLOCKS_CLEARED,
@@ -204,6 +204,13 @@ class Pool:
         """Tokens of ``token_ids`` whose full blocks are cached, in either tier (no allocation)."""
         hits = cached_prefix(self.blocks, token_ids, extra_keys, len(token_ids), self.config.tenant)[0]
         return len(hits) * self.block_size
+
+    def locate_blocks(self, token_ids: list[int] | tuple[int, ...], extra_keys: ExtraKeys | None,
+                      first_block: int, max_blocks: int) -> list[tuple[str, int]]:
+        """Where full blocks ``first_block ..`` of ``token_ids`` (at most
+        ``max_blocks``) are cached, as ``(tier, block)``: the run up to the first
+        that is not (another pool copies them; :class:`~blockd.core.types.TransferPlan`)."""
+        return located(self.blocks, token_ids, extra_keys, first_block, max_blocks, self.config.tenant)
 
     def block_table(self, seq_id: str) -> list[int]:
         return list(self.get_seq(seq_id).table)

@@ -68,6 +68,9 @@ class Allocate:
     seq_id: str
     prompt_token_ids: tuple[int, ...] | list[int]
     extra_keys: ExtraKeys = NO_EXTRA_KEYS
+    #: another pool of the tenant whose cached blocks may serve the prompt's missed
+    #: blocks (the daemon plans a :class:`TransferPlan`; the core ignores it)
+    source_pool: str = ""
 
 
 @dataclass(frozen=True)
@@ -158,6 +161,9 @@ class OpResult:
     miss_evicted_host: int = 0
     miss_partial: int = 0
     miss_other_extra_keys: int = 0
+    #: blocks of ``Allocate.source_pool`` that can stand in for computing some of
+    #: the missed tokens (set by the daemon; None: nothing to fetch)
+    transfer: TransferPlan | None = None
 
 
 #: why prompt tokens missed the prefix cache (:class:`OpResult`'s ``miss_*``, in this order)
@@ -183,6 +189,30 @@ class TierOp:
     kind: str
     device_block: int
     host_block: int
+
+
+@dataclass(frozen=True)
+class TransferPlan:
+    """Cached blocks of ``source_pool`` holding the KV of an allocation's missed
+    prompt blocks, ``num_tokens`` from token ``first_token`` on: ``src_blocks`` (in tier
+    ``src_tiers[i]``, ``"device"`` or ``"host"``) as of ``source_version`` of
+    incarnation ``source_incarnation``, for the destination blocks ``dst_blocks``
+    of the allocating pool. Those tokens stay uncached for blockd: the caller's
+    workers fetch the blocks shard by shard from ``source_workers`` (rank,
+    address, worker incarnation) and, where every shard succeeded, the tokens
+    count as computed and are committed like computed ones; where any failed
+    they are computed. A source worker refuses a block reassigned since
+    ``source_version``, so a fetch never reads other KV."""
+
+    source_pool: str
+    source_incarnation: str
+    source_version: int
+    first_token: int
+    num_tokens: int
+    src_tiers: tuple[str, ...]
+    src_blocks: tuple[int, ...]
+    dst_blocks: tuple[int, ...]
+    source_workers: tuple[tuple[int, str, str], ...] = ()
 
 
 @dataclass(frozen=True)

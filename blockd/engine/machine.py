@@ -45,6 +45,7 @@ from blockd.engine.pools import PoolEntry
 from blockd.engine.state import State
 from blockd.engine.step_checks import check_previous_term, refuse_malformed
 from blockd.engine.tenancy import Tenancy, check_access, owner_of, visible, with_owner
+from blockd.engine.transfers import check_sources, has_sources, plan_transfers
 from blockd.engine.watch import Watchers
 from blockd.engine.worker_registry import WorkerRegistry
 from blockd.storage.reader import Reader
@@ -265,6 +266,7 @@ class Engine:
                 self.config.guardrails.check_step(ops)
                 check_previous_term(self._gate, previous_term)
                 entry = self._checked_entry(pool, ops, incarnation, dry_run=True)
+                check_sources(self._state, entry.pool.config, ops)
                 return entry.identity.result(entry.pool.step(ops, dry_run=True))
 
             return self._read(would)
@@ -274,10 +276,15 @@ class Engine:
             def check() -> PoolEntry:
                 self.config.guardrails.check_step(ops)
                 check_previous_term(self._gate, previous_term)
-                return self._checked_entry(pool, ops, incarnation)
+                entry = self._checked_entry(pool, ops, incarnation)
+                check_sources(self._state, entry.pool.config, ops)
+                return entry
 
             result, term = self._mutate_in_term(records.Step(pool, ops), request_id, check)
             assert isinstance(result, StepResult), "a step record answers with a StepResult"
+            if has_sources(ops):
+                with self._lock:  # reads the source pool as it is now (blockd.engine.transfers)
+                    result = plan_transfers(self._state, self.workers, ops, result)
             return replace(result, term=term) if term else result
         except BlockdError as err:
             outcome = err.code.lower()

@@ -47,6 +47,7 @@ from blockd.core.types import (
     StepResult,
     TableUpdate,
     TierOp,
+    TransferPlan,
     VersionDelta,
     WorkerInfo,
     WorkerStatus,
@@ -178,7 +179,8 @@ def op_from_proto(msg: pb.Op, index: int) -> Op:
         alloc = msg.allocate
         extra = (extra_keys_from_proto(alloc.extra_keys, f"{where}.extra_keys") if alloc.HasField("extra_keys")
                  else NO_EXTRA_KEYS)
-        return Allocate(require_id(alloc.seq_id, f"{where}.seq_id", index), list(alloc.prompt_token_ids), extra)
+        return Allocate(require_id(alloc.seq_id, f"{where}.seq_id", index), list(alloc.prompt_token_ids), extra,
+                        alloc.source_pool)
     if kind == "append":
         return Append(require_id(msg.append.seq_id, f"{where}.seq_id", index), list(msg.append.token_ids))
     if kind == "commit":
@@ -208,6 +210,8 @@ def op_into_proto(op: Op, out: pb.Op) -> None:
         out.allocate.prompt_token_ids.extend(op.prompt_token_ids)
         if op.extra_keys != NO_EXTRA_KEYS:
             out.allocate.extra_keys.CopyFrom(extra_keys_to_proto(op.extra_keys))
+        if op.source_pool:
+            out.allocate.source_pool = op.source_pool
     elif isinstance(op, Append):
         out.append.SetInParent()
         out.append.seq_id = op.seq_id
@@ -284,7 +288,32 @@ def step_result_to_proto(result: StepResult) -> pb.StepResponse:
             miss_never_stored=r.miss_never_stored, miss_evicted_device=r.miss_evicted_device,
             miss_evicted_host=r.miss_evicted_host, miss_partial=r.miss_partial,
             miss_other_extra_keys=r.miss_other_extra_keys)
+        if r.transfer is not None:
+            _transfer_to_proto(r.transfer, response.results[-1].transfer)
     return response
+
+
+def _transfer_to_proto(plan: TransferPlan, out: pb.TransferPlan) -> None:
+    out.source_pool, out.source_incarnation = plan.source_pool, plan.source_incarnation
+    out.source_version, out.first_token = plan.source_version, plan.first_token
+    out.num_tokens = plan.num_tokens
+    out.src_tiers.extend(plan.src_tiers)
+    out.src_blocks.extend(plan.src_blocks)
+    out.dst_blocks.extend(plan.dst_blocks)
+    for rank, address, incarnation in plan.source_workers:
+        out.source_workers.add(rank=rank, address=address, worker_incarnation=incarnation)
+
+
+def _transfer_from_proto(r) -> TransferPlan | None:
+    if not r.HasField("transfer"):
+        return None
+    t = r.transfer
+    if not (len(t.src_tiers) == len(t.src_blocks) == len(t.dst_blocks)):
+        raise ValueError(f"a transfer plan of {len(t.dst_blocks)} blocks lists {len(t.src_blocks)} source "
+                         f"blocks and {len(t.src_tiers)} tiers")
+    return TransferPlan(t.source_pool, t.source_incarnation, t.source_version, t.first_token, t.num_tokens,
+                        tuple(t.src_tiers), tuple(t.src_blocks), tuple(t.dst_blocks),
+                        tuple((w.rank, w.address, w.worker_incarnation) for w in t.source_workers))
 
 
 def step_result_from_proto(msg: pb.StepResponse) -> StepResult:
@@ -294,7 +323,8 @@ def step_result_from_proto(msg: pb.StepResponse) -> StepResult:
                  slot_start=r.slot_start, slot_mapping=tuple(r.slot_mapping),
                  num_restored_tokens=r.num_restored_tokens, miss_never_stored=r.miss_never_stored,
                  miss_evicted_device=r.miss_evicted_device, miss_evicted_host=r.miss_evicted_host,
-                 miss_partial=r.miss_partial, miss_other_extra_keys=r.miss_other_extra_keys)
+                 miss_partial=r.miss_partial, miss_other_extra_keys=r.miss_other_extra_keys,
+                 transfer=_transfer_from_proto(r))
         for r in msg.results)
     return StepResult(version=msg.version, results=results, copy_ops=_copies_from_proto(msg.copy_ops),
                       incarnation=msg.pool_incarnation, term=msg.term, tier_ops=tier_ops_from_proto(msg.tier_ops))

@@ -17,11 +17,15 @@ from collections.abc import Callable, Iterator
 
 import grpc
 
+from blockd.core.errors import shown
+from blockd.core.hashing import check_hash_spec, hash_spec
 from blockd.core.types import Snapshot
 from blockd.engine.machine import Engine
+from blockd.engine.tenancy import owner_of
 from blockd.rpc import convert
 from blockd.rpc.convert import optional_id, require_id, require_ids
 from blockd.rpc.errors import BadField, server_stream, unary
+from blockd.rpc.hash_spec import hash_spec_to_proto
 from blockd.service.skim import step_parser
 from blockd.v1 import blockd_pb2 as pb
 from blockd.v1 import blockd_pb2_grpc as pb_grpc
@@ -128,6 +132,13 @@ class BlockServicer(pb_grpc.BlockServiceServicer):
         cached = self._engine.lookup_prefix(list(request.token_ids), extra, pools)
         return pb.LookupPrefixResponse(num_cached_tokens=cached)
 
+    @unary
+    def GetHashSpec(self, request: pb.GetHashSpecRequest, context) -> pb.GetHashSpecResponse:
+        pool = optional_id(request.pool, "pool")
+        config = self._engine.pool_config(pool) if pool else None  # NOT_FOUND for an unknown pool
+        spec = hash_spec(config.block_size, owner_of(config)) if config is not None else hash_spec()
+        return hash_spec_to_proto(spec)
+
 
 class WorkerServicer(pb_grpc.WorkerServiceServicer):
     def __init__(self, engine: Engine) -> None:
@@ -138,6 +149,8 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         if not request.HasField("info"):
             raise BadField("info", "is required: worker_id, pool and the shard's layer and head ranges")
         optional_id(request.request_id, "request_id")  # accepted, not needed: registration is an upsert
+        # before anything is looked up: a worker of another hash spec changes nothing
+        check_hash_spec(optional_id(request.hash_spec, "hash_spec"), f"worker {shown(request.info.worker_id)}")
         status = self._engine.register_worker(convert.worker_info_from_proto(request.info))
         return pb.RegisterWorkerResponse(status=convert.worker_status_to_proto(status))
 

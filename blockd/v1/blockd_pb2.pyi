@@ -1518,6 +1518,130 @@ class LookupPrefixResponse(_message.Message):
 Global___LookupPrefixResponse: _TypeAlias = LookupPrefixResponse  # noqa: Y015
 
 @_typing.final
+class GetHashSpecRequest(_message.Message):
+    """GetHashSpec input; an empty pool asks for the algorithm alone. An unknown
+    pool is NOT_FOUND.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    POOL_FIELD_NUMBER: _builtins.int
+    pool: _builtins.str
+    def __init__(
+        self,
+        *,
+        pool: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["pool", b"pool"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetHashSpecRequest: _TypeAlias = GetHashSpecRequest  # noqa: Y015
+
+@_typing.final
+class HashTestVector(_message.Message):
+    """One worked example of the hash: a sequence's prompt and the hashes of its
+    full blocks (a partial last block has none).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    EXTRA_KEYS_FIELD_NUMBER: _builtins.int
+    TENANT_FIELD_NUMBER: _builtins.int
+    BLOCK_SIZE_FIELD_NUMBER: _builtins.int
+    BLOCK_HASHES_FIELD_NUMBER: _builtins.int
+    tenant: _builtins.str
+    """the pool's tenant folded in ("" and "default" fold nothing)"""
+    block_size: _builtins.int
+    @_builtins.property
+    def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def extra_keys(self) -> Global___ExtraKeys: ...
+    @_builtins.property
+    def block_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """one per full block, in order: 32 lowercase hex digits (16 bytes)"""
+
+    def __init__(
+        self,
+        *,
+        token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        extra_keys: Global___ExtraKeys | None = ...,
+        tenant: _builtins.str = ...,
+        block_size: _builtins.int = ...,
+        block_hashes: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["extra_keys", b"extra_keys"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "block_size", b"block_size", "extra_keys", b"extra_keys", "tenant", b"tenant", "token_ids", b"token_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___HashTestVector: _TypeAlias = HashTestVector  # noqa: Y015
+
+@_typing.final
+class GetHashSpecResponse(_message.Message):
+    """GetHashSpec output. The *_encoding fields are prose, precise enough to
+    reimplement the hash from them alone; test_vectors check such a
+    reimplementation. KVEvent.block_hash and parent_hash carry these hashes as
+    16 raw bytes.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SPEC_ID_FIELD_NUMBER: _builtins.int
+    ALGORITHM_FIELD_NUMBER: _builtins.int
+    BLOCK_HASH_ENCODING_FIELD_NUMBER: _builtins.int
+    TOKEN_IDS_ENCODING_FIELD_NUMBER: _builtins.int
+    PARENT_HASH_ENCODING_FIELD_NUMBER: _builtins.int
+    EXTRA_KEYS_ENCODING_FIELD_NUMBER: _builtins.int
+    TENANT_ENCODING_FIELD_NUMBER: _builtins.int
+    BLOCK_SIZE_FIELD_NUMBER: _builtins.int
+    POOL_TENANT_FIELD_NUMBER: _builtins.int
+    TEST_VECTORS_FIELD_NUMBER: _builtins.int
+    spec_id: _builtins.str
+    """changes whenever any block's hash would change: a worker or scheduler
+    built for another spec id is refused (RegisterWorkerRequest.hash_spec)
+    """
+    algorithm: _builtins.str
+    """e.g. "blake2b-128 chained" """
+    block_hash_encoding: _builtins.str
+    """how one block's hash is composed from the parts below"""
+    token_ids_encoding: _builtins.str
+    parent_hash_encoding: _builtins.str
+    extra_keys_encoding: _builtins.str
+    tenant_encoding: _builtins.str
+    block_size: _builtins.int
+    """the named pool's block size (0 when no pool was named)"""
+    pool_tenant: _builtins.str
+    """the named pool's tenant, as its hashes fold it ("" when no pool was named)"""
+    @_builtins.property
+    def test_vectors(self) -> _containers.RepeatedCompositeFieldContainer[Global___HashTestVector]: ...
+    def __init__(
+        self,
+        *,
+        spec_id: _builtins.str = ...,
+        algorithm: _builtins.str = ...,
+        block_hash_encoding: _builtins.str = ...,
+        token_ids_encoding: _builtins.str = ...,
+        parent_hash_encoding: _builtins.str = ...,
+        extra_keys_encoding: _builtins.str = ...,
+        tenant_encoding: _builtins.str = ...,
+        block_size: _builtins.int = ...,
+        pool_tenant: _builtins.str = ...,
+        test_vectors: _abc.Iterable[Global___HashTestVector] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["algorithm", b"algorithm", "block_hash_encoding", b"block_hash_encoding", "block_size", b"block_size", "extra_keys_encoding", b"extra_keys_encoding", "parent_hash_encoding", b"parent_hash_encoding", "pool_tenant", b"pool_tenant", "spec_id", b"spec_id", "tenant_encoding", b"tenant_encoding", "test_vectors", b"test_vectors", "token_ids_encoding", b"token_ids_encoding"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetHashSpecResponse: _TypeAlias = GetHashSpecResponse  # noqa: Y015
+
+@_typing.final
 class WorkerInfo(_message.Message):
     """A worker and its shard: layers [layer_start, layer_end), KV heads
     [kv_head_start, kv_head_end).
@@ -1614,7 +1738,14 @@ class RegisterWorkerRequest(_message.Message):
 
     INFO_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
+    HASH_SPEC_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
+    hash_spec: _builtins.str
+    """The block-hash spec id the worker's release was built with
+    (GetHashSpecResponse.spec_id). Another one than the daemon's is
+    FAILED_PRECONDITION (reason HASH_SPEC_MISMATCH), nothing registered; an
+    empty one (a worker older than the field) is accepted.
+    """
     @_builtins.property
     def info(self) -> Global___WorkerInfo: ...
     def __init__(
@@ -1622,10 +1753,11 @@ class RegisterWorkerRequest(_message.Message):
         *,
         info: Global___WorkerInfo | None = ...,
         request_id: _builtins.str = ...,
+        hash_spec: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["info", b"info"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["info", b"info", "request_id", b"request_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["hash_spec", b"hash_spec", "info", b"info", "request_id", b"request_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

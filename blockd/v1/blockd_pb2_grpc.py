@@ -325,6 +325,11 @@ class BlockServiceStub:
                 request_serializer=blockd_dot_v1_dot_blockd__pb2.LookupPrefixRequest.SerializeToString,
                 response_deserializer=blockd_dot_v1_dot_blockd__pb2.LookupPrefixResponse.FromString,
                 _registered_method=True)
+        self.GetHashSpec = channel.unary_unary(
+                '/blockd.v1.BlockService/GetHashSpec',
+                request_serializer=blockd_dot_v1_dot_blockd__pb2.GetHashSpecRequest.SerializeToString,
+                response_deserializer=blockd_dot_v1_dot_blockd__pb2.GetHashSpecResponse.FromString,
+                _registered_method=True)
 
 
 class BlockServiceServicer:
@@ -377,6 +382,15 @@ class BlockServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetHashSpec(self, request, context):
+        """The block-hash algorithm this daemon runs, as text a router outside
+        blockd can implement, with test vectors; with a pool, its block size and
+        tenant (the inputs the pool's hashes take besides the prompt).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_BlockServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -409,6 +423,11 @@ def add_BlockServiceServicer_to_server(servicer, server):
                     servicer.LookupPrefix,
                     request_deserializer=blockd_dot_v1_dot_blockd__pb2.LookupPrefixRequest.FromString,
                     response_serializer=blockd_dot_v1_dot_blockd__pb2.LookupPrefixResponse.SerializeToString,
+            ),
+            'GetHashSpec': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetHashSpec,
+                    request_deserializer=blockd_dot_v1_dot_blockd__pb2.GetHashSpecRequest.FromString,
+                    response_serializer=blockd_dot_v1_dot_blockd__pb2.GetHashSpecResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -576,6 +595,33 @@ class BlockService:
             '/blockd.v1.BlockService/LookupPrefix',
             blockd_dot_v1_dot_blockd__pb2.LookupPrefixRequest.SerializeToString,
             blockd_dot_v1_dot_blockd__pb2.LookupPrefixResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetHashSpec(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/blockd.v1.BlockService/GetHashSpec',
+            blockd_dot_v1_dot_blockd__pb2.GetHashSpecRequest.SerializeToString,
+            blockd_dot_v1_dot_blockd__pb2.GetHashSpecResponse.FromString,
             options,
             channel_credentials,
             insecure,

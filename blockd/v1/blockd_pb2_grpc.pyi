@@ -169,6 +169,11 @@ class BlockServiceStub:
     """Prefix-index events after a sequence number, in order."""
     LookupPrefix: _grpc.UnaryUnaryMultiCallable[_blockd_pb2.LookupPrefixRequest, _blockd_pb2.LookupPrefixResponse]
     """How many prompt tokens each pool has cached (no allocation)."""
+    GetHashSpec: _grpc.UnaryUnaryMultiCallable[_blockd_pb2.GetHashSpecRequest, _blockd_pb2.GetHashSpecResponse]
+    """The block-hash algorithm this daemon runs, as text a router outside
+    blockd can implement, with test vectors; with a pool, its block size and
+    tenant (the inputs the pool's hashes take besides the prompt).
+    """
 
 @_typing.type_check_only
 class BlockServiceAsyncStub(BlockServiceStub):
@@ -194,6 +199,11 @@ class BlockServiceAsyncStub(BlockServiceStub):
     """Prefix-index events after a sequence number, in order."""
     LookupPrefix: _aio.UnaryUnaryMultiCallable[_blockd_pb2.LookupPrefixRequest, _blockd_pb2.LookupPrefixResponse]  # type: ignore[assignment]
     """How many prompt tokens each pool has cached (no allocation)."""
+    GetHashSpec: _aio.UnaryUnaryMultiCallable[_blockd_pb2.GetHashSpecRequest, _blockd_pb2.GetHashSpecResponse]  # type: ignore[assignment]
+    """The block-hash algorithm this daemon runs, as text a router outside
+    blockd can implement, with test vectors; with a pool, its block size and
+    tenant (the inputs the pool's hashes take besides the prompt).
+    """
 
 class BlockServiceServicer(metaclass=_abc_1.ABCMeta):
     """---------------------------------------------------------------- blocks --
@@ -252,6 +262,17 @@ class BlockServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_blockd_pb2.LookupPrefixResponse, _abc.Awaitable[_blockd_pb2.LookupPrefixResponse]]:
         """How many prompt tokens each pool has cached (no allocation)."""
+
+    @_abc_1.abstractmethod
+    def GetHashSpec(
+        self,
+        request: _blockd_pb2.GetHashSpecRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_blockd_pb2.GetHashSpecResponse, _abc.Awaitable[_blockd_pb2.GetHashSpecResponse]]:
+        """The block-hash algorithm this daemon runs, as text a router outside
+        blockd can implement, with test vectors; with a pool, its block size and
+        tenant (the inputs the pool's hashes take besides the prompt).
+        """
 
 def add_BlockServiceServicer_to_server(servicer: BlockServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
 

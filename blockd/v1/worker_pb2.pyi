@@ -518,3 +518,194 @@ class ModelStepResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ModelStepResponse: _TypeAlias = ModelStepResponse  # noqa: Y015
+
+@_typing.final
+class ReadBlocksRequest(_message.Message):
+    """ReadBlocks input: blocks of pool `pool` as of `version` of
+    `pool_incarnation`, from this worker incarnation. The shard (layer and KV
+    head range) and the block geometry the reader expects must be this
+    worker's, so the bytes land in the same layout.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    POOL_FIELD_NUMBER: _builtins.int
+    POOL_INCARNATION_FIELD_NUMBER: _builtins.int
+    WORKER_INCARNATION_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
+    TIERS_FIELD_NUMBER: _builtins.int
+    BLOCK_IDS_FIELD_NUMBER: _builtins.int
+    LAYER_START_FIELD_NUMBER: _builtins.int
+    LAYER_END_FIELD_NUMBER: _builtins.int
+    KV_HEAD_START_FIELD_NUMBER: _builtins.int
+    KV_HEAD_END_FIELD_NUMBER: _builtins.int
+    BLOCK_SIZE_FIELD_NUMBER: _builtins.int
+    HEAD_DIM_FIELD_NUMBER: _builtins.int
+    DTYPE_FIELD_NUMBER: _builtins.int
+    pool: _builtins.str
+    pool_incarnation: _builtins.str
+    worker_incarnation: _builtins.str
+    version: _builtins.int
+    layer_start: _builtins.int
+    layer_end: _builtins.int
+    kv_head_start: _builtins.int
+    kv_head_end: _builtins.int
+    block_size: _builtins.int
+    head_dim: _builtins.int
+    dtype: _builtins.str
+    @_builtins.property
+    def tiers(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """"device" or "host" per block"""
+
+    @_builtins.property
+    def block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def __init__(
+        self,
+        *,
+        pool: _builtins.str = ...,
+        pool_incarnation: _builtins.str = ...,
+        worker_incarnation: _builtins.str = ...,
+        version: _builtins.int = ...,
+        tiers: _abc.Iterable[_builtins.str] | None = ...,
+        block_ids: _abc.Iterable[_builtins.int] | None = ...,
+        layer_start: _builtins.int = ...,
+        layer_end: _builtins.int = ...,
+        kv_head_start: _builtins.int = ...,
+        kv_head_end: _builtins.int = ...,
+        block_size: _builtins.int = ...,
+        head_dim: _builtins.int = ...,
+        dtype: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "block_size", b"block_size", "dtype", b"dtype", "head_dim", b"head_dim", "kv_head_end", b"kv_head_end", "kv_head_start", b"kv_head_start", "layer_end", b"layer_end", "layer_start", b"layer_start", "pool", b"pool", "pool_incarnation", b"pool_incarnation", "tiers", b"tiers", "version", b"version", "worker_incarnation", b"worker_incarnation"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReadBlocksRequest: _TypeAlias = ReadBlocksRequest  # noqa: Y015
+
+@_typing.final
+class ReadBlocksResponse(_message.Message):
+    """ReadBlocks output, one chunk of one block at a time, in order: `index`
+    is the block's position in the request; `data` its bytes from `offset`
+    (the shard's [layers, 2, kv_heads, block_size, head_dim] slice of the
+    block, little-endian); `crc32` the CRC-32 of `data`.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INDEX_FIELD_NUMBER: _builtins.int
+    OFFSET_FIELD_NUMBER: _builtins.int
+    DATA_FIELD_NUMBER: _builtins.int
+    CRC32_FIELD_NUMBER: _builtins.int
+    BLOCK_BYTES_FIELD_NUMBER: _builtins.int
+    index: _builtins.int
+    offset: _builtins.int
+    data: _builtins.bytes
+    crc32: _builtins.int
+    block_bytes: _builtins.int
+    def __init__(
+        self,
+        *,
+        index: _builtins.int = ...,
+        offset: _builtins.int = ...,
+        data: _builtins.bytes = ...,
+        crc32: _builtins.int = ...,
+        block_bytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_bytes", b"block_bytes", "crc32", b"crc32", "data", b"data", "index", b"index", "offset", b"offset"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReadBlocksResponse: _TypeAlias = ReadBlocksResponse  # noqa: Y015
+
+@_typing.final
+class FetchBlocksRequest(_message.Message):
+    """FetchBlocks input: this worker's pool, the version whose tables hold
+    `dst_blocks` (the Step response of the Allocate that planned it), and the
+    plan's source: one worker of the source pool (the one holding this
+    worker's shard) and its incarnation, the source pool's incarnation and
+    version, and its blocks.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    POOL_FIELD_NUMBER: _builtins.int
+    POOL_INCARNATION_FIELD_NUMBER: _builtins.int
+    WORKER_INCARNATION_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
+    TERM_FIELD_NUMBER: _builtins.int
+    SOURCE_POOL_FIELD_NUMBER: _builtins.int
+    SOURCE_POOL_INCARNATION_FIELD_NUMBER: _builtins.int
+    SOURCE_VERSION_FIELD_NUMBER: _builtins.int
+    SOURCE_ADDRESS_FIELD_NUMBER: _builtins.int
+    SOURCE_WORKER_INCARNATION_FIELD_NUMBER: _builtins.int
+    SRC_TIERS_FIELD_NUMBER: _builtins.int
+    SRC_BLOCKS_FIELD_NUMBER: _builtins.int
+    DST_BLOCKS_FIELD_NUMBER: _builtins.int
+    pool: _builtins.str
+    pool_incarnation: _builtins.str
+    worker_incarnation: _builtins.str
+    version: _builtins.int
+    term: _builtins.int
+    source_pool: _builtins.str
+    source_pool_incarnation: _builtins.str
+    source_version: _builtins.int
+    source_address: _builtins.str
+    source_worker_incarnation: _builtins.str
+    @_builtins.property
+    def src_tiers(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def src_blocks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def dst_blocks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def __init__(
+        self,
+        *,
+        pool: _builtins.str = ...,
+        pool_incarnation: _builtins.str = ...,
+        worker_incarnation: _builtins.str = ...,
+        version: _builtins.int = ...,
+        term: _builtins.int = ...,
+        source_pool: _builtins.str = ...,
+        source_pool_incarnation: _builtins.str = ...,
+        source_version: _builtins.int = ...,
+        source_address: _builtins.str = ...,
+        source_worker_incarnation: _builtins.str = ...,
+        src_tiers: _abc.Iterable[_builtins.str] | None = ...,
+        src_blocks: _abc.Iterable[_builtins.int] | None = ...,
+        dst_blocks: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dst_blocks", b"dst_blocks", "pool", b"pool", "pool_incarnation", b"pool_incarnation", "source_address", b"source_address", "source_pool", b"source_pool", "source_pool_incarnation", b"source_pool_incarnation", "source_version", b"source_version", "source_worker_incarnation", b"source_worker_incarnation", "src_blocks", b"src_blocks", "src_tiers", b"src_tiers", "term", b"term", "version", b"version", "worker_incarnation", b"worker_incarnation"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FetchBlocksRequest: _TypeAlias = FetchBlocksRequest  # noqa: Y015
+
+@_typing.final
+class FetchBlocksResponse(_message.Message):
+    """FetchBlocks output: the blocks now written in this shard."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NUM_BLOCKS_FIELD_NUMBER: _builtins.int
+    NUM_BYTES_FIELD_NUMBER: _builtins.int
+    num_blocks: _builtins.int
+    num_bytes: _builtins.int
+    def __init__(
+        self,
+        *,
+        num_blocks: _builtins.int = ...,
+        num_bytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["num_blocks", b"num_blocks", "num_bytes", b"num_bytes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FetchBlocksResponse: _TypeAlias = FetchBlocksResponse  # noqa: Y015

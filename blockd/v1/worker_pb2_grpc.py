@@ -55,6 +55,16 @@ class KVShardServiceStub:
                 request_serializer=blockd_dot_v1_dot_worker__pb2.ModelStepRequest.SerializeToString,
                 response_deserializer=blockd_dot_v1_dot_worker__pb2.ModelStepResponse.FromString,
                 _registered_method=True)
+        self.ReadBlocks = channel.unary_stream(
+                '/blockd.v1.KVShardService/ReadBlocks',
+                request_serializer=blockd_dot_v1_dot_worker__pb2.ReadBlocksRequest.SerializeToString,
+                response_deserializer=blockd_dot_v1_dot_worker__pb2.ReadBlocksResponse.FromString,
+                _registered_method=True)
+        self.FetchBlocks = channel.unary_unary(
+                '/blockd.v1.KVShardService/FetchBlocks',
+                request_serializer=blockd_dot_v1_dot_worker__pb2.FetchBlocksRequest.SerializeToString,
+                response_deserializer=blockd_dot_v1_dot_worker__pb2.FetchBlocksResponse.FromString,
+                _registered_method=True)
 
 
 class KVShardServiceServicer:
@@ -95,6 +105,26 @@ class KVShardServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReadBlocks(self, request, context):
+        """Streams blocks of this shard to another pool's worker (a cross-pool
+        transfer, docs/protocol.md): each block as it was at `version`, refused
+        (FAILED_PRECONDITION) when a later version reassigned it or this
+        incarnation has not written all of it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def FetchBlocks(self, request, context):
+        """Fetches a transfer plan's blocks from the source pool's worker of this
+        shard (ReadBlocks) into this shard's blocks at `version`, every chunk
+        checked against its CRC-32; all or nothing for the caller:
+        an error means compute the tokens instead.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVShardServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -117,6 +147,16 @@ def add_KVShardServiceServicer_to_server(servicer, server):
                     servicer.ModelStep,
                     request_deserializer=blockd_dot_v1_dot_worker__pb2.ModelStepRequest.FromString,
                     response_serializer=blockd_dot_v1_dot_worker__pb2.ModelStepResponse.SerializeToString,
+            ),
+            'ReadBlocks': grpc.unary_stream_rpc_method_handler(
+                    servicer.ReadBlocks,
+                    request_deserializer=blockd_dot_v1_dot_worker__pb2.ReadBlocksRequest.FromString,
+                    response_serializer=blockd_dot_v1_dot_worker__pb2.ReadBlocksResponse.SerializeToString,
+            ),
+            'FetchBlocks': grpc.unary_unary_rpc_method_handler(
+                    servicer.FetchBlocks,
+                    request_deserializer=blockd_dot_v1_dot_worker__pb2.FetchBlocksRequest.FromString,
+                    response_serializer=blockd_dot_v1_dot_worker__pb2.FetchBlocksResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -228,6 +268,60 @@ class KVShardService:
             '/blockd.v1.KVShardService/ModelStep',
             blockd_dot_v1_dot_worker__pb2.ModelStepRequest.SerializeToString,
             blockd_dot_v1_dot_worker__pb2.ModelStepResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReadBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/blockd.v1.KVShardService/ReadBlocks',
+            blockd_dot_v1_dot_worker__pb2.ReadBlocksRequest.SerializeToString,
+            blockd_dot_v1_dot_worker__pb2.ReadBlocksResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/blockd.v1.KVShardService/FetchBlocks',
+            blockd_dot_v1_dot_worker__pb2.FetchBlocksRequest.SerializeToString,
+            blockd_dot_v1_dot_worker__pb2.FetchBlocksResponse.FromString,
             options,
             channel_credentials,
             insecure,

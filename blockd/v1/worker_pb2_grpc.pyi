@@ -72,6 +72,18 @@ class KVShardServiceStub:
     every rank gets the same request and answers the same result.
     FAILED_PRECONDITION when the worker runs no model.
     """
+    ReadBlocks: _grpc.UnaryStreamMultiCallable[_worker_pb2.ReadBlocksRequest, _worker_pb2.ReadBlocksResponse]
+    """Streams blocks of this shard to another pool's worker (a cross-pool
+    transfer, docs/protocol.md): each block as it was at `version`, refused
+    (FAILED_PRECONDITION) when a later version reassigned it or this
+    incarnation has not written all of it.
+    """
+    FetchBlocks: _grpc.UnaryUnaryMultiCallable[_worker_pb2.FetchBlocksRequest, _worker_pb2.FetchBlocksResponse]
+    """Fetches a transfer plan's blocks from the source pool's worker of this
+    shard (ReadBlocks) into this shard's blocks at `version`, every chunk
+    checked against its CRC-32; all or nothing for the caller:
+    an error means compute the tokens instead.
+    """
 
 @_typing.type_check_only
 class KVShardServiceAsyncStub(KVShardServiceStub):
@@ -93,6 +105,18 @@ class KVShardServiceAsyncStub(KVShardServiceStub):
     parameters say -- (and optionally its logits). In a tensor-parallel group
     every rank gets the same request and answers the same result.
     FAILED_PRECONDITION when the worker runs no model.
+    """
+    ReadBlocks: _aio.UnaryStreamMultiCallable[_worker_pb2.ReadBlocksRequest, _worker_pb2.ReadBlocksResponse]  # type: ignore[assignment]
+    """Streams blocks of this shard to another pool's worker (a cross-pool
+    transfer, docs/protocol.md): each block as it was at `version`, refused
+    (FAILED_PRECONDITION) when a later version reassigned it or this
+    incarnation has not written all of it.
+    """
+    FetchBlocks: _aio.UnaryUnaryMultiCallable[_worker_pb2.FetchBlocksRequest, _worker_pb2.FetchBlocksResponse]  # type: ignore[assignment]
+    """Fetches a transfer plan's blocks from the source pool's worker of this
+    shard (ReadBlocks) into this shard's blocks at `version`, every chunk
+    checked against its CRC-32; all or nothing for the caller:
+    an error means compute the tokens instead.
     """
 
 class KVShardServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -136,6 +160,30 @@ class KVShardServiceServicer(metaclass=_abc_1.ABCMeta):
         parameters say -- (and optionally its logits). In a tensor-parallel group
         every rank gets the same request and answers the same result.
         FAILED_PRECONDITION when the worker runs no model.
+        """
+
+    @_abc_1.abstractmethod
+    def ReadBlocks(
+        self,
+        request: _worker_pb2.ReadBlocksRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_worker_pb2.ReadBlocksResponse], _abc.AsyncIterator[_worker_pb2.ReadBlocksResponse]]:
+        """Streams blocks of this shard to another pool's worker (a cross-pool
+        transfer, docs/protocol.md): each block as it was at `version`, refused
+        (FAILED_PRECONDITION) when a later version reassigned it or this
+        incarnation has not written all of it.
+        """
+
+    @_abc_1.abstractmethod
+    def FetchBlocks(
+        self,
+        request: _worker_pb2.FetchBlocksRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_worker_pb2.FetchBlocksResponse, _abc.Awaitable[_worker_pb2.FetchBlocksResponse]]:
+        """Fetches a transfer plan's blocks from the source pool's worker of this
+        shard (ReadBlocks) into this shard's blocks at `version`, every chunk
+        checked against its CRC-32; all or nothing for the caller:
+        an error means compute the tokens instead.
         """
 
 def add_KVShardServiceServicer_to_server(servicer: KVShardServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -10,6 +10,7 @@
     blockctl events tail POOL [--from N] [--limit N] [--follow]
     blockctl top [--interval S] [--once]
     blockctl cluster status [--etcd URLS] [--group G]
+    blockctl hash-spec [--pool POOL]
 
 Human-readable tables by default; ``--json`` prints JSON (events and ``seq
 list`` as one object per line, so they can be piped). The three global flags may also follow
@@ -27,7 +28,7 @@ message go to stderr as one line.
 Each command group registers itself in :data:`COMMANDS` through one
 ``add_*(subparsers)`` function (pools in :mod:`client.cli.pools`, workers and
 health in :mod:`client.cli.workers`, ``top`` in :mod:`client.cli.top`, ``cluster
-status`` in :mod:`client.cli.group`).
+status`` in :mod:`client.cli.group`, ``hash-spec`` in :mod:`client.cli.hash_spec`).
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ from blockd.auth.config import add_tls_flags, client_security
 from client.channel import DEFAULT_TARGET
 from client.cli.common import EPILOG, EXIT_CODES, CommandFailed, Exit, emit, jsonable, render_table
 from client.cli.group import add_cluster
+from client.cli.hash_spec import add_hash_spec
 from client.cli.pools import add_pools, add_prefix_cache
 from client.cli.top import add_top
 from client.cli.workers import add_health, add_workers
@@ -173,7 +175,7 @@ def add_events(sub: argparse._SubParsersAction) -> None:
 
 #: command groups, each registering its subcommands
 COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
-    add_pools, add_prefix_cache, add_workers, add_health, add_seq, add_events, add_top, add_cluster]
+    add_pools, add_prefix_cache, add_workers, add_health, add_seq, add_events, add_top, add_cluster, add_hash_spec]
 
 
 def _add_global_flags(parser: argparse.ArgumentParser, after_command: bool) -> None:

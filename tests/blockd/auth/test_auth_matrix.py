@@ -73,6 +73,7 @@ REQUESTS: dict[str, tuple[Callable[[], Message], Code]] = {
     "/blockd.v1.BlockService/Watch": (lambda: pb.WatchRequest(pool="p"), Code.OK),
     "/blockd.v1.BlockService/Events": (lambda: pb.EventsRequest(pool="p"), Code.OK),
     "/blockd.v1.BlockService/LookupPrefix": (lambda: pb.LookupPrefixRequest(token_ids=PROMPT, pools=["p"]), Code.OK),
+    "/blockd.v1.BlockService/GetHashSpec": (lambda: pb.GetHashSpecRequest(pool="p"), Code.OK),
     "/blockd.v1.WorkerService/RegisterWorker": (lambda: pb.RegisterWorkerRequest(info=convert.worker_info_to_proto(
         WorkerInfo("w2", "p", "127.0.0.1:9", 0, 1, 0, 1, incarnation="inc-2"))), Code.OK),
     "/blockd.v1.WorkerService/Heartbeat": (lambda: pb.HeartbeatRequest(worker_id="w1"), Code.OK),
