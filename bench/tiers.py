@@ -21,9 +21,18 @@ verified outputs equal transformers' ``generate``, and ratios against the
 no-tier row. The setup (model, precision, versions, lengths, concurrency,
 hardware) is in every row.
 
-Not here yet: vLLM as the anchor on the same requests (its CPU build's
-``--kv-offloading-size`` is untried), and two pools with sharing across them
-(issue 28 item 3 is not built).
+Then the pools (``--pool-host-ratio``, default 4; negative: none): two pools
+of the same geometry, each with its own worker, scheduler and host tier of
+that ratio, each turn of each conversation landing on a pool drawn from the
+seed (the same draws in both rows), without and with sharing (each
+scheduler names the other pool as its ``source_pool``: blockd plans
+transfers of the history's cached blocks, the workers fetch them), against
+one pool of both pools' blocks holding every conversation. Their hit rate
+counts fetched blocks as served from cache; ``ratio_hit_rate_vs_one_pool``
+is the target's measure (within 5% of one pool with sharing).
+
+With ``--vllm-python``, vLLM's rows on the same requests come first
+(:mod:`bench.tiers_vllm`).
 """
 
 from __future__ import annotations
@@ -67,7 +76,27 @@ def _metric(url: str, name: str, **labels: str) -> float:
     return 0.0
 
 
-def run_row(args, num_host_blocks: int) -> tuple[dict, list, list]:
+def _serve_wave(scheds: list, wave: list, placement: list[int]) -> dict:
+    """Run one wave: request ``i`` on scheduler ``placement[i]``, the schedulers
+    stepping at once (each its own pool and workers), like replicas of one model."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    for req, where in zip(wave, placement, strict=True):
+        scheds[where].add_request(req)
+    if len(scheds) == 1:
+        return {o.request_id: o for o in scheds[0].run()}
+    with ThreadPoolExecutor(len(scheds)) as threads:
+        done = list(threads.map(lambda sched: sched.run(), scheds))
+    return {o.request_id: o for outputs in done for o in outputs}
+
+
+def run_row(args, num_host_blocks: int, *, num_pools: int = 1, share: bool = False,
+            device_blocks: int | None = None) -> tuple[dict, list, list]:
+    """One row on a fresh cluster: ``num_pools`` pools of ``device_blocks``
+    (default ``--device-blocks``) and ``num_host_blocks`` each; with several,
+    each turn lands on a pool drawn from the seed (the same draws in every
+    row), and with ``share`` each pool's scheduler names the other as its
+    source pool (cross-pool transfers)."""
     from client.model_group import WorkerGroup
     from client.scheduler import Scheduler, SchedulerConfig
     from client.sdk import BlockdClient
@@ -76,25 +105,30 @@ def run_row(args, num_host_blocks: int) -> tuple[dict, list, list]:
     config = model_config(args.model)
     starts, questions = conversations(args.conversations, args.seed, config.vocab_size, args.first_tokens,
                                       args.question_tokens)
-    spec = ClusterSpec(args.model, 1, "tiers", num_blocks=args.device_blocks, block_size=BLOCK_SIZE,
-                       num_host_blocks=num_host_blocks, worker_metrics=True)
+    device_blocks = device_blocks or args.device_blocks
+    spec = ClusterSpec(args.model, 1, "tiers", num_blocks=device_blocks, block_size=BLOCK_SIZE,
+                       num_host_blocks=num_host_blocks, worker_metrics=True, num_pools=num_pools)
+    draws = random.Random(args.seed + 1)
+    placement = [[draws.randrange(num_pools) for _ in range(args.conversations)] for _ in range(args.turns)]
     requests, outputs, later = [], [], []
-    with LocalCluster(spec) as cluster, BlockdClient(cluster.blockd_address) as client, \
-            WorkerGroup("tiers", cluster.worker_addresses) as group:
-        sched = Scheduler(client, "tiers", group, SchedulerConfig(args.max_batched_tokens, args.max_seqs))
+    with LocalCluster(spec) as cluster, BlockdClient(cluster.blockd_address) as client:
+        names = spec.pool_names
+        groups = [WorkerGroup(name, cluster.pool_worker_addresses(name)) for name in names]
+        scheds = [Scheduler(client, name, group, SchedulerConfig(
+            args.max_batched_tokens, args.max_seqs, source_pool=names[1 - i] if share and num_pools == 2 else ""))
+            for i, (name, group) in enumerate(zip(names, groups, strict=True))]
         history = [tuple(s) for s in starts]
         start = time.perf_counter()
         base = None
         for turn in range(args.turns):
-            if turn == 1:
-                base = client.get_pool("tiers")  # the later turns are what a host tier can help
+            if turn == 1:  # the later turns are what a host tier or sharing can help
+                base = ([client.get_pool(name) for name in names],
+                        sum(s.counters.num_transferred_tokens for s in scheds))
             wave = []
             for c in range(args.conversations):
                 prompt = history[c] if turn == 0 else history[c] + questions[c][turn]
                 wave.append(GenerationRequest(f"c{c}-t{turn}", prompt, args.output_tokens, sampling=GREEDY))
-            for req in wave:
-                sched.add_request(req)
-            done = {o.request_id: o for o in sched.run()}
+            done = _serve_wave(scheds, wave, placement[turn])
             for c, req in enumerate(wave):
                 out = done[req.request_id]
                 history[c] = req.prompt_token_ids + out.output_token_ids[0]
@@ -103,29 +137,41 @@ def run_row(args, num_host_blocks: int) -> tuple[dict, list, list]:
                     later.append(out)
             requests += wave
         seconds = time.perf_counter() - start
-        stats = client.get_pool("tiers")
-        url = cluster.worker_metrics_urls[0]
-        restore_s = _metric(url, "blockd_worker_kernel_duration_seconds_sum", kernel="restore_blocks")
-        forward_s = _metric(url, "blockd_worker_kernel_duration_seconds_sum", kernel="model_forward")
-        tokens = _metric(url, "blockd_worker_tokens_processed_total")
-    queried = stats.prefix_queried_tokens - base.prefix_queried_tokens if base else 0
-    hits = stats.prefix_hit_tokens - base.prefix_hit_tokens if base else 0
+        stats = [client.get_pool(name) for name in names]
+        metrics = [sum(_metric(url, name, **labels) for url in cluster.worker_metrics_urls)
+                   for name, labels in (("blockd_worker_kernel_duration_seconds_sum", {"kernel": "restore_blocks"}),
+                                        ("blockd_worker_kernel_duration_seconds_sum", {"kernel": "model_forward"}),
+                                        ("blockd_worker_tokens_processed_total", {}),
+                                        ("blockd_worker_kernel_duration_seconds_sum", {"kernel": "fetch_blocks"}))]
+        restore_s, forward_s, tokens, fetch_s = metrics
+        for group in groups:
+            group.close()
+    queried = sum(s.prefix_queried_tokens - b.prefix_queried_tokens for s, b in zip(stats, base[0])) if base else 0
+    hits = sum(s.prefix_hit_tokens - b.prefix_hit_tokens for s, b in zip(stats, base[0])) if base else 0
+    transferred = sum(s.counters.num_transferred_tokens for s in scheds) - base[1] if base else 0
+    restores, offloads = sum(s.num_restores for s in stats), sum(s.num_offloads for s in stats)
     ttft = [o.ttft_s * 1e3 for o in later]
     tpot = [o.tpot_s * 1e3 for o in later if len(o.output_token_ids[0]) > 1]
     out_tokens = sum(len(o.output_token_ids[0]) for o in outputs)
+    transfers = sum(s.counters.num_transferred_tokens for s in scheds) // BLOCK_SIZE
     row = {
-        "host_blocks": num_host_blocks, "host_ratio": round(num_host_blocks / args.device_blocks, 2),
-        "hit_rate_later_turns": round(hits / queried, 4) if queried else 0.0,
+        "pools": num_pools, "sharing": share, "device_blocks": device_blocks,
+        "host_blocks": num_host_blocks, "host_ratio": round(num_host_blocks / device_blocks, 2),
+        # served from cache: hits in the pool itself, and blocks fetched from the other pool
+        "hit_rate_later_turns": round((hits + transferred) / queried, 4) if queried else 0.0,
         "ttft_p50_ms": round(percentile(ttft, 50), 1), "ttft_p99_ms": round(percentile(ttft, 99), 1),
         "tpot_p50_ms": round(percentile(tpot, 50), 2), "tokens_per_s": round(out_tokens / seconds, 2),
-        "seconds": round(seconds, 1), "offloads": stats.num_offloads, "restores": stats.num_restores,
-        "offloads_per_s": round(stats.num_offloads / seconds, 2),
-        "restores_per_s": round(stats.num_restores / seconds, 2),
-        # the worker's own clocks: copying one block back against running its 16 tokens through the model
-        "restore_ms_per_block": round(restore_s / stats.num_restores * 1e3, 4) if stats.num_restores else None,
+        "seconds": round(seconds, 1), "offloads": offloads, "restores": restores,
+        "offloads_per_s": round(offloads / seconds, 2), "restores_per_s": round(restores / seconds, 2),
+        "transferred_blocks": transfers, "transfers_per_s": round(transfers / seconds, 2),
+        "failed_transfers": sum(s.counters.num_failed_transfers for s in scheds),
+        # the workers' own clocks: copying one block back (or fetching it from the other pool's
+        # worker) against running its 16 tokens through the model
+        "restore_ms_per_block": round(restore_s / restores * 1e3, 4) if restores else None,
+        "fetch_ms_per_block": round(fetch_s / transfers * 1e3, 4) if transfers else None,
         "forward_ms_per_prompt_block": round(forward_s / tokens * BLOCK_SIZE * 1e3, 3) if tokens else None,
-        "prompt_tokens_computed": sched.counters.num_prefill_tokens,
-        "prompt_tokens_cached": sched.counters.num_cached_tokens,
+        "prompt_tokens_computed": sum(s.counters.num_prefill_tokens for s in scheds),
+        "prompt_tokens_cached": sum(s.counters.num_cached_tokens for s in scheds),
     }
     return row, requests, outputs
 
@@ -173,6 +219,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--verify", type=int, default=6, help="requests checked against transformers (default 6)")
     parser.add_argument("--vllm-python", default=None,
                         help="a vLLM venv's python: vLLM's rows on the same requests first (bench/tiers_vllm.py)")
+    parser.add_argument("--pool-host-ratio", type=float, default=4.0,
+                        help="the host tier of each pool in the two-pool rows, in device pools (default 4; "
+                             "negative: no two-pool rows)")
     args = parser.parse_args(argv)
     args.model = args.model or ("tiny-llama" if args.quick else MODEL)
     args.conversations = args.conversations or (6 if args.quick else 12)
@@ -201,7 +250,27 @@ def main(argv: list[str] | None = None) -> int:
         row["ratio_ttft_p50_vs_no_tier"] = round(row["ttft_p50_ms"] / base["ttft_p50_ms"], 3)
         row["ratio_tpot_p50_vs_no_tier"] = round(row["tpot_p50_ms"] / base["tpot_p50_ms"], 3)
         print(json.dumps({**common, **row}), flush=True)
+    if args.pool_host_ratio >= 0:
+        pool_rows(args, common)
     return 0
+
+
+def pool_rows(args, common: dict) -> None:
+    """Two pools (two workers), each turn landing on either, without and with
+    sharing across them, against one pool of both pools' blocks holding every
+    conversation (the hit rate sharing should come close to)."""
+    host = int(args.pool_host_ratio * args.device_blocks)
+    one, requests, outputs = run_row(args, 2 * host, device_blocks=2 * args.device_blocks)
+    one.update(verify(args.model, requests, outputs, args.verify) if args.verify else {})
+    one["row"] = "one pool holding all conversations"
+    print(json.dumps({**common, **one}), flush=True)
+    for share in (False, True):
+        row, requests, outputs = run_row(args, host, num_pools=2, share=share)
+        row.update(verify(args.model, requests, outputs, args.verify) if args.verify else {})
+        row["row"] = "two pools, " + ("sharing prefixes" if share else "no sharing")
+        row["ratio_hit_rate_vs_one_pool"] = (round(row["hit_rate_later_turns"] / one["hit_rate_later_turns"], 3)
+                                             if one["hit_rate_later_turns"] else None)
+        print(json.dumps({**common, **row}), flush=True)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,8 @@
 """``bench/tiers.py --quick`` as a user runs it: one JSON row per host-tier
-size, the tier raising the later turns' hit rate, outputs equal to
-transformers' in every row, and bad arguments a usage error."""
+size, the tier raising the later turns' hit rate, then the pool rows (one
+pool holding all conversations, two pools without and with sharing: sharing
+raises the hit rate to near one pool's), outputs equal to transformers' in
+every row, and bad arguments a usage error."""
 
 from __future__ import annotations
 
@@ -16,13 +18,20 @@ def test_the_tier_rows_run_and_the_tier_raises_the_hit_rate_with_exact_outputs()
                          cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
     assert out.returncode == 0, out.stderr[-2000:]
     rows = [json.loads(line) for line in out.stdout.splitlines()]
-    assert [r["host_ratio"] for r in rows] == [0.0, 4.0]
-    plain, tiered = rows
+    assert [r["host_ratio"] for r in rows[:2]] == [0.0, 4.0]
+    plain, tiered, one, apart, shared = rows
     assert plain["restores"] == plain["offloads"] == 0
     assert tiered["restores"] > 0 and tiered["hit_rate_later_turns"] > plain["hit_rate_later_turns"]
     assert tiered["prompt_tokens_computed"] < plain["prompt_tokens_computed"]
     assert all(r["outputs_match_reference"] and r["verified_requests"] == 4 for r in rows)
     assert tiered["ratio_hit_rate_vs_no_tier"] > 1 and tiered["restore_ms_per_block"] is not None
+    # two pools: sharing fetches the other pool's prefixes and comes close to one pool holding all
+    assert (one["pools"], apart["pools"], shared["pools"]) == (1, 2, 2) and shared["sharing"]
+    assert apart["transferred_blocks"] == 0 and shared["transferred_blocks"] > 0, shared
+    assert shared["failed_transfers"] == 0 and shared["fetch_ms_per_block"] is not None
+    assert shared["hit_rate_later_turns"] > apart["hit_rate_later_turns"], (apart, shared)
+    assert shared["ratio_hit_rate_vs_one_pool"] >= 0.95, shared
+    assert apart["outputs_match_reference"] and shared["outputs_match_reference"]
 
 
 def test_bad_arguments_are_a_usage_error():
