@@ -38,30 +38,28 @@ Outputs are had two ways: :meth:`Scheduler.run` returns every request's
 returns a :class:`~client.streaming.RequestStream` of tokens as they are
 applied (stepped by its consumer, or by a :class:`~client.streaming.ServingLoop`).
 
-The scheduler is this module and the parts it imports, each owning its own
-state or none, none importing back::
-
-    client.scheduler         Scheduler: owns the requests' state, does the I/O
-                             (blockd, the model), carries out plans and recoveries
-    client.streaming         RequestStream, ServingLoop (over a Steppable protocol)
-    client.faults            a refusal or fault and the state -> a Recovery, no I/O
-    client.step_plan         plan_step: the state -> a StepPlan, no I/O
-    client.scheduler_config  SchedulerConfig, SchedulerCounters: plain data
-
-Faults (a worker restarted, the pool re-created) are dealt with as
-:mod:`client.faults` says. ``SchedulerConfig`` and ``SchedulerCounters`` are
-imported from here too.
+The scheduler is this module (``Scheduler``: the requests' state, the I/O to
+blockd and the model, carrying out plans and recoveries) and parts that own
+their own state or none and never import back: ``client.streaming``
+(RequestStream, ServingLoop), ``client.faults`` (a refusal or fault -> a
+Recovery), ``client.step_plan`` (the state -> a StepPlan) and
+``client.scheduler_config`` (SchedulerConfig, SchedulerCounters, also
+imported from here). Faults (a worker restarted, the pool re-created) are
+dealt with as :mod:`client.faults` says. With ``config.source_pool``, an
+admission's missed prefix blocks cached in that pool are fetched by the
+workers instead of computed, where they can (:meth:`Scheduler._fetch`).
 """
 
 from __future__ import annotations
 
+import logging
 import random
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
 
-from blockd.core.types import Commit, Free, Op, StepResult
+from blockd.core.types import Commit, Free, Op, StepResult, TransferPlan
 from client.backends import BlockdBackend, ModelBatch, ModelExecutor
 from client.errors import BlockdClientError, FailedPreconditionError, NotFoundError, ResourceExhaustedError
 from client.faults import (
@@ -88,6 +86,7 @@ from client.step_plan import StepPlan, plan_step
 from client.streaming import RequestStream, ServingLoop, StreamToken
 
 __all__ = ["RECENT_FREE_STEPS", "Scheduler", "SchedulerConfig", "SchedulerCounters"]
+log = logging.getLogger("blockd.scheduler")
 
 #: steps whose Frees are sent again when a failover may have lost them: an ``async`` group's
 #: followers trail by at most ``--max-lag-records`` (100 by default) records
@@ -113,12 +112,8 @@ class Scheduler:
                  config: SchedulerConfig = _DEFAULT_CONFIG, *,
                  admission: PagingAdmission | ReservationAdmission | None = None,
                  clock: Callable[[], float] = time.perf_counter) -> None:
-        self.client = client
-        self.pool = pool
-        self.executor = executor
-        self.config = config
-        self.admission = admission or PagingAdmission()
-        self.clock = clock
+        self.client, self.pool, self.executor, self.config = client, pool, executor, config
+        self.admission, self.clock = admission or PagingAdmission(), clock
         self.counters = SchedulerCounters()
         self.waiting: deque[RequestState] = deque()
         self.running: list[RequestState] = []  # admission order: the last is the newest
@@ -277,10 +272,7 @@ class Scheduler:
     def _sent(self, plan: StepPlan, result: StepResult, refused_admission: bool) -> None:
         """blockd took ``plan``'s batch."""
         # Only a Free makes room for a refused admission (appends only take blocks).
-        if refused_admission:
-            self._admission_blocked = True
-        elif plan.has_frees:
-            self._admission_blocked = False
+        self._admission_blocked = refused_admission or (self._admission_blocked and not plan.has_frees)
         self._release.clear()
         if result.term != self.term:
             self._recent_frees.clear()
@@ -301,8 +293,7 @@ class Scheduler:
             self._recent_frees.clear()
             self.term = recovery.term
             self.counters.num_term_changes += 1
-        if recovery.fault == "worker_fault":
-            self.counters.num_worker_faults += 1
+        self.counters.num_worker_faults += recovery.fault == "worker_fault"
         for state in recovery.preempt:
             self._preempt(state, kv_lost=not recovery.keep_kv)
         if recovery.reset_prefix_cache:
@@ -382,10 +373,26 @@ class Scheduler:
                 seq.num_computed = seq.num_committed = allocated.num_cached_tokens
                 seq.slots, seq.slot_start = allocated.slot_mapping, allocated.slot_start
                 self.counters.num_cached_tokens += allocated.num_cached_tokens
+                if allocated.transfer is not None and chunk:
+                    self._fetch(result, seq, allocated.transfer)
                 self._add_prefill(batch, entries, state, seq, min(chunk, seq.num_to_prefill))
         self.counters.peak_running_requests = max(self.counters.peak_running_requests, len(self.running))
         self.counters.peak_running_seqs = max(self.counters.peak_running_seqs, self.num_running_seqs)
         return entries, batch
+
+    def _fetch(self, result: StepResult, seq: SeqState, plan: TransferPlan) -> None:
+        """``plan``'s blocks into the workers: where every rank fetched them, their tokens count as
+        computed (the next batch commits them like computed ones); else they are computed."""
+        fetch = getattr(self.executor, "fetch_blocks", None)
+        why = fetch(result.version, plan, pool_incarnation=result.incarnation, term=result.term) if fetch \
+            else "the executor fetches no blocks"
+        if why:
+            self.counters.num_failed_transfers += 1
+            log.info("pool %r: %s computes %d tokens it could not fetch: %s", self.pool, seq.seq_id,
+                     plan.num_tokens, why)
+        else:
+            seq.num_computed = plan.first_token + plan.num_tokens
+            self.counters.num_transferred_tokens += plan.num_tokens
 
     def _add_prefill(self, batch: ModelBatch, entries: list, state: RequestState, seq: SeqState,
                      chunk: int) -> None:
@@ -430,10 +437,7 @@ class Scheduler:
     def _complete(self, state: RequestState, output: RequestOutput) -> None:
         """Hand ``output`` to the request's stream, or to :meth:`take_finished`."""
         stream = self._streams.pop(state.request.request_id, None)
-        if stream is not None:
-            stream._close(output)
-        else:
-            self._finished.append(output)
+        (stream._close if stream is not None else self._finished.append)(output)
 
     def _reject_head(self, state: RequestState, reason: str) -> None:
         """Fail ``state``, the head of the queue: it can never start."""

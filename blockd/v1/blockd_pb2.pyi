@@ -610,7 +610,13 @@ class AllocateOp(_message.Message):
     SEQ_ID_FIELD_NUMBER: _builtins.int
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     EXTRA_KEYS_FIELD_NUMBER: _builtins.int
+    SOURCE_POOL_FIELD_NUMBER: _builtins.int
     seq_id: _builtins.str
+    source_pool: _builtins.str
+    """Another pool of the same tenant and geometry whose cached blocks may
+    stand in for the prompt's missed blocks: the result's transfer says which
+    (docs/protocol.md, "Prefixes shared across pools"). Empty: none.
+    """
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
@@ -621,10 +627,11 @@ class AllocateOp(_message.Message):
         seq_id: _builtins.str = ...,
         prompt_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         extra_keys: Global___ExtraKeys | None = ...,
+        source_pool: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["extra_keys", b"extra_keys"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["extra_keys", b"extra_keys", "prompt_token_ids", b"prompt_token_ids", "seq_id", b"seq_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["extra_keys", b"extra_keys", "prompt_token_ids", b"prompt_token_ids", "seq_id", b"seq_id", "source_pool", b"source_pool"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -870,6 +877,7 @@ class OpResult(_message.Message):
     MISS_EVICTED_HOST_FIELD_NUMBER: _builtins.int
     MISS_PARTIAL_FIELD_NUMBER: _builtins.int
     MISS_OTHER_EXTRA_KEYS_FIELD_NUMBER: _builtins.int
+    TRANSFER_FIELD_NUMBER: _builtins.int
     seq_id: _builtins.str
     num_tokens: _builtins.int
     num_cached_tokens: _builtins.int
@@ -893,6 +901,12 @@ class OpResult(_message.Message):
     def copy_ops(self) -> _containers.RepeatedCompositeFieldContainer[Global___CopyOp]: ...
     @_builtins.property
     def slot_mapping(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def transfer(self) -> Global___TransferPlan:
+        """An Allocate naming a source_pool: that pool's cached blocks the workers
+        may fetch instead of computing their tokens (absent: nothing to fetch).
+        """
+
     def __init__(
         self,
         *,
@@ -909,14 +923,101 @@ class OpResult(_message.Message):
         miss_evicted_host: _builtins.int = ...,
         miss_partial: _builtins.int = ...,
         miss_other_extra_keys: _builtins.int = ...,
+        transfer: Global___TransferPlan | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["transfer", b"transfer"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["copy_ops", b"copy_ops", "miss_evicted_device", b"miss_evicted_device", "miss_evicted_host", b"miss_evicted_host", "miss_never_stored", b"miss_never_stored", "miss_other_extra_keys", b"miss_other_extra_keys", "miss_partial", b"miss_partial", "new_block_ids", b"new_block_ids", "num_cached_tokens", b"num_cached_tokens", "num_restored_tokens", b"num_restored_tokens", "num_tokens", b"num_tokens", "seq_id", b"seq_id", "slot_mapping", b"slot_mapping", "slot_start", b"slot_start"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["copy_ops", b"copy_ops", "miss_evicted_device", b"miss_evicted_device", "miss_evicted_host", b"miss_evicted_host", "miss_never_stored", b"miss_never_stored", "miss_other_extra_keys", b"miss_other_extra_keys", "miss_partial", b"miss_partial", "new_block_ids", b"new_block_ids", "num_cached_tokens", b"num_cached_tokens", "num_restored_tokens", b"num_restored_tokens", "num_tokens", b"num_tokens", "seq_id", b"seq_id", "slot_mapping", b"slot_mapping", "slot_start", b"slot_start", "transfer", b"transfer"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___OpResult: _TypeAlias = OpResult  # noqa: Y015
+
+@_typing.final
+class TransferPlan(_message.Message):
+    """Cached blocks of source_pool for an allocation's missed prompt blocks,
+    num_tokens from token first_token on: src_blocks[i] (in tier src_tiers[i], "device" or
+    "host") at source_version of source_incarnation, for dst_blocks[i] of the
+    allocating pool. The tokens stay uncached for blockd until the caller
+    commits them: its workers fetch the blocks shard to shard (KVShardService
+    FetchBlocks), and where every shard succeeded they count as computed;
+    else they are computed. A source worker refuses a block reassigned after
+    source_version, so a fetch never reads other KV.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SOURCE_POOL_FIELD_NUMBER: _builtins.int
+    SOURCE_INCARNATION_FIELD_NUMBER: _builtins.int
+    SOURCE_VERSION_FIELD_NUMBER: _builtins.int
+    FIRST_TOKEN_FIELD_NUMBER: _builtins.int
+    SRC_TIERS_FIELD_NUMBER: _builtins.int
+    SRC_BLOCKS_FIELD_NUMBER: _builtins.int
+    DST_BLOCKS_FIELD_NUMBER: _builtins.int
+    SOURCE_WORKERS_FIELD_NUMBER: _builtins.int
+    NUM_TOKENS_FIELD_NUMBER: _builtins.int
+    source_pool: _builtins.str
+    source_incarnation: _builtins.str
+    source_version: _builtins.int
+    first_token: _builtins.int
+    num_tokens: _builtins.int
+    @_builtins.property
+    def src_tiers(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def src_blocks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def dst_blocks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def source_workers(self) -> _containers.RepeatedCompositeFieldContainer[Global___TransferSource]: ...
+    def __init__(
+        self,
+        *,
+        source_pool: _builtins.str = ...,
+        source_incarnation: _builtins.str = ...,
+        source_version: _builtins.int = ...,
+        first_token: _builtins.int = ...,
+        src_tiers: _abc.Iterable[_builtins.str] | None = ...,
+        src_blocks: _abc.Iterable[_builtins.int] | None = ...,
+        dst_blocks: _abc.Iterable[_builtins.int] | None = ...,
+        source_workers: _abc.Iterable[Global___TransferSource] | None = ...,
+        num_tokens: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dst_blocks", b"dst_blocks", "first_token", b"first_token", "num_tokens", b"num_tokens", "source_incarnation", b"source_incarnation", "source_pool", b"source_pool", "source_version", b"source_version", "source_workers", b"source_workers", "src_blocks", b"src_blocks", "src_tiers", b"src_tiers"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TransferPlan: _TypeAlias = TransferPlan  # noqa: Y015
+
+@_typing.final
+class TransferSource(_message.Message):
+    """One worker of a transfer's source pool: its shard rank (KV-head order),
+    where to dial it, and the incarnation the plan was made for.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RANK_FIELD_NUMBER: _builtins.int
+    ADDRESS_FIELD_NUMBER: _builtins.int
+    WORKER_INCARNATION_FIELD_NUMBER: _builtins.int
+    rank: _builtins.int
+    address: _builtins.str
+    worker_incarnation: _builtins.str
+    def __init__(
+        self,
+        *,
+        rank: _builtins.int = ...,
+        address: _builtins.str = ...,
+        worker_incarnation: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "rank", b"rank", "worker_incarnation", b"worker_incarnation"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TransferSource: _TypeAlias = TransferSource  # noqa: Y015
 
 @_typing.final
 class StepRequest(_message.Message):
