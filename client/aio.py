@@ -226,9 +226,9 @@ class AsyncBlockdClient:
         return self._stream(self._blocks.Events, request, messages.event_reply, timeout_s)
 
     async def lookup_prefix(self, token_ids: Sequence[int], extra_keys: ExtraKeys | None = None,
-                            pools: Sequence[str] = ()) -> dict[str, int]:
+                            pools: Sequence[str] = (), *, tiers: bool = False) -> dict:
         request = messages.lookup_prefix_request(token_ids, extra_keys, pools)
-        return dict((await self._unary(self._blocks.LookupPrefix, request)).num_cached_tokens)
+        return messages.lookup_prefix_reply(await self._unary(self._blocks.LookupPrefix, request), tiers)
 
     async def get_hash_spec(self, pool: str | None = None) -> HashSpec:
         reply = await self._unary(self._blocks.GetHashSpec, pb.GetHashSpecRequest(pool=pool or ""))

@@ -82,6 +82,13 @@ def lookup_prefix_request(token_ids: Sequence[int], extra_keys: ExtraKeys | None
                                   extra_keys=convert.extra_keys_to_proto(extra_or_none(extra_keys)))
 
 
+def lookup_prefix_reply(reply: pb.LookupPrefixResponse, tiers: bool) -> dict:
+    """Cached tokens per pool; with ``tiers``, ``(cached, of them in the host tier)``."""
+    if not tiers:
+        return dict(reply.num_cached_tokens)
+    return {name: (n, reply.num_host_tokens.get(name, 0)) for name, n in reply.num_cached_tokens.items()}
+
+
 def event_reply(reply: pb.EventsResponse) -> KVEvent:
     return convert.event_from_proto(reply.event)
 

@@ -258,10 +258,11 @@ class BlockdClient:
         return self._stream(self._blocks.Events, request, messages.event_reply, timeout_s)
 
     def lookup_prefix(self, token_ids: Sequence[int], extra_keys: ExtraKeys | None = None,
-                      pools: Sequence[str] = ()) -> dict[str, int]:
-        """Cached tokens of this prompt per pool (all pools when none named)."""
+                      pools: Sequence[str] = (), *, tiers: bool = False) -> dict:
+        """Cached tokens of this prompt per pool (all pools when none named);
+        ``tiers``: ``(cached, of them in the host tier)`` per pool, where the prefix lives."""
         request = messages.lookup_prefix_request(token_ids, extra_keys, pools)
-        return dict(self._unary(self._blocks.LookupPrefix, request).num_cached_tokens)
+        return messages.lookup_prefix_reply(self._unary(self._blocks.LookupPrefix, request), tiers)
 
     def get_hash_spec(self, pool: str | None = None) -> HashSpec:
         """blockd's block-hash algorithm in words, with test vectors; with

@@ -68,9 +68,10 @@ class InProcessBlockd:
         return self._call("GetTables", lambda: self.engine.get_tables(pool, list(seq_ids)))
 
     def lookup_prefix(self, token_ids: Sequence[int], extra_keys: ExtraKeys | None = None,
-                      pools: Sequence[str] = ()) -> dict[str, int]:
+                      pools: Sequence[str] = (), *, tiers: bool = False) -> dict:
         extra = extra_keys if extra_keys is not None else NO_EXTRA_KEYS
-        return self._call("LookupPrefix", lambda: self.engine.lookup_prefix(list(token_ids), extra, list(pools)))
+        return self._call("LookupPrefix", lambda: self.engine.lookup_prefix(list(token_ids), extra, list(pools),
+                                                                            tiers=tiers))
 
     def get_hash_spec(self, pool: str | None = None) -> HashSpec:
         if not pool:

@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import TypeVar
 
-from blockd.core import BlockdError, ExtraKeys, InvalidArgument, KVEvent, Op, PoolConfig, PoolStats, StepResult
+from blockd.core import BlockdError, ExtraKeys, InvalidArgument, KVEvent, Op, Pool, PoolConfig, PoolStats, StepResult
 from blockd.core.errors import WrongState, shown
 from blockd.core.incarnations import new_incarnation
 from blockd.core.terms import TermHistory
@@ -45,7 +45,7 @@ from blockd.engine.pools import PoolEntry
 from blockd.engine.state import State
 from blockd.engine.step_checks import check_previous_term, refuse_malformed
 from blockd.engine.tenancy import Tenancy, check_access, owner_of, visible, with_owner
-from blockd.engine.transfers import check_sources, has_sources, plan_transfers
+from blockd.engine.transfers import check_sources, has_sources, located_tokens, plan_transfers
 from blockd.engine.watch import Watchers
 from blockd.engine.worker_registry import WorkerRegistry
 from blockd.storage.reader import Reader
@@ -253,6 +253,7 @@ class Engine:
         entry.identity.check_step(pool, ops)
         config = entry.pool.config
         self._tenancy.check_step(config, ops, lambda: self._state.live_seqs(owner_of(config)), consume=not dry_run)
+        check_sources(self._state, config, ops)
         return entry
 
     def step(self, pool: str, ops: list[Op], request_id: str = "", *, dry_run: bool = False,
@@ -266,7 +267,6 @@ class Engine:
                 self.config.guardrails.check_step(ops)
                 check_previous_term(self._gate, previous_term)
                 entry = self._checked_entry(pool, ops, incarnation, dry_run=True)
-                check_sources(self._state, entry.pool.config, ops)
                 return entry.identity.result(entry.pool.step(ops, dry_run=True))
 
             return self._read(would)
@@ -276,9 +276,7 @@ class Engine:
             def check() -> PoolEntry:
                 self.config.guardrails.check_step(ops)
                 check_previous_term(self._gate, previous_term)
-                entry = self._checked_entry(pool, ops, incarnation)
-                check_sources(self._state, entry.pool.config, ops)
-                return entry
+                return self._checked_entry(pool, ops, incarnation)
 
             result, term = self._mutate_in_term(records.Step(pool, ops), request_id, check)
             assert isinstance(result, StepResult), "a step record answers with a StepResult"
@@ -317,10 +315,12 @@ class Engine:
 
         return self._read(read)
 
-    def lookup_prefix(self, token_ids: list[int], extra_keys: ExtraKeys, pools: list[str]) -> dict[str, int]:
-        def read() -> dict[str, int]:
+    def lookup_prefix(self, token_ids: list[int], extra_keys: ExtraKeys, pools: list[str], tiers: bool = False) -> dict:
+        """Cached tokens per pool; ``tiers``: ``(cached, of them in the host tier)`` per pool."""
+        def read() -> dict:
             names = pools or [name for name, entry in self._state.pools.items() if visible(entry.pool.config)]
-            return {name: self._state.entry(name).pool.lookup_prefix(token_ids, extra_keys) for name in names}
+            look = located_tokens if tiers else Pool.lookup_prefix
+            return {name: look(self._state.entry(name).pool, token_ids, extra_keys) for name in names}
 
         return self._read(read)
 

@@ -30,7 +30,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
-from blockd.core import Op, PoolConfig, StepResult
+from blockd.core import ExtraKeys, Op, Pool, PoolConfig, StepResult
+from blockd.core.blocks import HOST
 from blockd.core.errors import InvalidArgument, shown
 from blockd.core.types import Allocate, TransferPlan
 from blockd.engine.state import State
@@ -69,6 +70,12 @@ def check_sources(state: State, config: PoolConfig, ops: Sequence[Op]) -> None:
             raise InvalidArgument(f"op {i}: pool {name!r} cannot hold {config.name!r}'s KV ({', '.join(differ)})")
 
 
+def located_tokens(pool: Pool, token_ids: list[int], extra_keys: ExtraKeys | None) -> tuple[int, int]:
+    """``(cached tokens, of them in the host tier)`` of ``token_ids``'s prefix in ``pool`` (LookupPrefix)."""
+    found = pool.locate_blocks(token_ids, extra_keys, 0, len(token_ids))
+    return len(found) * pool.block_size, sum(tier == HOST for tier, _ in found) * pool.block_size
+
+
 def plan_transfers(state: State, workers: WorkerRegistry, ops: Sequence[Op], result: StepResult) -> StepResult:
     """``result`` with a :class:`TransferPlan` on each ``Allocate`` whose source
     pool caches some of its missed full blocks, in a run from the first missed
@@ -102,4 +109,4 @@ def plan_transfers(state: State, workers: WorkerRegistry, ops: Sequence[Op], res
     return replace(result, results=tuple(results))
 
 
-__all__ = ["GEOMETRY", "check_sources", "has_sources", "plan_transfers"]
+__all__ = ["GEOMETRY", "check_sources", "has_sources", "located_tokens", "plan_transfers"]

@@ -129,8 +129,9 @@ class BlockServicer(pb_grpc.BlockServiceServicer):
     def LookupPrefix(self, request: pb.LookupPrefixRequest, context) -> pb.LookupPrefixResponse:
         pools = require_ids(request.pools, "pools")
         extra = convert.extra_keys_from_proto(request.extra_keys)
-        cached = self._engine.lookup_prefix(list(request.token_ids), extra, pools)
-        return pb.LookupPrefixResponse(num_cached_tokens=cached)
+        found = self._engine.lookup_prefix(list(request.token_ids), extra, pools, tiers=True)
+        return pb.LookupPrefixResponse(num_cached_tokens={name: n for name, (n, _) in found.items()},
+                                       num_host_tokens={name: host for name, (_, host) in found.items()})
 
     @unary
     def GetHashSpec(self, request: pb.GetHashSpecRequest, context) -> pb.GetHashSpecResponse:

@@ -1578,7 +1578,10 @@ Global___LookupPrefixRequest: _TypeAlias = LookupPrefixRequest  # noqa: Y015
 
 @_typing.final
 class LookupPrefixResponse(_message.Message):
-    """LookupPrefix output: cached tokens per pool name."""
+    """LookupPrefix output: cached tokens per pool name, and of those, the ones
+    whose blocks are in the pool's host tier (the rest are in its device
+    tier): where a prefix lives, for a router choosing a pool or a source_pool.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -1602,17 +1605,41 @@ class LookupPrefixResponse(_message.Message):
         def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
         def WhichOneof(self, oneof_group: _Never) -> None: ...
 
+    @_typing.final
+    class NumHostTokensEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     NUM_CACHED_TOKENS_FIELD_NUMBER: _builtins.int
+    NUM_HOST_TOKENS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def num_cached_tokens(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]: ...
+    @_builtins.property
+    def num_host_tokens(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]: ...
     def __init__(
         self,
         *,
         num_cached_tokens: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        num_host_tokens: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["num_cached_tokens", b"num_cached_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["num_cached_tokens", b"num_cached_tokens", "num_host_tokens", b"num_host_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -53,6 +53,9 @@ def test_a_second_turn_on_another_pool_fetches_the_history_and_stays_exact(clust
             for req in first:
                 a.add_request(req)
             outputs = a.run()
+            # where the histories live: m's device tier, nowhere in m-1 (LookupPrefix over gRPC)
+            assert client.lookup_prefix(first[0].prompt_token_ids, pools=["m", "m-1"], tiers=True) == {
+                "m": (5 * BLOCK, 0), "m-1": (0, 0)}
             for req in second:
                 b.add_request(req)
             outputs += b.run()

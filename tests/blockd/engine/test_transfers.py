@@ -122,3 +122,14 @@ def test_tenants_never_receive_each_others_blocks():
     with acting_as(Identity("ops", "ops", frozenset({"admin"}))), \
             pytest.raises(InvalidArgument, match="belongs to another tenant"):
         engine.step("b", [Allocate("x", prompt, source_pool="a")])
+
+
+def test_lookup_prefix_says_which_tier_holds_the_prefix():
+    engine = _engine(num_host_blocks=8)
+    prompt = list(range(3 * B + 1))
+    _cache(engine, "a", prompt)
+    assert engine.lookup_prefix(prompt, None, ["a", "b"], tiers=True) == {"a": (3 * B, 0), "b": (0, 0)}
+    engine.step("a", [Allocate("fill", [7] * (8 * B))])  # every device block: the prefix moves to the host tier
+    engine.step("a", [Free("fill")])
+    assert engine.lookup_prefix(prompt, None, ["a"], tiers=True) == {"a": (3 * B, 3 * B)}
+    assert engine.lookup_prefix(prompt, None, ["a"]) == {"a": 3 * B}
