@@ -122,9 +122,8 @@ class WorkerGroup:
             return ""
         futures = [self._threads.submit(one, rank) for rank in range(len(self.workers))]
         wait(futures)
-        errors = [f"rank {rank}: {getattr(err, 'message', err)}" for rank, f in enumerate(futures)
-                  if (err := f.exception()) is not None]
-        return "; ".join(errors)
+        failed = [(rank, f.exception()) for rank, f in enumerate(futures) if f.exception() is not None]
+        return "; ".join(f"rank {rank}: {getattr(e, 'message', e)}" for rank, e in failed)
 
     def run(self, version: int, batch: ModelBatch, *, pool_incarnation: str = "", term: int = 0) -> list[int]:
         if self._threads is None:

@@ -14,7 +14,8 @@ permission         RPCs
 ``step``           Step (allocate/append/commit/fork/free)
 ``worker.join``    RegisterWorker, Heartbeat
 ``kv.stats``       KVShardService.GetWorkerStats
-``kv.compute``     KVShardService.WriteKV, Attention, ModelStep
+``kv.compute``     KVShardService.WriteKV, Attention, ModelStep, FetchBlocks
+``kv.read``        KVShardService.ReadBlocks (another pool's worker fetching blocks: its tenant's KV)
 ``replicate``      ReplicationService.ReplicateLog, AckLog, StreamAcks (admin only)
 ``authenticated``  server reflection (any valid identity, no role needed)
 ``open``           grpc.health.v1.Health (no credentials at all)
@@ -23,7 +24,8 @@ permission         RPCs
 Roles (:data:`ROLE_PERMISSIONS`): ``admin`` has every permission on every
 tenant; ``scheduler`` steps and reads its tenant's pools and drives its
 tenant's workers; ``worker`` joins (register, heartbeat), reads pool
-metadata and follows tables (Watch) of its tenant's pools, and nothing of the
+metadata, follows tables (Watch) of its tenant's pools and reads blocks of
+its tenant's other pools' workers (a cross-pool fetch), and nothing of the
 prefix cache; ``reader`` reads stats, tables and events of its tenant. Tenant
 scoping is not decided here: the interceptor checks the role, the engine
 checks a pool's owner (:func:`blockd.auth.identity.require_tenant`).
@@ -55,14 +57,16 @@ STEP = "step"
 WORKER_JOIN = "worker.join"
 KV_STATS = "kv.stats"
 KV_COMPUTE = "kv.compute"
+KV_READ = "kv.read"
 REPLICATE = "replicate"
 
-PERMISSIONS = (POOL_ADMIN, POOL_READ, TABLES_READ, CACHE_READ, STEP, WORKER_JOIN, KV_STATS, KV_COMPUTE, REPLICATE)
+PERMISSIONS = (POOL_ADMIN, POOL_READ, TABLES_READ, CACHE_READ, STEP, WORKER_JOIN, KV_STATS, KV_COMPUTE, KV_READ,
+               REPLICATE)
 
 ROLE_PERMISSIONS = MappingProxyType({
     "admin": frozenset(PERMISSIONS),
     "scheduler": frozenset({POOL_READ, TABLES_READ, CACHE_READ, STEP, KV_STATS, KV_COMPUTE}),
-    "worker": frozenset({POOL_READ, TABLES_READ, WORKER_JOIN}),
+    "worker": frozenset({POOL_READ, TABLES_READ, WORKER_JOIN, KV_READ}),
     "reader": frozenset({POOL_READ, TABLES_READ, CACHE_READ, KV_STATS}),
 })
 
@@ -80,6 +84,7 @@ _BLOCKD = {
     },
     "blockd.v1.KVShardService": {
         "GetWorkerStats": KV_STATS, "WriteKV": KV_COMPUTE, "Attention": KV_COMPUTE, "ModelStep": KV_COMPUTE,
+        "FetchBlocks": KV_COMPUTE, "ReadBlocks": KV_READ,
     },
     # replicas' log stream (blockd serve --etcd): a follower's peer credentials
     # (--peer-tls-*, --peer-token-file) must name an admin

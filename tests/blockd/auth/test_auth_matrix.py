@@ -82,6 +82,8 @@ REQUESTS: dict[str, tuple[Callable[[], Message], Code]] = {
     "/blockd.v1.KVShardService/WriteKV": (lambda: wpb.WriteKVRequest(pool="p"), Code.INVALID_ARGUMENT),
     "/blockd.v1.KVShardService/Attention": (lambda: wpb.AttentionRequest(pool="p"), Code.INVALID_ARGUMENT),
     "/blockd.v1.KVShardService/ModelStep": (lambda: wpb.ModelStepRequest(pool="p"), Code.INVALID_ARGUMENT),
+    "/blockd.v1.KVShardService/FetchBlocks": (lambda: wpb.FetchBlocksRequest(pool="p"), Code.INVALID_ARGUMENT),
+    "/blockd.v1.KVShardService/ReadBlocks": (lambda: wpb.ReadBlocksRequest(pool="p"), Code.INVALID_ARGUMENT),
     "/grpc.health.v1.Health/Check": (health_pb2.HealthCheckRequest, Code.OK),
     "/grpc.health.v1.Health/Watch": (health_pb2.HealthCheckRequest, Code.OK),
     "/grpc.health.v1.Health/List": (health_pb2.HealthListRequest, Code.OK),
