@@ -16,6 +16,7 @@ import dataclasses
 
 import pytest
 import torch
+from prometheus_client import CollectorRegistry
 
 from blockd.core.errors import WrongState
 from blockd.core.types import OFFLOAD, TableUpdate, TierOp, TransferPlan
@@ -23,13 +24,17 @@ from client.errors import FailedPreconditionError, InvalidArgumentError
 from client.worker import WorkerClient
 from tests.worker.test_host_tier import DIM, HEADS, LAYERS, Q_HEADS, Feed, _runtime
 from worker import transfer
+from worker.metrics import WorkerMetrics
 from worker.service import WorkerServer
 
 
 @pytest.fixture
 def pair():
-    """(source runtime, its feed, destination runtime, its feed, a client of the destination)."""
-    src, dst = _runtime(), _runtime()
+    """(source runtime, its feed, destination runtime, its feed, a client of the destination,
+    the source's address); each runtime counts into its own registry (``runtime.registry``)."""
+    registries = [CollectorRegistry(), CollectorRegistry()]
+    src, dst = (_runtime(metrics=WorkerMetrics("p", registry)) for registry in registries)
+    src.registry, dst.registry = registries
     servers = [WorkerServer(src, "src"), WorkerServer(dst, "dst")]
     for server in servers:
         server.start()
@@ -74,6 +79,13 @@ def test_fetched_blocks_hold_the_same_bytes_and_attention_is_bit_for_bit(pair, t
     fetched = feed_b.attend(w1, "b", 10, query)
     for a, b in zip(fetched, original, strict=True):
         assert torch.equal(a, b)
+    assert _transfer_blocks(src, "served") == 2 and _transfer_blocks(dst, "fetched") == 2
+    assert dst.registry.get_sample_value("blockd_worker_kernel_duration_seconds_count",
+                                         {"pool": "p", "kernel": "fetch_blocks"}) == 1
+
+
+def _transfer_blocks(runtime, result: str) -> float:
+    return runtime.registry.get_sample_value("blockd_worker_transfer_blocks_total", {"pool": "p", "result": result})
 
 
 def test_a_block_reassigned_after_the_planned_version_is_refused(pair):
@@ -87,8 +99,9 @@ def test_a_block_reassigned_after_the_planned_version_is_refused(pair):
     with pytest.raises(FailedPreconditionError, match="got other contents at version 3, after the planned 2"):
         client.fetch_blocks("p", w1, _plan(address, src, v2, ["device"] * 2, [0, 1], [5, 6]), 0,
                             pool_incarnation="inc-b")
-    # nothing was written: a fetch is all or nothing
+    # nothing was written: a fetch is all or nothing, counted as failed
     assert not bool(dst.written.lead[:, [5, 6]].any())
+    assert _transfer_blocks(dst, "failed") == 2 and _transfer_blocks(dst, "fetched") == 0
 
 
 def test_refusals_name_what_to_do_and_write_nothing(pair):
