@@ -23,6 +23,7 @@ import grpc.aio
 
 from blockd.auth.config import TlsConfig
 from blockd.core.hashing import HASH_SPEC_ID, ExtraKeys, HashSpec
+from blockd.core.pool import Pin
 from blockd.core.types import (
     Allocate,
     Append,
@@ -165,6 +166,20 @@ class AsyncBlockdClient:
 
     async def reset_prefix_cache(self, pool: str, *, request_id: str | None = None) -> None:
         await self._unary(self._pools.ResetPrefixCache, messages.reset_prefix_cache_request(pool, request_id))
+
+    async def pin_prefix(self, pool: str, token_ids: Sequence[int], *, extra_keys: ExtraKeys | None = None,
+                         ttl_s: float = 0.0, request_id: str | None = None) -> Pin:
+        """Like :meth:`client.sdk.BlockdClient.pin_prefix`."""
+        request = messages.pin_prefix_request(pool, token_ids, extra_keys, ttl_s, request_id)
+        return convert.pin_from_proto((await self._unary(self._pools.PinPrefix, request)).pin)
+
+    async def unpin_prefix(self, pool: str, pin_id: str, *, request_id: str | None = None) -> Pin:
+        request = messages.unpin_prefix_request(pool, pin_id, request_id)
+        return convert.pin_from_proto((await self._unary(self._pools.UnpinPrefix, request)).pin)
+
+    async def list_pins(self, pool: str) -> list[Pin]:
+        reply = await self._unary(self._pools.ListPins, pb.ListPinsRequest(pool=pool))
+        return [convert.pin_from_proto(pin) for pin in reply.pins]
 
     # --- steps ---------------------------------------------------------------------
     async def step(self, pool: str, ops: Sequence[Op], *, request_id: str | None = None,

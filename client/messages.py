@@ -43,6 +43,19 @@ def reset_prefix_cache_request(pool: str, request_id: str | None) -> pb.ResetPre
     return pb.ResetPrefixCacheRequest(pool=pool, request_id=_rid(request_id))
 
 
+def pin_prefix_request(pool: str, token_ids: Sequence[int], extra_keys: ExtraKeys | None, ttl_s: float,
+                       request_id: str | None) -> pb.PinPrefixRequest:
+    try:
+        return pb.PinPrefixRequest(pool=pool, token_ids=list(token_ids), ttl_s=ttl_s, request_id=_rid(request_id),
+                                   extra_keys=convert.extra_keys_to_proto(extra_or_none(extra_keys)))
+    except (TypeError, ValueError) as err:  # a token id or TTL protobuf cannot hold
+        raise InvalidArgumentError(f"PinPrefix does not encode: {err}; {_RANGES}, ttl_s a number") from None
+
+
+def unpin_prefix_request(pool: str, pin_id: str, request_id: str | None) -> pb.UnpinPrefixRequest:
+    return pb.UnpinPrefixRequest(pool=pool, pin_id=pin_id, request_id=_rid(request_id))
+
+
 # --- steps and reads ------------------------------------------------------------------
 #: what the wire types hold, for a refusal that names a value that does not fit
 _RANGES = ("token ids are integers in 0..2**32-1, num_tokens in 0..2**64-1, extra_keys.adapter_id a signed "

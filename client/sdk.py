@@ -32,6 +32,7 @@ import grpc
 
 from blockd.auth.config import TlsConfig
 from blockd.core.hashing import HASH_SPEC_ID, ExtraKeys, HashSpec
+from blockd.core.pool import Pin
 from blockd.core.types import (
     Allocate,
     Append,
@@ -180,6 +181,25 @@ class BlockdClient:
 
     def reset_prefix_cache(self, pool: str, *, request_id: str | None = None) -> None:
         self._unary(self._pools.ResetPrefixCache, messages.reset_prefix_cache_request(pool, request_id))
+
+    def pin_prefix(self, pool: str, token_ids: Sequence[int], *, extra_keys: ExtraKeys | None = None,
+                   ttl_s: float = 0.0, request_id: str | None = None) -> Pin:
+        """Pin the leading full blocks of ``token_ids`` cached in ``pool``'s
+        device tier: never evicted until :meth:`unpin_prefix`, ``ttl_s`` (0: no
+        TTL) or a reset of the pool's prefix cache. The pin's ``num_tokens``
+        says how much was pinned; FailedPreconditionError if nothing is cached."""
+        request = messages.pin_prefix_request(pool, token_ids, extra_keys, ttl_s, request_id)
+        return convert.pin_from_proto(self._unary(self._pools.PinPrefix, request).pin)
+
+    def unpin_prefix(self, pool: str, pin_id: str, *, request_id: str | None = None) -> Pin:
+        """Let pin ``pin_id`` go (NotFoundError if ``pool`` holds none such)."""
+        request = messages.unpin_prefix_request(pool, pin_id, request_id)
+        return convert.pin_from_proto(self._unary(self._pools.UnpinPrefix, request).pin)
+
+    def list_pins(self, pool: str) -> list[Pin]:
+        """``pool``'s pins, in the order they were made."""
+        reply = self._unary(self._pools.ListPins, pb.ListPinsRequest(pool=pool))
+        return [convert.pin_from_proto(pin) for pin in reply.pins]
 
     # --- steps ---------------------------------------------------------------------
     def step(self, pool: str, ops: Sequence[Op], *, request_id: str | None = None,

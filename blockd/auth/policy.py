@@ -7,11 +7,11 @@ same kind of thing:
 permission         RPCs
 =================  ===========================================================
 ``pool.admin``     CreatePool, DeletePool, ResetPrefixCache
-``pool.read``      GetPool, ListPools, ListWorkers, GetReplicaStatus, GetHashSpec (sizes, versions, addresses,
+``pool.read``      GetPool, ListPools, ListPins, ListWorkers, GetReplicaStatus, GetHashSpec (sizes, versions,
                    the hash spec and a pool's block size and tenant)
 ``tables.read``    GetTables, GetSequence, Watch (block tables)
 ``cache.read``     Events, LookupPrefix (block hashes and token ids: prompts)
-``step``           Step (allocate/append/commit/fork/free)
+``step``           Step (allocate/append/commit/fork/free), PinPrefix, UnpinPrefix (what the tenant keeps cached)
 ``worker.join``    RegisterWorker, Heartbeat
 ``kv.stats``       KVShardService.GetWorkerStats
 ``kv.compute``     KVShardService.WriteKV, Attention, ModelStep, FetchBlocks
@@ -73,7 +73,7 @@ ROLE_PERMISSIONS = MappingProxyType({
 _BLOCKD = {
     "blockd.v1.PoolService": {
         "CreatePool": POOL_ADMIN, "GetPool": POOL_READ, "ListPools": POOL_READ, "DeletePool": POOL_ADMIN,
-        "ResetPrefixCache": POOL_ADMIN,
+        "ResetPrefixCache": POOL_ADMIN, "PinPrefix": STEP, "UnpinPrefix": STEP, "ListPins": POOL_READ,
     },
     "blockd.v1.BlockService": {
         "Step": STEP, "GetTables": TABLES_READ, "GetSequence": TABLES_READ, "Watch": TABLES_READ,

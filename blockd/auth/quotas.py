@@ -22,6 +22,8 @@ limit                what it bounds
 ``ops_per_step``     operations in one Step batch
 ``tokens_per_step``  token ids one Step batch carries (prompts, appends, decode tokens)
 ``steps_per_s``      Step calls per second (a token bucket holding one second's worth)
+``pinned_blocks``    device blocks held by its pins in all its pools together (a block
+                     two pins hold counts once; PinPrefix over it is refused)
 ===================  =====================================================================
 
 The engine enforces them (:mod:`blockd.engine.tenancy`); exceeding one is
@@ -55,6 +57,7 @@ class Quota:
     ops_per_step: int | None = None
     tokens_per_step: int | None = None
     steps_per_s: float | None = None
+    pinned_blocks: int | None = None
 
 
 LIMITS = tuple(f.name for f in fields(Quota))

@@ -18,7 +18,7 @@ from blockd.core.errors import (
 )
 from blockd.core.hashing import NO_EXTRA_KEYS, ExtraKeys, hash_block, hash_full_blocks
 from blockd.core.invariants import check_invariants
-from blockd.core.pool import Pool, SnapshotRequired
+from blockd.core.pool import Pin, Pool, SnapshotRequired
 from blockd.core.types import (
     ALL_BLOCKS_CLEARED,
     BLOCK_REMOVED,
@@ -65,6 +65,7 @@ __all__ = [
     "NotFound",
     "Op",
     "OpResult",
+    "Pin",
     "Pool",
     "PoolConfig",
     "PoolStats",

@@ -6,7 +6,10 @@ raises :class:`~blockd.core.errors.InvariantViolation` naming the first broken
 invariant:
 
 * each block is exactly one of free, evictable, used;
-* a block's ref count equals the number of tables that hold it;
+* a block's ref count equals the number of tables and pins that hold it;
+* the pins: each holds full blocks carrying an indexed hash (so used, never
+  evictable), as many tokens as those blocks hold, and the pool's
+  block -> pins count is exactly what the pins give;
 * ``len(table) == ceil(T / b)`` for every sequence;
 * the prefix index maps each hash to one block carrying that hash, and every
   hashed block is indexed; evictable blocks are hashed, free ones are not;
@@ -60,6 +63,7 @@ def check_invariants(pool: Pool) -> None:
             fill = min(b, count - logical * b)
             if fill_seen.setdefault(block, fill) != fill:
                 _fail(pool, f"holders of block {block} disagree on its fill")
+    _check_pins(pool, holders, fill_seen)
     free_list = set(blocks.free)
     if len(free_list) != len(blocks.free):
         _fail(pool, "a block is twice in the free list")
@@ -72,7 +76,7 @@ def check_invariants(pool: Pool) -> None:
         if sum(states) != 1:
             _fail(pool, f"block {block} is free/evictable/used = {states}")
         if ref != holders.get(block, 0):
-            _fail(pool, f"block {block} has ref count {ref} but {holders.get(block, 0)} tables hold it")
+            _fail(pool, f"block {block} has ref count {ref} but {holders.get(block, 0)} tables and pins hold it")
         h = blocks.hash[block]
         if h is not None and blocks.index.get(h) != block:
             _fail(pool, f"block {block} carries a hash the index maps elsewhere")
@@ -93,6 +97,22 @@ def check_invariants(pool: Pool) -> None:
                     f", recomputed {(used, filled, num_tokens)}")
     _check_host(pool)
     _check_misses(pool)
+
+
+def _check_pins(pool: Pool, holders: Counter[int], fill_seen: dict[int, int]) -> None:
+    blocks, b = pool.blocks, pool.block_size
+    pinned: Counter[int] = Counter()
+    for pin_id, pin in pool.pins.items():
+        if pin.pin_id != pin_id or not pin.block_ids or pin.num_tokens != len(pin.block_ids) * b:
+            _fail(pool, f"pin {pin_id!r} holds {len(pin.block_ids)} blocks and {pin.num_tokens} tokens")
+        for block in pin.block_ids:
+            h = blocks.hash[block]
+            if h is None or blocks.index.get(h) != block or fill_seen.setdefault(block, b) != b:
+                _fail(pool, f"pin {pin_id!r} holds block {block}, which is not a full, indexed block")
+            holders[block] += 1
+            pinned[block] += 1
+    if pinned != Counter(pool.pinned):
+        _fail(pool, "the pool's count of pins per block does not match its pins")
 
 
 def _check_misses(pool: Pool) -> None:

@@ -18,20 +18,28 @@ A successful mutating batch bumps ``version`` and records a
 :class:`~blockd.core.types.VersionDelta` (tier ops, copy ops, table changes); the
 last ``max_retained_versions`` deltas are kept for followers. Changes to the
 prefix index are queued as :class:`~blockd.core.types.KVEvent` for
-:meth:`take_events`. Imports only the standard library.
+:meth:`take_events`.
+
+A :class:`Pin` holds a prefix's full blocks cached in the device tier the way
+a sequence's table does: one reference each, so a pinned block is used, never
+evictable, and counts against the free room like any used block (no eviction
+path knows of pins). Pins change no table, so not the version either; only
+:meth:`reset_prefix_cache` (an operator's, or a worker's lost KV) drops them.
+Imports only the standard library.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from dataclasses import dataclass
 from itertools import islice
 
 from blockd.core.batch import Batch
 from blockd.core.blocks import DEVICE, HOST, BlockSpace
-from blockd.core.errors import BlockdError, InvalidArgument, InvariantViolation, WrongState, shown
+from blockd.core.errors import BlockdError, InvalidArgument, InvariantViolation, NotFound, WrongState, shown
 from blockd.core.hashing import NO_EXTRA_DIGEST, ExtraKeys, hash_full_blocks, tenant_digest
 from blockd.core.lru import MissLedger
-from blockd.core.ops import allocation_need, append_need, apply, cached_prefix, describe, located
+from blockd.core.ops import IN_HOST, allocation_need, append_need, apply, cached_prefix, describe, located
 from blockd.core.sequence import Sequence, find_seq
 from blockd.core.types import (
     ALL_BLOCKS_CLEARED,
@@ -52,6 +60,26 @@ MAX_OPS_PER_STEP = 65536
 MAX_TOMBSTONES = 65536
 #: dropped hashes remembered per tier, per block of the pool (:class:`~blockd.core.lru.MissLedger`)
 DROPPED_PER_BLOCK = 4
+#: pins one pool holds at once (bounded state: each is in every snapshot)
+MAX_PINS = 1024
+#: a deadline past this (seconds since the epoch, year 2286) is refused
+MAX_DEADLINE = 1e10
+
+
+@dataclass(frozen=True)
+class Pin:
+    """A pinned prefix of pool ``pool`` (tenant ``tenant``): its leading full
+    blocks cached in the device tier when it was made, ``block_ids`` in order
+    (``num_tokens`` = their tokens), each holding one reference until it is
+    unpinned. ``expires_at``: wall-clock seconds since the epoch after which
+    the daemon unpins it (0: never); the core never reads a clock."""
+
+    pin_id: str
+    pool: str
+    tenant: str
+    block_ids: tuple[int, ...]
+    num_tokens: int
+    expires_at: float = 0.0
 
 
 class SnapshotRequired(WrongState):
@@ -79,6 +107,11 @@ class Pool:
         self.deltas: deque[VersionDelta] = deque(maxlen=config.max_retained_versions)
         self.last_event_seq_no = 0
         self._events: list[KVEvent] = []
+        #: pins by id, in the order they were made; block id -> how many pins hold it
+        self.pins: dict[str, Pin] = {}
+        self.pinned: dict[int, int] = {}
+        #: pins ever made (a pin's id is ``pin-<n>``: never reused in the pool)
+        self.num_pins_made = 0
 
     # --- batches --------------------------------------------------------
     def step(self, ops: list[Op] | tuple[Op, ...], *, dry_run: bool = False) -> StepResult:
@@ -257,14 +290,68 @@ class Pool:
             num_host_cached_blocks=len(blocks.host.index) if blocks.host is not None else 0,
             num_offloads=blocks.num_offloads, num_restores=blocks.num_restores,
             prefix_miss_tokens=tuple(self.prefix_miss_tokens),
+            num_pinned_blocks=len(self.pinned), num_pins=len(self.pins),
         )
+
+    # --- pins -------------------------------------------------------------------
+    def pinnable(self, token_ids: list[int] | tuple[int, ...], extra_keys: ExtraKeys | None = None) -> list[int]:
+        """The device blocks a pin of this prefix would hold now: its leading
+        full blocks cached in the device tier, up to the first that is not
+        (one in the host tier ends the run too: a pin moves no block)."""
+        max_blocks = len(token_ids) if isinstance(token_ids, (list, tuple)) else 0
+        hits = cached_prefix(self.blocks, token_ids, extra_keys, max_blocks, self.config.tenant)[0]
+        return hits[: hits.index(IN_HOST)] if IN_HOST in hits else hits
+
+    def pin_prefix(self, token_ids: list[int] | tuple[int, ...], extra_keys: ExtraKeys | None = None,
+                   expires_at: float = 0.0) -> Pin:
+        """Pin what :meth:`pinnable` gives; FAILED_PRECONDITION when that is
+        nothing or the pool holds :data:`MAX_PINS` pins (nothing changes)."""
+        if type(expires_at) not in (int, float) or not 0 <= expires_at <= MAX_DEADLINE:
+            raise InvalidArgument(f"expires_at must be seconds since the epoch in [0, {MAX_DEADLINE:g}] "
+                                  f"(0: never), got {shown(expires_at)}")
+        block_ids = self.pinnable(token_ids, extra_keys)
+        name = shown(self.config.name)
+        if not block_ids:
+            raise WrongState(f"no full block of this prefix is cached in the device tier of pool {name} "
+                             f"(host-tier blocks are not pinned): commit it first, or check the extra keys")
+        if len(self.pins) >= MAX_PINS:
+            raise WrongState(f"pool {name} holds {MAX_PINS} pins, the most it may; unpin some first")
+        self.num_pins_made += 1
+        pin = Pin(f"pin-{self.num_pins_made}", self.config.name, self.config.tenant, tuple(block_ids),
+                  len(block_ids) * self.block_size, float(expires_at))
+        self.pins[pin.pin_id] = pin
+        for block in pin.block_ids:
+            self.blocks.acquire(block)
+            self.pinned[block] = self.pinned.get(block, 0) + 1
+        return pin
+
+    def unpin(self, pin_id: str) -> Pin:
+        """Let go of pin ``pin_id``: a block no table or pin holds any more
+        becomes evictable (the back of the LRU). NOT_FOUND for an unknown id."""
+        pin = self.pins.get(pin_id) if type(pin_id) is str else None
+        if pin is None:
+            check_name(pin_id, "pin_id")
+            raise NotFound(f"pool {shown(self.config.name)} has no pin {shown(pin_id)}; list its pins to see "
+                           "which it holds (an expired pin is gone)")
+        del self.pins[pin_id]
+        for block in pin.block_ids:
+            self.blocks.release(block)
+            left = self.pinned[block] - 1
+            if left:
+                self.pinned[block] = left
+            else:
+                del self.pinned[block]
+        return pin
 
     # --- operator actions ---------------------------------------------------
     def reset_prefix_cache(self) -> None:
         """Drop every cached hash, in both tiers (evictable blocks become free) and emit
         ``AllBlocksCleared``. Tables are unchanged, so the version is too.
         Running sequences keep their hash chains, so blocks they fill later
-        are cached again; blocks already full stay uncached."""
+        are cached again; blocks already full stay uncached. Every pin is
+        dropped first: what it held is no longer a cached prefix."""
+        for pin_id in list(self.pins):
+            self.unpin(pin_id)
         self.blocks.clear_index()
         self.misses.clear_cached()
         self._emit(ALL_BLOCKS_CLEARED)

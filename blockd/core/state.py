@@ -4,8 +4,9 @@ Used by the daemon's snapshots: :func:`dump_pool` captures everything that
 determines future behaviour (ref counts, fills, hashes, the free list order,
 the LRU order, the never-used counter, every sequence with its tokens and
 hash chain, counters, version, retained deltas, event numbering, and the
-host tier's hashes, free list and LRU order, and the miss ledger: dropped
-hashes in order, tokens-only hashes, missed tokens by reason), so a pool
+host tier's hashes, free list and LRU order, the miss ledger: dropped
+hashes in order, tokens-only hashes, missed tokens by reason, and the pins:
+each one's id, blocks, tokens and deadline, in order), so a pool
 rebuilt by :func:`load_pool` and then fed the same batches hands out the
 same block ids and evicts in the same order as the original.
 
@@ -23,7 +24,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from blockd.core.hashing import HASH_BYTES, ExtraKeys, tenant_digest
-from blockd.core.pool import Pool
+from blockd.core.pool import Pin, Pool
 from blockd.core.sequence import Sequence
 from blockd.core.types import (
     Allocate,
@@ -138,6 +139,25 @@ def _load_misses(pool: Pool, data: dict[str, Any] | None) -> None:
     pool.prefix_miss_tokens = list(data["tokens"])
 
 
+def _dump_pins(pool: Pool) -> dict[str, Any]:
+    return {"made": pool.num_pins_made,
+            "pins": [[p.pin_id, pack(p.block_ids), p.num_tokens, p.expires_at] for p in pool.pins.values()]}
+
+
+def _load_pins(pool: Pool, data: dict[str, Any] | None) -> None:
+    """The pins as dumped (their references are in the dumped ref counts); a
+    snapshot from before pins has none."""
+    if data is None:
+        return
+    pool.num_pins_made = data["made"]
+    cfg = pool.config
+    for pin_id, blocks, num_tokens, expires_at in data["pins"]:
+        pin = Pin(pin_id, cfg.name, cfg.tenant, tuple(unpack(blocks)), num_tokens, expires_at)
+        pool.pins[pin_id] = pin
+        for block in pin.block_ids:
+            pool.pinned[block] = pool.pinned.get(block, 0) + 1
+
+
 def _dump_seqs(pool: Pool) -> dict[str, Any]:
     """Every sequence, columnar: one packed array per field for all of them, so
     100k sequences cost a few list extends each rather than a dict apiece.
@@ -193,6 +213,7 @@ def dump_pool(pool: Pool) -> dict[str, Any]:
         "freed": [[seq_id, version] for seq_id, version in pool.freed.items()],
         "host": _dump_host(pool),
         "misses": _dump_misses(pool),
+        "pins": _dump_pins(pool),
     }
 
 
@@ -211,6 +232,7 @@ def load_pool(data: dict[str, Any]) -> Pool:
     pool.freed.update((seq_id, version) for seq_id, version in data.get("freed", []))
     _load_host(pool, data.get("host"))
     _load_misses(pool, data.get("misses"))
+    _load_pins(pool, data.get("pins"))
     return pool
 
 

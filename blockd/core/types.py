@@ -317,6 +317,9 @@ class PoolStats:
     num_restores: int = 0
     #: prompt tokens missed since the pool was made, by reason, in :data:`MISS_REASONS` order
     prefix_miss_tokens: tuple[int, ...] = (0, 0, 0, 0, 0)
+    #: device blocks held by at least one pin (used blocks: never evicted while pinned), and the pins
+    num_pinned_blocks: int = 0
+    num_pins: int = 0
 
     @property
     def prefix_miss_by_reason(self) -> dict[str, int]:

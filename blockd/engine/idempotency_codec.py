@@ -28,6 +28,7 @@ from dataclasses import replace
 from hashlib import blake2b
 from itertools import chain
 
+from blockd.core.pool import Pin
 from blockd.core.types import (
     MISS_REASONS,
     OFFLOAD,
@@ -372,7 +373,7 @@ def _decode_step(data: bytes) -> StepResult:
 
 
 def encode_result(result: object, block_size: int = 0) -> bytes:
-    """An engine answer (a StepResult, PoolStats, or None) as bytes;
+    """An engine answer (a StepResult, PoolStats, Pin, or None) as bytes;
     ``block_size`` (the pool's) lets slot mappings be kept as their blocks."""
     if result is None:
         return b"N"
@@ -380,6 +381,9 @@ def encode_result(result: object, block_size: int = 0) -> bytes:
         return _encode_step(result, block_size)
     if isinstance(result, PoolStats):
         return b"S" + json.dumps([getattr(result, f) for f in PoolStats.__dataclass_fields__]).encode()
+    if isinstance(result, Pin):
+        return b"P" + json.dumps([result.pin_id, result.pool, result.tenant, list(result.block_ids),
+                                  result.num_tokens, result.expires_at]).encode()
     raise TypeError(f"cannot keep an answer of type {type(result).__name__}")
 
 
@@ -394,4 +398,7 @@ def decode_result(data: bytes) -> object:
         if len(fields) > _MISS_AT:  # prefix_miss_tokens: a tuple, as PoolStats holds it
             fields[_MISS_AT] = tuple(fields[_MISS_AT])
         return PoolStats(*fields)
+    if kind == b"P":
+        pin_id, pool, tenant, block_ids, num_tokens, expires_at = json.loads(data[1:])
+        return Pin(pin_id, pool, tenant, tuple(block_ids), num_tokens, expires_at)
     raise ValueError(f"unknown answer form {kind!r}")

@@ -42,6 +42,7 @@ from blockd.engine.config import EngineConfig
 from blockd.engine.durability import Durability, recover
 from blockd.engine.idempotency import MISSING, IdempotencyTable, IdempotencyUsage
 from blockd.engine.pools import PoolEntry
+from blockd.engine.retention.pins import CacheCalls
 from blockd.engine.state import State
 from blockd.engine.step_checks import check_previous_term, refuse_malformed
 from blockd.engine.tenancy import Tenancy, check_access, owner_of, visible, with_owner
@@ -55,7 +56,7 @@ log = logging.getLogger("blockd.engine.machine")
 T = TypeVar("T")
 
 
-class Engine:
+class Engine(CacheCalls):  # the prefix cache's calls: blockd.engine.retention.pins
     def __init__(self, config: EngineConfig | None = None) -> None:
         self.config = config = config if config is not None else EngineConfig()
         self._lock = threading.RLock()
@@ -213,10 +214,6 @@ class Engine:
     def delete_pool(self, name: str, request_id: str = "") -> None:
         self._guard(name)
         self._mutate_in_term(records.DeletePool(name), request_id)
-
-    def reset_prefix_cache(self, pool: str, request_id: str = "") -> None:
-        self._guard(pool)
-        self._mutate_in_term(records.ResetPrefixCache(pool), request_id)
 
     def _read(self, read: Callable[[], T]) -> T:
         """``read()`` under the lock; with replication, only on the leader and

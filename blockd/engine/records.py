@@ -1,6 +1,6 @@
 """The daemon's mutations as typed records, and their form in the write-ahead log.
 
-Every change to the daemon's state is one of five records; a sixth,
+Every change to the daemon's state is one of seven records; an eighth,
 ``term_start``, marks where a new leader's term begins (``docs/ha.md``) and
 changes nothing. The engine
 applies a record the same way whether a caller asked for it or recovery
@@ -17,10 +17,17 @@ it was stamped with (so replay rebuilds the idempotency table exactly)::
     step                {"pool": "...", "ops": [[kind, ...], ...]}   (ops: blockd.core.state)
     reset_prefix_cache  {"pool": "..."}
     worker_joined       {"pool": "...", "worker_id": "...", "incarnation": "..."}
+    pin_prefix          {"pool": "...", "tokens": [...], "extra": [...], "ttl_s": S, "expires_at": T}
+    unpin_prefix        {"pool": "...", "pin_id": "pin-N", "expired": false}
     term_start          {"term": T, "previous_term": P, "leader": "replica id"}
 
 The term that wrote a record is not in its JSON but in its WAL frame
 (:mod:`blockd.storage.wal`, format 3), so every record of every kind carries one.
+
+A pin record carries its deadline (``expires_at``, the leader's wall clock
+plus ``ttl_s``; 0: none) and an expired pin is let go by an ``unpin_prefix``
+record with ``expired`` true that the leader logs when the deadline passes
+(:mod:`blockd.engine.retention.pins`), so replay never reads a clock.
 
 A create record written before incarnations existed has none; its pool gets
 a stable one derived from its name and LSN (:func:`blockd.engine.incarnations.legacy_incarnation`).
@@ -31,7 +38,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from blockd.core.state import config_to_json, op_from_json, op_to_json
+from blockd.core.hashing import ExtraKeys
+from blockd.core.state import config_to_json, extra_from_json, extra_to_json, op_from_json, op_to_json
 from blockd.core.types import Op, PoolConfig
 from blockd.engine.incarnations import legacy_incarnation
 
@@ -89,6 +97,38 @@ class WorkerJoined:
 
 
 @dataclass(frozen=True)
+class PinPrefix:
+    """A pin of a prefix (:meth:`blockd.core.Pool.pin_prefix`); ``expires_at``:
+    the deadline the leader stamped (0: none), ``ttl_s`` what the caller asked."""
+
+    pool: str
+    token_ids: list[int]
+    extra_keys: ExtraKeys
+    ttl_s: float
+    expires_at: float
+    kind = "pin_prefix"
+
+    @property
+    def subject(self) -> object:
+        """The request as the caller sent it (a retry has another deadline)."""
+        return f"{self.token_ids!r}|{self.extra_keys!r}|{self.ttl_s!r}"
+
+
+@dataclass(frozen=True)
+class UnpinPrefix:
+    """A pin let go: by a caller, or by the leader when its deadline passed (``expired``)."""
+
+    pool: str
+    pin_id: str
+    expired: bool = False
+    kind = "unpin_prefix"
+
+    @property
+    def subject(self) -> object:
+        return self.pin_id
+
+
+@dataclass(frozen=True)
 class TermStart:
     """A new leader's first record: its term, the one before, and who leads.
 
@@ -104,7 +144,7 @@ class TermStart:
     subject = None
 
 
-Record = CreatePool | DeletePool | Step | ResetPrefixCache | WorkerJoined | TermStart
+Record = CreatePool | DeletePool | Step | ResetPrefixCache | WorkerJoined | PinPrefix | UnpinPrefix | TermStart
 
 
 def encode(record: Record, rid: str = "", t: float = 0.0) -> dict:
@@ -115,6 +155,11 @@ def encode(record: Record, rid: str = "", t: float = 0.0) -> dict:
         body = {"pool": record.pool, "ops": [op_to_json(op) for op in record.ops]}
     elif isinstance(record, WorkerJoined):
         body = {"pool": record.pool, "worker_id": record.worker_id, "incarnation": record.incarnation}
+    elif isinstance(record, PinPrefix):
+        body = {"pool": record.pool, "tokens": list(record.token_ids), "extra": extra_to_json(record.extra_keys),
+                "ttl_s": record.ttl_s, "expires_at": record.expires_at}
+    elif isinstance(record, UnpinPrefix):
+        body = {"pool": record.pool, "pin_id": record.pin_id, "expired": record.expired}
     elif isinstance(record, TermStart):
         body = {"term": record.term, "previous_term": record.previous_term, "leader": record.leader}
     else:
@@ -141,6 +186,11 @@ def decode(body: dict) -> tuple[Record, str, float]:
         record = ResetPrefixCache(body["pool"])
     elif kind == "worker_joined":
         record = WorkerJoined(body["pool"], body["worker_id"], body["incarnation"])
+    elif kind == "pin_prefix":
+        record = PinPrefix(body["pool"], body["tokens"], extra_from_json(body["extra"]), body["ttl_s"],
+                           body["expires_at"])
+    elif kind == "unpin_prefix":
+        record = UnpinPrefix(body["pool"], body["pin_id"], bool(body["expired"]))
     elif kind == "term_start":
         record = TermStart(int(body["term"]), int(body["previous_term"]), str(body["leader"]))
     else:

@@ -63,6 +63,10 @@ class State:
         if isinstance(record, records.DeletePool):
             self._delete_pool(record.pool)
             return None
+        if isinstance(record, records.PinPrefix):
+            return self.entry(record.pool).pool.pin_prefix(record.token_ids, record.extra_keys, record.expires_at)
+        if isinstance(record, records.UnpinPrefix):
+            return self.entry(record.pool).pool.unpin(record.pin_id)
         if isinstance(record, records.ResetPrefixCache):
             entry = self.entry(record.pool)
             entry.pool.reset_prefix_cache()

@@ -17,7 +17,8 @@ engine's part of multi-tenancy, run under the engine's lock:
 * **quotas** (:mod:`blockd.auth.quotas`): pools, blocks and bytes checked
   before a pool is built (a CreatePool far over quota costs no memory);
   sequences, ops and tokens per step, and the step rate checked before a
-  step runs. A refusal is :class:`~blockd.core.errors.QuotaExceeded` and
+  step runs; pinned blocks (distinct blocks its pins hold, in all its pools)
+  checked before a pin is made. A refusal is :class:`~blockd.core.errors.QuotaExceeded` and
   changes nothing. An idempotent retry answered from the request table is
   not checked again (it changes nothing either).
 
@@ -136,6 +137,15 @@ class Tenancy:
         _refuse_over(tenant, f"a step of pool {shown(config.name)}", wanted)
         if quota.steps_per_s is not None and consume:
             self._take_step(tenant, quota.steps_per_s)
+
+    def check_pins(self, config: PoolConfig, pinned: int, more: int) -> None:
+        """Refuse a pin in pool ``config`` that would take its tenant's pinned
+        blocks from ``pinned`` past its quota by pinning ``more``."""
+        tenant = owner_of(config)
+        limit = self.quota(tenant).pinned_blocks
+        if more:
+            _refuse_over(tenant, f"a pin in pool {shown(config.name)}",
+                         {"pinned_blocks": (pinned + more, limit, "pinned blocks")})
 
     def _take_step(self, tenant: str, rate: float) -> None:
         """One step from ``tenant``'s bucket (capacity: one second's worth, at least one)."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import Literal
 
 from blockd.core.hashing import NO_EXTRA_KEYS, ExtraKeys
+from blockd.core.pool import Pin
 from blockd.core.types import (
     ALL_BLOCKS_CLEARED,
     BLOCK_REMOVED,
@@ -415,6 +416,16 @@ def worker_status_to_proto(status: WorkerStatus) -> pb.WorkerStatus:
 def worker_status_from_proto(msg: pb.WorkerStatus) -> WorkerStatus:
     info = WorkerInfo(**{name: getattr(msg.info, name) for name in _WORKER_FIELDS})
     return WorkerStatus(info, msg.is_up, msg.last_heartbeat_age_s, msg.applied_version)
+
+
+# --- pins -------------------------------------------------------------------------------
+def pin_to_proto(pin: Pin) -> pb.Pin:
+    return pb.Pin(pin_id=pin.pin_id, pool=pin.pool, tenant=pin.tenant, block_ids=list(pin.block_ids),
+                  num_tokens=pin.num_tokens, expires_at=pin.expires_at)
+
+
+def pin_from_proto(msg: pb.Pin) -> Pin:
+    return Pin(msg.pin_id, msg.pool, msg.tenant, tuple(msg.block_ids), msg.num_tokens, msg.expires_at)
 
 
 # --- replicas ---------------------------------------------------------------------------

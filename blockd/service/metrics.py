@@ -105,6 +105,9 @@ class EngineCollector(Collector):
             "waste_ratio": _gauge("blockd_pool_tail_waste_ratio",
                                   "Tail waste slots / token slots of the used blocks (0 with no used block): "
                                   "the share of allocated KV memory that holds no token."),
+            "pinned": _gauge("blockd_pool_pinned_blocks",
+                             "Blocks held by at least one pin (PinPrefix): used, never evicted while pinned."),
+            "pins": _gauge("blockd_pool_pins", "Pins the pool holds."),
             "seqs": _gauge("blockd_pool_sequences", "Live sequences in the pool."),
             "tokens": _gauge("blockd_pool_tokens", "Tokens held by the pool's sequences."),
             "version": _gauge("blockd_pool_version", "The pool's version: committed mutation batches."),
@@ -151,7 +154,7 @@ class EngineCollector(Collector):
         for key, value in (("capacity", s.num_blocks), ("block_size", s.block_size),
                            ("utilisation", s.utilisation_ratio), ("waste_slots", s.tail_waste_slots),
                            ("waste_bytes", s.tail_waste_bytes), ("waste_ratio", tail_waste_ratio(s)),
-                           ("seqs", s.num_seqs),
+                           ("seqs", s.num_seqs), ("pinned", s.num_pinned_blocks), ("pins", s.num_pins),
                            ("tokens", s.num_tokens), ("version", s.version),
                            ("queried", s.prefix_queried_tokens), ("hit", s.prefix_hit_tokens),
                            ("evictions", s.num_evictions), ("copies", s.num_copies)):

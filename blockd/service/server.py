@@ -9,8 +9,9 @@ begins; ``List`` answers too) and server reflection.
 
 Shutdown (:meth:`BlockdServer.stop`): health turns NOT_SERVING, streams are
 told to end, the server stops accepting calls and gives in-flight ones a
-grace period, then the engine is closed (its log flushed). Owns no
-allocation logic.
+grace period, then the engine is closed (its log flushed). While it serves,
+a :class:`~blockd.engine.retention.pins.PinExpiry` thread lets pins past their
+deadline go. Owns no allocation logic.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 import grpc
 
 from blockd.engine.machine import Engine
+from blockd.engine.retention.pins import PinExpiry
 from blockd.rpc.endpoint import GrpcEndpoint
 from blockd.service.servicer import BlockServicer, PoolServicer, WorkerServicer
 from blockd.v1 import blockd_pb2 as pb
@@ -66,12 +68,15 @@ class BlockdServer:
             thread_name_prefix="blockd-rpc", interceptors=interceptors,
             # two daemons on one port would split the pools' writers
             options=[("grpc.so_reuseport", 0)], credentials=credentials)
+        #: lets pins past their deadline go while this server runs (blockd.engine.retention.pins)
+        self._pin_expiry = PinExpiry(engine.expire_pins)
         self.health = self._endpoint.health
         self.port = self._endpoint.port
         self.address = self._endpoint.address
 
     def start(self) -> None:
         self._endpoint.start()
+        self._pin_expiry.start()
         log.info("serving %s on %s", ", ".join(self._endpoint.service_names), self.address)
 
     @property
@@ -90,6 +95,7 @@ class BlockdServer:
         self.health.enter_graceful_shutdown()
         self._shutdown.set()
         self._endpoint.stop(grace)
+        self._pin_expiry.stop()
         self.engine.close()
         log.info("stopped")
 

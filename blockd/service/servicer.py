@@ -72,6 +72,24 @@ class PoolServicer(pb_grpc.PoolServiceServicer):
                                         optional_id(request.request_id, "request_id"))
         return pb.ResetPrefixCacheResponse()
 
+    @unary
+    def PinPrefix(self, request: pb.PinPrefixRequest, context) -> pb.PinPrefixResponse:
+        pin = self._engine.pin_prefix(require_id(request.pool, "pool"), list(request.token_ids),
+                                      convert.extra_keys_from_proto(request.extra_keys), request.ttl_s,
+                                      optional_id(request.request_id, "request_id"))
+        return pb.PinPrefixResponse(pin=convert.pin_to_proto(pin))
+
+    @unary
+    def UnpinPrefix(self, request: pb.UnpinPrefixRequest, context) -> pb.UnpinPrefixResponse:
+        pin = self._engine.unpin_prefix(require_id(request.pool, "pool"), require_id(request.pin_id, "pin_id"),
+                                        optional_id(request.request_id, "request_id"))
+        return pb.UnpinPrefixResponse(pin=convert.pin_to_proto(pin))
+
+    @unary
+    def ListPins(self, request: pb.ListPinsRequest, context) -> pb.ListPinsResponse:
+        pins = self._engine.list_pins(require_id(request.pool, "pool"))
+        return pb.ListPinsResponse(pins=[convert.pin_to_proto(pin) for pin in pins])
+
 
 class BlockServicer(pb_grpc.BlockServiceServicer):
     def __init__(self, engine: Engine, shutdown: threading.Event) -> None:

@@ -230,6 +230,8 @@ class PoolStats(_message.Message):
     NUM_OFFLOADS_FIELD_NUMBER: _builtins.int
     NUM_RESTORES_FIELD_NUMBER: _builtins.int
     PREFIX_MISS_TOKENS_FIELD_NUMBER: _builtins.int
+    NUM_PINNED_BLOCKS_FIELD_NUMBER: _builtins.int
+    NUM_PINS_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     num_blocks: _builtins.int
     block_size: _builtins.int
@@ -264,6 +266,11 @@ class PoolStats(_message.Message):
     hit (restores), since the pool was made.
     """
     num_restores: _builtins.int
+    num_pinned_blocks: _builtins.int
+    """Device blocks held by at least one pin (counted in num_used_blocks), and
+    the pins the pool holds.
+    """
+    num_pins: _builtins.int
     @_builtins.property
     def prefix_miss_tokens(self) -> Global___MissTokens:
         """Prompt tokens of Allocate operations not served from cache since the
@@ -297,10 +304,12 @@ class PoolStats(_message.Message):
         num_offloads: _builtins.int = ...,
         num_restores: _builtins.int = ...,
         prefix_miss_tokens: Global___MissTokens | None = ...,
+        num_pinned_blocks: _builtins.int = ...,
+        num_pins: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["prefix_miss_tokens", b"prefix_miss_tokens"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "incarnation", b"incarnation", "last_event_seq_no", b"last_event_seq_no", "name", b"name", "num_blocks", b"num_blocks", "num_copies", b"num_copies", "num_evictable_blocks", b"num_evictable_blocks", "num_evictions", b"num_evictions", "num_free_blocks", b"num_free_blocks", "num_host_blocks", b"num_host_blocks", "num_host_cached_blocks", b"num_host_cached_blocks", "num_kv_lost_seqs", b"num_kv_lost_seqs", "num_offloads", b"num_offloads", "num_restores", b"num_restores", "num_seqs", b"num_seqs", "num_tokens", b"num_tokens", "num_used_blocks", b"num_used_blocks", "prefix_hit_tokens", b"prefix_hit_tokens", "prefix_miss_tokens", b"prefix_miss_tokens", "prefix_queried_tokens", b"prefix_queried_tokens", "tail_waste_bytes", b"tail_waste_bytes", "tail_waste_slots", b"tail_waste_slots", "tenant", b"tenant", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "incarnation", b"incarnation", "last_event_seq_no", b"last_event_seq_no", "name", b"name", "num_blocks", b"num_blocks", "num_copies", b"num_copies", "num_evictable_blocks", b"num_evictable_blocks", "num_evictions", b"num_evictions", "num_free_blocks", b"num_free_blocks", "num_host_blocks", b"num_host_blocks", "num_host_cached_blocks", b"num_host_cached_blocks", "num_kv_lost_seqs", b"num_kv_lost_seqs", "num_offloads", b"num_offloads", "num_pinned_blocks", b"num_pinned_blocks", "num_pins", b"num_pins", "num_restores", b"num_restores", "num_seqs", b"num_seqs", "num_tokens", b"num_tokens", "num_used_blocks", b"num_used_blocks", "prefix_hit_tokens", b"prefix_hit_tokens", "prefix_miss_tokens", b"prefix_miss_tokens", "prefix_queried_tokens", b"prefix_queried_tokens", "tail_waste_bytes", b"tail_waste_bytes", "tail_waste_slots", b"tail_waste_slots", "tenant", b"tenant", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -563,6 +572,205 @@ class ResetPrefixCacheResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ResetPrefixCacheResponse: _TypeAlias = ResetPrefixCacheResponse  # noqa: Y015
+
+@_typing.final
+class Pin(_message.Message):
+    """A pinned prefix (docs/protocol.md, Pins)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PIN_ID_FIELD_NUMBER: _builtins.int
+    POOL_FIELD_NUMBER: _builtins.int
+    TENANT_FIELD_NUMBER: _builtins.int
+    BLOCK_IDS_FIELD_NUMBER: _builtins.int
+    NUM_TOKENS_FIELD_NUMBER: _builtins.int
+    EXPIRES_AT_FIELD_NUMBER: _builtins.int
+    pin_id: _builtins.str
+    """"pin-<n>", never reused within the pool"""
+    pool: _builtins.str
+    tenant: _builtins.str
+    """the pool's tenant"""
+    num_tokens: _builtins.int
+    """their tokens (len(block_ids) * block_size)"""
+    expires_at: _builtins.float
+    """when blockd lets it go, in seconds since the Unix epoch by blockd's clock;
+    0: never (no TTL)
+    """
+    @_builtins.property
+    def block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """the device blocks it holds, the prefix's leading full blocks in order"""
+
+    def __init__(
+        self,
+        *,
+        pin_id: _builtins.str = ...,
+        pool: _builtins.str = ...,
+        tenant: _builtins.str = ...,
+        block_ids: _abc.Iterable[_builtins.int] | None = ...,
+        num_tokens: _builtins.int = ...,
+        expires_at: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "expires_at", b"expires_at", "num_tokens", b"num_tokens", "pin_id", b"pin_id", "pool", b"pool", "tenant", b"tenant"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Pin: _TypeAlias = Pin  # noqa: Y015
+
+@_typing.final
+class PinPrefixRequest(_message.Message):
+    """PinPrefix input. token_ids and extra_keys name the prefix as an Allocate's
+    prompt does; ttl_s: seconds until blockd unpins it (0: no TTL; negative,
+    NaN or over 1e9 is INVALID_ARGUMENT).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    POOL_FIELD_NUMBER: _builtins.int
+    TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    EXTRA_KEYS_FIELD_NUMBER: _builtins.int
+    TTL_S_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    pool: _builtins.str
+    ttl_s: _builtins.float
+    request_id: _builtins.str
+    @_builtins.property
+    def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def extra_keys(self) -> Global___ExtraKeys: ...
+    def __init__(
+        self,
+        *,
+        pool: _builtins.str = ...,
+        token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        extra_keys: Global___ExtraKeys | None = ...,
+        ttl_s: _builtins.float = ...,
+        request_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["extra_keys", b"extra_keys"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["extra_keys", b"extra_keys", "pool", b"pool", "request_id", b"request_id", "token_ids", b"token_ids", "ttl_s", b"ttl_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PinPrefixRequest: _TypeAlias = PinPrefixRequest  # noqa: Y015
+
+@_typing.final
+class PinPrefixResponse(_message.Message):
+    """PinPrefix output: the new pin (its num_tokens may be fewer than the prompt's
+    tokens: only its leading full blocks cached in the device tier are pinned).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PIN_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def pin(self) -> Global___Pin: ...
+    def __init__(
+        self,
+        *,
+        pin: Global___Pin | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["pin", b"pin"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["pin", b"pin"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PinPrefixResponse: _TypeAlias = PinPrefixResponse  # noqa: Y015
+
+@_typing.final
+class UnpinPrefixRequest(_message.Message):
+    """UnpinPrefix input."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    POOL_FIELD_NUMBER: _builtins.int
+    PIN_ID_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    pool: _builtins.str
+    pin_id: _builtins.str
+    request_id: _builtins.str
+    def __init__(
+        self,
+        *,
+        pool: _builtins.str = ...,
+        pin_id: _builtins.str = ...,
+        request_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["pin_id", b"pin_id", "pool", b"pool", "request_id", b"request_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UnpinPrefixRequest: _TypeAlias = UnpinPrefixRequest  # noqa: Y015
+
+@_typing.final
+class UnpinPrefixResponse(_message.Message):
+    """UnpinPrefix output: the pin that was let go."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PIN_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def pin(self) -> Global___Pin: ...
+    def __init__(
+        self,
+        *,
+        pin: Global___Pin | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["pin", b"pin"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["pin", b"pin"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UnpinPrefixResponse: _TypeAlias = UnpinPrefixResponse  # noqa: Y015
+
+@_typing.final
+class ListPinsRequest(_message.Message):
+    """ListPins input."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    POOL_FIELD_NUMBER: _builtins.int
+    pool: _builtins.str
+    def __init__(
+        self,
+        *,
+        pool: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["pool", b"pool"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListPinsRequest: _TypeAlias = ListPinsRequest  # noqa: Y015
+
+@_typing.final
+class ListPinsResponse(_message.Message):
+    """ListPins output."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PINS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def pins(self) -> _containers.RepeatedCompositeFieldContainer[Global___Pin]: ...
+    def __init__(
+        self,
+        *,
+        pins: _abc.Iterable[Global___Pin] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["pins", b"pins"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListPinsResponse: _TypeAlias = ListPinsResponse  # noqa: Y015
 
 @_typing.final
 class ExtraKeys(_message.Message):

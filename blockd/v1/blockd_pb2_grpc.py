@@ -62,6 +62,21 @@ class PoolServiceStub:
                 request_serializer=blockd_dot_v1_dot_blockd__pb2.ResetPrefixCacheRequest.SerializeToString,
                 response_deserializer=blockd_dot_v1_dot_blockd__pb2.ResetPrefixCacheResponse.FromString,
                 _registered_method=True)
+        self.PinPrefix = channel.unary_unary(
+                '/blockd.v1.PoolService/PinPrefix',
+                request_serializer=blockd_dot_v1_dot_blockd__pb2.PinPrefixRequest.SerializeToString,
+                response_deserializer=blockd_dot_v1_dot_blockd__pb2.PinPrefixResponse.FromString,
+                _registered_method=True)
+        self.UnpinPrefix = channel.unary_unary(
+                '/blockd.v1.PoolService/UnpinPrefix',
+                request_serializer=blockd_dot_v1_dot_blockd__pb2.UnpinPrefixRequest.SerializeToString,
+                response_deserializer=blockd_dot_v1_dot_blockd__pb2.UnpinPrefixResponse.FromString,
+                _registered_method=True)
+        self.ListPins = channel.unary_unary(
+                '/blockd.v1.PoolService/ListPins',
+                request_serializer=blockd_dot_v1_dot_blockd__pb2.ListPinsRequest.SerializeToString,
+                response_deserializer=blockd_dot_v1_dot_blockd__pb2.ListPinsResponse.FromString,
+                _registered_method=True)
 
 
 class PoolServiceServicer:
@@ -99,7 +114,31 @@ class PoolServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ResetPrefixCache(self, request, context):
-        """Drops every cached prefix hash of a pool (emits AllBlocksCleared).
+        """Drops every cached prefix hash of a pool (emits AllBlocksCleared) and
+        every pin of the pool.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PinPrefix(self, request, context):
+        """Pins a prefix: its leading full blocks cached in the device tier are held
+        (never evicted) until UnpinPrefix, its TTL, or a reset of the pool's
+        prefix cache. FAILED_PRECONDITION if no such block is cached.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnpinPrefix(self, request, context):
+        """Lets a pin go; its blocks become evictable. NOT_FOUND for an unknown pin.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListPins(self, request, context):
+        """The pins of a pool, in the order they were made.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -132,6 +171,21 @@ def add_PoolServiceServicer_to_server(servicer, server):
                     servicer.ResetPrefixCache,
                     request_deserializer=blockd_dot_v1_dot_blockd__pb2.ResetPrefixCacheRequest.FromString,
                     response_serializer=blockd_dot_v1_dot_blockd__pb2.ResetPrefixCacheResponse.SerializeToString,
+            ),
+            'PinPrefix': grpc.unary_unary_rpc_method_handler(
+                    servicer.PinPrefix,
+                    request_deserializer=blockd_dot_v1_dot_blockd__pb2.PinPrefixRequest.FromString,
+                    response_serializer=blockd_dot_v1_dot_blockd__pb2.PinPrefixResponse.SerializeToString,
+            ),
+            'UnpinPrefix': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnpinPrefix,
+                    request_deserializer=blockd_dot_v1_dot_blockd__pb2.UnpinPrefixRequest.FromString,
+                    response_serializer=blockd_dot_v1_dot_blockd__pb2.UnpinPrefixResponse.SerializeToString,
+            ),
+            'ListPins': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListPins,
+                    request_deserializer=blockd_dot_v1_dot_blockd__pb2.ListPinsRequest.FromString,
+                    response_serializer=blockd_dot_v1_dot_blockd__pb2.ListPinsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -272,6 +326,87 @@ class PoolService:
             '/blockd.v1.PoolService/ResetPrefixCache',
             blockd_dot_v1_dot_blockd__pb2.ResetPrefixCacheRequest.SerializeToString,
             blockd_dot_v1_dot_blockd__pb2.ResetPrefixCacheResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PinPrefix(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/blockd.v1.PoolService/PinPrefix',
+            blockd_dot_v1_dot_blockd__pb2.PinPrefixRequest.SerializeToString,
+            blockd_dot_v1_dot_blockd__pb2.PinPrefixResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnpinPrefix(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/blockd.v1.PoolService/UnpinPrefix',
+            blockd_dot_v1_dot_blockd__pb2.UnpinPrefixRequest.SerializeToString,
+            blockd_dot_v1_dot_blockd__pb2.UnpinPrefixResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListPins(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/blockd.v1.PoolService/ListPins',
+            blockd_dot_v1_dot_blockd__pb2.ListPinsRequest.SerializeToString,
+            blockd_dot_v1_dot_blockd__pb2.ListPinsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -74,7 +74,18 @@ class PoolServiceStub:
     DeletePool: _grpc.UnaryUnaryMultiCallable[_blockd_pb2.DeletePoolRequest, _blockd_pb2.DeletePoolResponse]
     """Deletes a pool and everything in it; NOT_FOUND if unknown."""
     ResetPrefixCache: _grpc.UnaryUnaryMultiCallable[_blockd_pb2.ResetPrefixCacheRequest, _blockd_pb2.ResetPrefixCacheResponse]
-    """Drops every cached prefix hash of a pool (emits AllBlocksCleared)."""
+    """Drops every cached prefix hash of a pool (emits AllBlocksCleared) and
+    every pin of the pool.
+    """
+    PinPrefix: _grpc.UnaryUnaryMultiCallable[_blockd_pb2.PinPrefixRequest, _blockd_pb2.PinPrefixResponse]
+    """Pins a prefix: its leading full blocks cached in the device tier are held
+    (never evicted) until UnpinPrefix, its TTL, or a reset of the pool's
+    prefix cache. FAILED_PRECONDITION if no such block is cached.
+    """
+    UnpinPrefix: _grpc.UnaryUnaryMultiCallable[_blockd_pb2.UnpinPrefixRequest, _blockd_pb2.UnpinPrefixResponse]
+    """Lets a pin go; its blocks become evictable. NOT_FOUND for an unknown pin."""
+    ListPins: _grpc.UnaryUnaryMultiCallable[_blockd_pb2.ListPinsRequest, _blockd_pb2.ListPinsResponse]
+    """The pins of a pool, in the order they were made."""
 
 @_typing.type_check_only
 class PoolServiceAsyncStub(PoolServiceStub):
@@ -93,7 +104,18 @@ class PoolServiceAsyncStub(PoolServiceStub):
     DeletePool: _aio.UnaryUnaryMultiCallable[_blockd_pb2.DeletePoolRequest, _blockd_pb2.DeletePoolResponse]  # type: ignore[assignment]
     """Deletes a pool and everything in it; NOT_FOUND if unknown."""
     ResetPrefixCache: _aio.UnaryUnaryMultiCallable[_blockd_pb2.ResetPrefixCacheRequest, _blockd_pb2.ResetPrefixCacheResponse]  # type: ignore[assignment]
-    """Drops every cached prefix hash of a pool (emits AllBlocksCleared)."""
+    """Drops every cached prefix hash of a pool (emits AllBlocksCleared) and
+    every pin of the pool.
+    """
+    PinPrefix: _aio.UnaryUnaryMultiCallable[_blockd_pb2.PinPrefixRequest, _blockd_pb2.PinPrefixResponse]  # type: ignore[assignment]
+    """Pins a prefix: its leading full blocks cached in the device tier are held
+    (never evicted) until UnpinPrefix, its TTL, or a reset of the pool's
+    prefix cache. FAILED_PRECONDITION if no such block is cached.
+    """
+    UnpinPrefix: _aio.UnaryUnaryMultiCallable[_blockd_pb2.UnpinPrefixRequest, _blockd_pb2.UnpinPrefixResponse]  # type: ignore[assignment]
+    """Lets a pin go; its blocks become evictable. NOT_FOUND for an unknown pin."""
+    ListPins: _aio.UnaryUnaryMultiCallable[_blockd_pb2.ListPinsRequest, _blockd_pb2.ListPinsResponse]  # type: ignore[assignment]
+    """The pins of a pool, in the order they were made."""
 
 class PoolServiceServicer(metaclass=_abc_1.ABCMeta):
     """----------------------------------------------------------------- pools --
@@ -139,7 +161,36 @@ class PoolServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _blockd_pb2.ResetPrefixCacheRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_blockd_pb2.ResetPrefixCacheResponse, _abc.Awaitable[_blockd_pb2.ResetPrefixCacheResponse]]:
-        """Drops every cached prefix hash of a pool (emits AllBlocksCleared)."""
+        """Drops every cached prefix hash of a pool (emits AllBlocksCleared) and
+        every pin of the pool.
+        """
+
+    @_abc_1.abstractmethod
+    def PinPrefix(
+        self,
+        request: _blockd_pb2.PinPrefixRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_blockd_pb2.PinPrefixResponse, _abc.Awaitable[_blockd_pb2.PinPrefixResponse]]:
+        """Pins a prefix: its leading full blocks cached in the device tier are held
+        (never evicted) until UnpinPrefix, its TTL, or a reset of the pool's
+        prefix cache. FAILED_PRECONDITION if no such block is cached.
+        """
+
+    @_abc_1.abstractmethod
+    def UnpinPrefix(
+        self,
+        request: _blockd_pb2.UnpinPrefixRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_blockd_pb2.UnpinPrefixResponse, _abc.Awaitable[_blockd_pb2.UnpinPrefixResponse]]:
+        """Lets a pin go; its blocks become evictable. NOT_FOUND for an unknown pin."""
+
+    @_abc_1.abstractmethod
+    def ListPins(
+        self,
+        request: _blockd_pb2.ListPinsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_blockd_pb2.ListPinsResponse, _abc.Awaitable[_blockd_pb2.ListPinsResponse]]:
+        """The pins of a pool, in the order they were made."""
 
 def add_PoolServiceServicer_to_server(servicer: PoolServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
 

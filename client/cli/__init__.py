@@ -3,6 +3,7 @@
     blockctl [--target HOST:PORT] [--json] [--timeout-s S] COMMAND ...
     blockctl pools create NAME --num-blocks N --block-size B
     blockctl pools list | show NAME | misses NAME | delete NAME | apply FILE
+    blockctl pools pin POOL --tokens 1,2,... [--ttl-s S] | unpin POOL PIN_ID | pins POOL
     blockctl prefix-cache reset POOL
     blockctl workers list [--pool POOL]
     blockctl health [--service NAME]

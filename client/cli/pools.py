@@ -6,6 +6,9 @@
     blockctl pools misses NAME       # prompt tokens not served from cache, by reason
     blockctl pools delete NAME
     blockctl pools apply FILE        # idempotent: see client.cli.pool_apply
+    blockctl pools pin POOL --tokens 1,2,3,... [--ttl-s S]   # hold a cached prefix in the device tier
+    blockctl pools unpin POOL PIN_ID
+    blockctl pools pins POOL         # what is pinned: blocks, tokens, deadline, tenant
     blockctl prefix-cache reset POOL
 
 Each ``add_*`` registers one command group with the parser (an entry of
@@ -17,8 +20,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import time
 
-from blockd.config_env import non_negative_int, positive_int
+from blockd.config_env import non_negative_float, non_negative_int, positive_int
+from blockd.core.pool import Pin
 from blockd.core.types import PoolConfig
 from client.cli import pool_apply
 from client.cli.common import CommandFailed, Exit, emit, render_table
@@ -69,6 +74,41 @@ def _pools_misses(client: BlockdClient, args: argparse.Namespace) -> None:
 def _pools_delete(client: BlockdClient, args: argparse.Namespace) -> None:
     client.delete_pool(args.name)
     emit(args, {"deleted": args.name}, lambda: f"deleted pool {args.name}")
+
+
+def _token_ids(text: str) -> list[int]:
+    """``1,2,3`` or ``1 2 3``: token ids (range checks are blockd's)."""
+    try:
+        ids = [int(part) for part in text.replace(",", " ").split()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"token ids are integers separated by commas or spaces, got {text!r:.60}") from None
+    if not ids:
+        raise argparse.ArgumentTypeError("name at least one token id")
+    return ids
+
+
+def _deadline(pin: Pin) -> str:
+    if not pin.expires_at:
+        return "never"
+    return f"in {max(0.0, pin.expires_at - time.time()):.1f} s"
+
+
+def _pins_pin(client: BlockdClient, args: argparse.Namespace) -> None:
+    pin = client.pin_prefix(args.pool, args.tokens, ttl_s=args.ttl_s)
+    emit(args, pin, lambda: (f"pinned {pin.num_tokens} of {len(args.tokens)} tokens ({len(pin.block_ids)} blocks) "
+                             f"of pool {pin.pool} as {pin.pin_id}; expires {_deadline(pin)}"))
+
+
+def _pins_unpin(client: BlockdClient, args: argparse.Namespace) -> None:
+    pin = client.unpin_prefix(args.pool, args.pin_id)
+    emit(args, pin, lambda: f"unpinned {pin.pin_id} of pool {pin.pool}: {len(pin.block_ids)} blocks may be evicted")
+
+
+def _pins_list(client: BlockdClient, args: argparse.Namespace) -> None:
+    pins = client.list_pins(args.pool)
+    rows = [[p.pin_id, len(p.block_ids), p.num_tokens, _deadline(p), p.tenant] for p in pins]
+    emit(args, pins, lambda: render_table(("pin_id", "num_blocks", "num_tokens", "expires", "tenant"), rows))
 
 
 def _describe(outcome: pool_apply.Outcome) -> str:
@@ -142,6 +182,21 @@ def add_pools(sub: argparse._SubParsersAction) -> None:
     delete = pools.add_parser("delete", help="delete a pool with all its sequences and cached blocks")
     delete.add_argument("name")
     delete.set_defaults(run=_pools_delete)
+    pin = pools.add_parser(
+        "pin", help="hold a prefix's full blocks cached in the device tier (never evicted) until unpinned, its TTL "
+                    "or a reset of the pool's prefix cache; they count as used blocks and against the tenant's "
+                    "pinned_blocks quota")
+    pin.add_argument("pool")
+    pin.add_argument("--tokens", type=_token_ids, required=True, help="the prefix's token ids: 1,2,3 or '1 2 3'")
+    pin.add_argument("--ttl-s", type=non_negative_float, default=0.0, help="let it go after S seconds (0: never)")
+    pin.set_defaults(run=_pins_pin)
+    unpin = pools.add_parser("unpin", help="let a pin go: its blocks may be evicted again")
+    unpin.add_argument("pool")
+    unpin.add_argument("pin_id")
+    unpin.set_defaults(run=_pins_unpin)
+    pins = pools.add_parser("pins", help="a pool's pins: blocks, tokens, when each expires, tenant")
+    pins.add_argument("pool")
+    pins.set_defaults(run=_pins_list)
     apply = pools.add_parser(
         "apply", help="create the pools a JSON file lists that are missing; check the others match",
         description=APPLY_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -66,6 +66,11 @@ REQUESTS: dict[str, tuple[Callable[[], Message], Code]] = {
     "/blockd.v1.PoolService/ListPools": (pb.ListPoolsRequest, Code.OK),
     "/blockd.v1.PoolService/DeletePool": (lambda: pb.DeletePoolRequest(pool="p"), Code.OK),
     "/blockd.v1.PoolService/ResetPrefixCache": (lambda: pb.ResetPrefixCacheRequest(pool="p"), Code.OK),
+    # the worker's registration cleared the pool's cache: nothing to pin, nor to unpin
+    "/blockd.v1.PoolService/PinPrefix": (lambda: pb.PinPrefixRequest(pool="p", token_ids=PROMPT),
+                                         Code.FAILED_PRECONDITION),
+    "/blockd.v1.PoolService/UnpinPrefix": (lambda: pb.UnpinPrefixRequest(pool="p", pin_id="pin-1"), Code.NOT_FOUND),
+    "/blockd.v1.PoolService/ListPins": (lambda: pb.ListPinsRequest(pool="p"), Code.OK),
     "/blockd.v1.BlockService/Step": (
         lambda: convert.step_request_to_proto("p", [Allocate("t", [1, 2, 3])], ""), Code.OK),
     "/blockd.v1.BlockService/GetTables": (lambda: pb.GetTablesRequest(pool="p"), Code.OK),

@@ -1,6 +1,7 @@
 """Property tests: random allocate/append/commit/fork/free/decode batches under
-memory pressure, with shared prefixes, extra keys and reused sequence ids; the
-invariant checker runs after every step, a model of each sequence's tokens is
+memory pressure, with shared prefixes, extra keys and reused sequence ids,
+pins and unpins of prefixes between them, and now and then a reset of the
+prefix cache; the invariant checker runs after every step, a model of each sequence's tokens is
 compared, and the prefix index rebuilt from the KV events must match the pool's."""
 
 import contextlib
@@ -26,6 +27,7 @@ from blockd.core import (
     NotFound,
     Pool,
     PoolConfig,
+    WrongState,
     check_invariants,
     num_blocks_for,
 )
@@ -57,6 +59,8 @@ class PoolMachine(RuleBasedStateMachine):
         #: the prefix index as the KV events describe it
         self.index_from_events: dict[bytes, int] = {}
         self.last_seq_no = 0
+        #: pin id -> the hashes of its blocks when it was made
+        self.pins: dict[str, list[bytes | None]] = {}
 
     def _new_id(self):
         self.counter += 1
@@ -175,6 +179,50 @@ class PoolMachine(RuleBasedStateMachine):
         except BlockdError:
             pass  # ran out of room earlier in the batch: also fine, also atomic
         assert snapshot(self.pool) == before
+
+    @precondition(lambda self: self.model)
+    @rule(data=st.data(), extra=st.sampled_from(EXTRAS))
+    def pin(self, data, extra):
+        """Pin a sequence's prompt (under its own or other extra keys): what is
+        cached on the device is held, or nothing changes."""
+        seq_id = data.draw(st.sampled_from(sorted(self.model)))
+        prompt = self.model[seq_id]
+        before = snapshot(self.pool)
+        expected = self.pool.pinnable(prompt, extra)
+        try:
+            pin = self.pool.pin_prefix(prompt, extra, expires_at=data.draw(st.sampled_from([0, 5.5])))
+        except WrongState:
+            assert not expected and snapshot(self.pool) == before
+            return
+        assert list(pin.block_ids) == expected and pin.num_tokens == len(expected) * self.block_size
+        self.pins[pin.pin_id] = [self.pool.blocks.hash[block] for block in pin.block_ids]
+
+    @precondition(lambda self: self.pins)
+    @rule(data=st.data())
+    def unpin(self, data):
+        pin_id = data.draw(st.sampled_from(sorted(self.pins)))
+        assert self.pool.unpin(pin_id).pin_id == pin_id
+        del self.pins[pin_id]
+        with pytest.raises(NotFound):
+            self.pool.unpin(pin_id)
+
+    @precondition(lambda self: self.pins)
+    @rule(chance=st.integers(0, 9))
+    def reset_prefix_cache(self, chance):
+        """Now and then: the cache goes, the pins with it."""
+        if chance == 0:
+            self.pool.reset_prefix_cache()
+            self.pins.clear()
+            assert not self.pool.pins and not self.pool.pinned
+
+    @invariant()
+    def pinned_blocks_stay_cached(self):
+        """Whatever the batches evicted, every pinned block keeps the hash it had."""
+        assert set(self.pool.pins) == set(self.pins)
+        for pin_id, hashes in self.pins.items():
+            pin = self.pool.pins[pin_id]
+            assert [self.pool.blocks.hash[block] for block in pin.block_ids] == hashes
+            assert all(self.pool.blocks.ref[block] > 0 for block in pin.block_ids)
 
     @rule()
     def restore_from_snapshot(self):

@@ -1,0 +1,157 @@
+"""The engine's calls on a prefix cache: reset, pins, their deadlines, and the timer that lets expired pins go.
+
+A pin (:class:`blockd.core.Pin`) holds a prefix's full blocks cached in the
+device tier the way a table does, so they stay used and are never evicted;
+the allocator knows nothing else of pins. This module is the engine's side:
+
+* :class:`CacheCalls`, mixed into :class:`blockd.engine.machine.Engine`:
+  ``reset_prefix_cache`` (which drops every pin of the pool with the cache),
+  ``pin_prefix``, ``unpin_prefix``, ``list_pins`` and ``expire_pins``. A pin
+  and an unpin are records (:mod:`blockd.engine.records`) like any change:
+  the leader gate, request ids, the tenant's check and quota
+  (``pinned_blocks``: distinct pinned blocks of all its pools), the log;
+* deadlines: a pin with a TTL carries ``expires_at``, the leader's wall clock
+  (``EngineConfig.wall_clock``) plus the TTL, stamped once into its record.
+  :meth:`CacheCalls.expire_pins` logs an ``unpin_prefix`` record (``expired``)
+  for each pin past its deadline, so replay and followers apply the same
+  unpins and never read a clock; a pin whose deadline passed while the daemon
+  was down goes at the first run after it starts;
+* :class:`PinExpiry`: the thread that calls ``expire_pins`` every
+  :data:`EXPIRY_INTERVAL_S` (started and stopped by the gRPC server). A
+  follower's engine refuses the unpins (it does not lead) and lets them be.
+
+Imports the core and the engine's state and tenancy, never the machine.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from blockd.core import BlockdError, ExtraKeys, InvalidArgument, Pin
+from blockd.core.errors import shown
+from blockd.engine import records
+from blockd.engine.tenancy import owner_of
+
+if TYPE_CHECKING:
+    from blockd.engine.config import EngineConfig
+    from blockd.engine.state import State
+    from blockd.engine.tenancy import Tenancy
+
+log = logging.getLogger("blockd.engine.retention.pins")
+
+#: the longest TTL a pin may ask for (about 31 years); 0 is none
+MAX_TTL_S = 1e9
+#: how often the daemon looks for pins past their deadline
+EXPIRY_INTERVAL_S = 0.2
+
+
+def check_ttl(ttl_s: object) -> float:
+    """A pin's TTL in seconds: finite, in [0, :data:`MAX_TTL_S`] (0: no TTL)."""
+    if isinstance(ttl_s, bool) or not isinstance(ttl_s, (int, float)) or not math.isfinite(ttl_s) or not (
+            0 <= ttl_s <= MAX_TTL_S):
+        raise InvalidArgument(f"ttl_s must be seconds in [0, {MAX_TTL_S:g}] (0: no TTL), got {shown(ttl_s)}")
+    return float(ttl_s)
+
+
+class CacheCalls:
+    """The engine's calls on a pool's prefix cache; :class:`~blockd.engine.machine.Engine`
+    provides what is declared here (its state, tenancy, config and change path)."""
+
+    if TYPE_CHECKING:
+        _state: State
+        _tenancy: Tenancy
+        _lock: threading.RLock
+        config: EngineConfig
+
+        def _guard(self, name: object) -> None: ...
+        def _mutate_in_term(self, record: records.Record, rid: str = "",
+                            check: Callable[[], object] | None = None) -> tuple[object, int]: ...
+        def _read(self, read: Callable[[], Any]) -> Any: ...
+
+    def reset_prefix_cache(self, pool: str, request_id: str = "") -> None:
+        """Drop every cached hash of ``pool``, in both tiers, and every pin of it."""
+        self._guard(pool)
+        self._mutate_in_term(records.ResetPrefixCache(pool), request_id)
+
+    def pin_prefix(self, pool: str, token_ids: list[int], extra_keys: ExtraKeys, ttl_s: float = 0.0,
+                   request_id: str = "") -> Pin:
+        """Pin the leading full blocks of ``token_ids`` cached in ``pool``'s
+        device tier (FAILED_PRECONDITION if there are none); ``ttl_s`` > 0:
+        let go that many seconds from now."""
+        self._guard(pool)
+        ttl = check_ttl(ttl_s)
+        expires_at = self.config.wall_clock() + ttl if ttl else 0.0
+        record = records.PinPrefix(pool, list(token_ids) if isinstance(token_ids, (list, tuple)) else token_ids,
+                                   extra_keys, ttl, expires_at)
+
+        def check() -> None:  # a pin over the tenant's quota changes nothing
+            entry = self._state.entry(pool)
+            config = entry.pool.config
+            tenant = owner_of(config)
+            held = sum(len(e.pool.pinned) for e in self._state.pools.values() if owner_of(e.pool.config) == tenant)
+            more = sum(1 for block in dict.fromkeys(entry.pool.pinnable(record.token_ids, extra_keys))
+                       if block not in entry.pool.pinned)
+            self._tenancy.check_pins(config, held, more)
+
+        pin = self._mutate_in_term(record, request_id, check)[0]
+        assert isinstance(pin, Pin), "a pin record answers with its pin"
+        return pin
+
+    def unpin_prefix(self, pool: str, pin_id: str, request_id: str = "") -> Pin:
+        """Let pin ``pin_id`` of ``pool`` go (NOT_FOUND if it holds none such)."""
+        self._guard(pool)
+        pin = self._mutate_in_term(records.UnpinPrefix(pool, pin_id), request_id)[0]
+        assert isinstance(pin, Pin), "an unpin record answers with the pin"
+        return pin
+
+    def list_pins(self, pool: str) -> list[Pin]:
+        """``pool``'s pins, in the order they were made."""
+        pins: list[Pin] = self._read(lambda: list(self._state.entry(pool).pool.pins.values()))
+        return pins
+
+    def expire_pins(self) -> int:
+        """Log an unpin of every pin past its deadline now; how many went. A
+        replica that does not lead unpins nothing (its leader does)."""
+        now = self.config.wall_clock()
+        with self._lock:
+            due = [(name, pin.pin_id) for name, entry in self._state.pools.items()
+                   for pin in entry.pool.pins.values() if pin.expires_at and pin.expires_at <= now]
+        done = 0
+        for name, pin_id in due:
+            try:
+                self._mutate_in_term(records.UnpinPrefix(name, pin_id, expired=True))
+            except BlockdError as err:  # unpinned or deleted meanwhile, or this replica no longer leads
+                log.debug("pin %s of pool %r not expired here: %s", pin_id, name, err)
+                continue
+            done += 1
+            log.info("pool %r: pin %s expired and was let go", name, pin_id)
+        return done
+
+
+class PinExpiry:
+    """Calls ``expire`` every ``interval_s`` on a daemon thread until :meth:`stop`."""
+
+    def __init__(self, expire: Callable[[], object], interval_s: float = EXPIRY_INTERVAL_S) -> None:
+        self._expire = expire
+        self._interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="blockd-pin-expiry", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval_s):
+            try:
+                self._expire()
+            except Exception:  # a bug must not end expiry for good: say so and go on
+                log.exception("expiring pins failed")
