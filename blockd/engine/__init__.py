@@ -15,6 +15,8 @@
 * :mod:`blockd.engine.watch` - Watch and Events streams of the pools;
 * :mod:`blockd.engine.durability`, :mod:`blockd.engine.snapshots` - the
   engine's data directory (over :mod:`blockd.storage`) and when to snapshot.
+* :mod:`blockd.engine.retention` - retention control of the prefix cache:
+  pins, their deadlines, the timer that lets expired ones go.
 
 Nothing here imports gRPC; the package imports only :mod:`blockd.storage`
 and the layers below it. Import the modules themselves: this file re-exports
