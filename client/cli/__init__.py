@@ -118,12 +118,13 @@ def add_seq(sub: argparse._SubParsersAction) -> None:
 
 # --- events -----------------------------------------------------------------------------
 # fixed widths, since a followed stream cannot be measured before printing
-_EVENT_LINE = "{:>8}  {:<16}  {:>8}  {:<16}  {:<16}  {:>6}"
+_EVENT_LINE = "{:>8}  {:<16}  {:<6}  {:>8}  {:<16}  {:<16}  {:>6}"
 
 
 def _event_row(event) -> list[object]:
     block = event.block_id if event.block_id >= 0 else "-"
-    return [event.seq_no, event.kind, block, event.block_hash.hex()[:16] or "-",
+    return [event.seq_no, event.kind, event.medium if event.kind != "AllBlocksCleared" else "-", block,
+            event.block_hash.hex()[:16] or "-",
             event.parent_hash.hex()[:16] or "-", len(event.token_ids)]
 
 
@@ -139,7 +140,7 @@ def _events_tail(client: BlockdClient, args: argparse.Namespace) -> None:
     if wanted == 0:
         return
     if not args.json:
-        print(_EVENT_LINE.format("SEQ_NO", "KIND", "BLOCK", "HASH", "PARENT", "TOKENS"), flush=True)
+        print(_EVENT_LINE.format("SEQ_NO", "KIND", "MEDIUM", "BLOCK", "HASH", "PARENT", "TOKENS"), flush=True)
     count = 0
     stream = client.events(args.pool, start)
     try:

@@ -80,15 +80,28 @@ def test_events_tail(target, capsys) -> None:
         c.commit("p", "a", 9)  # four full blocks: events 1..4
     code, out, _ = run(capsys, "--target", target, "events", "tail", "p")
     lines = out.splitlines()
-    assert code == 0 and lines[0].split() == ["SEQ_NO", "KIND", "BLOCK", "HASH", "PARENT", "TOKENS"]
+    assert code == 0 and lines[0].split() == ["SEQ_NO", "KIND", "MEDIUM", "BLOCK", "HASH", "PARENT", "TOKENS"]
     assert [line.split()[0] for line in lines[1:]] == ["1", "2", "3", "4"]
-    assert lines[1].split()[1:3] == ["BlockStored", "0"] and lines[1].split()[4] == "-"
+    assert lines[1].split()[1:4] == ["BlockStored", "device", "0"] and lines[1].split()[5] == "-"
     code, out, _ = run(capsys, "--target", target, "--json", "events", "tail", "p", "--from", "1", "--limit", "2")
     events = [json.loads(line) for line in out.splitlines()]
     assert [e["seq_no"] for e in events] == [2, 3] and events[0]["token_ids"] == [2, 3]
     assert len(events[0]["block_hash"]) == 32
     code, out, _ = run(capsys, "--target", target, "events", "tail", "p", "--from", "4")
     assert code == 0 and out == ""
+
+
+def test_events_tail_says_which_tier_a_removed_block_left(target, capsys) -> None:
+    with BlockdClient(target) as c:
+        # two device blocks and one host block: the second offload pushes the first out of the host tier
+        c.create_pool(PoolConfig("h", num_blocks=2, block_size=2, num_host_blocks=1))
+        c.allocate("h", "a", [1, 2, 3, 4])
+        c.commit("h", "a", 4)
+        c.free("h", "a")
+        c.allocate("h", "b", [5, 6, 7, 8])
+    code, out, _ = run(capsys, "--target", target, "events", "tail", "h")
+    removed = [line.split() for line in out.splitlines()[1:] if line.split()[1] == "BlockRemoved"]
+    assert code == 0 and [row[2] for row in removed] == ["host"], out
 
 
 def test_errors_exit_with_their_class_and_the_status(target, capsys) -> None:
