@@ -142,14 +142,16 @@ def run_row(args, num_host_blocks: int, *, num_pools: int = 1, share: bool = Fal
                    for name, labels in (("blockd_worker_kernel_duration_seconds_sum", {"kernel": "restore_blocks"}),
                                         ("blockd_worker_kernel_duration_seconds_sum", {"kernel": "model_forward"}),
                                         ("blockd_worker_tokens_processed_total", {}),
-                                        ("blockd_worker_kernel_duration_seconds_sum", {"kernel": "fetch_blocks"}))]
-        restore_s, forward_s, tokens, fetch_s = metrics
+                                        ("blockd_worker_kernel_duration_seconds_sum", {"kernel": "fetch_blocks"}),
+                                        ("blockd_worker_kernel_duration_seconds_sum", {"kernel": "offload_blocks"}))]
+        restore_s, forward_s, tokens, fetch_s, offload_s = metrics
         for group in groups:
             group.close()
     queried = sum(s.prefix_queried_tokens - b.prefix_queried_tokens for s, b in zip(stats, base[0])) if base else 0
     hits = sum(s.prefix_hit_tokens - b.prefix_hit_tokens for s, b in zip(stats, base[0])) if base else 0
     transferred = sum(s.counters.num_transferred_tokens for s in scheds) - base[1] if base else 0
     restores, offloads = sum(s.num_restores for s in stats), sum(s.num_offloads for s in stats)
+    stored = sum(s.last_event_seq_no - s.num_evictions for s in stats)
     ttft = [o.ttft_s * 1e3 for o in later]
     tpot = [o.tpot_s * 1e3 for o in later if len(o.output_token_ids[0]) > 1]
     out_tokens = sum(len(o.output_token_ids[0]) for o in outputs)
@@ -168,6 +170,11 @@ def run_row(args, num_host_blocks: int, *, num_pools: int = 1, share: bool = Fal
         # the workers' own clocks: copying one block back (or fetching it from the other pool's
         # worker) against running its 16 tokens through the model
         "restore_ms_per_block": round(restore_s / restores * 1e3, 4) if restores else None,
+        "offload_ms_per_block": round(offload_s / offloads * 1e3, 4) if offloads else None,
+        # write-back (this policy) copies the blocks the device tier gives up; write-through would
+        # copy every block as it is committed (each BlockStored event: events less evictions)
+        "stored_blocks": stored, "write_through_copies_per_write_back_copy": (
+            round(stored / offloads, 2) if offloads else None),
         "fetch_ms_per_block": round(fetch_s / transfers * 1e3, 4) if transfers else None,
         "forward_ms_per_prompt_block": round(forward_s / tokens * BLOCK_SIZE * 1e3, 3) if tokens else None,
         "prompt_tokens_computed": sum(s.counters.num_prefill_tokens for s in scheds),
