@@ -31,6 +31,8 @@ from blockd.core import (
     check_invariants,
     num_blocks_for,
 )
+from blockd.core.hashing import hash_block
+from blockd.core.ops import _digest
 from blockd.core.state import dump_pool, load_pool
 from blockd.core.types import DecodeAppend
 
@@ -308,6 +310,31 @@ class HostTierPoolMachine(SmallPoolMachine):
                 self.index_from_events.clear()
         host = self.pool.blocks.host
         assert set(self.index_from_events) == set(self.pool.blocks.index) | set(host.index)
+
+    @rule(prefix=st.sampled_from(PREFIXES), suffix=tokens, extra=st.sampled_from(EXTRAS), first=st.integers(0, 4))
+    def locate(self, prefix, suffix, extra, first):
+        """What a cross-pool transfer reads (``Pool.locate_blocks``): from block
+        ``first`` on, the run of the prompt's cached full blocks, each the block
+        holding its hash in its tier; reading changes nothing."""
+        prompt, b = prefix + suffix, self.block_size
+        before = snapshot(self.pool)
+        found = self.pool.locate_blocks(prompt, extra, first, 64)
+        assert snapshot(self.pool) == before
+        digest, parent, want = _digest(extra, self.pool.config.tenant), None, []
+        blocks, host = self.pool.blocks, self.pool.blocks.host
+        for i in range(len(prompt) // b):
+            parent = hash_block(parent, prompt[i * b : (i + 1) * b], digest)
+            if i < first:
+                continue
+            if parent in blocks.index:
+                want.append(("device", blocks.index[parent]))
+                assert blocks.hash[blocks.index[parent]] == parent
+            elif parent in host.index:
+                want.append(("host", host.index[parent]))
+                assert host.hash[host.index[parent]] == parent
+            else:
+                break
+        assert found == want
 
 
 HostTierPoolMachine.TestCase.settings = PoolMachine.TestCase.settings
