@@ -127,3 +127,22 @@ def test_a_source_worker_that_restarted_is_refused_and_the_tokens_are_computed(c
         with WorkerClient(cluster.pool_worker_addresses("m")[0]) as source:
             assert source.refresh() != plan.source_workers[0][2]
         client.step("m-1", [Free("probe2")])
+
+
+def test_tensor_parallel_groups_fetch_shard_to_shard_and_stay_exact():
+    """Two pools of two ranks each: rank r of the second fetches from rank r of the
+    first (the KV heads it holds), and the outputs are still transformers' own."""
+    first, second = turns(seed=14, conversations=2)
+    spec = ClusterSpec(MODEL, 2, "m", num_blocks=64, block_size=BLOCK, num_pools=2)
+    with LocalCluster(spec) as cluster, BlockdClient(cluster.blockd_address) as client:
+        a, group_a = _scheduler(client, cluster, "m")
+        b, group_b = _scheduler(client, cluster, "m-1", source="m")
+        with group_a, group_b:
+            for req in first:
+                a.add_request(req)
+            outputs = a.run()
+            for req in second:
+                b.add_request(req)
+            outputs += b.run()
+    assert ContiguousReference(MODEL).mismatches(first + second, outputs) == []
+    assert b.counters.num_transferred_tokens == 2 * 5 * BLOCK and b.counters.num_failed_transfers == 0
