@@ -193,8 +193,9 @@ class AsyncBlockdClient:
         return (await self.step(pool, [op], request_id=request_id)).results[0]
 
     async def allocate(self, pool: str, seq_id: str, prompt_token_ids: Sequence[int],
-                       extra_keys: ExtraKeys | None = None, *, request_id: str | None = None) -> OpResult:
-        op = Allocate(seq_id, list(prompt_token_ids), messages.extra_or_none(extra_keys))
+                       extra_keys: ExtraKeys | None = None, *, request_id: str | None = None,
+                       retain_ttl_s: float = 0.0) -> OpResult:
+        op = Allocate(seq_id, list(prompt_token_ids), messages.extra_or_none(extra_keys), retain_ttl_s=retain_ttl_s)
         return await self._one(pool, op, request_id)
 
     async def append(self, pool: str, seq_id: str, token_ids: Sequence[int], *,

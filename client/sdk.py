@@ -227,8 +227,11 @@ class BlockdClient:
         return self.step(pool, [op], request_id=request_id).results[0]
 
     def allocate(self, pool: str, seq_id: str, prompt_token_ids: Sequence[int],
-                 extra_keys: ExtraKeys | None = None, *, request_id: str | None = None) -> OpResult:
-        op = Allocate(seq_id, list(prompt_token_ids), messages.extra_or_none(extra_keys))
+                 extra_keys: ExtraKeys | None = None, *, request_id: str | None = None,
+                 retain_ttl_s: float = 0.0) -> OpResult:
+        """``retain_ttl_s`` > 0: once the prompt's full blocks are committed,
+        blockd pins them for that long (:meth:`pin_prefix`)."""
+        op = Allocate(seq_id, list(prompt_token_ids), messages.extra_or_none(extra_keys), retain_ttl_s=retain_ttl_s)
         return self._one(pool, op, request_id)
 
     def append(self, pool: str, seq_id: str, token_ids: Sequence[int], *,

@@ -243,7 +243,8 @@ def op_to_json(op: object) -> list[Any]:
     if isinstance(op, Append):
         return ["P", op.seq_id, list(op.token_ids)]
     if isinstance(op, Allocate):
-        return ["A", op.seq_id, list(op.prompt_token_ids), extra_to_json(op.extra_keys)]
+        data = ["A", op.seq_id, list(op.prompt_token_ids), extra_to_json(op.extra_keys)]
+        return [*data, op.retain_ttl_s] if op.retain_ttl_s else data
     if isinstance(op, Commit):
         return ["C", op.seq_id, op.num_tokens]
     if isinstance(op, Fork):
@@ -260,7 +261,7 @@ def op_from_json(data: list[Any]) -> Op:
     if kind == "P":
         return Append(data[1], data[2])
     if kind == "A":
-        return Allocate(data[1], data[2], extra_from_json(data[3]))
+        return Allocate(data[1], data[2], extra_from_json(data[3]), retain_ttl_s=data[4] if len(data) > 4 else 0.0)
     if kind == "C":
         return Commit(data[1], data[2])
     if kind == "K":

@@ -71,6 +71,9 @@ class Allocate:
     #: another pool of the tenant whose cached blocks may serve the prompt's missed
     #: blocks (the daemon plans a :class:`TransferPlan`; the core ignores it)
     source_pool: str = ""
+    #: > 0: once the prompt's full blocks are committed, the daemon pins them for
+    #: this many seconds (docs/protocol.md, Pins; the core ignores it)
+    retain_ttl_s: float = 0.0
 
 
 @dataclass(frozen=True)

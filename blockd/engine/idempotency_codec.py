@@ -87,7 +87,8 @@ def _op_parts(op: object) -> tuple[bytes, ...]:
     if type(op) is DecodeAppend:
         return (b"D", *_ids(op.seq_ids), *_ints(op.token_ids))
     if type(op) is Allocate:
-        return (*_chunk(b"A", _text(repr((op.seq_id, op.extra_keys)))), *_ints(op.prompt_token_ids))
+        head = (op.seq_id, op.extra_keys, op.retain_ttl_s) if op.retain_ttl_s else (op.seq_id, op.extra_keys)
+        return (*_chunk(b"A", _text(repr(head))), *_ints(op.prompt_token_ids))
     if type(op) is Append:
         return (*_chunk(b"P", _text(repr(op.seq_id))), *_ints(op.token_ids))
     if type(op) is Commit:

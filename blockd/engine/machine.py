@@ -277,6 +277,7 @@ class Engine(CacheCalls):  # the prefix cache's calls: blockd.engine.retention.p
 
             result, term = self._mutate_in_term(records.Step(pool, ops), request_id, check)
             assert isinstance(result, StepResult), "a step record answers with a StepResult"
+            self.retain_committed(pool)  # an Allocate's retain_ttl_s (blockd.engine.retention.retain)
             if has_sources(ops):
                 with self._lock:  # reads the source pool as it is now (blockd.engine.transfers)
                     result = plan_transfers(self._state, self.workers, ops, result)

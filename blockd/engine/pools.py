@@ -40,13 +40,17 @@ class PoolEntry:
     """A pool, its identity and its retained events. Not thread-safe: the
     engine uses it under its lock."""
 
-    __slots__ = ("deleted", "events", "identity", "pool")
+    __slots__ = ("deleted", "events", "identity", "pool", "retain")
 
     def __init__(self, pool: Pool, identity: PoolIncarnations) -> None:
         self.pool = pool
         self.identity = identity
         self.events: deque[KVEvent] = deque(maxlen=MAX_RETAINED_EVENTS)
         self.deleted = False
+        #: sequences whose Allocate asked to retain the prompt, by id: (TTL, the
+        #: prompt's full-block tokens); the engine pins them once committed
+        #: (:mod:`blockd.engine.retention.pins`)
+        self.retain: dict[str, tuple[float, int]] = {}
 
     def snapshot(self) -> Snapshot:
         return Snapshot(self.pool.version, self.pool.tables(), self.identity.incarnation)
@@ -62,6 +66,8 @@ class PoolEntry:
         data = dump_pool(self.pool)
         data["identity"] = self.identity.dump()
         data["events"] = [event_to_json(e) for e in self.events]
+        if self.retain:
+            data["retain"] = [[seq_id, ttl, n] for seq_id, (ttl, n) in self.retain.items()]
         return data
 
     @classmethod
@@ -74,4 +80,5 @@ class PoolEntry:
             data = {**data, "config": {**data["config"], "tenant": DEFAULT_TENANT}}
         entry = cls(load_pool(data), identity)
         entry.events.extend(event_from_json(e) for e in data.get("events", []))
+        entry.retain.update((seq_id, (ttl, n)) for seq_id, ttl, n in data.get("retain", []))
         return entry

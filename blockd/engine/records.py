@@ -17,7 +17,8 @@ it was stamped with (so replay rebuilds the idempotency table exactly)::
     step                {"pool": "...", "ops": [[kind, ...], ...]}   (ops: blockd.core.state)
     reset_prefix_cache  {"pool": "..."}
     worker_joined       {"pool": "...", "worker_id": "...", "incarnation": "..."}
-    pin_prefix          {"pool": "...", "tokens": [...], "extra": [...], "ttl_s": S, "expires_at": T}
+    pin_prefix          {"pool": "...", "tokens": [...], "extra": [...], "ttl_s": S, "expires_at": T,
+                         "seq_id": "..." (only for an Allocate's retain_ttl_s)}
     unpin_prefix        {"pool": "...", "pin_id": "pin-N", "expired": false}
     term_start          {"term": T, "previous_term": P, "leader": "replica id"}
 
@@ -27,7 +28,11 @@ The term that wrote a record is not in its JSON but in its WAL frame
 A pin record carries its deadline (``expires_at``, the leader's wall clock
 plus ``ttl_s``; 0: none) and an expired pin is let go by an ``unpin_prefix``
 record with ``expired`` true that the leader logs when the deadline passes
-(:mod:`blockd.engine.retention.pins`), so replay never reads a clock.
+(:mod:`blockd.engine.retention.pins`), so replay never reads a clock. A pin
+the leader makes for an ``Allocate`` with ``retain_ttl_s`` (once the
+sequence's prompt is committed) names the sequence (``seq_id``): applying it
+ends that sequence's request to retain, whether or not anything could be
+pinned, and an empty ``tokens`` is a request given up (over the quota).
 
 A create record written before incarnations existed has none; its pool gets
 a stable one derived from its name and LSN (:func:`blockd.engine.incarnations.legacy_incarnation`).
@@ -106,6 +111,7 @@ class PinPrefix:
     extra_keys: ExtraKeys
     ttl_s: float
     expires_at: float
+    seq_id: str = ""
     kind = "pin_prefix"
 
     @property
@@ -158,6 +164,8 @@ def encode(record: Record, rid: str = "", t: float = 0.0) -> dict:
     elif isinstance(record, PinPrefix):
         body = {"pool": record.pool, "tokens": list(record.token_ids), "extra": extra_to_json(record.extra_keys),
                 "ttl_s": record.ttl_s, "expires_at": record.expires_at}
+        if record.seq_id:
+            body["seq_id"] = record.seq_id
     elif isinstance(record, UnpinPrefix):
         body = {"pool": record.pool, "pin_id": record.pin_id, "expired": record.expired}
     elif isinstance(record, TermStart):
@@ -188,7 +196,7 @@ def decode(body: dict) -> tuple[Record, str, float]:
         record = WorkerJoined(body["pool"], body["worker_id"], body["incarnation"])
     elif kind == "pin_prefix":
         record = PinPrefix(body["pool"], body["tokens"], extra_from_json(body["extra"]), body["ttl_s"],
-                           body["expires_at"])
+                           body["expires_at"], body.get("seq_id", ""))
     elif kind == "unpin_prefix":
         record = UnpinPrefix(body["pool"], body["pin_id"], bool(body["expired"]))
     elif kind == "term_start":

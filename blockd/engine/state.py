@@ -20,6 +20,7 @@ from blockd.engine import records
 from blockd.engine.idempotency import IdempotencyTable, fingerprint
 from blockd.engine.incarnations import PoolIncarnations
 from blockd.engine.pools import PoolEntry
+from blockd.engine.retention.retain import retained_pin, to_retain, track_retained
 from blockd.engine.tenancy import check_access, owner_of
 from blockd.engine.worker_registry import WorkerRegistry
 
@@ -64,7 +65,7 @@ class State:
             self._delete_pool(record.pool)
             return None
         if isinstance(record, records.PinPrefix):
-            return self.entry(record.pool).pool.pin_prefix(record.token_ids, record.extra_keys, record.expires_at)
+            return retained_pin(self.entry(record.pool), record)
         if isinstance(record, records.UnpinPrefix):
             return self.entry(record.pool).pool.unpin(record.pin_id)
         if isinstance(record, records.ResetPrefixCache):
@@ -84,7 +85,10 @@ class State:
         return fingerprint(record.kind, record.pool, record.subject)
 
     def run_step(self, entry: PoolEntry, ops: list[Op]) -> StepResult:
+        retain = to_retain(ops)  # refused before the step: a bad TTL changes nothing
         result = entry.pool.step(ops)
+        if retain or entry.retain:
+            track_retained(entry, ops, retain)
         entry.identity.after_step(ops)
         entry.drain_events()
         return entry.identity.result(result)

@@ -181,7 +181,7 @@ def op_from_proto(msg: pb.Op, index: int) -> Op:
         extra = (extra_keys_from_proto(alloc.extra_keys, f"{where}.extra_keys") if alloc.HasField("extra_keys")
                  else NO_EXTRA_KEYS)
         return Allocate(require_id(alloc.seq_id, f"{where}.seq_id", index), list(alloc.prompt_token_ids), extra,
-                        alloc.source_pool)
+                        alloc.source_pool, alloc.retain_ttl_s)
     if kind == "append":
         return Append(require_id(msg.append.seq_id, f"{where}.seq_id", index), list(msg.append.token_ids))
     if kind == "commit":
@@ -213,6 +213,8 @@ def op_into_proto(op: Op, out: pb.Op) -> None:
             out.allocate.extra_keys.CopyFrom(extra_keys_to_proto(op.extra_keys))
         if op.source_pool:
             out.allocate.source_pool = op.source_pool
+        if op.retain_ttl_s:
+            out.allocate.retain_ttl_s = op.retain_ttl_s
     elif isinstance(op, Append):
         out.append.SetInParent()
         out.append.seq_id = op.seq_id

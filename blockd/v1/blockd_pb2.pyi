@@ -819,11 +819,17 @@ class AllocateOp(_message.Message):
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     EXTRA_KEYS_FIELD_NUMBER: _builtins.int
     SOURCE_POOL_FIELD_NUMBER: _builtins.int
+    RETAIN_TTL_S_FIELD_NUMBER: _builtins.int
     seq_id: _builtins.str
     source_pool: _builtins.str
     """Another pool of the same tenant and geometry whose cached blocks may
     stand in for the prompt's missed blocks: the result's transfer says which
     (docs/protocol.md, "Prefixes shared across pools"). Empty: none.
+    """
+    retain_ttl_s: _builtins.float
+    """> 0: once the prompt's full blocks are committed, blockd pins them for
+    this many seconds, as PinPrefix would (docs/protocol.md, Pins); 0: no pin.
+    Negative, NaN or over 1e9 is INVALID_ARGUMENT.
     """
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
@@ -836,10 +842,11 @@ class AllocateOp(_message.Message):
         prompt_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         extra_keys: Global___ExtraKeys | None = ...,
         source_pool: _builtins.str = ...,
+        retain_ttl_s: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["extra_keys", b"extra_keys"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["extra_keys", b"extra_keys", "prompt_token_ids", b"prompt_token_ids", "seq_id", b"seq_id", "source_pool", b"source_pool"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["extra_keys", b"extra_keys", "prompt_token_ids", b"prompt_token_ids", "retain_ttl_s", b"retain_ttl_s", "seq_id", b"seq_id", "source_pool", b"source_pool"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -6,7 +6,9 @@ the allocator knows nothing else of pins. This module is the engine's side:
 
 * :class:`CacheCalls`, mixed into :class:`blockd.engine.machine.Engine`:
   ``reset_prefix_cache`` (which drops every pin of the pool with the cache),
-  ``pin_prefix``, ``unpin_prefix``, ``list_pins`` and ``expire_pins``. A pin
+  ``pin_prefix``, ``unpin_prefix``, ``list_pins``, ``expire_pins``, and
+  ``retain_committed`` (after each live step: pins for the ``Allocate`` ops
+  that set ``retain_ttl_s``, :mod:`blockd.engine.retention.retain`). A pin
   and an unpin are records (:mod:`blockd.engine.records`) like any change:
   the leader gate, request ids, the tenant's check and quota
   (``pinned_blocks``: distinct pinned blocks of all its pools), the log;
@@ -26,14 +28,16 @@ Imports the core and the engine's state and tenancy, never the machine.
 from __future__ import annotations
 
 import logging
-import math
 import threading
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from blockd.core import BlockdError, ExtraKeys, InvalidArgument, Pin
-from blockd.core.errors import shown
+from blockd.core import BlockdError, ExtraKeys, Pin
+from blockd.core.errors import QuotaExceeded
 from blockd.engine import records
+from blockd.engine.pools import PoolEntry
+from blockd.engine.retention.retain import check_ttl, due_pins
 from blockd.engine.tenancy import owner_of
 
 if TYPE_CHECKING:
@@ -43,18 +47,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("blockd.engine.retention.pins")
 
-#: the longest TTL a pin may ask for (about 31 years); 0 is none
-MAX_TTL_S = 1e9
 #: how often the daemon looks for pins past their deadline
 EXPIRY_INTERVAL_S = 0.2
-
-
-def check_ttl(ttl_s: object) -> float:
-    """A pin's TTL in seconds: finite, in [0, :data:`MAX_TTL_S`] (0: no TTL)."""
-    if isinstance(ttl_s, bool) or not isinstance(ttl_s, (int, float)) or not math.isfinite(ttl_s) or not (
-            0 <= ttl_s <= MAX_TTL_S):
-        raise InvalidArgument(f"ttl_s must be seconds in [0, {MAX_TTL_S:g}] (0: no TTL), got {shown(ttl_s)}")
-    return float(ttl_s)
 
 
 class CacheCalls:
@@ -89,17 +83,43 @@ class CacheCalls:
                                    extra_keys, ttl, expires_at)
 
         def check() -> None:  # a pin over the tenant's quota changes nothing
-            entry = self._state.entry(pool)
-            config = entry.pool.config
-            tenant = owner_of(config)
-            held = sum(len(e.pool.pinned) for e in self._state.pools.values() if owner_of(e.pool.config) == tenant)
-            more = sum(1 for block in dict.fromkeys(entry.pool.pinnable(record.token_ids, extra_keys))
-                       if block not in entry.pool.pinned)
-            self._tenancy.check_pins(config, held, more)
+            self._check_pin_quota(self._state.entry(pool), record)
 
         pin = self._mutate_in_term(record, request_id, check)[0]
         assert isinstance(pin, Pin), "a pin record answers with its pin"
         return pin
+
+    def _check_pin_quota(self, entry: PoolEntry, record: records.PinPrefix) -> None:
+        """QUOTA_EXCEEDED if ``record`` would take its tenant past its pinned blocks."""
+        config = entry.pool.config
+        tenant = owner_of(config)
+        held = sum(len(e.pool.pinned) for e in self._state.pools.values() if owner_of(e.pool.config) == tenant)
+        more = sum(1 for block in dict.fromkeys(entry.pool.pinnable(record.token_ids, record.extra_keys))
+                   if block not in entry.pool.pinned)
+        self._tenancy.check_pins(config, held, more)
+
+    def retain_committed(self, pool: str) -> None:
+        """After a live step of ``pool``: pin the prompts of its sequences whose
+        ``Allocate`` asked to retain them and that are now committed, and drop
+        the requests of sequences gone (:mod:`blockd.engine.retention.retain`).
+        A pin over the tenant's quota is given up (logged as such)."""
+        with self._lock:
+            entry = self._state.pools.get(pool)
+            if entry is None or not entry.retain:
+                return
+            for due in list(due_pins(entry, self.config.wall_clock())):
+                record = due
+                if due.token_ids:
+                    try:
+                        self._check_pin_quota(entry, due)
+                    except QuotaExceeded as err:
+                        log.warning("pool %r: sequence %r's prompt is not retained: %s", pool, due.seq_id, err)
+                        record = replace(due, token_ids=[])
+                try:
+                    self._mutate_in_term(record)
+                except BlockdError as err:  # this replica no longer leads, or the log is broken: its leader retries
+                    log.debug("pool %r: retaining %r not logged here: %s", pool, record.seq_id, err)
+                    return
 
     def unpin_prefix(self, pool: str, pin_id: str, request_id: str = "") -> Pin:
         """Let pin ``pin_id`` of ``pool`` go (NOT_FOUND if it holds none such)."""

@@ -18,7 +18,7 @@ from blockd.core import (
     check_invariants,
 )
 from blockd.core.pool import MAX_PINS
-from blockd.core.state import dump_pool, load_pool
+from blockd.core.state import dump_pool, load_pool, op_from_json, op_to_json
 
 
 def cached(pool: Pool, seq_id: str, prompt: list[int]) -> None:
@@ -105,3 +105,9 @@ def test_a_pool_holds_at_most_max_pins() -> None:
     with pytest.raises(WrongState, match="unpin some first"):
         pool.pin_prefix([1])
     assert pool.blocks.ref[0] == MAX_PINS
+
+
+def test_an_allocates_retain_ttl_s_travels_in_the_log_form_and_plain_ones_are_unchanged() -> None:
+    retained, plain = Allocate("s", [1, 2], retain_ttl_s=30.0), Allocate("s", [1, 2])
+    assert op_from_json(json.loads(json.dumps(op_to_json(retained)))) == retained
+    assert op_to_json(plain) == ["A", "s", [1, 2], op_to_json(plain)[3]] and op_from_json(op_to_json(plain)) == plain

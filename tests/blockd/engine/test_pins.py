@@ -197,3 +197,57 @@ def test_the_expiry_thread_lets_a_pin_go() -> None:
         assert engine.list_pins("p") == []
     finally:
         expiry.stop()
+
+
+# --- per request: an Allocate's retain_ttl_s ---------------------------------------------
+def test_an_allocate_with_retain_ttl_s_is_pinned_once_its_prompt_is_committed(tmp_path) -> None:
+    clock = WallClock()
+    engine = _engine(tmp_path, clock)
+    engine.create_pool(PoolConfig("p", num_blocks=8, block_size=4))
+    engine.step("p", [Allocate("s", PROMPT, retain_ttl_s=60)])
+    engine.step("p", [Commit("s", 4)])  # one of its two full blocks: not yet
+    assert engine.list_pins("p") == []
+    clock.now += 5
+    engine.step("p", [Commit("s", 8)])
+    [pin] = engine.list_pins("p")
+    assert (pin.block_ids, pin.num_tokens, pin.expires_at) == ((0, 1), 8, clock.now + 60)
+    engine.step("p", [Free("s")])  # the pin outlives the sequence
+    assert engine.get_pool("p").num_pinned_blocks == 2 and engine.get_pool("p").num_evictable_blocks == 0
+    state = _state(engine)
+    engine.close()
+    again = _engine(tmp_path, clock)  # replay: the same pin, from the logged record
+    assert _state(again) == state and again.list_pins("p") == [pin]
+    again.close()
+
+
+def test_a_retained_sequence_freed_before_its_commit_pins_nothing_and_a_bad_ttl_changes_nothing(tmp_path) -> None:
+    engine = _engine(tmp_path)
+    engine.create_pool(PoolConfig("p", num_blocks=8, block_size=4))
+    engine.step("p", [Allocate("s", PROMPT, retain_ttl_s=60)])
+    snapshot = engine.capture()
+    assert snapshot["pools"][0]["retain"] == [["s", 60.0, 8]]
+    engine.step("p", [Free("s")])
+    engine.step("p", [Allocate("t", PROMPT[:3], retain_ttl_s=60), Allocate("u", PROMPT, retain_ttl_s=60), Free("u")])
+    assert "retain" not in engine.capture()["pools"][0]  # under a block: nothing to retain; freed: forgotten
+    before = _state(engine)
+    for ttl in (-1.0, float("nan"), 2e9):
+        with pytest.raises(InvalidArgument, match="retain_ttl_s") as err:
+            engine.step("p", [Allocate("v", PROMPT), Allocate("w", PROMPT, retain_ttl_s=ttl)])
+        assert err.value.op_index == 1
+    assert _state(engine) == before
+    engine.snapshot()  # a snapshot keeps what is still to retain
+    engine.step("p", [Allocate("x", PROMPT, retain_ttl_s=5)])
+    engine.close()
+    again = _engine(tmp_path)
+    again.step("p", [Commit("x", len(PROMPT))])
+    assert [p.num_tokens for p in again.list_pins("p")] == [8]
+    again.close()
+
+
+def test_a_retained_prompt_over_the_quota_is_given_up() -> None:
+    engine = _engine(quotas={"acme": Quota(pinned_blocks=1)})
+    with acting_as(ACME):
+        engine.create_pool(PoolConfig("a", num_blocks=8, block_size=4))
+        engine.step("a", [Allocate("s", PROMPT, retain_ttl_s=60)])
+        engine.step("a", [Commit("s", 8)])
+        assert engine.list_pins("a") == [] and "retain" not in engine.capture()["pools"][0]

@@ -24,7 +24,7 @@ from client.errors import (
 from client.sdk import BlockdClient
 from tests.support.procs import free_port, start_blockd
 
-pytest_plugins = ["tests.support.auth_fixtures"]
+pytest_plugins = ["tests.support.auth_fixtures", "tests.support.grpc_fixtures"]
 
 PROMPT = list(range(1, 18))  # four full blocks of 4, and one token
 OTHER = list(range(100, 117))
@@ -134,3 +134,16 @@ def test_tenants_pin_only_their_own_pools_within_their_quota(secure_server, tmp_
         assert _state(a, "pa") + _state(a, "pb") == before
         a.pin_prefix("pb", PROMPT[:4])  # 4 + 1: within it
         assert [p.pin_id for p in root.list_pins("pb")] == ["pin-1"]
+
+
+def test_an_allocate_asks_to_retain_its_prompt_over_grpc(client, blockd_server) -> None:
+    client.create_pool(PoolConfig("p", num_blocks=10, block_size=4))
+    client.allocate("p", "s", PROMPT, retain_ttl_s=120)
+    assert client.list_pins("p") == []
+    start = time.time()
+    client.commit("p", "s", len(PROMPT))
+    [pin] = client.list_pins("p")
+    assert pin.num_tokens == 16 and start + 120 <= pin.expires_at <= time.time() + 120
+    with pytest.raises(InvalidArgumentError) as err:
+        client.allocate("p", "t", PROMPT, retain_ttl_s=-5)
+    assert "retain_ttl_s" in err.value.message and client.get_pool("p").num_seqs == 1
