@@ -189,7 +189,7 @@ class KVShardServicer:
         metrics = self.runtime.metrics
         metrics.add_transfer_blocks("fetched", n)
         metrics.observe_kernel("fetch_blocks", time.perf_counter() - start)
-        return pb.FetchBlocksResponse(num_blocks=n, num_bytes=sum(len(b) for b in blobs))
+        return pb.FetchBlocksResponse(num_blocks=n, num_bytes=blobs.numel())
 
     def _model_step(self, request, specs: list[SamplingSpec], incarnation: str | None):
         """The forward and the token choice of one ModelStep (on :attr:`compute`)."""

@@ -31,6 +31,7 @@ import zlib
 from collections.abc import Iterator, Sequence
 
 import grpc
+import numpy as np
 import torch
 
 from blockd.core.errors import InvalidArgument, WrongState
@@ -89,37 +90,45 @@ def read_blocks(runtime, version: int, pool_incarnation: str, tiers: Sequence[st
         out = []
         for tier, block in zip(tiers, blocks, strict=True):
             kv = host.host_kv if tier == "host" else runtime.kv
-            out.append(kv[:, :, block].to("cpu", copy=True).contiguous())
+            view = kv[:, :, block]  # copied (once) before the lock is let go
+            out.append(view.clone(memory_format=torch.contiguous_format) if view.device.type == "cpu"
+                       else view.contiguous().cpu())
         return out
 
 
 def chunks(tensors: Sequence[torch.Tensor]) -> Iterator[tuple[int, int, bytes, int, int]]:
     """``(index, offset, data, crc32, block bytes)`` of each tensor's bytes, in order."""
     for index, tensor in enumerate(tensors):
-        raw = tensor.contiguous().view(torch.uint8).numpy().tobytes()  # any dtype, bfloat16 too
+        raw = tensor.contiguous().view(torch.uint8).reshape(-1).numpy()  # any dtype, bfloat16 too; no copy
         for offset in range(0, len(raw), CHUNK_BYTES):
-            data = raw[offset : offset + CHUNK_BYTES]
+            data = raw[offset : offset + CHUNK_BYTES].tobytes()  # the one copy: the message's bytes
             yield index, offset, data, zlib.crc32(data), len(raw)
 
 
-def assemble(runtime, responses, num_blocks: int) -> list[bytes]:
-    """The blocks of a ReadBlocks stream, each chunk's CRC-32 and place checked."""
+def assemble(runtime, responses, num_blocks: int) -> torch.Tensor:
+    """The blocks of a ReadBlocks stream as uint8 ``[num_blocks, block bytes]``,
+    each chunk's CRC-32 and place checked (each chunk copied once, into place)."""
     shape = (runtime.geometry.num_layers, 2, runtime.geometry.num_kv_heads, runtime.config.block_size,
              runtime.config.head_dim)
     want = int(torch.Size(shape).numel()) * runtime.kv.element_size()
-    parts: list[bytearray] = [bytearray() for _ in range(num_blocks)]
+    out = torch.empty(num_blocks, want, dtype=torch.uint8)
+    rows = out.numpy()  # the same memory: numpy reads the messages' bytes without a tensor over them
+    filled = [0] * num_blocks
     for r in responses:
-        if not 0 <= r.index < num_blocks or r.offset != len(parts[r.index]) or r.block_bytes != want:
+        if not 0 <= r.index < num_blocks or r.offset != filled[r.index] or r.block_bytes != want \
+                or r.offset + len(r.data) > want:
             raise WrongState(f"the source sent chunk {r.index}@{r.offset} of {r.block_bytes} bytes; expected "
                              f"blocks of {want} bytes in order: the pools' shards differ")
         if zlib.crc32(r.data) != r.crc32:
             raise WrongState(f"block {r.index}'s chunk at byte {r.offset} failed its CRC-32 check; compute "
                              "the tokens")
-        parts[r.index] += r.data
-    short = [i for i, part in enumerate(parts) if len(part) != want]
+        if r.data:
+            rows[r.index, r.offset : r.offset + len(r.data)] = np.frombuffer(r.data, dtype=np.uint8)
+        filled[r.index] += len(r.data)
+    short = [i for i, n in enumerate(filled) if n != want]
     if short:
         raise WrongState(f"the source's stream ended before block {short[0]} was whole; compute the tokens")
-    return [bytes(part) for part in parts]
+    return out
 
 
 class Peers:
@@ -131,7 +140,7 @@ class Peers:
         self._stubs: dict[str, worker_pb2_grpc.KVShardServiceStub] = {}
         self._lock = threading.Lock()
 
-    def read(self, address: str, request, num_blocks: int) -> list[bytes]:
+    def read(self, address: str, request, num_blocks: int) -> torch.Tensor:
         """Blocks read from ``address`` (``ReadBlocks``), checked; the source's refusal as WrongState."""
         with self._lock:
             stub = self._stubs.get(address)
@@ -146,14 +155,18 @@ class Peers:
 
 
 def write_blocks(runtime, version: int, pool_incarnation: str, dst_blocks: Sequence[int],
-                 blobs: Sequence[bytes]) -> None:
-    """Write fetched blocks into ``dst_blocks`` at exactly ``version``, marked written in every layer."""
+                 blobs: torch.Tensor) -> None:
+    """Write fetched blocks (:func:`assemble`'s) into ``dst_blocks`` at exactly
+    ``version``, marked written in every layer."""
     num = runtime.config.num_blocks
     if not dst_blocks or any(not 0 <= b < num for b in dst_blocks) or len(set(dst_blocks)) != len(dst_blocks):
         raise InvalidArgument(f"destination blocks must be distinct blocks of this worker's {num}")
     kv = runtime.kv
     shape = (kv.shape[0], 2, kv.shape[3], kv.shape[4], kv.shape[5])
-    data = torch.stack([torch.frombuffer(bytearray(blob), dtype=kv.dtype).view(shape) for blob in blobs], 2)
+    if blobs.shape[0] != len(dst_blocks):
+        raise InvalidArgument(f"{blobs.shape[0]} blocks fetched for {len(dst_blocks)} destination blocks")
+    # [n, layers, 2, heads, block, dim] seen as the pool's [layers, 2, n, heads, block, dim]: no copy
+    data = blobs.view(kv.dtype).view(len(dst_blocks), *shape).permute(1, 2, 0, 3, 4, 5)
     ids = torch.tensor(list(dst_blocks), dtype=torch.int64)
     with runtime._lock:
         runtime._advance(version, pool_incarnation)  # the version whose tables hold them, exactly

@@ -140,7 +140,7 @@ def test_another_shard_geometry_and_a_corrupted_chunk_are_refused(pair):
             self.index, self.offset, self.data, self.crc32, self.block_bytes = index, offset, data, crc, size
 
     chunks = [Chunk(*c) for c in transfer.chunks(blocks)]
-    assert len(transfer.assemble(dst, chunks, 1)[0]) == chunks[0].block_bytes
+    assert transfer.assemble(dst, chunks, 1).shape == (1, chunks[0].block_bytes)
     bad = bytearray(chunks[0].data)
     bad[0] ^= 1
     chunks[0].data = bytes(bad)
