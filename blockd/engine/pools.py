@@ -13,10 +13,11 @@ block id, token ids]``. Imports the core and :mod:`blockd.engine.incarnations`.
 from __future__ import annotations
 
 from collections import deque
+from typing import Any
 
 from blockd.core import KVEvent, Pool, PoolStats
 from blockd.core.hashing import DEFAULT_TENANT
-from blockd.core.state import dump_pool, load_pool
+from blockd.core.state import dump_pool, extra_from_json, extra_to_json, load_pool
 from blockd.core.types import Snapshot
 from blockd.engine.incarnations import PoolIncarnations, legacy_incarnation
 
@@ -48,9 +49,9 @@ class PoolEntry:
         self.events: deque[KVEvent] = deque(maxlen=MAX_RETAINED_EVENTS)
         self.deleted = False
         #: sequences whose Allocate asked to retain the prompt, by id: (TTL, the
-        #: prompt's full-block tokens); the engine pins them once committed
-        #: (:mod:`blockd.engine.retention.pins`)
-        self.retain: dict[str, tuple[float, int]] = {}
+        #: prompt's full-block tokens[, its tokens and extra keys once freed]);
+        #: the engine pins them once committed (:mod:`blockd.engine.retention.retain`)
+        self.retain: dict[str, tuple[Any, ...]] = {}
 
     def snapshot(self) -> Snapshot:
         return Snapshot(self.pool.version, self.pool.tables(), self.identity.incarnation)
@@ -67,7 +68,8 @@ class PoolEntry:
         data["identity"] = self.identity.dump()
         data["events"] = [event_to_json(e) for e in self.events]
         if self.retain:
-            data["retain"] = [[seq_id, ttl, n] for seq_id, (ttl, n) in self.retain.items()]
+            data["retain"] = [[seq_id, ttl, n, *([p[0], extra_to_json(p[1])] if p else [])]
+                              for seq_id, (ttl, n, *p) in self.retain.items()]
         return data
 
     @classmethod
@@ -80,5 +82,6 @@ class PoolEntry:
             data = {**data, "config": {**data["config"], "tenant": DEFAULT_TENANT}}
         entry = cls(load_pool(data), identity)
         entry.events.extend(event_from_json(e) for e in data.get("events", []))
-        entry.retain.update((seq_id, (ttl, n)) for seq_id, ttl, n in data.get("retain", []))
+        entry.retain.update((seq_id, (ttl, n, *([p[0], extra_from_json(p[1])] if p else [])))
+                            for seq_id, ttl, n, *p in data.get("retain", []))
         return entry

@@ -20,7 +20,7 @@ from blockd.engine import records
 from blockd.engine.idempotency import IdempotencyTable, fingerprint
 from blockd.engine.incarnations import PoolIncarnations
 from blockd.engine.pools import PoolEntry
-from blockd.engine.retention.retain import retained_pin, to_retain, track_retained
+from blockd.engine.retention.retain import freed_prompts, retained_pin, to_retain, track_retained
 from blockd.engine.tenancy import check_access, owner_of
 from blockd.engine.worker_registry import WorkerRegistry
 
@@ -86,9 +86,10 @@ class State:
 
     def run_step(self, entry: PoolEntry, ops: list[Op]) -> StepResult:
         retain = to_retain(ops)  # refused before the step: a bad TTL changes nothing
+        freed = freed_prompts(entry, ops) if entry.retain else {}
         result = entry.pool.step(ops)
         if retain or entry.retain:
-            track_retained(entry, ops, retain)
+            track_retained(entry, ops, retain, freed)
         entry.identity.after_step(ops)
         entry.drain_events()
         return entry.identity.result(result)

@@ -3,7 +3,9 @@
 The core ignores the field. The engine remembers such a sequence in its pool's
 entry (``PoolEntry.retain``: sequence id -> (TTL, the prompt's full-block
 tokens)) when the step that allocates it is applied, live or on replay, and
-forgets it when a later op frees it or allocates its id again. After each
+forgets it when a later op allocates its id again or frees it (unless the
+batch that frees it committed its prompt: then it waits, with its prompt,
+to be pinned). After each
 live step the leader looks at the pool's remembered sequences
 (:meth:`blockd.engine.retention.pins.CacheCalls.retain_committed`): one whose
 prompt is committed up to its last full block gets a ``pin_prefix`` record
@@ -20,8 +22,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from typing import Any
 
-from blockd.core import NO_EXTRA_KEYS, Allocate, Free, InvalidArgument, Op, Pin, WrongState
+from blockd.core import NO_EXTRA_KEYS, Allocate, ExtraKeys, Free, InvalidArgument, Op, Pin, WrongState
 from blockd.core.errors import shown
 from blockd.engine import records
 from blockd.engine.pools import PoolEntry
@@ -53,12 +56,32 @@ def to_retain(ops: list[Op]) -> dict[int, float]:
     return wanted
 
 
-def track_retained(entry: PoolEntry, ops: list[Op], wanted: dict[int, float]) -> None:
-    """Update ``entry.retain`` for an applied batch, op by op in order."""
-    retain, b = entry.retain, entry.pool.block_size
+def freed_prompts(entry: PoolEntry, ops: list[Op]) -> dict[str, tuple[list[int], ExtraKeys]]:
+    """Before a batch: the prompts of waiting sequences the batch frees (it may
+    commit them first, as a scheduler's last step of a request does)."""
+    seqs, retain = entry.pool.seqs, entry.retain
+    found: dict[str, tuple[list[int], ExtraKeys]] = {}
+    for op in ops:
+        if isinstance(op, Free) and op.seq_id in retain:
+            seq = seqs.get(op.seq_id)
+            if seq is not None:
+                found[op.seq_id] = (list(seq.token_ids[: retain[op.seq_id][1]]), seq.extra)
+    return found
+
+
+def track_retained(entry: PoolEntry, ops: list[Op], wanted: dict[int, float],
+                   freed: dict[str, tuple[list[int], ExtraKeys]]) -> None:
+    """Update ``entry.retain`` for an applied batch, op by op in order; a
+    sequence freed with its prompt cached in the device tier (``freed``, from
+    :func:`freed_prompts`) keeps waiting, with its prompt, to be pinned."""
+    retain, pool = entry.retain, entry.pool
+    b = pool.block_size
     for index, op in enumerate(ops):
         if type(op) is Free:
-            retain.pop(op.seq_id, None)
+            ttl, full = retain.pop(op.seq_id, (0.0, 0))[:2]
+            prompt = freed.get(op.seq_id)
+            if prompt is not None and len(pool.pinnable(*prompt)) * b >= full:
+                retain[op.seq_id] = (ttl, full, *prompt)
         elif type(op) is Allocate:
             full = len(op.prompt_token_ids) // b * b
             if index in wanted and full:
@@ -72,9 +95,12 @@ def due_pins(entry: PoolEntry, now: float) -> Iterator[records.PinPrefix]:
     pinned (deadline ``now`` + TTL), vanished ones dropped."""
     pool = entry.pool
     name = pool.config.name
-    for seq_id, (ttl, full) in list(entry.retain.items()):
+    prompt: list[Any]
+    for seq_id, (ttl, full, *prompt) in list(entry.retain.items()):
         seq = pool.seqs.get(seq_id)
-        if seq is None:
+        if prompt:  # freed in the batch that committed it
+            yield records.PinPrefix(name, prompt[0], prompt[1], ttl, now + ttl, seq_id)
+        elif seq is None:
             yield records.PinPrefix(name, [], NO_EXTRA_KEYS, ttl, 0.0, seq_id)
         elif seq.num_committed >= full:
             yield records.PinPrefix(name, list(seq.token_ids[:full]), seq.extra, ttl, now + ttl, seq_id)

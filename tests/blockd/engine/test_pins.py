@@ -18,6 +18,7 @@ from blockd.core.errors import QuotaExceeded
 from blockd.engine import records
 from blockd.engine.config import EngineConfig
 from blockd.engine.machine import Engine
+from blockd.engine.pools import PoolEntry
 from blockd.engine.retention.pins import PinExpiry
 from blockd.storage.reader import Reader
 
@@ -251,3 +252,23 @@ def test_a_retained_prompt_over_the_quota_is_given_up() -> None:
         engine.step("a", [Allocate("s", PROMPT, retain_ttl_s=60)])
         engine.step("a", [Commit("s", 8)])
         assert engine.list_pins("a") == [] and "retain" not in engine.capture()["pools"][0]
+
+
+def test_a_retained_prompt_committed_and_freed_in_one_batch_is_still_pinned(tmp_path) -> None:
+    clock = WallClock()
+    engine = _engine(tmp_path, clock)
+    engine.create_pool(PoolConfig("p", num_blocks=8, block_size=4, tenant="acme"))
+    extra = ExtraKeys(model_id="m")
+    engine.step("p", [Allocate("s", PROMPT, extra, retain_ttl_s=30)])
+    engine.step("p", [Commit("s", len(PROMPT)), Free("s")])  # a request's last step: commit and free
+    [pin] = engine.list_pins("p")
+    assert (pin.block_ids, pin.num_tokens, pin.expires_at) == ((0, 1), 8, clock.now + 30)
+    assert engine.get_pool("p").num_evictable_blocks == 0 and "retain" not in engine.capture()["pools"][0]
+    state = _state(engine)
+    engine.close()
+    again = _engine(tmp_path, clock)
+    assert _state(again) == state
+    entry = again._state.pools["p"]  # a request still waiting with its prompt survives a snapshot
+    entry.retain["t"] = (5.0, 8, PROMPT[:8], extra)
+    assert PoolEntry.load(json.loads(json.dumps(entry.dump())), 1).retain == entry.retain
+    again.close()
