@@ -26,6 +26,7 @@ from blockd.auth.security import ServerSecurity
 from blockd.core.errors import InvalidArgument, NotFound, WrongState, shown
 from blockd.core.hashing import DEFAULT_TENANT
 from blockd.core.incarnations import WorkerIncarnationMismatch, short
+from blockd.core.types import DTYPE_BYTES
 from blockd.rpc.convert import require_id, require_ids
 from blockd.rpc.endpoint import GrpcEndpoint
 from blockd.rpc.errors import BadField, server_stream, unary
@@ -39,6 +40,8 @@ from worker.sampling import check_spec, next_tokens
 log = logging.getLogger("blockd.worker")
 
 SERVICE = pb.DESCRIPTOR.services_by_name["KVShardService"]
+#: the longest source worker address a FetchBlocks may name
+MAX_ADDRESS_LEN = 256
 #: tensors travel in messages: a prefill's K/V or logits can be large
 MAX_MESSAGE_BYTES = 256 << 20
 
@@ -153,6 +156,9 @@ class KVShardServicer:
     def ReadBlocks(self, request, context):
         self._check_tenant()
         incarnation = self._check_call(request)
+        _check_tiers(request.tiers, "tiers")
+        if request.dtype not in DTYPE_BYTES:
+            raise BadField("dtype", f"must be one of {sorted(DTYPE_BYTES)}: the reader's pool dtype")
         expected = (request.layer_start, request.layer_end, request.kv_head_start, request.kv_head_end,
                     request.block_size, request.head_dim, request.dtype)
         blocks = transfer.read_blocks(self.runtime, request.version, incarnation, list(request.tiers),
@@ -172,6 +178,12 @@ class KVShardServicer:
         if not request.source_address or not request.source_worker_incarnation:
             raise BadField("source_address", "and source_worker_incarnation are required (the plan's source "
                            "worker of this shard)")
+        if len(request.source_address) > MAX_ADDRESS_LEN:
+            raise BadField("source_address", f"is longer than {MAX_ADDRESS_LEN} characters")
+        require_id(request.source_pool, "source_pool")
+        require_id(request.source_pool_incarnation, "source_pool_incarnation")
+        require_id(request.source_worker_incarnation, "source_worker_incarnation")
+        _check_tiers(request.src_tiers, "src_tiers")
         start = time.perf_counter()
         shard, config = self.runtime.shard, self.runtime.config
         read = pb.ReadBlocksRequest(
@@ -203,6 +215,12 @@ class KVShardServicer:
         metrics.observe_kernel("model_forward", forward_done - start)
         metrics.observe_kernel("sampling", time.perf_counter() - forward_done)
         return logits, tokens
+
+
+def _check_tiers(tiers, field: str) -> None:
+    for i, tier in enumerate(tiers):
+        if tier not in transfer.TIERS:
+            raise BadField(f"{field}[{i}]", f"must be one of {transfer.TIERS}")
 
 
 def _sampling_specs(request) -> list[SamplingSpec]:

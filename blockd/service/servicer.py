@@ -168,9 +168,10 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         if not request.HasField("info"):
             raise BadField("info", "is required: worker_id, pool and the shard's layer and head ranges")
         optional_id(request.request_id, "request_id")  # accepted, not needed: registration is an upsert
+        info = convert.worker_info_from_proto(request.info)  # malformed ids first, as for every RPC
         # before anything is looked up: a worker of another hash spec changes nothing
-        check_hash_spec(optional_id(request.hash_spec, "hash_spec"), f"worker {shown(request.info.worker_id)}")
-        status = self._engine.register_worker(convert.worker_info_from_proto(request.info))
+        check_hash_spec(optional_id(request.hash_spec, "hash_spec"), f"worker {shown(info.worker_id)}")
+        status = self._engine.register_worker(info)
         return pb.RegisterWorkerResponse(status=convert.worker_status_to_proto(status))
 
     @unary

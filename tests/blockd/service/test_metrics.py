@@ -34,7 +34,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.a
 PROMTOOL = shutil.which("promtool")
 needs_promtool = pytest.mark.skipif(
     PROMTOOL is None, reason="promtool not found: apt-get install prometheus (Debian) to run this check")
-ALLOWED_LABELS = {"pool", "state", "kind", "outcome", "method", "code", "kernel", "le", "reason",
+ALLOWED_LABELS = {"pool", "state", "kind", "outcome", "method", "code", "kernel", "le", "reason", "result",
                   # the build's, constant for a process: blockd_build_info and the standard python_info
                   "version", "python_version", "implementation", "major", "minor", "patchlevel"}
 
@@ -379,6 +379,9 @@ def test_worker_metrics_output():
     assert value("blockd_worker_replica_lag_versions", pool) == 2
     assert value("blockd_worker_applied_version", pool) == 41
     assert value("blockd_worker_pool_bytes", pool) == 1 << 20
+    metrics.add_transfer_blocks("fetched", 2)
+    assert value("blockd_worker_transfer_blocks_total", {**pool, "result": "fetched"}) == 2
+    assert value("blockd_worker_transfer_blocks_total", {**pool, "result": "failed"}) == 0
     with pytest.raises(ValueError, match="unknown kernel"):
         metrics.observe_kernel("flash_attention_9000", 0.1)
     with pytest.raises(ValueError, match="pool must be"):

@@ -23,6 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from blockd.core import Allocate, InvalidArgument, PoolConfig
+from blockd.core.hashing import HASH_SPEC_ID
 from blockd.engine.machine import Engine
 from blockd.rpc.errors import MAX_MESSAGE_BYTES, blockd_status, unary
 from blockd.service.server import BlockdServer
@@ -37,7 +38,7 @@ REFLECTION = "grpc.reflection.v1alpha.ServerReflection"
 
 
 #: string fields whose valid value is not "p" (set by the fixture)
-FIELD_VALUES: dict[str, str] = {}
+FIELD_VALUES: dict[str, str] = {"hash_spec": HASH_SPEC_ID}  # another spec id is FAILED_PRECONDITION
 
 
 @pytest.fixture(scope="module")
