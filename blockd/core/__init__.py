@@ -18,7 +18,8 @@ from blockd.core.errors import (
 )
 from blockd.core.hashing import NO_EXTRA_KEYS, ExtraKeys, hash_block, hash_full_blocks
 from blockd.core.invariants import check_invariants
-from blockd.core.pool import Pin, Pool, SnapshotRequired
+from blockd.core.lru import DEFAULT_PRIORITY, NUM_PRIORITIES
+from blockd.core.pool import Pin, Pool, PrefixPriority, SnapshotRequired
 from blockd.core.types import (
     ALL_BLOCKS_CLEARED,
     BLOCK_REMOVED,
@@ -46,7 +47,9 @@ __all__ = [
     "ALL_BLOCKS_CLEARED",
     "BLOCK_REMOVED",
     "BLOCK_STORED",
+    "DEFAULT_PRIORITY",
     "NO_EXTRA_KEYS",
+    "NUM_PRIORITIES",
     "OFFLOAD",
     "RESTORE",
     "Allocate",
@@ -69,6 +72,7 @@ __all__ = [
     "Pool",
     "PoolConfig",
     "PoolStats",
+    "PrefixPriority",
     "SnapshotRequired",
     "StepResult",
     "TableUpdate",

@@ -184,7 +184,7 @@ class Batch:
         """
         src = seq.table[-1]
         dst = self.blocks.take(offset)
-        self.blocks.release(src)
+        self.blocks.release(src, seq.priority)
         seq.table[-1] = dst
         self.copy_ops.append((src, dst))
         self.num_copies += 1

@@ -12,8 +12,17 @@ Every block is in exactly one state:
 * **free**: ref count 0, no hash; either never used (id >= ``next_fresh``) or
   in the free list. The free list is FIFO, so ids are handed out in ascending
   order first, then in the order they were released.
-* **evictable**: ref count 0, indexed hash, in the LRU.
+* **evictable**: ref count 0, indexed hash, in the LRU at its priority.
 * **used**: ref count > 0 (it may or may not carry an indexed hash).
+
+Retention priority (``priority``, per block; :mod:`blockd.core.lru` says how
+it orders eviction): a block handed out starts at
+:data:`~blockd.core.lru.MIN_PRIORITY`, and each holder that lets it go
+(:meth:`BlockSpace.release`) raises it to its own priority if that is higher.
+So a cached block keeps the highest priority of the sequences that held it
+since it was filled, across revivals, and across tiers: an offload stores it
+with the host block, a restore brings it back. Only
+:meth:`BlockSpace.set_priority` (a caller's per-prefix request) lowers it.
 
 The host tier (exclusive with the device tier: a hash is in at most one):
 
@@ -48,7 +57,7 @@ from __future__ import annotations
 from collections import deque
 
 from blockd.core.errors import InvariantViolation
-from blockd.core.lru import BlockLRU, HostTier, Journal, Undo
+from blockd.core.lru import MIN_PRIORITY, BlockLRU, HostTier, Journal, Undo
 from blockd.core.types import OFFLOAD, RESTORE, TierOp
 
 DEVICE = "device"
@@ -66,6 +75,8 @@ class BlockSpace:
         self.ref = [0] * num_blocks
         self.fill = [0] * num_blocks
         self.hash: list[bytes | None] = [None] * num_blocks
+        #: retention priority per block (see the module docstring)
+        self.priority = [MIN_PRIORITY] * num_blocks
         self.index: dict[bytes, int] = {}
         self.next_fresh = 0
         self.free: deque[int] = deque()
@@ -121,15 +132,16 @@ class BlockSpace:
             block = self.next_fresh
             self.next_fresh += 1
             if journal is not None:
-                journal.append(_TookFresh(self, block, self.fill[block]))
+                journal.append(_TookFresh(self, block, self.fill[block], self.priority[block]))
         elif self.free:
             block = self.free.popleft()
             if journal is not None:
-                journal.append(_TookFree(self, block, self.fill[block]))
+                journal.append(_TookFree(self, block, self.fill[block], self.priority[block]))
         else:
             block = self._evict()
         self.ref[block] = 1
         self.fill[block] = fill
+        self.priority[block] = MIN_PRIORITY
         self.num_used += 1
         self.filled_slots += fill
         return block
@@ -144,10 +156,10 @@ class BlockSpace:
             raise InvariantViolation("no free or evictable block left; capacity check missed")
         prev, nxt = self.lru.remove(block)
         if self.journal is not None:
-            self.journal.append(_TookEvicted(self, block, self.fill[block], h, prev, nxt))
+            self.journal.append(_TookEvicted(self, block, self.fill[block], self.priority[block], h, prev, nxt))
         del self.index[h]
         self.hash[block] = None
-        if self.host is None or not self._offload(block, h):
+        if self.host is None or not self._offload(block, h, self.priority[block]):
             self.num_evictions += 1
             self.evicted.append((block, h, DEVICE))
         return block
@@ -166,20 +178,21 @@ class BlockSpace:
             block = free[at]
             del free[at]
             if self.journal is not None:
-                self.journal.append(_TookFreeAt(self, block, self.fill[block], at))
+                self.journal.append(_TookFreeAt(self, block, self.fill[block], self.priority[block], at))
         elif len(self.lru):
             block = self._evict()
         else:
             return None
         self.ref[block] = 1
         self.fill[block] = fill
+        self.priority[block] = MIN_PRIORITY
         self.num_used += 1
         self.filled_slots += fill
         return block
 
     # --- the host tier (only called when the pool has one) -------------------
-    def _offload(self, block: int, h: bytes) -> bool:
-        """Move the evicted device ``block``'s hash ``h`` to a host block."""
+    def _offload(self, block: int, h: bytes, priority: int) -> bool:
+        """Move the evicted device ``block``'s hash ``h`` to a host block, at ``priority``."""
         host = self.host
         assert host is not None
         hb, dropped = host.take(self.journal)
@@ -188,7 +201,7 @@ class BlockSpace:
         if dropped is not None:
             self.num_evictions += 1
             self.evicted.append((hb, dropped, HOST))
-        host.store(self.journal, hb, h)
+        host.store(self.journal, hb, h, priority)
         self.tier_ops.append(TierOp(OFFLOAD, block, hb))
         self.num_offloads += 1
         return True
@@ -200,13 +213,14 @@ class BlockSpace:
 
     def restore(self, hb: int, dirty: set[int]) -> int | None:
         """Bring pinned host block ``hb``'s hash back into a fresh, full device
-        block (ref count 1) and queue its RESTORE; None when no device block
-        outside ``dirty`` is left."""
+        block (ref count 1, at the host block's priority) and queue its
+        RESTORE; None when no device block outside ``dirty`` is left."""
         host = self.host
         assert host is not None
         block = self.take_clean(self.block_size, dirty)
         if block is None:
             return None
+        self.priority[block] = host.priority[hb]  # the take's undo entry restores the old one
         h = host.release(self.journal, hb)
         self.index[h] = block
         self.hash[block] = h
@@ -229,25 +243,40 @@ class BlockSpace:
             self.journal.append(_Shared(self, block))
         self.ref[block] = ref + 1
 
-    def release(self, block: int) -> None:
-        """One table fewer holds ``block``; at 0 it becomes evictable or free."""
+    def release(self, block: int, priority: int = MIN_PRIORITY) -> None:
+        """One holder fewer, of ``priority``, holds ``block`` (raised to it if
+        lower); at 0 it becomes evictable at its priority, or free."""
         ref = self.ref[block]
         self.ref[block] = ref - 1
         journal = self.journal
+        old = self.priority[block]
+        if priority > old:
+            self.priority[block] = priority
         if ref > 1:
             if journal is not None:
-                journal.append(_Unshared(self, block))
+                journal.append(_Unshared(self, block, old))
             return
         self.num_used -= 1
         self.filled_slots -= self.fill[block]
         if self.hash[block] is not None:
-            self.lru.push_back(block)
+            self.lru.push_back(block, self.priority[block])
             if journal is not None:
-                journal.append(_Cached(self, block))
+                journal.append(_Cached(self, block, old))
         else:
             self.free.append(block)
             if journal is not None:
-                journal.append(_Freed(self, block))
+                journal.append(_Freed(self, block, old))
+
+    def set_priority(self, block: int, priority: int) -> None:
+        """Cached ``block`` is kept at ``priority`` from now on (an evictable
+        one moves to the back of that priority); outside any batch, so not
+        journaled. Its holders still raise it when they let it go."""
+        if self.journal is not None:
+            raise InvariantViolation("a priority cannot be set inside a batch")
+        self.priority[block] = priority
+        if block in self.lru:
+            self.lru.remove(block)
+            self.lru.push_back(block, priority)
 
     def add_fill(self, block: int, count: int) -> None:
         """``count`` more slots of a used, unshared block now hold tokens.
@@ -325,16 +354,17 @@ class _Counters(Undo):
 class _TookFresh(Undo):
     """A never-used block was handed out."""
 
-    __slots__ = ("block", "fill", "space")
+    __slots__ = ("block", "fill", "priority", "space")
 
-    def __init__(self, space: BlockSpace, block: int, fill: int) -> None:
-        self.space, self.block, self.fill = space, block, fill
+    def __init__(self, space: BlockSpace, block: int, fill: int, priority: int) -> None:
+        self.space, self.block, self.fill, self.priority = space, block, fill, priority
 
     def undo(self) -> None:
         space = self.space
         space.next_fresh -= 1
         space.ref[self.block] = 0
         space.fill[self.block] = self.fill
+        space.priority[self.block] = self.priority
 
 
 class _TookFree(_TookFresh):
@@ -347,30 +377,34 @@ class _TookFree(_TookFresh):
         space.free.appendleft(self.block)
         space.ref[self.block] = 0
         space.fill[self.block] = self.fill
+        space.priority[self.block] = self.priority
 
 
 class _TookFreeAt(Undo):
     """A block from the middle of the free list was handed out (:meth:`BlockSpace.take_clean`)."""
 
-    __slots__ = ("at", "block", "fill", "space")
+    __slots__ = ("at", "block", "fill", "priority", "space")
 
-    def __init__(self, space: BlockSpace, block: int, fill: int, at: int) -> None:
-        self.space, self.block, self.fill, self.at = space, block, fill, at
+    def __init__(self, space: BlockSpace, block: int, fill: int, priority: int, at: int) -> None:
+        self.space, self.block, self.fill, self.priority, self.at = space, block, fill, priority, at
 
     def undo(self) -> None:
         space = self.space
         space.free.insert(self.at, self.block)
         space.ref[self.block] = 0
         space.fill[self.block] = self.fill
+        space.priority[self.block] = self.priority
 
 
 class _TookEvicted(Undo):
-    """The least recently used evictable block lost its hash and was handed out."""
+    """The front of the LRU (lowest priority, least recently used) lost its hash and was handed out."""
 
-    __slots__ = ("block", "fill", "h", "nxt", "prev", "space")
+    __slots__ = ("block", "fill", "h", "nxt", "prev", "priority", "space")
 
-    def __init__(self, space: BlockSpace, block: int, fill: int, h: bytes, prev: int, nxt: int) -> None:
-        self.space, self.block, self.fill, self.h, self.prev, self.nxt = space, block, fill, h, prev, nxt
+    def __init__(self, space: BlockSpace, block: int, fill: int, priority: int, h: bytes, prev: int,
+                 nxt: int) -> None:
+        self.space, self.block, self.fill, self.priority = space, block, fill, priority
+        self.h, self.prev, self.nxt = h, prev, nxt
 
     def undo(self) -> None:
         space, block = self.space, self.block
@@ -379,6 +413,7 @@ class _TookEvicted(Undo):
         space.index[self.h] = block
         space.ref[block] = 0
         space.fill[block] = self.fill
+        space.priority[block] = self.priority
 
 
 class _Revived(Undo):
@@ -406,34 +441,42 @@ class _Shared(Undo):
         self.space.ref[self.block] -= 1
 
 
-class _Unshared(_Shared):
-    """One table fewer holds a block that stays used."""
+class _Unshared(Undo):
+    """One table fewer holds a block that stays used (its priority perhaps raised)."""
 
-    __slots__ = ()
+    __slots__ = ("block", "priority", "space")
+
+    def __init__(self, space: BlockSpace, block: int, priority: int) -> None:
+        self.space, self.block, self.priority = space, block, priority
 
     def undo(self) -> None:
         self.space.ref[self.block] += 1
+        self.space.priority[self.block] = self.priority
 
 
-class _Cached(_Shared):
-    """A hashed block's last holder let go: it joined the back of the LRU."""
+class _Cached(_Unshared):
+    """A hashed block's last holder let go: it joined the back of its priority in the LRU."""
 
     __slots__ = ()
 
     def undo(self) -> None:
-        self.space.lru.remove(self.block)
-        self.space.ref[self.block] = 1
+        space = self.space
+        space.lru.remove(self.block)
+        space.ref[self.block] = 1
+        space.priority[self.block] = self.priority
 
 
-class _Freed(_Shared):
+class _Freed(_Unshared):
     """An unhashed block's last holder let go: it joined the back of the free list."""
 
     __slots__ = ()
 
     def undo(self) -> None:
-        popped = self.space.free.pop()
+        space = self.space
+        popped = space.free.pop()
         assert popped == self.block, "undo out of order: the free list's back is another block"
-        self.space.ref[self.block] = 1
+        space.ref[self.block] = 1
+        space.priority[self.block] = self.priority
 
 
 class _Indexed(Undo):

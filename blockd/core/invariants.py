@@ -14,6 +14,11 @@ invariant:
 * the prefix index maps each hash to one block carrying that hash, and every
   hashed block is indexed; evictable blocks are hashed, free ones are not;
 * free + evictable + used == num_blocks;
+* retention priorities, in each tier: each priority's LRU list is a well
+  linked circle holding only blocks of that priority, so each evictable block
+  is in exactly one; the lists add up to the LRU's length; the mask of
+  non-empty priorities is exact; every block's and sequence's priority is in
+  range;
 * every holder of a block agrees on how many of its slots hold tokens, and the
   O(1) counters (used blocks, filled slots, tokens) equal their recomputation;
 * the host tier: each host block is free (never used, or once in its free
@@ -36,8 +41,10 @@ from typing import TYPE_CHECKING
 
 from blockd.core.arith import num_blocks_for
 from blockd.core.errors import InvariantViolation
+from blockd.core.lru import NUM_PRIORITIES
 
 if TYPE_CHECKING:
+    from blockd.core.lru import BlockLRU
     from blockd.core.pool import Pool
 
 
@@ -96,7 +103,37 @@ def check_invariants(pool: Pool) -> None:
         _fail(pool, f"counters (used, filled, tokens) = {(blocks.num_used, blocks.filled_slots, pool.num_tokens)}"
                     f", recomputed {(used, filled, num_tokens)}")
     _check_host(pool)
+    _check_priorities(pool)
     _check_misses(pool)
+
+
+def _check_levels(pool: Pool, tier: str, lru: BlockLRU, priority: list[int]) -> None:
+    """One tier's LRU lists against its blocks' priorities (see the module docstring)."""
+    if not all(0 <= p < NUM_PRIORITIES for p in priority):
+        _fail(pool, f"a {tier} block's priority is outside [0, {NUM_PRIORITIES})")
+    total = mask = 0
+    for level in range(NUM_PRIORITIES):
+        count = 0
+        for block in lru.at(level):
+            count += 1
+            if count > len(lru) or priority[block] != level:
+                _fail(pool, f"the {tier} LRU's priority {level} holds block {block} of priority {priority[block]}"
+                            " (or its list does not close)")
+        total += count
+        mask |= (count > 0) << level
+    if total != len(lru) or mask != lru.priorities_in_use():
+        _fail(pool, f"the {tier} LRU's priorities hold {total} blocks (mask {mask:b}) but it counts {len(lru)}"
+                    f" (mask {lru.priorities_in_use():b})")
+
+
+def _check_priorities(pool: Pool) -> None:
+    blocks = pool.blocks
+    _check_levels(pool, "device", blocks.lru, blocks.priority)
+    if blocks.host is not None:
+        _check_levels(pool, "host", blocks.host.lru, blocks.host.priority)
+    for seq_id, seq in pool.seqs.items():
+        if type(seq.priority) is not int or not 0 <= seq.priority < NUM_PRIORITIES:
+            _fail(pool, f"sequence {seq_id!r} has priority {seq.priority!r}")
 
 
 def _check_pins(pool: Pool, holders: Counter[int], fill_seen: dict[int, int]) -> None:

@@ -9,16 +9,24 @@ hashed prefix block wait here until either a prefix hit revives them (taken
 out of the middle in O(1)) or the pool runs out of free blocks and evicts the
 least recently used one (taken from the front in O(1)).
 
-Eviction order: front = least recently released. When a sequence is freed its
-blocks are released tail first, so a freed sequence's tail blocks are evicted
-before its head blocks (a later request is more likely to share the head).
+Eviction order: by retention priority, then least recently released. A
+cached block has a priority in ``[0, NUM_PRIORITIES)`` (lower is evicted
+first, :data:`DEFAULT_PRIORITY` when nobody asked); the front is the least
+recently released block of the lowest priority that has any. When a sequence
+is freed its blocks are released tail first, so within a priority a freed
+sequence's tail blocks are evicted before its head blocks (a later request is
+more likely to share the head).
 
-The links live in two flat lists indexed by block id, with one sentinel at
-index ``num_blocks``; nothing is allocated per operation. Unlike an
-``OrderedDict``, a removed block can be linked back between its old
-neighbours, which is what lets a failed batch roll back exactly
-(:meth:`remove` returns the neighbours, :meth:`relink` puts it back).
-Imports only the standard library.
+The links live in two flat lists indexed by block id, with one sentinel per
+priority at index ``num_blocks + priority`` (each priority is its own
+circular list); nothing is allocated per operation. A bit mask of the
+non-empty priorities makes :meth:`BlockLRU.front` O(1): a list is empty
+exactly when a sentinel is linked to itself, so :meth:`~BlockLRU.remove` and
+:meth:`~BlockLRU.relink` keep the mask from the neighbours alone, without
+knowing a block's priority. Unlike an ``OrderedDict``, a removed block can be
+linked back between its old neighbours, which is what lets a failed batch
+roll back exactly (:meth:`remove` returns the neighbours, :meth:`relink` puts
+it back, in the same priority's list). Imports only the standard library.
 """
 
 from __future__ import annotations
@@ -28,6 +36,13 @@ from collections import OrderedDict, deque
 from collections.abc import Iterator
 
 _UNLINKED = -1
+#: retention priorities: ``0 .. NUM_PRIORITIES - 1``, lower evicted first
+NUM_PRIORITIES = 8
+#: the priority of a request or prefix that did not ask for one: work can be
+#: marked less important than the default as well as more
+DEFAULT_PRIORITY = 4
+#: the priority a block starts from when it is handed out (its holders raise it)
+MIN_PRIORITY = 0
 
 
 class Undo(ABC):
@@ -46,17 +61,20 @@ Journal = list[Undo]
 
 
 class BlockLRU:
-    """LRU queue of block ids in ``[0, num_blocks)``."""
+    """LRU queues of block ids in ``[0, num_blocks)``, one per priority."""
 
-    __slots__ = ("_head", "_len", "_next", "_prev")
+    __slots__ = ("_base", "_len", "_mask", "_next", "_prev")
 
     def __init__(self, num_blocks: int) -> None:
-        self._head = num_blocks  # sentinel: _next[head] is the front, _prev[head] the back
-        self._prev = [_UNLINKED] * (num_blocks + 1)
-        self._next = [_UNLINKED] * (num_blocks + 1)
-        self._prev[self._head] = self._head
-        self._next[self._head] = self._head
+        self._base = num_blocks  # sentinel of priority p: num_blocks + p; _next of it is the front, _prev the back
+        size = num_blocks + NUM_PRIORITIES
+        self._prev = [_UNLINKED] * size
+        self._next = [_UNLINKED] * size
+        for sentinel in range(num_blocks, size):
+            self._prev[sentinel] = self._next[sentinel] = sentinel
         self._len = 0
+        #: bit p set: priority p's list is not empty
+        self._mask = 0
 
     def __len__(self) -> int:
         return self._len
@@ -65,20 +83,33 @@ class BlockLRU:
         return self._prev[block_id] != _UNLINKED
 
     def __iter__(self) -> Iterator[int]:
-        """Front (next to evict) to back."""
-        node = self._next[self._head]
-        while node != self._head:
+        """Front (next to evict) to back: lowest priority first."""
+        for priority in range(NUM_PRIORITIES):
+            yield from self.at(priority)
+
+    def at(self, priority: int) -> Iterator[int]:
+        """The blocks of one priority, front to back."""
+        sentinel = self._base + priority
+        node = self._next[sentinel]
+        while node != sentinel:
             yield node
             node = self._next[node]
 
-    def push_back(self, block_id: int) -> None:
-        """Mark ``block_id`` as the most recently released."""
-        self.relink(block_id, self._prev[self._head], self._head)
+    def priorities_in_use(self) -> int:
+        """The bit mask of non-empty priorities (for the invariant checker)."""
+        return self._mask
+
+    def push_back(self, block_id: int, priority: int) -> None:
+        """Mark ``block_id`` as the most recently released of ``priority``."""
+        sentinel = self._base + priority
+        self.relink(block_id, self._prev[sentinel], sentinel)
 
     def front(self) -> int | None:
         """The block that would be evicted next, if any."""
-        node = self._next[self._head]
-        return None if node == self._head else node
+        mask = self._mask
+        if not mask:
+            return None
+        return self._next[self._base + (mask & -mask).bit_length() - 1]
 
     def remove(self, block_id: int) -> tuple[int, int]:
         """Unlink ``block_id``; returns ``(prev, next)`` for :meth:`relink`."""
@@ -87,10 +118,14 @@ class BlockLRU:
         self._prev[nxt] = prev
         self._prev[block_id] = self._next[block_id] = _UNLINKED
         self._len -= 1
+        if prev == nxt:  # only the sentinel is left: that priority is empty now
+            self._mask &= ~(1 << (prev - self._base))
         return prev, nxt
 
     def relink(self, block_id: int, prev: int, nxt: int) -> None:
         """Link ``block_id`` between ``prev`` and ``nxt`` (adjacent right now)."""
+        if prev == nxt:  # a sentinel alone: its priority was empty
+            self._mask |= 1 << (prev - self._base)
         self._prev[block_id] = prev
         self._next[block_id] = nxt
         self._next[prev] = block_id
@@ -105,18 +140,21 @@ class HostTier:
     A host block is never in a table: it only keeps a cached block's KV while
     its device block is reused, so it has no ref count. Free host blocks are
     handed out like device ones (never-used ids ascending, then the FIFO free
-    list); every host block holding a hash is in :attr:`lru` (front = least
-    recently offloaded, the one dropped when the tier is full), except while an
-    allocation has it pinned for a restore. Every mutation journals into the
+    list); every host block holding a hash is in :attr:`lru` at its
+    :attr:`priority` (the device block's when it was offloaded; front = the
+    least recently offloaded of the lowest priority, the one dropped when the
+    tier is full), except while an allocation has it pinned for a restore. Every mutation journals into the
     ``journal`` it is given (None outside a batch);
     :class:`~blockd.core.blocks.BlockSpace` decides when to call them.
     """
 
-    __slots__ = ("free", "hash", "index", "lru", "next_fresh", "num_blocks")
+    __slots__ = ("free", "hash", "index", "lru", "next_fresh", "num_blocks", "priority")
 
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
         self.hash: list[bytes | None] = [None] * num_blocks
+        #: the retention priority of each host block's hash (meaningful while it holds one)
+        self.priority = [DEFAULT_PRIORITY] * num_blocks
         #: hash -> host block holding it
         self.index: dict[bytes, int] = {}
         self.next_fresh = 0
@@ -155,13 +193,22 @@ class HostTier:
             journal.append(_HostEvicted(self, hb, old, prev, nxt))
         return hb, old
 
-    def store(self, journal: Journal | None, hb: int, h: bytes) -> None:
-        """Host block ``hb`` (just taken) holds ``h``, most recently offloaded."""
+    def store(self, journal: Journal | None, hb: int, h: bytes, priority: int) -> None:
+        """Host block ``hb`` (just taken) holds ``h``, most recently offloaded at ``priority``."""
+        if journal is not None:
+            journal.append(_HostStored(self, hb, h, self.priority[hb]))
         self.hash[hb] = h
         self.index[h] = hb
-        self.lru.push_back(hb)
-        if journal is not None:
-            journal.append(_HostStored(self, hb, h))
+        self.priority[hb] = priority
+        self.lru.push_back(hb, priority)
+
+    def set_priority(self, hb: int, priority: int) -> None:
+        """Host block ``hb``'s hash is kept at ``priority`` from now on, the
+        most recent of it (outside any batch: not journaled)."""
+        self.priority[hb] = priority
+        if hb in self.lru:
+            self.lru.remove(hb)
+            self.lru.push_back(hb, priority)
 
     def pin(self, journal: Journal | None, h: bytes) -> int:
         """Take the host block holding ``h`` out of the LRU until :meth:`release`."""
@@ -307,18 +354,19 @@ class _HostTookFree(_HostTookFresh):
 
 
 class _HostStored(Undo):
-    """An offloaded hash entered a host block (at the back of the host LRU)."""
+    """An offloaded hash entered a host block (at the back of its priority in the host LRU)."""
 
-    __slots__ = ("h", "hb", "host")
+    __slots__ = ("h", "hb", "host", "priority")
 
-    def __init__(self, host: HostTier, hb: int, h: bytes) -> None:
-        self.host, self.hb, self.h = host, hb, h
+    def __init__(self, host: HostTier, hb: int, h: bytes, priority: int = DEFAULT_PRIORITY) -> None:
+        self.host, self.hb, self.h, self.priority = host, hb, h, priority
 
     def undo(self) -> None:
         host = self.host
         host.lru.remove(self.hb)
         del host.index[self.h]
         host.hash[self.hb] = None
+        host.priority[self.hb] = self.priority
 
 
 class _HostReleased(_HostStored):

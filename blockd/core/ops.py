@@ -35,7 +35,7 @@ from blockd.core.hashing import (
 from blockd.core.lru import MissLedger
 from blockd.core.sequence import Sequence
 from blockd.core.types import Allocate, Append, Commit, DecodeAppend, Fork, Free, OpResult, TableUpdate
-from blockd.core.validate import check_extra_keys, check_int, check_name
+from blockd.core.validate import check_extra_keys, check_int, check_name, check_priority
 
 MAX_TOKENS_PER_SEQ = 1 << 24
 #: a prefix hit in the host tier, in :func:`cached_prefix`'s blocks (its host
@@ -163,13 +163,14 @@ def _apply_allocate(batch: Batch, op: Allocate) -> OpResult:
     if seq_id in batch.seqs:
         batch.refuse_existing(seq_id)
     tokens = _check_tokens(op.prompt_token_ids, "prompt_token_ids")
+    priority = check_priority(op.priority)
     blocks = batch.blocks
     need = allocation_need(blocks, batch.config.watermark_blocks, tokens, op.extra_keys, batch.config.tenant)
     if need is None:
         raise batch.no_room(f"admitting {len(tokens)} prompt tokens", watermark=True)
     hits, hashes = need
     b = batch.block_size
-    seq = Sequence(seq_id, op.extra_keys, _digest(op.extra_keys, batch.config.tenant))
+    seq = Sequence(seq_id, op.extra_keys, _digest(op.extra_keys, batch.config.tenant), priority)
     # before this allocation's own takes evict anything: the cache as the prompt found it
     miss = explain_misses(blocks, batch.misses, tokens, len(hits), hashes, seq.extra_digest)
     num_restored = hits.count(IN_HOST) if blocks.host is not None else 0
@@ -298,7 +299,7 @@ def _apply_fork(batch: Batch, op: Fork) -> OpResult:
     child_id = check_name(op.child_seq_id, "child_seq_id")
     if child_id in batch.seqs:
         batch.refuse_existing(child_id)
-    child = Sequence(child_id, parent.extra, parent.extra_digest)
+    child = Sequence(child_id, parent.extra, parent.extra_digest, parent.priority)
     child.table = list(parent.table)
     child.token_ids = list(parent.token_ids)
     child.num_committed = parent.num_committed
@@ -314,8 +315,9 @@ def _apply_fork(batch: Batch, op: Fork) -> OpResult:
 def _apply_free(batch: Batch, op: Free) -> OpResult:
     seq = batch.get_seq(op.seq_id)
     # tail first, so the LRU evicts a freed sequence's tail before its head
+    release, priority = batch.blocks.release, seq.priority
     for block in reversed(seq.table):
-        batch.blocks.release(block)
+        release(block, priority)
     batch.remove_seq(seq)
     batch.num_tokens -= len(seq.token_ids)
     batch.record_update(TableUpdate(seq_id=seq.seq_id, freed=True))

@@ -53,7 +53,7 @@ from blockd.core.types import (
     StepResult,
     VersionDelta,
 )
-from blockd.core.validate import check_config, check_name
+from blockd.core.validate import check_config, check_name, check_priority
 
 MAX_OPS_PER_STEP = 65536
 #: freed sequence ids remembered, so a late append is told 'freed', not 'unknown'
@@ -80,6 +80,20 @@ class Pin:
     block_ids: tuple[int, ...]
     num_tokens: int
     expires_at: float = 0.0
+
+
+@dataclass(frozen=True)
+class PrefixPriority:
+    """What :meth:`Pool.set_prefix_priority` set: the leading full blocks of a
+    prefix cached in pool ``pool`` (``num_tokens`` tokens: ``num_device_blocks``
+    in the device tier, ``num_host_blocks`` in the host tier) now at ``priority``."""
+
+    pool: str
+    tenant: str
+    priority: int
+    num_tokens: int
+    num_device_blocks: int
+    num_host_blocks: int
 
 
 class SnapshotRequired(WrongState):
@@ -342,6 +356,31 @@ class Pool:
             else:
                 del self.pinned[block]
         return pin
+
+    # --- retention priorities ----------------------------------------------------
+    def set_prefix_priority(self, token_ids: list[int] | tuple[int, ...], extra_keys: ExtraKeys | None,
+                            priority: int) -> PrefixPriority:
+        """Keep the prompt's leading full blocks cached in either tier (the
+        chain a prefix hit would follow) at ``priority`` from now on: an
+        evictable one moves to the back of that priority's LRU in its tier
+        (tail first, as a Free releases them), a used one enters it when let go (its holders raise it to theirs if
+        higher). FAILED_PRECONDITION when none is cached (nothing changes)."""
+        priority = check_priority(priority)
+        max_blocks = len(token_ids) if isinstance(token_ids, (list, tuple)) else 0
+        hits, hashes = cached_prefix(self.blocks, token_ids, extra_keys, max_blocks, self.config.tenant)
+        if not hits:
+            raise WrongState(f"no full block of this prefix is cached in pool {shown(self.config.name)}: commit it "
+                             "first, or check the extra keys")
+        blocks, host = self.blocks, self.blocks.host
+        for block, h in zip(reversed(hits), reversed(hashes)):  # tail first, as a Free releases
+            if block == IN_HOST:
+                assert host is not None, "a host-tier hit needs a host tier"
+                host.set_priority(host.index[h], priority)
+            else:
+                blocks.set_priority(block, priority)
+        in_host = hits.count(IN_HOST)
+        return PrefixPriority(self.config.name, self.config.tenant, priority, len(hits) * self.block_size,
+                              len(hits) - in_host, in_host)
 
     # --- operator actions ---------------------------------------------------
     def reset_prefix_cache(self) -> None:

@@ -12,14 +12,15 @@ from collections.abc import Callable, Mapping
 
 from blockd.core.errors import NotFound, WrongState, shown
 from blockd.core.hashing import ExtraKeys
+from blockd.core.lru import DEFAULT_PRIORITY
 
 
 class Sequence:
     """A sequence's table and tokens (internal; callers see plain lists)."""
 
-    __slots__ = ("extra", "extra_digest", "hashes", "num_committed", "seq_id", "table", "token_ids")
+    __slots__ = ("extra", "extra_digest", "hashes", "num_committed", "priority", "seq_id", "table", "token_ids")
 
-    def __init__(self, seq_id: str, extra: ExtraKeys, extra_digest: bytes) -> None:
+    def __init__(self, seq_id: str, extra: ExtraKeys, extra_digest: bytes, priority: int = DEFAULT_PRIORITY) -> None:
         self.seq_id = seq_id
         self.table: list[int] = []
         self.token_ids: list[int] = []
@@ -28,6 +29,8 @@ class Sequence:
         self.hashes: list[bytes] = []
         self.extra = extra
         self.extra_digest = extra_digest
+        #: the retention priority its blocks are released at (:mod:`blockd.core.lru`)
+        self.priority = priority
 
 
 def find_seq(seqs: Mapping[str, Sequence], seq_id: object, pool_name: str,

@@ -4,7 +4,8 @@ Used by the daemon's snapshots: :func:`dump_pool` captures everything that
 determines future behaviour (ref counts, fills, hashes, the free list order,
 the LRU order, the never-used counter, every sequence with its tokens and
 hash chain, counters, version, retained deltas, event numbering, and the
-host tier's hashes, free list and LRU order, the miss ledger: dropped
+host tier's hashes, free list and LRU order, each block's retention
+priority (so each priority's LRU order) and each sequence's, the miss ledger: dropped
 hashes in order, tokens-only hashes, missed tokens by reason, and the pins:
 each one's id, blocks, tokens and deadline, in order), so a pool
 rebuilt by :func:`load_pool` and then fed the same batches hands out the
@@ -24,6 +25,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from blockd.core.hashing import HASH_BYTES, ExtraKeys, tenant_digest
+from blockd.core.lru import DEFAULT_PRIORITY, NUM_PRIORITIES
 from blockd.core.pool import Pin, Pool
 from blockd.core.sequence import Sequence
 from blockd.core.types import (
@@ -91,19 +93,25 @@ def _dump_host(pool: Pool) -> dict[str, Any] | None:
         return None
     return {"hash": {str(hb): h.hex() for hb, h in enumerate(host.hash) if h is not None},
             "next_fresh": host.next_fresh, "free": pack(host.free), "lru": pack(list(host.lru)),
+            "priority": pack(host.priority, "B"),
             "num_offloads": pool.blocks.num_offloads, "num_restores": pool.blocks.num_restores}
 
 
 def _load_tier(tier: Any, data: dict[str, Any]) -> None:
     """What both tiers keep alike: the hash of each block and its index, the
-    never-used front, the free list and the LRU order."""
+    never-used front, the free list, each block's priority and the LRU order
+    (a snapshot from before priorities: every block at the default)."""
     for block, h in data["hash"].items():
         tier.hash[int(block)] = digest = bytes.fromhex(h)
         tier.index[digest] = int(block)
     tier.next_fresh = data["next_fresh"]
     tier.free = deque(unpack(data["free"]))
+    priority = unpack(data["priority"], "B") if "priority" in data else [DEFAULT_PRIORITY] * len(tier.priority)
+    if len(priority) != len(tier.priority) or not all(0 <= p < NUM_PRIORITIES for p in priority):
+        raise ValueError(f"a snapshot's priorities do not fit {len(tier.priority)} blocks of {NUM_PRIORITIES} levels")
+    tier.priority = priority
     for block in unpack(data["lru"]):
-        tier.lru.push_back(block)
+        tier.lru.push_back(block, priority[block])
 
 
 def _load_host(pool: Pool, data: dict[str, Any] | None) -> None:
@@ -162,7 +170,7 @@ def _dump_seqs(pool: Pool) -> dict[str, Any]:
     """Every sequence, columnar: one packed array per field for all of them, so
     100k sequences cost a few list extends each rather than a dict apiece.
     Ordered by id, so equal pools dump equal (dict order carries no meaning)."""
-    ids, tokens, tables, hashes = [], array("I"), array("I"), []
+    ids, tokens, tables, hashes, priority = [], array("I"), array("I"), [], array("B")
     num_tokens, num_blocks, committed, extra_index = array("I"), array("I"), array("I"), array("I")
     extras: dict[ExtraKeys, int] = {}
     for seq_id in sorted(pool.seqs):
@@ -173,11 +181,13 @@ def _dump_seqs(pool: Pool) -> dict[str, Any]:
         num_tokens.append(len(seq.token_ids))
         num_blocks.append(len(seq.table))
         committed.append(seq.num_committed)
+        priority.append(seq.priority)
         hashes.extend(seq.hashes)
         extra_index.append(extras.setdefault(seq.extra, len(extras)))
     return {"ids": ids, "tokens": pack(tokens), "tables": pack(tables), "num_tokens": pack(num_tokens),
             "num_blocks": pack(num_blocks), "committed": pack(committed), "extra_index": pack(extra_index),
-            "extras": [extra_to_json(e) for e in extras], "hashes": base64.b64encode(b"".join(hashes)).decode()}
+            "extras": [extra_to_json(e) for e in extras], "hashes": base64.b64encode(b"".join(hashes)).decode(),
+            "priority": pack(priority, "B")}
 
 
 def _load_seqs(pool: Pool, data: dict[str, Any]) -> None:
@@ -187,9 +197,14 @@ def _load_seqs(pool: Pool, data: dict[str, Any]) -> None:
     hashes = base64.b64decode(data["hashes"])
     tok = blk = hsh = 0
     b = pool.block_size
-    for seq_id, n, m, committed, extra in zip(data["ids"], unpack(data["num_tokens"]), unpack(data["num_blocks"]),
-                                              unpack(data["committed"]), unpack(data["extra_index"])):
-        seq = Sequence(seq_id, *digests[extra])
+    ids = data["ids"]
+    # a snapshot from before priorities: every sequence at the default
+    priority = unpack(data["priority"], "B") if "priority" in data else [DEFAULT_PRIORITY] * len(ids)
+    for seq_id, n, m, committed, extra, prio in zip(ids, unpack(data["num_tokens"]), unpack(data["num_blocks"]),
+                                                    unpack(data["committed"]), unpack(data["extra_index"]),
+                                                    priority):
+        extra_keys, digest = digests[extra]
+        seq = Sequence(seq_id, extra_keys, digest, prio)
         seq.token_ids, seq.table, seq.num_committed = tokens[tok : tok + n], tables[blk : blk + m], committed
         k = committed // b
         seq.hashes = [hashes[i : i + HASH_BYTES] for i in range(hsh, hsh + k * HASH_BYTES, HASH_BYTES)]
@@ -205,7 +220,7 @@ def dump_pool(pool: Pool) -> dict[str, Any]:
         "config": config_to_json(pool.config),
         "ref": pack(blocks.ref), "fill": pack(blocks.fill), "hash": hashed,
         "next_fresh": blocks.next_fresh, "free": pack(blocks.free), "lru": pack(list(blocks.lru)),
-        "num_used": blocks.num_used, "filled_slots": blocks.filled_slots,
+        "priority": pack(blocks.priority, "B"), "num_used": blocks.num_used, "filled_slots": blocks.filled_slots,
         "num_evictions": blocks.num_evictions, "seqs": seqs,
         "counters": [pool.version, pool.num_tokens, pool.prefix_queried_tokens,
                      pool.prefix_hit_tokens, pool.num_copies, pool.last_event_seq_no],
@@ -244,6 +259,8 @@ def op_to_json(op: object) -> list[Any]:
         return ["P", op.seq_id, list(op.token_ids)]
     if isinstance(op, Allocate):
         data = ["A", op.seq_id, list(op.prompt_token_ids), extra_to_json(op.extra_keys)]
+        if op.priority != DEFAULT_PRIORITY:  # absent before priorities, and for the default one
+            return [*data, op.retain_ttl_s, op.priority]
         return [*data, op.retain_ttl_s] if op.retain_ttl_s else data
     if isinstance(op, Commit):
         return ["C", op.seq_id, op.num_tokens]
@@ -261,7 +278,8 @@ def op_from_json(data: list[Any]) -> Op:
     if kind == "P":
         return Append(data[1], data[2])
     if kind == "A":
-        return Allocate(data[1], data[2], extra_from_json(data[3]), retain_ttl_s=data[4] if len(data) > 4 else 0.0)
+        return Allocate(data[1], data[2], extra_from_json(data[3]), retain_ttl_s=data[4] if len(data) > 4 else 0.0,
+                        priority=data[5] if len(data) > 5 else DEFAULT_PRIORITY)
     if kind == "C":
         return Commit(data[1], data[2])
     if kind == "K":

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from blockd.core.hashing import NO_EXTRA_KEYS, ExtraKeys
+from blockd.core.lru import DEFAULT_PRIORITY
 
 #: bytes per element of the dtypes a pool may declare
 DTYPE_BYTES = {
@@ -74,6 +75,10 @@ class Allocate:
     #: > 0: once the prompt's full blocks are committed, the daemon pins them for
     #: this many seconds (docs/protocol.md, Pins; the core ignores it)
     retain_ttl_s: float = 0.0
+    #: retention priority in ``[0, 8)``, lower evicted first (4: the default):
+    #: the sequence's blocks enter the evictable LRU at it, or at the higher
+    #: priority of another holder (docs/protocol.md, Priorities)
+    priority: int = DEFAULT_PRIORITY
 
 
 @dataclass(frozen=True)

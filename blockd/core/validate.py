@@ -11,6 +11,7 @@ import re
 
 from blockd.core.errors import InvalidArgument, shown
 from blockd.core.hashing import ExtraKeys
+from blockd.core.lru import DEFAULT_PRIORITY, NUM_PRIORITIES
 from blockd.core.types import DTYPE_BYTES, MAX_BLOCK_SIZE, MAX_NUM_BLOCKS, PoolConfig
 
 #: longest pool name, sequence id, worker id or request id (in characters)
@@ -34,6 +35,14 @@ def check_name(value: object, what: str) -> str:
 def check_int(value: object, what: str, lo: int, hi: int) -> int:
     if type(value) is not int or not lo <= value <= hi:
         raise InvalidArgument(f"{what} must be an integer in [{lo}, {hi}], got {shown(value)}")
+    return value
+
+
+def check_priority(value: object, what: str = "priority") -> int:
+    """A retention priority: an int in ``[0, NUM_PRIORITIES)``."""
+    if type(value) is not int or not 0 <= value < NUM_PRIORITIES:
+        raise InvalidArgument(f"{what} must be an integer in [0, {NUM_PRIORITIES - 1}] (lower is evicted first; "
+                              f"default {DEFAULT_PRIORITY}), got {shown(value)}")
     return value
 
 

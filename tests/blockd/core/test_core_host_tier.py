@@ -110,7 +110,7 @@ def _offload_by_hand(pool, block):
     blocks.free.append(block)
     hb, dropped = host.take(None)
     assert dropped is None
-    host.store(None, hb, h)
+    host.store(None, hb, h, blocks.priority[block])
     return hb
 
 

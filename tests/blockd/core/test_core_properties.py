@@ -1,6 +1,8 @@
 """Property tests: random allocate/append/commit/fork/free/decode batches under
-memory pressure, with shared prefixes, extra keys and reused sequence ids,
-pins and unpins of prefixes between them, and now and then a reset of the
+memory pressure, with shared prefixes, extra keys, retention priorities and
+reused sequence ids, pins, unpins and priorities of prefixes between them
+(an allocation evicts the lowest priority's least recently used blocks
+first), and now and then a reset of the
 prefix cache; the invariant checker runs after every step, a model of each sequence's tokens is
 compared, and the prefix index rebuilt from the KV events must match the pool's."""
 
@@ -16,6 +18,7 @@ from blockd.core import (
     ALL_BLOCKS_CLEARED,
     BLOCK_REMOVED,
     BLOCK_STORED,
+    DEFAULT_PRIORITY,
     Allocate,
     Append,
     BlockdError,
@@ -39,6 +42,8 @@ from blockd.core.types import DecodeAppend
 PREFIXES = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [1, 2, 3, 4, 50, 60], [7] * 9, []]
 EXTRAS = [ExtraKeys(), ExtraKeys(model_id="m", adapter_name="a", adapter_id=3), ExtraKeys(cache_salt="t")]
 tokens = st.lists(st.integers(0, 20), max_size=9)
+#: retention priorities an allocation asks for: the default most often
+priorities = st.sampled_from([DEFAULT_PRIORITY, DEFAULT_PRIORITY, 0, 2, 7])
 
 
 def snapshot(pool):
@@ -82,13 +87,29 @@ class PoolMachine(RuleBasedStateMachine):
                 assert self.pool.blocks.ref[slot // self.block_size] == 1
         return result
 
-    @rule(prefix=st.sampled_from(PREFIXES), suffix=tokens, extra=st.sampled_from(EXTRAS))
-    def allocate(self, prefix, suffix, extra):
+    @rule(prefix=st.sampled_from(PREFIXES), suffix=tokens, extra=st.sampled_from(EXTRAS), priority=priorities)
+    def allocate(self, prefix, suffix, extra, priority):
+        """An allocation at a priority; the blocks it evicts are the front of
+        the LRU as it was (lowest priority first, then least recently used),
+        less the cached blocks it revives."""
         seq_id = self._new_id()
         prompt = prefix + suffix
-        if self._run([Allocate(seq_id, prompt, extra)]) is not None:
-            self.model[seq_id] = list(prompt)
-            self.committed[seq_id] = 0
+        blocks = self.pool.blocks
+        before = list(blocks.lru)
+        assert [blocks.priority[b] for b in before] == sorted(blocks.priority[b] for b in before)
+        hashes = {b: blocks.hash[b] for b in before}
+        result = self._run([Allocate(seq_id, prompt, extra, priority=priority)])
+        if result is None:
+            return
+        self.model[seq_id] = list(prompt)
+        self.committed[seq_id] = 0
+        assert self.pool.seqs[seq_id].priority == priority
+        table = self.pool.seqs[seq_id].table
+        hits = set(table[: result.results[0].num_cached_tokens // self.block_size])
+        revived = {b for b in hits if b in hashes and blocks.hash[b] == hashes[b]}
+        left = [b for b in before if b not in revived]
+        evicted = [b for b in left if b not in blocks.lru]
+        assert evicted == left[: len(evicted)]
 
     @precondition(lambda self: self.model)
     @rule(data=st.data(), new=tokens)
@@ -207,6 +228,37 @@ class PoolMachine(RuleBasedStateMachine):
         del self.pins[pin_id]
         with pytest.raises(NotFound):
             self.pool.unpin(pin_id)
+
+    @rule(data=st.data(), extra=st.sampled_from(EXTRAS), priority=st.sampled_from([0, 3, 4, 6, 8, -1]))
+    def set_prefix_priority(self, data, extra, priority):
+        """Set a prompt's priority (a live sequence's or a common prefix): its
+        cached blocks take it, evictable ones move to the back of its LRU
+        list, tail first; a priority out of range or nothing cached
+        changes nothing."""
+        prompt = data.draw(st.sampled_from([*(self.model[s] for s in sorted(self.model)), *PREFIXES]))
+        before = snapshot(self.pool)
+        try:
+            done = self.pool.set_prefix_priority(prompt, extra, priority)
+        except (InvalidArgument, WrongState) as err:
+            assert isinstance(err, InvalidArgument) == (priority not in range(8))
+            assert snapshot(self.pool) == before
+            return
+        blocks, b = self.pool.blocks, self.block_size
+        host = blocks.host
+        chain = _digest(extra, self.pool.config.tenant)
+        parent, evictable = None, []
+        for i in range(done.num_tokens // b):
+            parent = hash_block(parent, prompt[i * b : (i + 1) * b], chain)
+            if parent in blocks.index:
+                block = blocks.index[parent]
+                assert blocks.priority[block] == priority
+                if block in blocks.lru:
+                    evictable.append(block)
+            else:
+                assert host is not None and host.priority[host.index[parent]] == priority
+        at = list(blocks.lru.at(priority))
+        assert at[len(at) - len(evictable):] == evictable[::-1]  # tail first, as a Free releases
+        assert done.num_device_blocks + done.num_host_blocks == done.num_tokens // b > 0
 
     @precondition(lambda self: self.pins)
     @rule(chance=st.integers(0, 9))

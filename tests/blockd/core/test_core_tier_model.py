@@ -38,6 +38,8 @@ from blockd.core.types import OFFLOAD, RESTORE, DecodeAppend
 B = 2
 PREFIXES = [[1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 9], [1, 2, 7, 7], [5, 5, 5, 5, 5], []]
 tokens = st.lists(st.integers(0, 6), max_size=5)
+#: retention priorities: a block keeps its priority in the host tier and back
+priorities = st.sampled_from([4, 4, 0, 7])
 
 
 def snapshot(pool):
@@ -109,16 +111,17 @@ class TierMemoryMachine(RuleBasedStateMachine):
         return result
 
     # --- rules ----------------------------------------------------------------
-    @rule(prefix=st.sampled_from(PREFIXES), suffix=tokens)
-    def allocate(self, prefix, suffix):
-        self._step([Allocate(self._new_id(), prefix + suffix)])
+    @rule(prefix=st.sampled_from(PREFIXES), suffix=tokens, priority=priorities)
+    def allocate(self, prefix, suffix, priority):
+        self._step([Allocate(self._new_id(), prefix + suffix, priority=priority)])
 
-    @rule(prefix=st.sampled_from(PREFIXES[:-1]), suffix=tokens, free=st.booleans())
-    def prefill(self, prefix, suffix, free):
+    @rule(prefix=st.sampled_from(PREFIXES[:-1]), suffix=tokens, free=st.booleans(), priority=priorities)
+    def prefill(self, prefix, suffix, free, priority):
         """A prompt computed and committed (the next step), maybe freed: its
-        full blocks are cached, and under pressure offloaded."""
+        full blocks are cached at the highest priority of their holders, and
+        under pressure offloaded (the lowest priority first) with it."""
         seq_id = self._new_id()
-        if self._step([Allocate(seq_id, prefix + suffix)]) is not None:
+        if self._step([Allocate(seq_id, prefix + suffix, priority=priority)]) is not None:
             self._step([Commit(seq_id, len(prefix + suffix))])
             if free:
                 self._step([Free(seq_id)])
