@@ -28,7 +28,8 @@ from dataclasses import replace
 from hashlib import blake2b
 from itertools import chain
 
-from blockd.core.pool import Pin
+from blockd.core.lru import DEFAULT_PRIORITY
+from blockd.core.pool import Pin, PrefixPriority
 from blockd.core.types import (
     MISS_REASONS,
     OFFLOAD,
@@ -87,7 +88,10 @@ def _op_parts(op: object) -> tuple[bytes, ...]:
     if type(op) is DecodeAppend:
         return (b"D", *_ids(op.seq_ids), *_ints(op.token_ids))
     if type(op) is Allocate:
-        head = (op.seq_id, op.extra_keys, op.retain_ttl_s) if op.retain_ttl_s else (op.seq_id, op.extra_keys)
+        # fields at their defaults are left out, so older fingerprints stay valid
+        head: tuple = (op.seq_id, op.extra_keys, op.retain_ttl_s) if op.retain_ttl_s else (op.seq_id, op.extra_keys)
+        if op.priority != DEFAULT_PRIORITY:
+            head = (op.seq_id, op.extra_keys, op.retain_ttl_s, op.priority)
         return (*_chunk(b"A", _text(repr(head))), *_ints(op.prompt_token_ids))
     if type(op) is Append:
         return (*_chunk(b"P", _text(repr(op.seq_id))), *_ints(op.token_ids))
@@ -374,7 +378,7 @@ def _decode_step(data: bytes) -> StepResult:
 
 
 def encode_result(result: object, block_size: int = 0) -> bytes:
-    """An engine answer (a StepResult, PoolStats, Pin, or None) as bytes;
+    """An engine answer (a StepResult, PoolStats, Pin, PrefixPriority, or None) as bytes;
     ``block_size`` (the pool's) lets slot mappings be kept as their blocks."""
     if result is None:
         return b"N"
@@ -385,6 +389,8 @@ def encode_result(result: object, block_size: int = 0) -> bytes:
     if isinstance(result, Pin):
         return b"P" + json.dumps([result.pin_id, result.pool, result.tenant, list(result.block_ids),
                                   result.num_tokens, result.expires_at]).encode()
+    if isinstance(result, PrefixPriority):
+        return b"Q" + json.dumps([getattr(result, f) for f in PrefixPriority.__dataclass_fields__]).encode()
     raise TypeError(f"cannot keep an answer of type {type(result).__name__}")
 
 
@@ -402,4 +408,6 @@ def decode_result(data: bytes) -> object:
     if kind == b"P":
         pin_id, pool, tenant, block_ids, num_tokens, expires_at = json.loads(data[1:])
         return Pin(pin_id, pool, tenant, tuple(block_ids), num_tokens, expires_at)
+    if kind == b"Q":
+        return PrefixPriority(*json.loads(data[1:]))
     raise ValueError(f"unknown answer form {kind!r}")

@@ -1,6 +1,6 @@
 """The daemon's mutations as typed records, and their form in the write-ahead log.
 
-Every change to the daemon's state is one of seven records; an eighth,
+Every change to the daemon's state is one of eight records; a ninth,
 ``term_start``, marks where a new leader's term begins (``docs/ha.md``) and
 changes nothing. The engine
 applies a record the same way whether a caller asked for it or recovery
@@ -20,6 +20,7 @@ it was stamped with (so replay rebuilds the idempotency table exactly)::
     pin_prefix          {"pool": "...", "tokens": [...], "extra": [...], "ttl_s": S, "expires_at": T,
                          "seq_id": "..." (only for an Allocate's retain_ttl_s)}
     unpin_prefix        {"pool": "...", "pin_id": "pin-N", "expired": false}
+    set_prefix_priority {"pool": "...", "tokens": [...], "extra": [...], "priority": P}
     term_start          {"term": T, "previous_term": P, "leader": "replica id"}
 
 The term that wrote a record is not in its JSON but in its WAL frame
@@ -135,6 +136,21 @@ class UnpinPrefix:
 
 
 @dataclass(frozen=True)
+class SetPrefixPriority:
+    """A prefix's cached blocks kept at a retention priority (:meth:`blockd.core.Pool.set_prefix_priority`)."""
+
+    pool: str
+    token_ids: list[int]
+    extra_keys: ExtraKeys
+    priority: int
+    kind = "set_prefix_priority"
+
+    @property
+    def subject(self) -> object:
+        return f"{self.token_ids!r}|{self.extra_keys!r}|{self.priority!r}"
+
+
+@dataclass(frozen=True)
 class TermStart:
     """A new leader's first record: its term, the one before, and who leads.
 
@@ -150,7 +166,8 @@ class TermStart:
     subject = None
 
 
-Record = CreatePool | DeletePool | Step | ResetPrefixCache | WorkerJoined | PinPrefix | UnpinPrefix | TermStart
+Record = (CreatePool | DeletePool | Step | ResetPrefixCache | WorkerJoined | PinPrefix | UnpinPrefix
+          | SetPrefixPriority | TermStart)
 
 
 def encode(record: Record, rid: str = "", t: float = 0.0) -> dict:
@@ -168,6 +185,9 @@ def encode(record: Record, rid: str = "", t: float = 0.0) -> dict:
             body["seq_id"] = record.seq_id
     elif isinstance(record, UnpinPrefix):
         body = {"pool": record.pool, "pin_id": record.pin_id, "expired": record.expired}
+    elif isinstance(record, SetPrefixPriority):
+        body = {"pool": record.pool, "tokens": list(record.token_ids), "extra": extra_to_json(record.extra_keys),
+                "priority": record.priority}
     elif isinstance(record, TermStart):
         body = {"term": record.term, "previous_term": record.previous_term, "leader": record.leader}
     else:
@@ -199,6 +219,8 @@ def decode(body: dict) -> tuple[Record, str, float]:
                            body["expires_at"], body.get("seq_id", ""))
     elif kind == "unpin_prefix":
         record = UnpinPrefix(body["pool"], body["pin_id"], bool(body["expired"]))
+    elif kind == "set_prefix_priority":
+        record = SetPrefixPriority(body["pool"], body["tokens"], extra_from_json(body["extra"]), body["priority"])
     elif kind == "term_start":
         record = TermStart(int(body["term"]), int(body["previous_term"]), str(body["leader"]))
     else:

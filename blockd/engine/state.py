@@ -68,6 +68,9 @@ class State:
             return retained_pin(self.entry(record.pool), record)
         if isinstance(record, records.UnpinPrefix):
             return self.entry(record.pool).pool.unpin(record.pin_id)
+        if isinstance(record, records.SetPrefixPriority):
+            return self.entry(record.pool).pool.set_prefix_priority(record.token_ids, record.extra_keys,
+                                                                    record.priority)
         if isinstance(record, records.ResetPrefixCache):
             entry = self.entry(record.pool)
             entry.pool.reset_prefix_cache()

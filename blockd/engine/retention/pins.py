@@ -6,7 +6,9 @@ the allocator knows nothing else of pins. This module is the engine's side:
 
 * :class:`CacheCalls`, mixed into :class:`blockd.engine.machine.Engine`:
   ``reset_prefix_cache`` (which drops every pin of the pool with the cache),
-  ``pin_prefix``, ``unpin_prefix``, ``list_pins``, ``expire_pins``, and
+  ``pin_prefix``, ``unpin_prefix``, ``list_pins``, ``expire_pins``,
+  ``set_prefix_priority`` (a prefix's cached blocks at a retention priority,
+  in both tiers: :meth:`blockd.core.Pool.set_prefix_priority`), and
   ``retain_committed`` (after each live step: pins for the ``Allocate`` ops
   that set ``retain_ttl_s``, :mod:`blockd.engine.retention.retain`). A pin
   and an unpin are records (:mod:`blockd.engine.records`) like any change:
@@ -33,8 +35,9 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from blockd.core import BlockdError, ExtraKeys, Pin
+from blockd.core import BlockdError, ExtraKeys, Pin, PrefixPriority
 from blockd.core.errors import QuotaExceeded
+from blockd.core.validate import check_priority
 from blockd.engine import records
 from blockd.engine.pools import PoolEntry
 from blockd.engine.retention.retain import check_ttl, due_pins
@@ -127,6 +130,19 @@ class CacheCalls:
         pin = self._mutate_in_term(records.UnpinPrefix(pool, pin_id), request_id)[0]
         assert isinstance(pin, Pin), "an unpin record answers with the pin"
         return pin
+
+    def set_prefix_priority(self, pool: str, token_ids: list[int], extra_keys: ExtraKeys, priority: int,
+                            request_id: str = "") -> PrefixPriority:
+        """Keep the leading full blocks of ``token_ids`` cached in ``pool``
+        (either tier) at retention ``priority`` (INVALID_ARGUMENT out of
+        range, FAILED_PRECONDITION when none is cached; nothing changes)."""
+        self._guard(pool)
+        check_priority(priority)  # before the record: a bad priority is never logged
+        record = records.SetPrefixPriority(pool, list(token_ids) if isinstance(token_ids, (list, tuple))
+                                           else token_ids, extra_keys, priority)
+        done = self._mutate_in_term(record, request_id)[0]
+        assert isinstance(done, PrefixPriority), "a priority record answers with what it set"
+        return done
 
     def list_pins(self, pool: str) -> list[Pin]:
         """``pool``'s pins, in the order they were made."""
