@@ -20,7 +20,7 @@ import json
 
 import grpc
 from google.protobuf.message import Message
-from google.rpc import error_details_pb2
+from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 _DETAIL_TYPES = {cls.DESCRIPTOR.full_name: cls for cls in (
@@ -180,3 +180,14 @@ def from_rpc_error(err: grpc.RpcError) -> BlockdClientError:
     except ValueError:  # status details that disagree with the call's code/message
         status = None
     return error_for(code, message, _unpack(status) if status is not None else ())
+
+
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def from_status_bytes(data: bytes) -> BlockdClientError:
+    """The SDK exception for a refusal carried as a serialized ``google.rpc.Status``
+    (a StepStream answer's ``error_status``): the same one the unary call's
+    failure would raise."""
+    status = status_pb2.Status.FromString(data)
+    return error_for(_CODES.get(status.code, grpc.StatusCode.UNKNOWN), status.message, _unpack(status))

@@ -61,8 +61,9 @@ from blockd.v1 import replication_pb2 as rpb
 from blockd.v1 import replication_pb2_grpc as rpb_grpc
 from client import messages
 from client.channel import DEFAULT_MAX_ATTEMPTS, DEFAULT_TARGET, DEFAULT_TIMEOUT_S, dial
-from client.errors import from_rpc_error
+from client.errors import BlockdClientError, from_rpc_error
 from client.leader import ReplicaStubs
+from client.step_stream import StepStream
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -138,6 +139,11 @@ class BlockdClient:
             time.sleep(step[1])
             attempt += 1
             method = step[0]
+
+    def _follow_next(self, method: Callable[..., Any], error: BlockdClientError,
+                     attempt: int) -> tuple[Callable[..., Any], float] | None:
+        """Where to resend after ``method`` failed (:mod:`client.leader`); None: raise."""
+        return self._replicas.next_call(method, error, attempt) if self._follow else None
 
     def _stream(self, method: Callable[..., Any], request: Any, read: Callable[[Any], T],
                 timeout_s: float | None) -> Generator[T, None, None]:
@@ -221,6 +227,13 @@ class BlockdClient:
         one) rather than apply it to sequences that may lack earlier steps."""
         request = messages.step_request(pool, ops, request_id, dry_run, incarnation, previous_term)
         return convert.step_result_from_proto(self._unary(self._blocks.Step, request, timeout_s))
+
+    def step_stream(self, timeout_s: float | None = None) -> StepStream:
+        """Steps over one long-lived stream (:class:`client.step_stream.StepStream`:
+        its ``step`` and ``decode_append`` answer as this client's do, for less of
+        the daemon's CPU per step). ``timeout_s``: each step's deadline (default:
+        this client's). Close it when done."""
+        return StepStream(self, timeout_s or self.timeout_s)
 
     def _one(self, pool: str, op: Op, request_id: str | None) -> OpResult:
         """A one-operation step; its operation's result."""

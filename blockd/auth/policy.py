@@ -11,7 +11,7 @@ permission         RPCs
                    the hash spec and a pool's block size and tenant)
 ``tables.read``    GetTables, GetSequence, Watch (block tables)
 ``cache.read``     Events, LookupPrefix (block hashes and token ids: prompts)
-``step``           Step (allocate/append/commit/fork/free), PinPrefix, UnpinPrefix (what the tenant keeps cached)
+``step``           Step, StepStream (allocate/append/commit/fork/free), PinPrefix, UnpinPrefix (what is cached)
 ``worker.join``    RegisterWorker, Heartbeat
 ``kv.stats``       KVShardService.GetWorkerStats
 ``kv.compute``     KVShardService.WriteKV, Attention, ModelStep, FetchBlocks
@@ -76,7 +76,7 @@ _BLOCKD = {
         "ResetPrefixCache": POOL_ADMIN, "PinPrefix": STEP, "UnpinPrefix": STEP, "ListPins": POOL_READ,
     },
     "blockd.v1.BlockService": {
-        "Step": STEP, "GetTables": TABLES_READ, "GetSequence": TABLES_READ, "Watch": TABLES_READ,
+        "Step": STEP, "StepStream": STEP, "GetTables": TABLES_READ, "GetSequence": TABLES_READ, "Watch": TABLES_READ,
         "Events": CACHE_READ, "LookupPrefix": CACHE_READ, "GetHashSpec": POOL_READ,
     },
     "blockd.v1.WorkerService": {

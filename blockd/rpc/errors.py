@@ -175,6 +175,17 @@ def status_for(err: BaseException, rpc: str) -> grpc.Status:
     return internal_status(rpc, err)
 
 
+def status_bytes(err: BaseException, rpc: str) -> bytes:
+    """The serialized ``google.rpc.Status`` of :func:`status_for`: how a
+    stream that answers each request (StepStream) carries a refusal without
+    ending the call, in the bytes of gRPC's ``grpc-status-details-bin`` trailer."""
+    status = status_for(err, rpc)
+    for key, value in status.trailing_metadata:
+        if key == "grpc-status-details-bin" and isinstance(value, bytes):
+            return value
+    return status_pb2.Status(code=status.code.value[0], message=status.details).SerializeToString()
+
+
 class CallerGone(Exception):
     """The caller's request stream ended with an error: it cancelled the call, or
     its connection is gone. Nobody is left to answer, and nothing went wrong here."""
@@ -197,6 +208,36 @@ def unary(method: Callable) -> Callable:
         # abort raises, so it must run outside the try above
         context.abort_with_status(status)
         return None
+
+    return handler
+
+
+def answer_each(method: Callable) -> Callable:
+    """Serve a stream of requests one answer each: ``method(self, request,
+    context)`` answers one request; whatever it raises becomes the stream's
+    answer for that request through ``refused(err, rpc)`` on the servicer
+    (:func:`status_bytes` wrapped in the RPC's answer message), and the stream
+    reads on. Requests that do not parse are refused the same way; the stream
+    ends when the caller ends or cancels it."""
+    rpc = method.__name__
+
+    @functools.wraps(method)
+    def handler(self, requests, context: grpc.ServicerContext):
+        it = iter(requests)
+        while True:
+            try:
+                request = next(it)
+            except StopIteration:
+                return
+            except grpc.RpcError:
+                return  # the caller cancelled or its connection is gone: nobody to answer
+            try:
+                if isinstance(request, BlockdError):  # the deserializer's refusal (MalformedRequest, ...)
+                    raise request
+                answer = method(self, request, context)
+            except Exception as err:  # noqa: BLE001 - classified like any call's failure
+                answer = self.refused(err, rpc)
+            yield answer
 
     return handler
 

@@ -24,9 +24,9 @@ from blockd.engine.machine import Engine
 from blockd.engine.tenancy import owner_of
 from blockd.rpc import convert
 from blockd.rpc.convert import optional_id, require_id, require_ids
-from blockd.rpc.errors import BadField, server_stream, unary
+from blockd.rpc.errors import BadField, answer_each, server_stream, status_bytes, unary
 from blockd.rpc.hash_spec import hash_spec_to_proto
-from blockd.service.skim import step_parser
+from blockd.service.skim import step_parser, step_stream_parser
 from blockd.v1 import blockd_pb2 as pb
 from blockd.v1 import blockd_pb2_grpc as pb_grpc
 
@@ -96,10 +96,26 @@ class BlockServicer(pb_grpc.BlockServiceServicer):
         self._engine = engine
         self._shutdown = shutdown
         #: read by blockd.rpc.errors.method_handlers: an oversized Step is refused before it is parsed whole
-        self.request_parsers = {"Step": step_parser(engine.config.guardrails)}
+        self.request_parsers = {"Step": step_parser(engine.config.guardrails),
+                                "StepStream": step_stream_parser(engine.config.guardrails)}
 
     @unary
     def Step(self, request: pb.StepRequest, context) -> pb.StepResponse:
+        return self._step(request)
+
+    @answer_each
+    def StepStream(self, request: pb.StepRequest, context) -> pb.StepStreamResponse:
+        # the stream's parser hands over the StepRequest inside each StepStreamRequest
+        answer = pb.StepStreamResponse()
+        answer.response.CopyFrom(self._step(request))
+        return answer
+
+    @staticmethod
+    def refused(err: BaseException, rpc: str) -> pb.StepStreamResponse:
+        """A StepStream request's refusal, as its answer (:func:`blockd.rpc.errors.answer_each`)."""
+        return pb.StepStreamResponse(error_status=status_bytes(err, rpc))
+
+    def _step(self, request: pb.StepRequest) -> pb.StepResponse:
         pool = require_id(request.pool, "pool")
         request_id = optional_id(request.request_id, "request_id")
         incarnation = optional_id(request.pool_incarnation, "pool_incarnation")

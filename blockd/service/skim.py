@@ -31,19 +31,24 @@ from blockd.v1 import blockd_pb2 as pb
 SKIM_BYTES = 64 << 10
 
 
-def _skim_class() -> type[Message]:
+def _skim_classes() -> tuple[type[Message], type[Message]]:
     fields = descriptor_pb2.FieldDescriptorProto
     file = descriptor_pb2.FileDescriptorProto(name="blockd/internal/step_skim.proto", package="blockd.internal",
                                               syntax="proto3")
     message = file.message_type.add(name="StepRequestSkim")
     message.field.add(name="ops", number=pb.StepRequest.DESCRIPTOR.fields_by_name["ops"].number,
                       type=fields.TYPE_BYTES, label=fields.LABEL_REPEATED)
+    # a StepStream request's step as bytes: the same check on the step inside
+    message = file.message_type.add(name="StepStreamRequestSkim")
+    message.field.add(name="step", number=pb.StepStreamRequest.DESCRIPTOR.fields_by_name["step"].number,
+                      type=fields.TYPE_BYTES, label=fields.LABEL_OPTIONAL)
     pool = descriptor_pool.DescriptorPool()  # its own pool: nothing of blockd's protocol is shadowed
     pool.Add(file)
-    return message_factory.GetMessageClass(pool.FindMessageTypeByName("blockd.internal.StepRequestSkim"))
+    return tuple(message_factory.GetMessageClass(pool.FindMessageTypeByName(f"blockd.internal.{name}"))
+                 for name in ("StepRequestSkim", "StepStreamRequestSkim"))  # type: ignore[return-value]
 
 
-_Skim = _skim_class()
+_Skim, _StreamSkim = _skim_classes()
 
 
 def step_parser(guardrails: Guardrails) -> Callable[[bytes], Message | BlockdError]:
@@ -61,5 +66,20 @@ def step_parser(guardrails: Guardrails) -> Callable[[bytes], Message | BlockdErr
             except BlockdError as err:
                 return BadField("ops", str(err))
         return parse(data)
+
+    return parser
+
+
+def step_stream_parser(guardrails: Guardrails) -> Callable[[bytes], Message | BlockdError]:
+    """A deserializer of StepStreamRequest that hands the servicer the
+    StepRequest inside, checked as :func:`step_parser` checks one."""
+    parse_step = step_parser(guardrails)
+
+    def parser(data: bytes) -> Message | BlockdError:
+        try:
+            step = _StreamSkim.FromString(data).step  # type: ignore[attr-defined]
+        except Exception:  # noqa: BLE001 - bytes that do not parse: the full parse says how
+            return lenient_parser(pb.StepStreamRequest)(data)
+        return parse_step(step)
 
     return parser

@@ -1343,6 +1343,61 @@ class StepResponse(_message.Message):
 Global___StepResponse: _TypeAlias = StepResponse  # noqa: Y015
 
 @_typing.final
+class StepStreamRequest(_message.Message):
+    """One StepStream request: a step, as Step takes it."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STEP_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def step(self) -> Global___StepRequest: ...
+    def __init__(
+        self,
+        *,
+        step: Global___StepRequest | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["step", b"step"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["step", b"step"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StepStreamRequest: _TypeAlias = StepStreamRequest  # noqa: Y015
+
+@_typing.final
+class StepStreamResponse(_message.Message):
+    """One StepStream answer, for the request at the same place in the stream."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESPONSE_FIELD_NUMBER: _builtins.int
+    ERROR_STATUS_FIELD_NUMBER: _builtins.int
+    error_status: _builtins.bytes
+    """The refusal Step would have ended its call with: a serialized
+    google.rpc.Status (code, message, details), the bytes gRPC carries in
+    its grpc-status-details-bin trailer.
+    """
+    @_builtins.property
+    def response(self) -> Global___StepResponse:
+        """What Step would have answered."""
+
+    def __init__(
+        self,
+        *,
+        response: Global___StepResponse | None = ...,
+        error_status: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["error_status", b"error_status", "outcome", b"outcome", "response", b"response"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error_status", b"error_status", "outcome", b"outcome", "response", b"response"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_outcome: _TypeAlias = _typing.Literal["response", "error_status"]  # noqa: Y015
+    _WhichOneofArgType_outcome: _TypeAlias = _typing.Literal["outcome", b"outcome"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_outcome) -> _WhichOneofReturnType_outcome | None: ...
+
+Global___StepStreamResponse: _TypeAlias = StepStreamResponse  # noqa: Y015
+
+@_typing.final
 class BlockTable(_message.Message):
     """One sequence's block table."""
 

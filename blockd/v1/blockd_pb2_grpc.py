@@ -435,6 +435,11 @@ class BlockServiceStub:
                 request_serializer=blockd_dot_v1_dot_blockd__pb2.StepRequest.SerializeToString,
                 response_deserializer=blockd_dot_v1_dot_blockd__pb2.StepResponse.FromString,
                 _registered_method=True)
+        self.StepStream = channel.stream_stream(
+                '/blockd.v1.BlockService/StepStream',
+                request_serializer=blockd_dot_v1_dot_blockd__pb2.StepStreamRequest.SerializeToString,
+                response_deserializer=blockd_dot_v1_dot_blockd__pb2.StepStreamResponse.FromString,
+                _registered_method=True)
         self.GetTables = channel.unary_unary(
                 '/blockd.v1.BlockService/GetTables',
                 request_serializer=blockd_dot_v1_dot_blockd__pb2.GetTablesRequest.SerializeToString,
@@ -475,6 +480,17 @@ class BlockServiceServicer:
 
     def Step(self, request, context):
         """Applies a batch of operations atomically: all or nothing.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StepStream(self, request_iterator, context):
+        """Steps over one long-lived stream, for a scheduler that steps every
+        iteration: one answer per request, in order, each what Step would answer
+        (the same ordering, idempotency and refusals; a refusal is an answer and
+        the stream stays open). It saves each step the daemon's set-up of a call
+        (docs/protocol.md, Step streams; docs/benchmarks.md, daemon_cost).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -533,6 +549,11 @@ def add_BlockServiceServicer_to_server(servicer, server):
                     servicer.Step,
                     request_deserializer=blockd_dot_v1_dot_blockd__pb2.StepRequest.FromString,
                     response_serializer=blockd_dot_v1_dot_blockd__pb2.StepResponse.SerializeToString,
+            ),
+            'StepStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.StepStream,
+                    request_deserializer=blockd_dot_v1_dot_blockd__pb2.StepStreamRequest.FromString,
+                    response_serializer=blockd_dot_v1_dot_blockd__pb2.StepStreamResponse.SerializeToString,
             ),
             'GetTables': grpc.unary_unary_rpc_method_handler(
                     servicer.GetTables,
@@ -595,6 +616,33 @@ class BlockService:
             '/blockd.v1.BlockService/Step',
             blockd_dot_v1_dot_blockd__pb2.StepRequest.SerializeToString,
             blockd_dot_v1_dot_blockd__pb2.StepResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StepStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/blockd.v1.BlockService/StepStream',
+            blockd_dot_v1_dot_blockd__pb2.StepStreamRequest.SerializeToString,
+            blockd_dot_v1_dot_blockd__pb2.StepStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,

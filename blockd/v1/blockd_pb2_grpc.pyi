@@ -206,6 +206,13 @@ class BlockServiceStub:
     def __new__(cls, channel: _aio.Channel) -> BlockServiceAsyncStub: ...
     Step: _grpc.UnaryUnaryMultiCallable[_blockd_pb2.StepRequest, _blockd_pb2.StepResponse]
     """Applies a batch of operations atomically: all or nothing."""
+    StepStream: _grpc.StreamStreamMultiCallable[_blockd_pb2.StepStreamRequest, _blockd_pb2.StepStreamResponse]
+    """Steps over one long-lived stream, for a scheduler that steps every
+    iteration: one answer per request, in order, each what Step would answer
+    (the same ordering, idempotency and refusals; a refusal is an answer and
+    the stream stays open). It saves each step the daemon's set-up of a call
+    (docs/protocol.md, Step streams; docs/benchmarks.md, daemon_cost).
+    """
     GetTables: _grpc.UnaryUnaryMultiCallable[_blockd_pb2.GetTablesRequest, _blockd_pb2.GetTablesResponse]
     """Block tables of chosen sequences (all when none are named) at the
     current version.
@@ -236,6 +243,13 @@ class BlockServiceAsyncStub(BlockServiceStub):
     def __init__(self, channel: _aio.Channel) -> None: ...
     Step: _aio.UnaryUnaryMultiCallable[_blockd_pb2.StepRequest, _blockd_pb2.StepResponse]  # type: ignore[assignment]
     """Applies a batch of operations atomically: all or nothing."""
+    StepStream: _aio.StreamStreamMultiCallable[_blockd_pb2.StepStreamRequest, _blockd_pb2.StepStreamResponse]  # type: ignore[assignment]
+    """Steps over one long-lived stream, for a scheduler that steps every
+    iteration: one answer per request, in order, each what Step would answer
+    (the same ordering, idempotency and refusals; a refusal is an answer and
+    the stream stays open). It saves each step the daemon's set-up of a call
+    (docs/protocol.md, Step streams; docs/benchmarks.md, daemon_cost).
+    """
     GetTables: _aio.UnaryUnaryMultiCallable[_blockd_pb2.GetTablesRequest, _blockd_pb2.GetTablesResponse]  # type: ignore[assignment]
     """Block tables of chosen sequences (all when none are named) at the
     current version.
@@ -269,6 +283,19 @@ class BlockServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_blockd_pb2.StepResponse, _abc.Awaitable[_blockd_pb2.StepResponse]]:
         """Applies a batch of operations atomically: all or nothing."""
+
+    @_abc_1.abstractmethod
+    def StepStream(
+        self,
+        request_iterator: _MaybeAsyncIterator[_blockd_pb2.StepStreamRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_blockd_pb2.StepStreamResponse], _abc.AsyncIterator[_blockd_pb2.StepStreamResponse]]:
+        """Steps over one long-lived stream, for a scheduler that steps every
+        iteration: one answer per request, in order, each what Step would answer
+        (the same ordering, idempotency and refusals; a refusal is an answer and
+        the stream stays open). It saves each step the daemon's set-up of a call
+        (docs/protocol.md, Step streams; docs/benchmarks.md, daemon_cost).
+        """
 
     @_abc_1.abstractmethod
     def GetTables(

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import grpc
 import pytest
 from google.protobuf.message import Message
+from google.rpc import status_pb2
 from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2
 
@@ -73,6 +74,9 @@ REQUESTS: dict[str, tuple[Callable[[], Message], Code]] = {
     "/blockd.v1.PoolService/ListPins": (lambda: pb.ListPinsRequest(pool="p"), Code.OK),
     "/blockd.v1.BlockService/Step": (
         lambda: convert.step_request_to_proto("p", [Allocate("t", [1, 2, 3])], ""), Code.OK),
+    # a refused step is the stream's first answer (error_status), read as that step's code (_call)
+    "/blockd.v1.BlockService/StepStream": (lambda: pb.StepStreamRequest(
+        step=convert.step_request_to_proto("p", [Allocate("t", [1, 2, 3])], "")), Code.OK),
     "/blockd.v1.BlockService/GetTables": (lambda: pb.GetTablesRequest(pool="p"), Code.OK),
     "/blockd.v1.BlockService/GetSequence": (lambda: pb.GetSequenceRequest(pool="p", seq_id="s"), Code.OK),
     "/blockd.v1.BlockService/Watch": (lambda: pb.WatchRequest(pool="p"), Code.OK),
@@ -181,6 +185,17 @@ def _expected(case: str, method: str) -> Code:
     return Code.PERMISSION_DENIED if lacking else allowed
 
 
+_CODES = {code.value[0]: code for code in Code}
+
+
+def _in_band(answer: bytes) -> Code:
+    """A StepStream answer's code: OK, or the code of the refusal it carries."""
+    reply = pb.StepStreamResponse.FromString(answer)
+    if reply.HasField("error_status"):
+        return _CODES[status_pb2.Status.FromString(reply.error_status).code]
+    return Code.OK
+
+
 def _call(pki, address: str, method: str, cert: str | None, token: str | None) -> tuple[Code, bytes]:
     creds = grpc.ssl_channel_credentials(
         _read(pki.ca), _read(pki.key(cert)) if cert else None, _read(pki.path(cert)) if cert else None)
@@ -197,6 +212,8 @@ def _call(pki, address: str, method: str, cert: str | None, token: str | None) -
             if descriptor.server_streaming:
                 first = next(iter(reply))
                 reply.cancel()
+                if method.endswith("/StepStream"):
+                    return _in_band(first), first
                 return Code.OK, first
             return Code.OK, reply
         except grpc.RpcError as err:

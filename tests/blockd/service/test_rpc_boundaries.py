@@ -19,6 +19,7 @@ from concurrent import futures
 import grpc
 import pytest
 from google.protobuf import descriptor, descriptor_pb2, descriptor_pool, message_factory
+from google.rpc import status_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
@@ -27,6 +28,7 @@ from blockd.core.hashing import HASH_SPEC_ID
 from blockd.engine.machine import Engine
 from blockd.rpc.errors import MAX_MESSAGE_BYTES, blockd_status, unary
 from blockd.service.server import BlockdServer
+from blockd.v1 import blockd_pb2 as pb
 from worker.runtime import WorkerRuntime
 from worker.service import WorkerServer
 
@@ -118,11 +120,30 @@ def fill(msg, path: tuple[str, ...]) -> None:
             fill(sub, path[1:])
 
 
-def call(channel: grpc.Channel, method: descriptor.MethodDescriptor, payload: bytes) -> grpc.RpcError | None:
-    """One call with raw request bytes; the error it ended with, or None."""
+class InBand:
+    """A refusal a StepStream carries as an answer (its stream stays open), read like a call's error."""
+
+    def __init__(self, data: bytes) -> None:
+        self.status = status_pb2.Status.FromString(data)
+
+    def code(self) -> grpc.StatusCode:
+        return next(c for c in grpc.StatusCode if c.value[0] == self.status.code)
+
+    def details(self) -> str:
+        return self.status.message
+
+
+def call(channel: grpc.Channel, method: descriptor.MethodDescriptor, payload: bytes):
+    """One call with raw request bytes; the error it ended with (a StepStream's
+    first answer's refusal), or None."""
     path = f"/{method.containing_service.full_name}/{method.name}"
     identity = {"request_serializer": None, "response_deserializer": None}
     try:
+        if method.full_name == "blockd.v1.BlockService.StepStream":
+            answers = list(channel.stream_stream(path, **identity)(iter([payload]), timeout=10))
+            assert len(answers) == 1, "one answer per request"
+            answer = pb.StepStreamResponse.FromString(answers[0])
+            return InBand(answer.error_status) if answer.HasField("error_status") else None
         if method.client_streaming:
             list(channel.stream_stream(path, **identity)(iter([payload]), timeout=10))
         elif method.server_streaming:

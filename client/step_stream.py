@@ -1,0 +1,195 @@
+"""Steps over one long-lived ``BlockService.StepStream`` call: :class:`StepStream`.
+
+A scheduler that steps every iteration pays, with unary ``Step``, for a new
+call each time: on the daemon that set-up (a call object, the handler's
+thread, the status and trailers) is part of every step's CPU
+(``bench/rpc.py --part daemon_cost`` measures how much). On a stream each step is one request message and one answer
+message, in order; blockd answers each as ``Step`` would (the same
+idempotency by request id, the same refusals, raised here as the same
+:mod:`client.errors` exceptions) and the stream stays open after a refusal.
+
+What holds on a stream that unary calls give for free, kept here:
+
+* a deadline per step: a watchdog thread cancels the stream when an answer
+  is late; the step raises :class:`~client.errors.DeadlineExceededError` and,
+  as with a unary deadline, may or may not have been applied (resend it with
+  its request id);
+* a broken stream (the daemon restarted, the connection dropped) raises the
+  call's error for the step in flight, and the next step opens a new stream;
+* a replicated group: a refusal that names the leader, or a replica gone
+  down, moves the client on (:mod:`client.leader`) and the same request is
+  sent again on a stream to the next replica within the step's deadline,
+  exactly as :meth:`client.sdk.BlockdClient.step` resends a unary call.
+
+Credentials are checked when a stream opens (as for ``Watch``); a revoked
+token keeps a stream it already opened until the stream ends.
+
+One step at a time: a stream is one ordered conversation, so a second thread
+waits for the first's answer (the lock) rather than interleave.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import grpc
+
+from blockd.core.types import DecodeAppend, Op, OpResult, StepResult
+from blockd.rpc import convert
+from blockd.v1 import blockd_pb2 as pb
+from client import messages
+from client.errors import (
+    BlockdClientError,
+    DeadlineExceededError,
+    UnavailableError,
+    from_rpc_error,
+    from_status_bytes,
+)
+
+_END = object()
+
+
+class _Call:
+    """One open stream: its request queue and its answers."""
+
+    def __init__(self, method: Callable[..., Any]) -> None:
+        self.method = method
+        self.requests: queue.SimpleQueue = queue.SimpleQueue()
+        self.answers = method(iter(self.requests.get, _END))
+        self.timed_out = False
+
+    def close(self) -> None:
+        self.requests.put(_END)
+        self.answers.cancel()
+
+
+class StepStream:
+    """``BlockdClient.step`` over one stream (module docstring); from
+    :meth:`client.sdk.BlockdClient.step_stream`. Close it (or use it as a
+    context manager) to end the stream."""
+
+    def __init__(self, client: Any, timeout_s: float) -> None:
+        # client: the BlockdClient it came from (its stubs and its leader-following; not
+        # imported here, so the SDK module and this one form no import cycle)
+        self._client = client
+        self.timeout_s = timeout_s
+        self._call: _Call | None = None
+        self._lock = threading.Lock()
+        self._closed = False
+        # the watchdog: the deadline of the step in flight (None: none), and
+        # whether the watchdog sleeps without one (then a step wakes it)
+        self._cond = threading.Condition()
+        self._deadline: float | None = None
+        self._idle = True
+        self._watchdog = threading.Thread(target=self._watch, name="blockd-step-stream-watchdog", daemon=True)
+        self._watchdog.start()
+
+    def __enter__(self) -> StepStream:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        call, self._call = self._call, None
+        if call is not None:
+            call.close()
+
+    # --- steps -------------------------------------------------------------------------
+    def step(self, pool: str, ops: Sequence[Op], *, request_id: str | None = None,
+             timeout_s: float | None = None, dry_run: bool = False, incarnation: str = "",
+             previous_term: int = 0) -> StepResult:
+        """As :meth:`client.sdk.BlockdClient.step`, over the stream."""
+        request = pb.StepStreamRequest(step=messages.step_request(pool, ops, request_id, dry_run, incarnation,
+                                                                  previous_term))
+        with self._lock:
+            return convert.step_result_from_proto(self._send(request, timeout_s or self.timeout_s))
+
+    def decode_append(self, pool: str, seq_ids: Sequence[str], token_ids: Sequence[int], *,
+                      request_id: str | None = None) -> OpResult:
+        return self.step(pool, [DecodeAppend(list(seq_ids), list(token_ids))], request_id=request_id).results[0]
+
+    def _send(self, request: pb.StepStreamRequest, timeout_s: float) -> pb.StepResponse:
+        if self._closed:
+            raise ValueError("this StepStream is closed")
+        deadline = time.monotonic() + timeout_s
+        attempt = 0
+        while True:
+            call = self._open()
+            try:
+                answer = self._exchange(call, request, deadline)
+            except BlockdClientError as err:
+                error = err
+            else:
+                if answer.HasField("response"):
+                    return answer.response
+                error = from_status_bytes(answer.error_status)
+            step = self._client._follow_next(call.method, error, attempt)
+            if step is None or time.monotonic() + step[1] >= deadline:
+                raise error from None
+            self._drop(call)
+            time.sleep(step[1])
+            attempt += 1
+            self._call = _Call(step[0])
+
+    def _open(self) -> _Call:
+        if self._call is None:
+            self._call = _Call(self._client._blocks.StepStream)
+        return self._call
+
+    def _drop(self, call: _Call) -> None:
+        if self._call is call:
+            self._call = None
+        call.close()
+
+    def _exchange(self, call: _Call, request: pb.StepStreamRequest, deadline: float) -> pb.StepStreamResponse:
+        """Send one request and read its answer, under the watchdog's deadline."""
+        with self._cond:
+            self._deadline = deadline
+            if self._idle:
+                self._cond.notify()
+        try:
+            call.requests.put(request)
+            answer = next(call.answers)
+        except grpc.RpcError as err:
+            self._drop(call)
+            if call.timed_out:
+                raise DeadlineExceededError(
+                    f"blockd gave no answer to a step within {self.timeout_s:g} s; it may or may not have been "
+                    "applied: resend it with its request id", code=grpc.StatusCode.DEADLINE_EXCEEDED) from None
+            raise from_rpc_error(err) from None
+        except StopIteration:
+            self._drop(call)
+            raise UnavailableError("blockd ended the step stream without answering",
+                                   code=grpc.StatusCode.UNAVAILABLE) from None
+        finally:
+            with self._cond:
+                self._deadline = None
+        if call.timed_out:  # the watchdog cancelled the stream as the answer came: the answer stands
+            self._drop(call)
+        return answer
+
+    def _watch(self) -> None:
+        with self._cond:
+            while not self._closed:
+                if self._deadline is None:
+                    self._idle = True
+                    self._cond.wait()
+                    self._idle = False
+                    continue
+                left = self._deadline - time.monotonic()
+                if left > 0:
+                    self._cond.wait(left)
+                    continue
+                self._deadline = None
+                call = self._call
+                if call is not None:
+                    call.timed_out = True
+                    call.answers.cancel()

@@ -1,0 +1,157 @@
+"""Steps over one StepStream call answer exactly as unary Step does: the same
+results and the same refusals (raised as the same exceptions, with nothing
+changed and the stream still open), the same idempotency by request id across
+streams and across unary calls, a per-step deadline, and a stream cut by a
+daemon killed and restarted (real ``blockd serve`` processes) that the next
+step reopens, its resent request id answered as it first was."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from blockd.core import Allocate, PoolConfig
+from blockd.core.types import Append, Commit, DecodeAppend, Fork, Free
+from blockd.engine.config import EngineConfig
+from blockd.engine.guardrails import Guardrails
+from blockd.engine.machine import Engine
+from blockd.service.server import BlockdServer
+from client.errors import BlockdClientError, DeadlineExceededError, InvalidArgumentError, UnavailableError
+from client.sdk import BlockdClient
+from tests.support.procs import free_port, start_blockd
+
+pytest_plugins = ["tests.support.grpc_fixtures"]
+
+#: a scheduler's life in steps, refusals included (an unknown sequence, a fork onto a live id, a bad op)
+SCRIPT = [
+    [Allocate("a", list(range(10))), Allocate("b", list(range(6)))],
+    [Commit("a", 10), Commit("b", 6)],
+    [DecodeAppend(["a", "b"], [7, 8])],
+    [Fork("a", "c")],
+    [Free("nobody")],
+    [Fork("a", "b")],
+    [Append("c", [1, 2, 3, 4, 5])],
+    [Allocate("d", list(range(10)))],  # a prefix hit on a's blocks
+    [DecodeAppend(["a", "zz"], [1, 1])],
+    [Free("a"), Free("b")],
+    [Append("c", [])],
+]
+
+
+def _outcome(do) -> tuple:
+    try:
+        result = do()
+    except BlockdClientError as err:
+        return ("error", type(err).__name__, err.reason, err.op_index, str(err).replace("'other'", "'p'"))
+    return ("ok", result.version, result.results, result.copy_ops, result.tier_ops)
+
+
+def test_the_stream_answers_each_step_as_step_does_and_a_refusal_changes_nothing(blockd_server, client):
+    for pool in ("p", "other"):
+        client.create_pool(PoolConfig(pool, num_blocks=32, block_size=4))
+    engine = blockd_server.engine
+    refused = 0
+    with client.step_stream() as stream:
+        for n, ops in enumerate(SCRIPT):
+            unary = _outcome(lambda ops=ops, n=n: client.step("p", ops, request_id=f"u{n}"))
+            before = engine.capture()
+            streamed = _outcome(lambda ops=ops, n=n: stream.step("other", ops, request_id=f"s{n}"))
+            assert streamed == unary, f"step {n}: {ops}"
+            if streamed[0] == "error":
+                refused += 1
+                assert engine.capture() == before, f"step {n} was refused yet changed the pool"
+        assert refused >= 3
+        assert client.get_tables("other") == client.get_tables("p")
+        # a request that names no pool, and one that names another pool's request id with other ops
+        with pytest.raises(InvalidArgumentError, match="pool"):
+            stream.step("", [Free("c")])
+        with pytest.raises(InvalidArgumentError) as refused:
+            stream.step("other", [Free("c")], request_id="s0")
+        assert refused.value.reason == client_reason(client, "p", [Free("c")], "u0")
+        # still open, still in order
+        streamed_slots = stream.decode_append("other", ["c"], [3]).slot_mapping
+        assert streamed_slots == client.decode_append("p", ["c"], [3]).slot_mapping
+
+
+def client_reason(client: BlockdClient, pool: str, ops, request_id: str) -> str:
+    """The reason unary Step refuses the same reuse of a request id."""
+    with pytest.raises(InvalidArgumentError) as refused:
+        client.step(pool, ops, request_id=request_id)
+    return refused.value.reason
+
+
+def test_an_oversized_batch_is_refused_unread_and_the_stream_reads_on():
+    engine = Engine(EngineConfig(guardrails=Guardrails(max_ops_per_step=100)))
+    server = BlockdServer(engine, "127.0.0.1:0", max_workers=4)
+    server.start()
+    try:
+        with BlockdClient(server.address, timeout_s=5) as client, client.step_stream() as stream:
+            client.create_pool(PoolConfig("p", num_blocks=8, block_size=4))
+            before = engine.capture()
+            # over 64 KB: skimmed, counted, refused before the ops are parsed
+            ops = [Free(f"seq-{i:04d}-" + "x" * 40) for i in range(2000)]
+            with pytest.raises(InvalidArgumentError, match="at most 100 operations"):
+                stream.step("p", ops)
+            assert engine.capture() == before
+            assert stream.step("p", [Allocate("a", [1, 2, 3])]).results[0].num_tokens == 3
+    finally:
+        server.stop(0.5)
+
+
+def test_a_request_id_retried_on_a_new_stream_or_by_step_gets_the_first_answer(client):
+    client.create_pool(PoolConfig("p", num_blocks=16, block_size=4))
+    with client.step_stream() as first:
+        answer = first.step("p", [Allocate("a", [1, 2, 3, 4, 5])], request_id="r-1")
+    with client.step_stream() as second:
+        again = second.step("p", [Allocate("a", [1, 2, 3, 4, 5])], request_id="r-1")
+        assert again == answer
+        with pytest.raises(InvalidArgumentError):
+            second.step("p", [Allocate("a", [9, 9])], request_id="r-1")
+    assert client.step("p", [Allocate("a", [1, 2, 3, 4, 5])], request_id="r-1") == answer
+    assert client.get_pool("p").num_seqs == 1
+
+
+def test_a_late_answer_is_a_deadline_and_the_next_step_opens_a_new_stream():
+    proc = start_blockd()
+    try:
+        with BlockdClient(proc.address, timeout_s=10) as client, client.step_stream(timeout_s=0.5) as stream:
+            client.create_pool(PoolConfig("p", num_blocks=16, block_size=4))
+            stream.step("p", [Allocate("a", [1, 2, 3])])
+            os.kill(proc.pid, signal.SIGSTOP)  # the daemon answers nothing, its socket stays open
+            try:
+                began = time.monotonic()
+                with pytest.raises(DeadlineExceededError, match="request id"):
+                    stream.step("p", [Append("a", [4])], request_id="late-1")
+                assert time.monotonic() - began < 5
+            finally:
+                os.kill(proc.pid, signal.SIGCONT)
+            # the step may have been applied once the daemon ran again: its request id says so
+            retried = stream.step("p", [Append("a", [4])], request_id="late-1")
+            assert retried.results[0].slot_mapping == (3,)
+            assert client.get_sequence("p", "a").num_tokens == 4
+    finally:
+        proc.kill()
+
+
+def test_a_stream_cut_by_a_daemon_killed_and_restarted(tmp_path):
+    port = free_port()
+    flags = ("--listen", f"127.0.0.1:{port}", "--data-dir", str(tmp_path), "--fsync", "always")
+    procs = [start_blockd(*flags)]
+    try:
+        with BlockdClient(f"127.0.0.1:{port}", timeout_s=10) as client, client.step_stream(timeout_s=10) as stream:
+            client.create_pool(PoolConfig("p", num_blocks=16, block_size=4))
+            answer = stream.step("p", [Allocate("a", [1, 2, 3, 4, 5])], request_id="r-1")
+            procs[0].kill()  # kill -9: the stream is cut
+            with pytest.raises(UnavailableError):
+                stream.step("p", [Append("a", [6])], request_id="r-2")
+            procs.append(start_blockd(*flags))
+            # the acknowledged step survived, and its request id answers as it first did
+            assert stream.step("p", [Allocate("a", [1, 2, 3, 4, 5])], request_id="r-1") == answer
+            assert stream.step("p", [Append("a", [6])], request_id="r-2").results[0].slot_mapping == (5,)
+            assert client.get_sequence("p", "a").num_tokens == 6
+    finally:
+        for proc in procs:
+            proc.kill()
