@@ -84,7 +84,7 @@ def _pki(directory: str) -> dict[str, str]:
     return paths
 
 
-def _variants(directory: str) -> dict[str, tuple[list[str], dict]]:
+def security_variants(directory: str) -> dict[str, tuple[list[str], dict]]:
     """name -> (blockd serve flags, BlockdClient keyword arguments)."""
     pki = _pki(directory)
     tokens_file = os.path.join(directory, "ids.json")
@@ -115,7 +115,7 @@ def _steps(client: BlockdClient, pool: str, seconds: float, budget: list[int]) -
 
 
 def step_security(directory: str, seconds: float, rounds: int):
-    variants = _variants(directory)
+    variants = security_variants(directory)
     running, clients, budgets = {}, {}, {}
     try:
         for name, (flags, kwargs) in variants.items():

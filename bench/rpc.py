@@ -35,10 +35,16 @@ interceptor on the same step (rows of :mod:`bench.auth`: ``interceptor`` and
   lookup, compact answer): median engine step with and without one, for a
   256-sequence decode step and a 2,048-token prefill.
 
+``daemon_cost`` (and ``daemon_profile`` with ``--profile``): the daemon's
+CPU per step from ``/proc`` for the decode step and a 2,048-token prefill, 1
+and 4 schedulers, in memory and with ``--fsync always``, plain and with mTLS
+and a token, against the in-process core; and where a step's time goes
+(:mod:`bench.daemon_cost` has the fields).
+
 ``big_batch_isolation``: one caller's 20,000- and 30,000-op failing batches
 against another's small steps (rows of :mod:`bench.isolation`).
 
-Run: ``python bench/rpc.py [--part step_rpc] [--seconds 3] [--quick]``.
+Run: ``python bench/rpc.py [--part step_rpc] [--seconds 3] [--quick] [--profile]``.
 """
 
 from __future__ import annotations
@@ -57,6 +63,7 @@ sys.path.insert(0, ROOT)
 
 from bench.auth import interceptor, step_security
 from bench.daemon import BLOCK_SIZE, MAX_STEPS, NUM_BLOCKS, NUM_SEQS, percentile, start_daemon, stop_daemon
+from bench.daemon_cost import daemon_cost
 from bench.isolation import big_batch_isolation
 from blockd.core import Allocate, Pool, PoolConfig
 from blockd.core.types import DecodeAppend, Free
@@ -449,6 +456,11 @@ def security(args: argparse.Namespace) -> Iterator[dict]:
         yield from step_security(directory, args.seconds, rounds=3)
 
 
+def daemon_cost_part(args: argparse.Namespace) -> Iterator[dict]:
+    """The daemon's CPU per step and its profile (:mod:`bench.daemon_cost`)."""
+    yield from daemon_cost(args.seconds, args.quick, args.profile)
+
+
 def big_batch(args: argparse.Namespace) -> Iterator[dict]:
     """A huge failing batch against other callers' small steps (:mod:`bench.isolation`)."""
     yield from big_batch_isolation(args.seconds)
@@ -457,7 +469,7 @@ def big_batch(args: argparse.Namespace) -> Iterator[dict]:
 PARTS: dict[str, Callable[[argparse.Namespace], Iterator[dict]]] = {
     "step_rpc": step_rpc, "recovery": recovery, "crash_loop_restart": crash_loop_restart,
     "snapshot_stall": snapshot_stall, "idempotency": idempotency, "security": security,
-    "big_batch_isolation": big_batch}
+    "big_batch_isolation": big_batch, "daemon_cost": daemon_cost_part}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -466,7 +478,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="which part to run (repeatable; default: all)")
     parser.add_argument("--seconds", type=float, default=3.0, help="timed seconds per configuration")
     parser.add_argument("--quick", action="store_true",
-                        help="smaller data sets (recovery: 10k sequences; idempotency: 2k steps)")
+                        help="smaller data sets (recovery: 10k sequences; idempotency: 2k steps; "
+                        "daemon_cost: the decode step, 1 scheduler)")
+    parser.add_argument("--profile", action="store_true",
+                        help="daemon_cost: also sample the daemon with py-spy (daemon_profile rows)")
     args = parser.parse_args(argv)
     for name in args.part or list(PARTS):
         for line in PARTS[name](args):

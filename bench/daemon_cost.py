@@ -1,0 +1,333 @@
+"""What one scheduler step costs the central daemon, in CPU time, and where that time goes.
+
+The ``daemon_cost`` part of ``bench/rpc.py`` (issue 29 item 1). Every step of
+every replica in a cluster goes through one daemon, so its CPU per step, not a
+step's latency, decides how many replicas one daemon core serves. CPU time is
+read from ``/proc/<pid>/stat`` (utime + stime, every thread of the daemon
+process: gRPC's C core, the handlers, the log writer), so the figure holds on a
+machine whose other processes take turns on the cores, as the schedulers do
+here.
+
+Each configuration starts a fresh ``blockd serve`` and ``schedulers`` scheduler
+processes, each on its own pool, driving one of two steps through the sync SDK:
+
+* ``decode``: one ``decode_append`` of 256 running sequences (as ``step_rpc``);
+* ``prefill``: ``Free`` of the previous request and ``Allocate`` of a new
+  2,048-token prompt (128 blocks to hash and index, no prefix hit).
+
+Axes: ``schedulers`` 1 or 4, ``durability`` ``memory`` or ``fsync_always``
+(``--data-dir`` and ``--fsync always``), ``security`` ``plain`` or
+``mtls_token`` (mutual TLS and a bearer token, the auth interceptor on every
+call), ``transport`` ``unary`` (one ``Step`` call per step) or ``stream``
+(:meth:`client.sdk.BlockdClient.step_stream`: the steps of a scheduler over
+one ``StepStream`` call). Fields of each row:
+
+* ``daemon_cpu_us_per_step``: the daemon's CPU over the timed window divided
+  by the steps all schedulers completed in it;
+* ``daemon_cores_busy``: that CPU over the window's wall time (at most the
+  machine's ``cpus``; a daemon bound by its GIL stays near 1);
+* ``steps_per_s`` (all schedulers) and ``steps_per_daemon_core_s`` (1e6 /
+  the CPU per step: what one core could serve if the daemon were the only cost);
+* ``sdk_cpu_us_per_step``: each scheduler process's own CPU per step (the
+  client side: building the request, the SDK, gRPC);
+* ``core_cpu_us_per_step``: the same step on an in-process
+  :class:`blockd.core.Pool` (CPU time, the baseline: the allocator's work with
+  nothing around it) and ``ratio_vs_core``;
+* ``ratio_vs_unary``, ``ratio_vs_plain`` (CPU per step against the same
+  configuration by unary calls / without security) and
+  ``steps_per_s_vs_one_scheduler`` (4 schedulers against 1), all measured
+  in the same run.
+
+``daemon_profile`` (with ``--profile``): py-spy samples the daemon during the
+1-scheduler decode step (in memory by unary calls and over a stream, and
+over a stream with ``--fsync always``); each
+sampled stack is charged to the innermost frame that belongs to a known part
+(:data:`PARTS`): the share per part of the samples taken while a Python thread
+ran. gRPC's C-core threads never run Python, so py-spy cannot see them:
+``sampled_share_of_cpu`` is the sampled on-CPU time over the daemon's CPU in
+the same window, and the rest is gRPC's C core (polling, HTTP/2, TLS).
+Protobuf's upb runtime is C too: its parse and serialise time is charged to
+the Python frame that called it (``service`` or ``rpc_convert``).
+
+Run: ``python bench/rpc.py --part daemon_cost [--seconds 3] [--quick] [--profile]``.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Iterator
+
+from bench.auth import security_variants
+from bench.daemon import BLOCK_SIZE, MAX_STEPS, NUM_BLOCKS, NUM_SEQS, start_daemon, stop_daemon
+from blockd.core import Allocate, Pool, PoolConfig
+from blockd.core.types import DecodeAppend, Free
+from client.sdk import BlockdClient
+
+PREFILL_TOKENS = 2048
+#: the prefill pool: two prompts of blocks live at a time, the rest evictable
+PREFILL_BLOCKS = 4096
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
+WARMUP_STEPS = 50
+
+
+def process_cpu_s(pid: int) -> float:
+    """utime + stime of every thread of ``pid`` so far, seconds (``/proc/<pid>/stat``)."""
+    with open(f"/proc/{pid}/stat") as f:
+        # the command name (field 2) may hold spaces: the fields after its ')' are fixed
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / _CLK_TCK
+
+
+class _Steps:
+    """One scheduler's step of one kind on its own pool, by unary Step or over a StepStream."""
+
+    def __init__(self, client: BlockdClient, pool: str, kind: str, transport: str) -> None:
+        self.client, self.pool, self.kind, self.n = client, pool, kind, 0
+        self.steps = client.step_stream() if transport == "stream" else client
+        if kind == "decode":
+            client.create_pool(PoolConfig(pool, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE))
+            self.ids = [f"{pool}-{i}" for i in range(NUM_SEQS)]
+            client.step(pool, [Allocate(s, list(range(BLOCK_SIZE))) for s in self.ids])
+            self.tokens = [7] * NUM_SEQS
+        else:
+            client.create_pool(PoolConfig(pool, num_blocks=PREFILL_BLOCKS, block_size=BLOCK_SIZE))
+
+    def limit(self) -> int:
+        return MAX_STEPS - WARMUP_STEPS - 1 if self.kind == "decode" else 1 << 30
+
+    def __call__(self) -> None:
+        if self.kind == "decode":
+            self.steps.decode_append(self.pool, self.ids, self.tokens)
+        else:
+            # distinct tokens every step: 128 new blocks to hash, never a prefix hit
+            first = self.n * PREFILL_TOKENS % (1 << 30)
+            ops: list = [Free(f"p{self.n - 1}")] if self.n else []
+            ops.append(Allocate(f"p{self.n}", list(range(first, first + PREFILL_TOKENS))))
+            self.steps.step(self.pool, ops)
+        self.n += 1
+
+
+def _scheduler(address: str, kwargs: dict, pool: str, kind: str, transport: str, seconds: float, barrier,
+               results) -> None:
+    with BlockdClient(address, **kwargs) as client:
+        step = _Steps(client, pool, kind, transport)
+        for _ in range(WARMUP_STEPS):
+            step()
+        barrier.wait()
+        cpu0, done = time.process_time(), 0
+        end, limit = time.perf_counter() + seconds, step.limit()
+        while time.perf_counter() < end and done < limit:
+            step()
+            done += 1
+        results.put((done, time.process_time() - cpu0))
+
+
+def core_cpu_us(kind: str, reps: int) -> float:
+    """CPU microseconds per step of ``kind`` on an in-process core Pool."""
+    if kind == "decode":
+        pool = Pool(PoolConfig("local", num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE))
+        ids = [f"s{i}" for i in range(NUM_SEQS)]
+        pool.step([Allocate(s, list(range(BLOCK_SIZE))) for s in ids])
+        op = [DecodeAppend(ids, [7] * NUM_SEQS)]
+        reps = min(reps, MAX_STEPS)
+        began = time.process_time()
+        for _ in range(reps):
+            pool.step(op)
+        return (time.process_time() - began) / reps * 1e6
+    pool = Pool(PoolConfig("local", num_blocks=PREFILL_BLOCKS, block_size=BLOCK_SIZE))
+    prompts = [list(range(n * PREFILL_TOKENS, (n + 1) * PREFILL_TOKENS)) for n in range(reps + 1)]
+    pool.step([Allocate("p0", prompts[0])])
+    began = time.process_time()
+    for n in range(1, reps + 1):
+        pool.step([Free(f"p{n - 1}"), Allocate(f"p{n}", prompts[n])])
+    return (time.process_time() - began) / reps * 1e6
+
+
+def measure(kind: str, schedulers: int, durability: str, security: str, transport: str, seconds: float,
+            directory: str, variants: dict, profile_s: float = 0.0) -> tuple[dict, tuple | None]:
+    """One configuration's row (and, with ``profile_s``, py-spy's stacks of the daemon);
+    ``variants``: :func:`bench.auth.security_variants`."""
+    flags, kwargs = variants[security]
+    data_dir = tempfile.mkdtemp(prefix="blockd-bench-cost-", dir=directory)
+    if durability == "fsync_always":
+        flags = [*flags, "--data-dir", data_dir, "--fsync", "always"]
+    proc, address = start_daemon(*flags)
+    ctx = multiprocessing.get_context("spawn")
+    barrier, results = ctx.Barrier(schedulers + 1), ctx.Queue()
+    procs = [ctx.Process(target=_scheduler, args=(address, kwargs, f"{kind}-{i}", kind, transport, seconds, barrier,
+                                                         results))
+             for i in range(schedulers)]
+    stacks = None
+    try:
+        for p in procs:
+            p.start()
+        barrier.wait(timeout=120)
+        cpu0, wall0 = process_cpu_s(proc.pid), time.perf_counter()
+        spy = _start_py_spy(proc.pid, profile_s, directory) if profile_s else None
+        runs = [results.get(timeout=seconds + 120) for _ in procs]
+        cpu, wall = process_cpu_s(proc.pid) - cpu0, time.perf_counter() - wall0
+        if spy is not None:
+            stacks = _stop_py_spy(*spy)
+        for p in procs:
+            p.join(30)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        stop_daemon(proc)
+        shutil.rmtree(data_dir, ignore_errors=True)
+    steps = sum(done for done, _ in runs)
+    per_step = cpu / steps * 1e6
+    row = {"name": "daemon_cost", "step": kind, "schedulers": schedulers, "durability": durability,
+           "security": security, "transport": transport, "steps": steps, "seconds": round(wall, 2),
+           "daemon_cpu_us_per_step": round(per_step, 1), "daemon_cores_busy": round(cpu / wall, 2),
+           "steps_per_s": round(steps / wall, 1), "steps_per_daemon_core_s": round(1e6 / per_step, 1),
+           "sdk_cpu_us_per_step": round(sum(c for _, c in runs) / steps * 1e6, 1),
+           "seqs": NUM_SEQS if kind == "decode" else 1,
+           "tokens_per_step": NUM_SEQS if kind == "decode" else PREFILL_TOKENS,
+           "block_size": BLOCK_SIZE, "cpus": os.cpu_count()}
+    if stacks is not None:
+        row["_cpu_s"] = cpu
+    return row, stacks
+
+
+# --- the profile ---------------------------------------------------------------------------------
+
+#: (part, what a frame's file path contains), innermost match wins; checked in this order
+PARTS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("auth", ("blockd/auth/",)),
+    ("idempotency", ("blockd/engine/idempotency",)),
+    ("wal", ("blockd/storage/", "blockd/engine/durability", "blockd/engine/snapshots")),
+    ("metrics", ("prometheus_client/", "blockd/service/metrics", "blockd/rpc/metrics_http")),
+    ("allocator_core", ("blockd/core/",)),
+    ("engine", ("blockd/engine/",)),
+    ("rpc_convert", ("blockd/rpc/",)),
+    ("service", ("blockd/service/",)),
+    ("protobuf", ("google/protobuf/", "_pb2")),
+    # the server's poller thread: gRPC's C core inside completion_queue.poll (HTTP/2, reads)
+    ("grpc_poller", ("_serve (grpc/_server.py",)),
+    ("grpc_python", ("grpc/", "grpc_status/")),
+    # the executor's threads waking for each call's handler
+    ("thread_pool", ("concurrent/futures/",)),
+)
+
+
+def part_of(stack: list[str]) -> str:
+    """The part a sampled stack (outermost frame first) is charged to."""
+    for frame in reversed(stack):
+        for part, needles in PARTS:
+            if any(n in frame for n in needles):
+                return part
+    return "other"
+
+
+def parse_collapsed(text: str) -> tuple[Counter, Counter]:
+    """py-spy's ``--format raw`` (collapsed stacks: ``f1;f2;... count`` per line) ->
+    (part -> samples, innermost frame -> samples of the stacks charged to ``other``)."""
+    parts: Counter = Counter()
+    other: Counter = Counter()
+    for line in text.splitlines():
+        stack, _, count = line.rpartition(" ")
+        if stack and count.isdigit():
+            frames = stack.split(";")
+            part = part_of(frames)
+            parts[part] += int(count)
+            if part == "other":
+                other[frames[-1]] += int(count)
+    return parts, other
+
+
+PY_SPY_RATE = 250
+
+
+def _py_spy_exe() -> str:
+    """py-spy beside this interpreter (the venv's) or on PATH; "" if neither."""
+    beside = os.path.join(os.path.dirname(sys.executable), "py-spy")
+    return beside if os.path.exists(beside) else (shutil.which("py-spy") or "")
+
+
+def _start_py_spy(pid: int, seconds: float, directory: str):
+    exe = _py_spy_exe()
+    out = os.path.join(directory, f"py-spy-{pid}.txt")
+    spy = subprocess.Popen([exe, "record", "--pid", str(pid), "--format", "raw", "--rate", str(PY_SPY_RATE),
+                            "--duration", str(max(1, int(seconds))), "--nonblocking", "--output", out],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    return spy, out
+
+
+def _stop_py_spy(spy: subprocess.Popen, out: str) -> tuple[Counter, Counter]:
+    _, err = spy.communicate(timeout=120)
+    if spy.returncode != 0 or not os.path.exists(out):
+        raise RuntimeError(f"py-spy failed ({spy.returncode}): {err.decode(errors='replace').strip()[-400:]}")
+    with open(out) as f:
+        return parse_collapsed(f.read())
+
+
+def profile_row(row: dict, stacks: tuple[Counter, Counter], seconds: float) -> dict:
+    parts, other = stacks
+    total = sum(parts.values())
+    sampled_cpu = total / PY_SPY_RATE
+    return {"name": "daemon_profile", "step": row["step"], "schedulers": row["schedulers"],
+            "durability": row["durability"], "security": row["security"], "transport": row["transport"],
+            "samples": total,
+            "sampled_share_of_cpu": round(min(1.0, sampled_cpu / row["_cpu_s"]), 3) if row["_cpu_s"] else None,
+            "daemon_cpu_us_per_step": row["daemon_cpu_us_per_step"],
+            "share": {part: round(n / total, 3) for part, n in parts.most_common()} if total else {},
+            "other_top": {frame: round(n / total, 3) for frame, n in other.most_common(5)} if total else {},
+            "profiled_s": seconds, "sampler": f"py-spy record --nonblocking --rate {PY_SPY_RATE}"}
+
+
+def _has_py_spy() -> str:
+    """"" when py-spy is there, else why not."""
+    return "" if _py_spy_exe() else "py-spy is not installed (pip install py-spy; make setup installs it)"
+
+
+def daemon_cost(seconds: float, quick: bool, profile: bool) -> Iterator[dict]:
+    """The rows (see the module docstring); ``quick``: the decode step, 1 scheduler, both
+    durabilities and transports, plain."""
+    core = {kind: core_cpu_us(kind, 200 if quick else 2000) for kind in ("decode", "prefill")}
+    with tempfile.TemporaryDirectory(prefix="blockd-bench-cost-") as directory:
+        variants = security_variants(directory)
+        grid = [(k, s, d, sec, t) for k in ("decode", "prefill") for s in (1, 4)
+                for d in ("memory", "fsync_always") for sec in ("plain", "mtls_token") for t in ("unary", "stream")]
+        if quick:
+            grid = [("decode", 1, d, "plain", t) for d in ("memory", "fsync_always") for t in ("unary", "stream")]
+        unary: dict[tuple, float] = {}
+        plain: dict[tuple, float] = {}
+        one: dict[tuple, float] = {}
+        for kind, schedulers, durability, security, transport in grid:
+            row, _ = measure(kind, schedulers, durability, security, transport, seconds, directory, variants)
+            cost = row["daemon_cpu_us_per_step"]
+            row["core_cpu_us_per_step"] = round(core[kind], 1)
+            row["ratio_vs_core"] = round(cost / core[kind], 2)
+            # each ratio against the same configuration but one axis, measured earlier in this run
+            if transport == "unary":
+                unary[kind, schedulers, durability, security] = cost
+            elif (kind, schedulers, durability, security) in unary:
+                row["ratio_vs_unary"] = round(cost / unary[kind, schedulers, durability, security], 3)
+            if security == "plain":
+                plain[kind, schedulers, durability, transport] = cost
+            elif (kind, schedulers, durability, transport) in plain:
+                row["ratio_vs_plain"] = round(cost / plain[kind, schedulers, durability, transport], 3)
+            if schedulers == 1:
+                one[kind, durability, security, transport] = row["steps_per_s"]
+            elif (kind, durability, security, transport) in one:
+                row["steps_per_s_vs_one_scheduler"] = round(
+                    row["steps_per_s"] / one[kind, durability, security, transport], 2)
+            yield row
+        if profile:
+            missing = _has_py_spy()
+            for durability, transport in (("memory", "unary"), ("memory", "stream"), ("fsync_always", "stream")):
+                if missing:
+                    yield {"name": "daemon_profile", "durability": durability, "error": missing}
+                    continue
+                row, stacks = measure("decode", 1, durability, "plain", transport, seconds, directory, variants,
+                                      profile_s=seconds)
+                yield profile_row(row, stacks or (Counter(), Counter()), seconds)

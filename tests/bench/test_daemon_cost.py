@@ -1,0 +1,65 @@
+"""``bench/daemon_cost.py``: CPU read from ``/proc``, py-spy's stacks charged to
+the innermost known part, and one short real configuration (a ``blockd serve``
+child and a scheduler process) by unary calls and over a stream, with its
+profile when py-spy is installed."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from bench import daemon_cost
+from bench.auth import security_variants
+
+
+def test_process_cpu_counts_this_process_work():
+    import os
+
+    before = daemon_cost.process_cpu_s(os.getpid())
+    end = time.process_time() + 0.15
+    while time.process_time() < end:
+        pass
+    assert daemon_cost.process_cpu_s(os.getpid()) - before >= 0.1
+
+
+def test_a_stack_is_charged_to_its_innermost_known_part():
+    handler = "_call_behavior (grpc/_server.py:608);Step (blockd/service/servicer.py:9);step (blockd/engine/m.py:1)"
+    stacks = [
+        "_bootstrap (threading.py:1);_serve (grpc/_server.py:1314) 30",
+        "_worker (concurrent/futures/thread.py:81) 10",
+        f"{handler};step (blockd/core/pool.py:3);replace (dataclasses.py:1) 50",
+        f"{handler};append (blockd/storage/wal.py:7) 5",
+        "run (threading.py:1);wait (threading.py:2) 4",
+        "garbage line",
+    ]
+    text = "\n".join(stacks)
+    parts, other = daemon_cost.parse_collapsed(text)
+    assert parts == {"grpc_poller": 30, "thread_pool": 10, "allocator_core": 50, "wal": 5, "other": 4}
+    assert other == {"wait (threading.py:2)": 4}
+
+
+def test_one_short_configuration_by_unary_calls_and_over_a_stream(tmp_path):
+    variants = security_variants(str(tmp_path))
+    rows = {}
+    for transport in ("unary", "stream"):
+        row, stacks = daemon_cost.measure("decode", 1, "memory", "plain", transport, 1.0, str(tmp_path), variants)
+        assert stacks is None
+        rows[transport] = row
+        assert row["steps"] > 50 and row["transport"] == transport
+        assert 0 < row["daemon_cpu_us_per_step"] < 1e5 and 0 < row["daemon_cores_busy"] <= row["cpus"]
+        assert row["sdk_cpu_us_per_step"] > 0
+    assert daemon_cost.core_cpu_us("decode", 20) > 0 and daemon_cost.core_cpu_us("prefill", 5) > 0
+
+
+def test_the_profile_of_a_prefill_step(tmp_path):
+    if daemon_cost._has_py_spy():
+        pytest.skip(daemon_cost._has_py_spy())
+    variants = security_variants(str(tmp_path))
+    row, stacks = daemon_cost.measure("prefill", 1, "memory", "plain", "stream", 1.5, str(tmp_path), variants,
+                                      profile_s=1.5)
+    profile = daemon_cost.profile_row(row, stacks, 1.5)
+    assert profile["samples"] > 20
+    assert abs(sum(profile["share"].values()) - 1.0) < 0.01
+    # a prefill step hashes 128 blocks: the allocator core is a visible part of it
+    assert profile["share"].get("allocator_core", 0) > 0.05
