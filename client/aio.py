@@ -23,7 +23,8 @@ import grpc.aio
 
 from blockd.auth.config import TlsConfig
 from blockd.core.hashing import HASH_SPEC_ID, ExtraKeys, HashSpec
-from blockd.core.pool import Pin
+from blockd.core.lru import DEFAULT_PRIORITY
+from blockd.core.pool import Pin, PrefixPriority
 from blockd.core.types import (
     Allocate,
     Append,
@@ -173,6 +174,13 @@ class AsyncBlockdClient:
         request = messages.pin_prefix_request(pool, token_ids, extra_keys, ttl_s, request_id)
         return convert.pin_from_proto((await self._unary(self._pools.PinPrefix, request)).pin)
 
+    async def set_prefix_priority(self, pool: str, token_ids: Sequence[int], priority: int, *,
+                                  extra_keys: ExtraKeys | None = None,
+                                  request_id: str | None = None) -> PrefixPriority:
+        """Like :meth:`client.sdk.BlockdClient.set_prefix_priority`."""
+        request = messages.set_prefix_priority_request(pool, token_ids, extra_keys, priority, request_id)
+        return convert.prefix_priority_from_proto(await self._unary(self._pools.SetPrefixPriority, request))
+
     async def unpin_prefix(self, pool: str, pin_id: str, *, request_id: str | None = None) -> Pin:
         request = messages.unpin_prefix_request(pool, pin_id, request_id)
         return convert.pin_from_proto((await self._unary(self._pools.UnpinPrefix, request)).pin)
@@ -194,8 +202,9 @@ class AsyncBlockdClient:
 
     async def allocate(self, pool: str, seq_id: str, prompt_token_ids: Sequence[int],
                        extra_keys: ExtraKeys | None = None, *, request_id: str | None = None,
-                       retain_ttl_s: float = 0.0) -> OpResult:
-        op = Allocate(seq_id, list(prompt_token_ids), messages.extra_or_none(extra_keys), retain_ttl_s=retain_ttl_s)
+                       retain_ttl_s: float = 0.0, priority: int = DEFAULT_PRIORITY) -> OpResult:
+        op = Allocate(seq_id, list(prompt_token_ids), messages.extra_or_none(extra_keys), retain_ttl_s=retain_ttl_s,
+                      priority=priority)
         return await self._one(pool, op, request_id)
 
     async def append(self, pool: str, seq_id: str, token_ids: Sequence[int], *,

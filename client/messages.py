@@ -52,6 +52,16 @@ def pin_prefix_request(pool: str, token_ids: Sequence[int], extra_keys: ExtraKey
         raise InvalidArgumentError(f"PinPrefix does not encode: {err}; {_RANGES}, ttl_s a number") from None
 
 
+def set_prefix_priority_request(pool: str, token_ids: Sequence[int], extra_keys: ExtraKeys | None, priority: int,
+                                request_id: str | None) -> pb.SetPrefixPriorityRequest:
+    try:
+        return pb.SetPrefixPriorityRequest(pool=pool, token_ids=list(token_ids), priority=priority,
+                                           request_id=_rid(request_id),
+                                           extra_keys=convert.extra_keys_to_proto(extra_or_none(extra_keys)))
+    except (TypeError, ValueError) as err:  # a token id or priority protobuf cannot hold
+        raise InvalidArgumentError(f"SetPrefixPriority does not encode: {err}; {_RANGES}, priority 0..7") from None
+
+
 def unpin_prefix_request(pool: str, pin_id: str, request_id: str | None) -> pb.UnpinPrefixRequest:
     return pb.UnpinPrefixRequest(pool=pool, pin_id=pin_id, request_id=_rid(request_id))
 

@@ -32,7 +32,8 @@ import grpc
 
 from blockd.auth.config import TlsConfig
 from blockd.core.hashing import HASH_SPEC_ID, ExtraKeys, HashSpec
-from blockd.core.pool import Pin
+from blockd.core.lru import DEFAULT_PRIORITY
+from blockd.core.pool import Pin, PrefixPriority
 from blockd.core.types import (
     Allocate,
     Append,
@@ -197,6 +198,14 @@ class BlockdClient:
         request = messages.pin_prefix_request(pool, token_ids, extra_keys, ttl_s, request_id)
         return convert.pin_from_proto(self._unary(self._pools.PinPrefix, request).pin)
 
+    def set_prefix_priority(self, pool: str, token_ids: Sequence[int], priority: int, *,
+                            extra_keys: ExtraKeys | None = None, request_id: str | None = None) -> PrefixPriority:
+        """Keep the leading full blocks of ``token_ids`` cached in ``pool``
+        (device or host tier) at retention ``priority`` (0..7, lower evicted
+        first); FailedPreconditionError if nothing is cached."""
+        request = messages.set_prefix_priority_request(pool, token_ids, extra_keys, priority, request_id)
+        return convert.prefix_priority_from_proto(self._unary(self._pools.SetPrefixPriority, request))
+
     def unpin_prefix(self, pool: str, pin_id: str, *, request_id: str | None = None) -> Pin:
         """Let pin ``pin_id`` go (NotFoundError if ``pool`` holds none such)."""
         request = messages.unpin_prefix_request(pool, pin_id, request_id)
@@ -241,10 +250,13 @@ class BlockdClient:
 
     def allocate(self, pool: str, seq_id: str, prompt_token_ids: Sequence[int],
                  extra_keys: ExtraKeys | None = None, *, request_id: str | None = None,
-                 retain_ttl_s: float = 0.0) -> OpResult:
+                 retain_ttl_s: float = 0.0, priority: int = DEFAULT_PRIORITY) -> OpResult:
         """``retain_ttl_s`` > 0: once the prompt's full blocks are committed,
-        blockd pins them for that long (:meth:`pin_prefix`)."""
-        op = Allocate(seq_id, list(prompt_token_ids), messages.extra_or_none(extra_keys), retain_ttl_s=retain_ttl_s)
+        blockd pins them for that long (:meth:`pin_prefix`). ``priority``: the
+        retention priority of its blocks once evictable, 0..7, lower evicted
+        first (docs/protocol.md, Priorities)."""
+        op = Allocate(seq_id, list(prompt_token_ids), messages.extra_or_none(extra_keys), retain_ttl_s=retain_ttl_s,
+                      priority=priority)
         return self._one(pool, op, request_id)
 
     def append(self, pool: str, seq_id: str, token_ids: Sequence[int], *,

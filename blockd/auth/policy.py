@@ -11,7 +11,8 @@ permission         RPCs
                    the hash spec and a pool's block size and tenant)
 ``tables.read``    GetTables, GetSequence, Watch (block tables)
 ``cache.read``     Events, LookupPrefix (block hashes and token ids: prompts)
-``step``           Step, StepStream (allocate/append/commit/fork/free), PinPrefix, UnpinPrefix (what is cached)
+``step``           Step, StepStream (allocate/append/commit/fork/free), PinPrefix, UnpinPrefix,
+                   SetPrefixPriority (what is cached, and kept)
 ``worker.join``    RegisterWorker, Heartbeat
 ``kv.stats``       KVShardService.GetWorkerStats
 ``kv.compute``     KVShardService.WriteKV, Attention, ModelStep, FetchBlocks
@@ -74,6 +75,7 @@ _BLOCKD = {
     "blockd.v1.PoolService": {
         "CreatePool": POOL_ADMIN, "GetPool": POOL_READ, "ListPools": POOL_READ, "DeletePool": POOL_ADMIN,
         "ResetPrefixCache": POOL_ADMIN, "PinPrefix": STEP, "UnpinPrefix": STEP, "ListPins": POOL_READ,
+        "SetPrefixPriority": STEP,
     },
     "blockd.v1.BlockService": {
         "Step": STEP, "StepStream": STEP, "GetTables": TABLES_READ, "GetSequence": TABLES_READ, "Watch": TABLES_READ,

@@ -21,7 +21,8 @@ from __future__ import annotations
 from typing import Literal
 
 from blockd.core.hashing import NO_EXTRA_KEYS, ExtraKeys
-from blockd.core.pool import Pin
+from blockd.core.lru import DEFAULT_PRIORITY
+from blockd.core.pool import Pin, PrefixPriority
 from blockd.core.types import (
     ALL_BLOCKS_CLEARED,
     BLOCK_REMOVED,
@@ -181,7 +182,8 @@ def op_from_proto(msg: pb.Op, index: int) -> Op:
         extra = (extra_keys_from_proto(alloc.extra_keys, f"{where}.extra_keys") if alloc.HasField("extra_keys")
                  else NO_EXTRA_KEYS)
         return Allocate(require_id(alloc.seq_id, f"{where}.seq_id", index), list(alloc.prompt_token_ids), extra,
-                        alloc.source_pool, alloc.retain_ttl_s)
+                        alloc.source_pool, alloc.retain_ttl_s,
+                        alloc.priority if alloc.HasField("priority") else DEFAULT_PRIORITY)
     if kind == "append":
         return Append(require_id(msg.append.seq_id, f"{where}.seq_id", index), list(msg.append.token_ids))
     if kind == "commit":
@@ -215,6 +217,8 @@ def op_into_proto(op: Op, out: pb.Op) -> None:
             out.allocate.source_pool = op.source_pool
         if op.retain_ttl_s:
             out.allocate.retain_ttl_s = op.retain_ttl_s
+        if op.priority != DEFAULT_PRIORITY:
+            out.allocate.priority = op.priority
     elif isinstance(op, Append):
         out.append.SetInParent()
         out.append.seq_id = op.seq_id
@@ -428,6 +432,17 @@ def pin_to_proto(pin: Pin) -> pb.Pin:
 
 def pin_from_proto(msg: pb.Pin) -> Pin:
     return Pin(msg.pin_id, msg.pool, msg.tenant, tuple(msg.block_ids), msg.num_tokens, msg.expires_at)
+
+
+def prefix_priority_to_proto(done: PrefixPriority) -> pb.SetPrefixPriorityResponse:
+    return pb.SetPrefixPriorityResponse(pool=done.pool, tenant=done.tenant, priority=done.priority,
+                                        num_tokens=done.num_tokens, num_device_blocks=done.num_device_blocks,
+                                        num_host_blocks=done.num_host_blocks)
+
+
+def prefix_priority_from_proto(msg: pb.SetPrefixPriorityResponse) -> PrefixPriority:
+    return PrefixPriority(msg.pool, msg.tenant, msg.priority, msg.num_tokens, msg.num_device_blocks,
+                          msg.num_host_blocks)
 
 
 # --- replicas ---------------------------------------------------------------------------

@@ -90,6 +90,13 @@ class PoolServicer(pb_grpc.PoolServiceServicer):
         pins = self._engine.list_pins(require_id(request.pool, "pool"))
         return pb.ListPinsResponse(pins=[convert.pin_to_proto(pin) for pin in pins])
 
+    @unary
+    def SetPrefixPriority(self, request: pb.SetPrefixPriorityRequest, context) -> pb.SetPrefixPriorityResponse:
+        done = self._engine.set_prefix_priority(require_id(request.pool, "pool"), list(request.token_ids),
+                                                convert.extra_keys_from_proto(request.extra_keys), request.priority,
+                                                optional_id(request.request_id, "request_id"))
+        return convert.prefix_priority_to_proto(done)
+
 
 class BlockServicer(pb_grpc.BlockServiceServicer):
     def __init__(self, engine: Engine, shutdown: threading.Event) -> None:

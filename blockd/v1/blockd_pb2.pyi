@@ -773,6 +773,83 @@ class ListPinsResponse(_message.Message):
 Global___ListPinsResponse: _TypeAlias = ListPinsResponse  # noqa: Y015
 
 @_typing.final
+class SetPrefixPriorityRequest(_message.Message):
+    """SetPrefixPriority input. token_ids and extra_keys name the prefix as an
+    Allocate's prompt does; priority in [0, 7], lower evicted first (4 is the
+    default; out of range is INVALID_ARGUMENT).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    POOL_FIELD_NUMBER: _builtins.int
+    TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    EXTRA_KEYS_FIELD_NUMBER: _builtins.int
+    PRIORITY_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    pool: _builtins.str
+    priority: _builtins.int
+    request_id: _builtins.str
+    @_builtins.property
+    def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def extra_keys(self) -> Global___ExtraKeys: ...
+    def __init__(
+        self,
+        *,
+        pool: _builtins.str = ...,
+        token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        extra_keys: Global___ExtraKeys | None = ...,
+        priority: _builtins.int = ...,
+        request_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["extra_keys", b"extra_keys"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["extra_keys", b"extra_keys", "pool", b"pool", "priority", b"priority", "request_id", b"request_id", "token_ids", b"token_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SetPrefixPriorityRequest: _TypeAlias = SetPrefixPriorityRequest  # noqa: Y015
+
+@_typing.final
+class SetPrefixPriorityResponse(_message.Message):
+    """SetPrefixPriority output: what was set."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    POOL_FIELD_NUMBER: _builtins.int
+    TENANT_FIELD_NUMBER: _builtins.int
+    PRIORITY_FIELD_NUMBER: _builtins.int
+    NUM_TOKENS_FIELD_NUMBER: _builtins.int
+    NUM_DEVICE_BLOCKS_FIELD_NUMBER: _builtins.int
+    NUM_HOST_BLOCKS_FIELD_NUMBER: _builtins.int
+    pool: _builtins.str
+    tenant: _builtins.str
+    """the pool's tenant"""
+    priority: _builtins.int
+    num_tokens: _builtins.int
+    """tokens of the leading full blocks now at the priority"""
+    num_device_blocks: _builtins.int
+    """of those blocks, how many are in the device tier and how many in the host tier"""
+    num_host_blocks: _builtins.int
+    def __init__(
+        self,
+        *,
+        pool: _builtins.str = ...,
+        tenant: _builtins.str = ...,
+        priority: _builtins.int = ...,
+        num_tokens: _builtins.int = ...,
+        num_device_blocks: _builtins.int = ...,
+        num_host_blocks: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["num_device_blocks", b"num_device_blocks", "num_host_blocks", b"num_host_blocks", "num_tokens", b"num_tokens", "pool", b"pool", "priority", b"priority", "tenant", b"tenant"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SetPrefixPriorityResponse: _TypeAlias = SetPrefixPriorityResponse  # noqa: Y015
+
+@_typing.final
 class ExtraKeys(_message.Message):
     """Everything besides token ids that changes a block's KV."""
 
@@ -820,6 +897,7 @@ class AllocateOp(_message.Message):
     EXTRA_KEYS_FIELD_NUMBER: _builtins.int
     SOURCE_POOL_FIELD_NUMBER: _builtins.int
     RETAIN_TTL_S_FIELD_NUMBER: _builtins.int
+    PRIORITY_FIELD_NUMBER: _builtins.int
     seq_id: _builtins.str
     source_pool: _builtins.str
     """Another pool of the same tenant and geometry whose cached blocks may
@@ -830,6 +908,11 @@ class AllocateOp(_message.Message):
     """> 0: once the prompt's full blocks are committed, blockd pins them for
     this many seconds, as PinPrefix would (docs/protocol.md, Pins); 0: no pin.
     Negative, NaN or over 1e9 is INVALID_ARGUMENT.
+    """
+    priority: _builtins.int
+    """Retention priority of the sequence's blocks once they are evictable, in
+    [0, 7]: lower is evicted first (docs/protocol.md, Priorities). Unset: 4,
+    the default; out of range is INVALID_ARGUMENT.
     """
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
@@ -843,12 +926,15 @@ class AllocateOp(_message.Message):
         extra_keys: Global___ExtraKeys | None = ...,
         source_pool: _builtins.str = ...,
         retain_ttl_s: _builtins.float = ...,
+        priority: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["extra_keys", b"extra_keys"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_priority", b"_priority", "extra_keys", b"extra_keys", "priority", b"priority"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["extra_keys", b"extra_keys", "prompt_token_ids", b"prompt_token_ids", "retain_ttl_s", b"retain_ttl_s", "seq_id", b"seq_id", "source_pool", b"source_pool"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_priority", b"_priority", "extra_keys", b"extra_keys", "priority", b"priority", "prompt_token_ids", b"prompt_token_ids", "retain_ttl_s", b"retain_ttl_s", "seq_id", b"seq_id", "source_pool", b"source_pool"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__priority: _TypeAlias = _typing.Literal["priority"]  # noqa: Y015
+    _WhichOneofArgType__priority: _TypeAlias = _typing.Literal["_priority", b"_priority"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__priority) -> _WhichOneofReturnType__priority | None: ...
 
 Global___AllocateOp: _TypeAlias = AllocateOp  # noqa: Y015
 

@@ -77,6 +77,11 @@ class PoolServiceStub:
                 request_serializer=blockd_dot_v1_dot_blockd__pb2.ListPinsRequest.SerializeToString,
                 response_deserializer=blockd_dot_v1_dot_blockd__pb2.ListPinsResponse.FromString,
                 _registered_method=True)
+        self.SetPrefixPriority = channel.unary_unary(
+                '/blockd.v1.PoolService/SetPrefixPriority',
+                request_serializer=blockd_dot_v1_dot_blockd__pb2.SetPrefixPriorityRequest.SerializeToString,
+                response_deserializer=blockd_dot_v1_dot_blockd__pb2.SetPrefixPriorityResponse.FromString,
+                _registered_method=True)
 
 
 class PoolServiceServicer:
@@ -144,6 +149,15 @@ class PoolServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetPrefixPriority(self, request, context):
+        """Keeps a prefix's leading full blocks cached in either tier at a retention
+        priority (docs/protocol.md, Priorities); evictable ones move to the back
+        of that priority. FAILED_PRECONDITION if no such block is cached.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PoolServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -186,6 +200,11 @@ def add_PoolServiceServicer_to_server(servicer, server):
                     servicer.ListPins,
                     request_deserializer=blockd_dot_v1_dot_blockd__pb2.ListPinsRequest.FromString,
                     response_serializer=blockd_dot_v1_dot_blockd__pb2.ListPinsResponse.SerializeToString,
+            ),
+            'SetPrefixPriority': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetPrefixPriority,
+                    request_deserializer=blockd_dot_v1_dot_blockd__pb2.SetPrefixPriorityRequest.FromString,
+                    response_serializer=blockd_dot_v1_dot_blockd__pb2.SetPrefixPriorityResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -407,6 +426,33 @@ class PoolService:
             '/blockd.v1.PoolService/ListPins',
             blockd_dot_v1_dot_blockd__pb2.ListPinsRequest.SerializeToString,
             blockd_dot_v1_dot_blockd__pb2.ListPinsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetPrefixPriority(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/blockd.v1.PoolService/SetPrefixPriority',
+            blockd_dot_v1_dot_blockd__pb2.SetPrefixPriorityRequest.SerializeToString,
+            blockd_dot_v1_dot_blockd__pb2.SetPrefixPriorityResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -86,6 +86,11 @@ class PoolServiceStub:
     """Lets a pin go; its blocks become evictable. NOT_FOUND for an unknown pin."""
     ListPins: _grpc.UnaryUnaryMultiCallable[_blockd_pb2.ListPinsRequest, _blockd_pb2.ListPinsResponse]
     """The pins of a pool, in the order they were made."""
+    SetPrefixPriority: _grpc.UnaryUnaryMultiCallable[_blockd_pb2.SetPrefixPriorityRequest, _blockd_pb2.SetPrefixPriorityResponse]
+    """Keeps a prefix's leading full blocks cached in either tier at a retention
+    priority (docs/protocol.md, Priorities); evictable ones move to the back
+    of that priority. FAILED_PRECONDITION if no such block is cached.
+    """
 
 @_typing.type_check_only
 class PoolServiceAsyncStub(PoolServiceStub):
@@ -116,6 +121,11 @@ class PoolServiceAsyncStub(PoolServiceStub):
     """Lets a pin go; its blocks become evictable. NOT_FOUND for an unknown pin."""
     ListPins: _aio.UnaryUnaryMultiCallable[_blockd_pb2.ListPinsRequest, _blockd_pb2.ListPinsResponse]  # type: ignore[assignment]
     """The pins of a pool, in the order they were made."""
+    SetPrefixPriority: _aio.UnaryUnaryMultiCallable[_blockd_pb2.SetPrefixPriorityRequest, _blockd_pb2.SetPrefixPriorityResponse]  # type: ignore[assignment]
+    """Keeps a prefix's leading full blocks cached in either tier at a retention
+    priority (docs/protocol.md, Priorities); evictable ones move to the back
+    of that priority. FAILED_PRECONDITION if no such block is cached.
+    """
 
 class PoolServiceServicer(metaclass=_abc_1.ABCMeta):
     """----------------------------------------------------------------- pools --
@@ -191,6 +201,17 @@ class PoolServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_blockd_pb2.ListPinsResponse, _abc.Awaitable[_blockd_pb2.ListPinsResponse]]:
         """The pins of a pool, in the order they were made."""
+
+    @_abc_1.abstractmethod
+    def SetPrefixPriority(
+        self,
+        request: _blockd_pb2.SetPrefixPriorityRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_blockd_pb2.SetPrefixPriorityResponse, _abc.Awaitable[_blockd_pb2.SetPrefixPriorityResponse]]:
+        """Keeps a prefix's leading full blocks cached in either tier at a retention
+        priority (docs/protocol.md, Priorities); evictable ones move to the back
+        of that priority. FAILED_PRECONDITION if no such block is cached.
+        """
 
 def add_PoolServiceServicer_to_server(servicer: PoolServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
 

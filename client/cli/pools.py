@@ -9,6 +9,7 @@
     blockctl pools pin POOL --tokens 1,2,3,... [--ttl-s S]   # hold a cached prefix in the device tier
     blockctl pools unpin POOL PIN_ID
     blockctl pools pins POOL         # what is pinned: blocks, tokens, deadline, tenant
+    blockctl pools priority POOL --tokens 1,2,3,... --priority P   # keep a cached prefix at a retention priority
     blockctl prefix-cache reset POOL
 
 Each ``add_*`` registers one command group with the parser (an entry of
@@ -23,6 +24,7 @@ import dataclasses
 import time
 
 from blockd.config_env import non_negative_float, non_negative_int, positive_int
+from blockd.core.lru import DEFAULT_PRIORITY, NUM_PRIORITIES
 from blockd.core.pool import Pin
 from blockd.core.types import PoolConfig
 from client.cli import pool_apply
@@ -103,6 +105,24 @@ def _pins_pin(client: BlockdClient, args: argparse.Namespace) -> None:
 def _pins_unpin(client: BlockdClient, args: argparse.Namespace) -> None:
     pin = client.unpin_prefix(args.pool, args.pin_id)
     emit(args, pin, lambda: f"unpinned {pin.pin_id} of pool {pin.pool}: {len(pin.block_ids)} blocks may be evicted")
+
+
+def _prefix_priority(client: BlockdClient, args: argparse.Namespace) -> None:
+    done = client.set_prefix_priority(args.pool, args.tokens, args.priority)
+    emit(args, done, lambda: (f"kept {done.num_tokens} of {len(args.tokens)} tokens of pool {done.pool} at priority "
+                              f"{done.priority} ({done.num_device_blocks} blocks in the device tier, "
+                              f"{done.num_host_blocks} in the host tier)"))
+
+
+def _priority(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value < NUM_PRIORITIES:
+        raise argparse.ArgumentTypeError(f"a priority is an integer in [0, {NUM_PRIORITIES - 1}] (lower is evicted "
+                                         f"first; default {DEFAULT_PRIORITY}), got {text!r}")
+    return value
 
 
 def _pins_list(client: BlockdClient, args: argparse.Namespace) -> None:
@@ -197,6 +217,16 @@ def add_pools(sub: argparse._SubParsersAction) -> None:
     pins = pools.add_parser("pins", help="a pool's pins: blocks, tokens, when each expires, tenant")
     pins.add_argument("pool")
     pins.set_defaults(run=_pins_list)
+    priority = pools.add_parser(
+        "priority", help="keep a prefix's full blocks cached in either tier at a retention priority: lower is "
+                         f"evicted first (0..{NUM_PRIORITIES - 1}, requests default to {DEFAULT_PRIORITY}); "
+                         "evictable blocks move to the back of that priority, used ones enter it when let go "
+                         "unless a holder's priority is higher")
+    priority.add_argument("pool")
+    priority.add_argument("--tokens", type=_token_ids, required=True, help="the prefix's token ids: 1,2,3 or '1 2 3'")
+    priority.add_argument("--priority", type=_priority, required=True, metavar="P",
+                          help=f"0..{NUM_PRIORITIES - 1}, lower evicted first")
+    priority.set_defaults(run=_prefix_priority)
     apply = pools.add_parser(
         "apply", help="create the pools a JSON file lists that are missing; check the others match",
         description=APPLY_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -72,6 +72,8 @@ REQUESTS: dict[str, tuple[Callable[[], Message], Code]] = {
                                          Code.FAILED_PRECONDITION),
     "/blockd.v1.PoolService/UnpinPrefix": (lambda: pb.UnpinPrefixRequest(pool="p", pin_id="pin-1"), Code.NOT_FOUND),
     "/blockd.v1.PoolService/ListPins": (lambda: pb.ListPinsRequest(pool="p"), Code.OK),
+    "/blockd.v1.PoolService/SetPrefixPriority": (
+        lambda: pb.SetPrefixPriorityRequest(pool="p", token_ids=PROMPT, priority=1), Code.FAILED_PRECONDITION),
     "/blockd.v1.BlockService/Step": (
         lambda: convert.step_request_to_proto("p", [Allocate("t", [1, 2, 3])], ""), Code.OK),
     # a refused step is the stream's first answer (error_status), read as that step's code (_call)
