@@ -45,7 +45,7 @@ from blockd.core.types import (
     WorkerInfo,
     WorkerStatus,
 )
-from blockd.rpc import convert
+from blockd.rpc import convert, retention
 from blockd.rpc.hash_spec import hash_spec_from_proto
 from blockd.v1 import blockd_pb2 as pb
 from blockd.v1 import blockd_pb2_grpc as pb_grpc
@@ -172,22 +172,22 @@ class AsyncBlockdClient:
                          ttl_s: float = 0.0, request_id: str | None = None) -> Pin:
         """Like :meth:`client.sdk.BlockdClient.pin_prefix`."""
         request = messages.pin_prefix_request(pool, token_ids, extra_keys, ttl_s, request_id)
-        return convert.pin_from_proto((await self._unary(self._pools.PinPrefix, request)).pin)
+        return retention.pin_from_proto((await self._unary(self._pools.PinPrefix, request)).pin)
 
     async def set_prefix_priority(self, pool: str, token_ids: Sequence[int], priority: int, *,
                                   extra_keys: ExtraKeys | None = None,
                                   request_id: str | None = None) -> PrefixPriority:
         """Like :meth:`client.sdk.BlockdClient.set_prefix_priority`."""
         request = messages.set_prefix_priority_request(pool, token_ids, extra_keys, priority, request_id)
-        return convert.prefix_priority_from_proto(await self._unary(self._pools.SetPrefixPriority, request))
+        return retention.prefix_priority_from_proto(await self._unary(self._pools.SetPrefixPriority, request))
 
     async def unpin_prefix(self, pool: str, pin_id: str, *, request_id: str | None = None) -> Pin:
         request = messages.unpin_prefix_request(pool, pin_id, request_id)
-        return convert.pin_from_proto((await self._unary(self._pools.UnpinPrefix, request)).pin)
+        return retention.pin_from_proto((await self._unary(self._pools.UnpinPrefix, request)).pin)
 
     async def list_pins(self, pool: str) -> list[Pin]:
         reply = await self._unary(self._pools.ListPins, pb.ListPinsRequest(pool=pool))
-        return [convert.pin_from_proto(pin) for pin in reply.pins]
+        return [retention.pin_from_proto(pin) for pin in reply.pins]
 
     # --- steps ---------------------------------------------------------------------
     async def step(self, pool: str, ops: Sequence[Op], *, request_id: str | None = None,

@@ -54,7 +54,7 @@ from blockd.core.types import (
     WorkerInfo,
     WorkerStatus,
 )
-from blockd.rpc import convert
+from blockd.rpc import convert, retention
 from blockd.rpc.hash_spec import hash_spec_from_proto
 from blockd.v1 import blockd_pb2 as pb
 from blockd.v1 import blockd_pb2_grpc as pb_grpc
@@ -196,7 +196,7 @@ class BlockdClient:
         TTL) or a reset of the pool's prefix cache. The pin's ``num_tokens``
         says how much was pinned; FailedPreconditionError if nothing is cached."""
         request = messages.pin_prefix_request(pool, token_ids, extra_keys, ttl_s, request_id)
-        return convert.pin_from_proto(self._unary(self._pools.PinPrefix, request).pin)
+        return retention.pin_from_proto(self._unary(self._pools.PinPrefix, request).pin)
 
     def set_prefix_priority(self, pool: str, token_ids: Sequence[int], priority: int, *,
                             extra_keys: ExtraKeys | None = None, request_id: str | None = None) -> PrefixPriority:
@@ -204,17 +204,17 @@ class BlockdClient:
         (device or host tier) at retention ``priority`` (0..7, lower evicted
         first); FailedPreconditionError if nothing is cached."""
         request = messages.set_prefix_priority_request(pool, token_ids, extra_keys, priority, request_id)
-        return convert.prefix_priority_from_proto(self._unary(self._pools.SetPrefixPriority, request))
+        return retention.prefix_priority_from_proto(self._unary(self._pools.SetPrefixPriority, request))
 
     def unpin_prefix(self, pool: str, pin_id: str, *, request_id: str | None = None) -> Pin:
         """Let pin ``pin_id`` go (NotFoundError if ``pool`` holds none such)."""
         request = messages.unpin_prefix_request(pool, pin_id, request_id)
-        return convert.pin_from_proto(self._unary(self._pools.UnpinPrefix, request).pin)
+        return retention.pin_from_proto(self._unary(self._pools.UnpinPrefix, request).pin)
 
     def list_pins(self, pool: str) -> list[Pin]:
         """``pool``'s pins, in the order they were made."""
         reply = self._unary(self._pools.ListPins, pb.ListPinsRequest(pool=pool))
-        return [convert.pin_from_proto(pin) for pin in reply.pins]
+        return [retention.pin_from_proto(pin) for pin in reply.pins]
 
     # --- steps ---------------------------------------------------------------------
     def step(self, pool: str, ops: Sequence[Op], *, request_id: str | None = None,

@@ -1,48 +1,24 @@
 """Physical block bookkeeping with typed undo entries: the pool's block space.
 
-Owns, per block id: the ref count, how many of its slots hold tokens (``fill``)
-and its prefix hash; and, pool-wide: the never-used counter, the free list, the
-evictable LRU (:class:`~blockd.core.lru.BlockLRU`), the prefix index
-(hash -> block id), the host tier (:class:`~blockd.core.lru.HostTier`, when the
-pool has one), and what the open batch produced for the pool to publish: the
-evictions not yet announced as events and the tier ops.
+Owns, per block id: the ref count, how many of its slots hold tokens (``fill``),
+its prefix hash and retention priority; pool-wide: the never-used counter, the
+free list, the evictable LRU (:class:`~blockd.core.lru.BlockLRU`), the prefix
+index (hash -> block id), the host tier (:class:`~blockd.core.lru.HostTier`,
+when the pool has one), and what the open batch produced for the pool to
+publish: the evictions not yet announced as events and the tier ops.
 
 Every block is in exactly one state:
 
 * **free**: ref count 0, no hash; either never used (id >= ``next_fresh``) or
   in the free list. The free list is FIFO, so ids are handed out in ascending
   order first, then in the order they were released.
-* **evictable**: ref count 0, indexed hash, in the LRU at its priority.
+* **evictable**: ref count 0, indexed hash, in the LRU at its priority (:mod:`blockd.core.lru`).
 * **used**: ref count > 0 (it may or may not carry an indexed hash).
 
-Retention priority (``priority``, per block; :mod:`blockd.core.lru` says how
-it orders eviction): a block handed out starts at
-:data:`~blockd.core.lru.MIN_PRIORITY`, and each holder that lets it go
-(:meth:`BlockSpace.release`) raises it to its own priority if that is higher.
-So a cached block keeps the highest priority of the sequences that held it
-since it was filled, across revivals, and across tiers: an offload stores it
-with the host block, a restore brings it back. Only
-:meth:`BlockSpace.set_priority` (a caller's per-prefix request) lowers it.
-
-The host tier (exclusive with the device tier: a hash is in at most one):
-
-* **offload**: when :meth:`BlockSpace.take` evicts a cached device block and
-  the pool has a host tier, its hash moves to a host block (never used, then
-  free, then the host LRU's front, whose hash is dropped: ``BlockRemoved``
-  with medium host) and the batch queues ``TierOp(OFFLOAD, device, host)``;
-  if every host block is pinned by the allocation in progress, it is dropped.
-* **restore** (:meth:`BlockSpace.restore`, after :meth:`BlockSpace.pin_host`):
-  a fresh device block takes the hash back, the batch queues
-  ``TierOp(RESTORE, device, host)``, the host block joins the host free list.
-* **supersede**: a device block committed under a hash the host tier holds
-  takes it over; the host block is freed (no event: the hash stays cached).
-
-Ordering within a batch: workers run the tier ops in the order generated, then
-the copies, then write KV. A device block is handed out only after its OFFLOAD
-is queued, and a host block is freed only after its RESTORE is queued, so each
-tier op reads a block before any later one overwrites it. Copies run after
-every tier op, so a copy's source or destination in the batch is never a
-restore's target (:meth:`BlockSpace.take_clean` skips them).
+The host tier (exclusive with the device tier: a hash is in at most one) takes
+evicted hashes (offload), gives them back (restore), yields to a device block
+committed under its hash (supersede): :class:`~blockd.core.lru.HostTier` tells
+how, and the order of tier ops in a batch.
 
 While a batch is open (:meth:`BlockSpace.begin`) every mutation appends one
 :class:`Undo` entry to the batch's journal; replaying the journal in reverse
@@ -75,7 +51,7 @@ class BlockSpace:
         self.ref = [0] * num_blocks
         self.fill = [0] * num_blocks
         self.hash: list[bytes | None] = [None] * num_blocks
-        #: retention priority per block (see the module docstring)
+        #: retention priority per block (:mod:`blockd.core.lru` says how it is set)
         self.priority = [MIN_PRIORITY] * num_blocks
         self.index: dict[bytes, int] = {}
         self.next_fresh = 0
@@ -139,9 +115,11 @@ class BlockSpace:
                 journal.append(_TookFree(self, block, self.fill[block], self.priority[block]))
         else:
             block = self._evict()
-        self.ref[block] = 1
-        self.fill[block] = fill
-        self.priority[block] = MIN_PRIORITY
+        return self._hand_out(block, fill)
+
+    def _hand_out(self, block: int, fill: int) -> int:
+        """``block``, just taken, is used: ref count 1, ``fill`` tokens, the lowest priority."""
+        self.ref[block], self.fill[block], self.priority[block] = 1, fill, MIN_PRIORITY
         self.num_used += 1
         self.filled_slots += fill
         return block
@@ -166,8 +144,8 @@ class BlockSpace:
 
     def take_clean(self, fill: int, dirty: set[int]) -> int | None:
         """:meth:`take`, but never a block in ``dirty`` (a restore's target must
-        not be a copy op's source or destination of the batch, see the module
-        docstring); None when only such blocks are left."""
+        not be a copy op's source or destination of the batch, see
+        :class:`~blockd.core.lru.HostTier`); None when only such blocks are left."""
         if not dirty or self.next_fresh < self.num_blocks:
             return self.take(fill)
         free = self.free
@@ -183,12 +161,7 @@ class BlockSpace:
             block = self._evict()
         else:
             return None
-        self.ref[block] = 1
-        self.fill[block] = fill
-        self.priority[block] = MIN_PRIORITY
-        self.num_used += 1
-        self.filled_slots += fill
-        return block
+        return self._hand_out(block, fill)
 
     # --- the host tier (only called when the pool has one) -------------------
     def _offload(self, block: int, h: bytes, priority: int) -> bool:
@@ -268,11 +241,8 @@ class BlockSpace:
                 journal.append(_Freed(self, block, old))
 
     def set_priority(self, block: int, priority: int) -> None:
-        """Cached ``block`` is kept at ``priority`` from now on (an evictable
-        one moves to the back of that priority); outside any batch, so not
-        journaled. Its holders still raise it when they let it go."""
-        if self.journal is not None:
-            raise InvariantViolation("a priority cannot be set inside a batch")
+        """Cached ``block`` is at ``priority`` now (evictable: at the back of
+        it); outside any batch, so not journaled. Its holders may raise it."""
         self.priority[block] = priority
         if block in self.lru:
             self.lru.remove(block)
@@ -360,11 +330,12 @@ class _TookFresh(Undo):
         self.space, self.block, self.fill, self.priority = space, block, fill, priority
 
     def undo(self) -> None:
-        space = self.space
-        space.next_fresh -= 1
-        space.ref[self.block] = 0
-        space.fill[self.block] = self.fill
-        space.priority[self.block] = self.priority
+        self.space.next_fresh -= 1
+        self._untake()
+
+    def _untake(self) -> None:  # what every take changed of the block itself
+        space, block = self.space, self.block
+        space.ref[block], space.fill[block], space.priority[block] = 0, self.fill, self.priority
 
 
 class _TookFree(_TookFresh):
@@ -373,47 +344,38 @@ class _TookFree(_TookFresh):
     __slots__ = ()
 
     def undo(self) -> None:
-        space = self.space
-        space.free.appendleft(self.block)
-        space.ref[self.block] = 0
-        space.fill[self.block] = self.fill
-        space.priority[self.block] = self.priority
+        self.space.free.appendleft(self.block)
+        self._untake()
 
 
-class _TookFreeAt(Undo):
+class _TookFreeAt(_TookFresh):
     """A block from the middle of the free list was handed out (:meth:`BlockSpace.take_clean`)."""
 
-    __slots__ = ("at", "block", "fill", "priority", "space")
+    __slots__ = ("at",)
 
     def __init__(self, space: BlockSpace, block: int, fill: int, priority: int, at: int) -> None:
-        self.space, self.block, self.fill, self.priority, self.at = space, block, fill, priority, at
+        super().__init__(space, block, fill, priority)
+        self.at = at
 
     def undo(self) -> None:
-        space = self.space
-        space.free.insert(self.at, self.block)
-        space.ref[self.block] = 0
-        space.fill[self.block] = self.fill
-        space.priority[self.block] = self.priority
+        self.space.free.insert(self.at, self.block)
+        self._untake()
 
 
-class _TookEvicted(Undo):
+class _TookEvicted(_TookFresh):
     """The front of the LRU (lowest priority, least recently used) lost its hash and was handed out."""
 
-    __slots__ = ("block", "fill", "h", "nxt", "prev", "priority", "space")
+    __slots__ = ("h", "nxt", "prev")
 
-    def __init__(self, space: BlockSpace, block: int, fill: int, priority: int, h: bytes, prev: int,
-                 nxt: int) -> None:
-        self.space, self.block, self.fill, self.priority = space, block, fill, priority
+    def __init__(self, space: BlockSpace, block: int, fill: int, priority: int, h: bytes, prev: int, nxt: int) -> None:
+        super().__init__(space, block, fill, priority)
         self.h, self.prev, self.nxt = h, prev, nxt
 
     def undo(self) -> None:
         space, block = self.space, self.block
         space.lru.relink(block, self.prev, self.nxt)
-        space.hash[block] = self.h
-        space.index[self.h] = block
-        space.ref[block] = 0
-        space.fill[block] = self.fill
-        space.priority[block] = self.priority
+        space.hash[block], space.index[self.h] = self.h, block
+        self._untake()
 
 
 class _Revived(Undo):
@@ -460,10 +422,8 @@ class _Cached(_Unshared):
     __slots__ = ()
 
     def undo(self) -> None:
-        space = self.space
-        space.lru.remove(self.block)
-        space.ref[self.block] = 1
-        space.priority[self.block] = self.priority
+        self.space.lru.remove(self.block)
+        super().undo()  # ref count 0 -> 1, its priority back
 
 
 class _Freed(_Unshared):
@@ -472,11 +432,9 @@ class _Freed(_Unshared):
     __slots__ = ()
 
     def undo(self) -> None:
-        space = self.space
-        popped = space.free.pop()
+        popped = self.space.free.pop()
         assert popped == self.block, "undo out of order: the free list's back is another block"
-        space.ref[self.block] = 1
-        space.priority[self.block] = self.priority
+        super().undo()
 
 
 class _Indexed(Undo):

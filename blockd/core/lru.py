@@ -17,6 +17,14 @@ is freed its blocks are released tail first, so within a priority a freed
 sequence's tail blocks are evicted before its head blocks (a later request is
 more likely to share the head).
 
+A block's priority (``BlockSpace.priority``, and ``HostTier.priority`` for
+host blocks): a block handed out starts at :data:`MIN_PRIORITY`, and each
+holder that lets it go (``BlockSpace.release``) raises it to its own if that
+is higher. So a cached block keeps the highest priority of the sequences
+that held it since it was filled, across revivals, and across tiers: an
+offload stores it with the host block, a restore brings it back. Only
+``BlockSpace.set_priority`` (a caller's per-prefix request) lowers it.
+
 The links live in two flat lists indexed by block id, with one sentinel per
 priority at index ``num_blocks + priority`` (each priority is its own
 circular list); nothing is allocated per operation. A bit mask of the
@@ -143,7 +151,25 @@ class HostTier:
     list); every host block holding a hash is in :attr:`lru` at its
     :attr:`priority` (the device block's when it was offloaded; front = the
     least recently offloaded of the lowest priority, the one dropped when the
-    tier is full), except while an allocation has it pinned for a restore. Every mutation journals into the
+    tier is full), except while an allocation has it pinned for a restore.
+
+    How :class:`~blockd.core.blocks.BlockSpace` uses it: an **offload** (its
+    ``take`` evicts a cached device block) moves the hash to a host block
+    (never used, then free, then the host LRU's front, whose hash is
+    dropped: ``BlockRemoved`` with medium host) and queues ``TierOp(OFFLOAD,
+    device, host)``, or drops it if every host block is pinned by the
+    allocation in progress; a **restore** (``restore`` after ``pin_host``)
+    gives a fresh device block the hash back, queues ``TierOp(RESTORE,
+    device, host)`` and frees the host block; a **supersede**: a device
+    block committed under a hash the host tier holds takes it over, the host
+    block is freed (no event: the hash stays cached).
+
+    Ordering within a batch: workers run the tier ops in the order generated,
+    then the copies, then write KV. A device block is handed out only after
+    its OFFLOAD is queued, and a host block is freed only after its RESTORE
+    is queued, so each tier op reads a block before any later one overwrites
+    it. Copies run after every tier op, so a copy's source or destination in
+    the batch is never a restore's target (``BlockSpace.take_clean`` skips them). Every mutation journals into the
     ``journal`` it is given (None outside a batch);
     :class:`~blockd.core.blocks.BlockSpace` decides when to call them.
     """

@@ -22,7 +22,6 @@ from typing import Literal
 
 from blockd.core.hashing import NO_EXTRA_KEYS, ExtraKeys
 from blockd.core.lru import DEFAULT_PRIORITY
-from blockd.core.pool import Pin, PrefixPriority
 from blockd.core.types import (
     ALL_BLOCKS_CLEARED,
     BLOCK_REMOVED,
@@ -422,27 +421,6 @@ def worker_status_to_proto(status: WorkerStatus) -> pb.WorkerStatus:
 def worker_status_from_proto(msg: pb.WorkerStatus) -> WorkerStatus:
     info = WorkerInfo(**{name: getattr(msg.info, name) for name in _WORKER_FIELDS})
     return WorkerStatus(info, msg.is_up, msg.last_heartbeat_age_s, msg.applied_version)
-
-
-# --- pins -------------------------------------------------------------------------------
-def pin_to_proto(pin: Pin) -> pb.Pin:
-    return pb.Pin(pin_id=pin.pin_id, pool=pin.pool, tenant=pin.tenant, block_ids=list(pin.block_ids),
-                  num_tokens=pin.num_tokens, expires_at=pin.expires_at)
-
-
-def pin_from_proto(msg: pb.Pin) -> Pin:
-    return Pin(msg.pin_id, msg.pool, msg.tenant, tuple(msg.block_ids), msg.num_tokens, msg.expires_at)
-
-
-def prefix_priority_to_proto(done: PrefixPriority) -> pb.SetPrefixPriorityResponse:
-    return pb.SetPrefixPriorityResponse(pool=done.pool, tenant=done.tenant, priority=done.priority,
-                                        num_tokens=done.num_tokens, num_device_blocks=done.num_device_blocks,
-                                        num_host_blocks=done.num_host_blocks)
-
-
-def prefix_priority_from_proto(msg: pb.SetPrefixPriorityResponse) -> PrefixPriority:
-    return PrefixPriority(msg.pool, msg.tenant, msg.priority, msg.num_tokens, msg.num_device_blocks,
-                          msg.num_host_blocks)
 
 
 # --- replicas ---------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from blockd.core.hashing import check_hash_spec, hash_spec
 from blockd.core.types import Snapshot
 from blockd.engine.machine import Engine
 from blockd.engine.tenancy import owner_of
-from blockd.rpc import convert
+from blockd.rpc import convert, retention
 from blockd.rpc.convert import optional_id, require_id, require_ids
 from blockd.rpc.errors import BadField, answer_each, server_stream, status_bytes, unary
 from blockd.rpc.hash_spec import hash_spec_to_proto
@@ -77,25 +77,25 @@ class PoolServicer(pb_grpc.PoolServiceServicer):
         pin = self._engine.pin_prefix(require_id(request.pool, "pool"), list(request.token_ids),
                                       convert.extra_keys_from_proto(request.extra_keys), request.ttl_s,
                                       optional_id(request.request_id, "request_id"))
-        return pb.PinPrefixResponse(pin=convert.pin_to_proto(pin))
+        return pb.PinPrefixResponse(pin=retention.pin_to_proto(pin))
 
     @unary
     def UnpinPrefix(self, request: pb.UnpinPrefixRequest, context) -> pb.UnpinPrefixResponse:
         pin = self._engine.unpin_prefix(require_id(request.pool, "pool"), require_id(request.pin_id, "pin_id"),
                                         optional_id(request.request_id, "request_id"))
-        return pb.UnpinPrefixResponse(pin=convert.pin_to_proto(pin))
+        return pb.UnpinPrefixResponse(pin=retention.pin_to_proto(pin))
 
     @unary
     def ListPins(self, request: pb.ListPinsRequest, context) -> pb.ListPinsResponse:
         pins = self._engine.list_pins(require_id(request.pool, "pool"))
-        return pb.ListPinsResponse(pins=[convert.pin_to_proto(pin) for pin in pins])
+        return pb.ListPinsResponse(pins=[retention.pin_to_proto(pin) for pin in pins])
 
     @unary
     def SetPrefixPriority(self, request: pb.SetPrefixPriorityRequest, context) -> pb.SetPrefixPriorityResponse:
         done = self._engine.set_prefix_priority(require_id(request.pool, "pool"), list(request.token_ids),
                                                 convert.extra_keys_from_proto(request.extra_keys), request.priority,
                                                 optional_id(request.request_id, "request_id"))
-        return convert.prefix_priority_to_proto(done)
+        return retention.prefix_priority_to_proto(done)
 
 
 class BlockServicer(pb_grpc.BlockServiceServicer):

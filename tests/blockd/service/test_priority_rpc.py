@@ -5,12 +5,14 @@ refused with a clear status and changes nothing."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
 
 from blockd.auth import tokens
 from blockd.core import Allocate, Commit, Free, PoolConfig
+from client import AsyncBlockdClient
 from client.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError, PermissionDeniedError
 from client.sdk import BlockdClient
 
@@ -76,3 +78,20 @@ def test_a_tenant_sets_priorities_only_in_its_own_pools(secure_server, tmp_path)
         with pytest.raises(PermissionDeniedError):
             g.set_prefix_priority("pa", OLD, 0)
         assert _state(a, "pa") == before
+
+
+def test_the_async_client_allocates_at_a_priority_and_sets_one(client, blockd_server) -> None:
+    client.create_pool(PoolConfig("p", num_blocks=8, block_size=4))
+
+    async def scenario() -> None:
+        async with AsyncBlockdClient(blockd_server.address, timeout_s=5.0) as c:
+            await c.allocate("p", "s", OLD, priority=7)
+            await c.step("p", [Commit("s", len(OLD)), Free("s")])
+            done = await c.set_prefix_priority("p", OLD, 2)
+            assert (done.priority, done.num_tokens, done.num_device_blocks) == (2, 8, 2)
+            with pytest.raises(FailedPreconditionError):
+                await c.set_prefix_priority("p", NEW, 2)
+            pins = await c.list_pins("p")  # the pins' conversions live beside the priority's
+            assert pins == []
+
+    asyncio.run(scenario())
