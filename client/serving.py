@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 
 from blockd.core.arith import num_blocks_for
 from blockd.core.hashing import NO_EXTRA_KEYS, ExtraKeys
+from blockd.core.lru import DEFAULT_PRIORITY, NUM_PRIORITIES
 from client.backends import PLAIN_GREEDY, SamplingSpec
 
 #: the largest seed the workers take (uint64)
@@ -104,6 +105,8 @@ class GenerationRequest:
     #: what besides the tokens changes the KV (model, adapter, tenant): prefix reuse respects it
     extra_keys: ExtraKeys = NO_EXTRA_KEYS
     sampling: SamplingParams = GREEDY
+    #: retention priority of its blocks once freed, 0..7: lower is evicted first (docs/protocol.md, Priorities)
+    priority: int = DEFAULT_PRIORITY
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id or "." in self.request_id:
@@ -120,6 +123,9 @@ class GenerationRequest:
             raise TypeError(f"request {self.request_id}: extra_keys must be an ExtraKeys")
         if not isinstance(self.sampling, SamplingParams):
             raise TypeError(f"request {self.request_id}: sampling must be a SamplingParams")
+        if type(self.priority) is not int or not 0 <= self.priority < NUM_PRIORITIES:
+            raise ValueError(f"request {self.request_id}: priority must be an integer in [0, {NUM_PRIORITIES - 1}] "
+                             f"(lower is evicted first), got {self.priority!r}")
 
     @property
     def max_len(self) -> int:

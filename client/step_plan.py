@@ -148,7 +148,7 @@ def _plan_admissions(plan: StepPlan, config: SchedulerConfig, admission: PagingA
             chunk = min(budget, len(seq.token_ids))
             allocations.append((len(plan.ops), chunk))
             plan.ops.append(Allocate(seq.seq_id, list(seq.token_ids), state.request.extra_keys,
-                                     config.source_pool))
+                                     config.source_pool, priority=state.request.priority))
             budget -= chunk
         plan.admitted.append((state, allocations))
         num_seqs += state.num_seqs_when_running

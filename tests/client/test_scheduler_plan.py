@@ -327,3 +327,13 @@ def test_model_fault_that_is_not_a_worker_fault_is_raised(err: BlockdClientError
     with pytest.raises(BlockdClientError) as raised:
         on_model_fault("m", err, [A], [A])
     assert raised.value is err
+
+
+def test_a_requests_priority_is_its_allocations_and_out_of_range_is_refused() -> None:
+    low = RequestState(GenerationRequest("w", (1, 2, 3), max_new_tokens=8, n=2, priority=0), arrival_s=0.0)
+    plan = plan_step(CONFIG, PagingAdmission(), running=[], waiting=[low, waiting("d", 3)], releases=[])
+    # the second sample is forked from the first later, and a fork inherits its parent's priority
+    assert [(op.seq_id, op.priority) for op in plan.ops if isinstance(op, Allocate)] == [("w.0", 0), ("d.0", 4)]
+    for bad in (8, -1, True, "1"):
+        with pytest.raises(ValueError, match="priority must be an integer in"):
+            GenerationRequest("x", (1,), max_new_tokens=1, priority=bad)
