@@ -115,7 +115,10 @@ class BlockSpace:
                 journal.append(_TookFree(self, block, self.fill[block], self.priority[block]))
         else:
             block = self._evict()
-        return self._hand_out(block, fill)
+        self.ref[block], self.fill[block], self.priority[block] = 1, fill, MIN_PRIORITY  # _hand_out, inline: hot
+        self.num_used += 1
+        self.filled_slots += fill
+        return block
 
     def _hand_out(self, block: int, fill: int) -> int:
         """``block``, just taken, is used: ref count 1, ``fill`` tokens, the lowest priority."""
@@ -217,8 +220,7 @@ class BlockSpace:
         self.ref[block] = ref + 1
 
     def release(self, block: int, priority: int = MIN_PRIORITY) -> None:
-        """One holder fewer, of ``priority``, holds ``block`` (raised to it if
-        lower); at 0 it becomes evictable at its priority, or free."""
+        """One holder fewer (of ``priority``: ``block`` is raised to it); at 0 it is evictable or free."""
         ref = self.ref[block]
         self.ref[block] = ref - 1
         journal = self.journal
@@ -241,8 +243,7 @@ class BlockSpace:
                 journal.append(_Freed(self, block, old))
 
     def set_priority(self, block: int, priority: int) -> None:
-        """Cached ``block`` is at ``priority`` now (evictable: at the back of
-        it); outside any batch, so not journaled. Its holders may raise it."""
+        """Cached ``block`` is at ``priority`` now (evictable: at its back); outside any batch, not journaled."""
         self.priority[block] = priority
         if block in self.lru:
             self.lru.remove(block)
@@ -354,8 +355,7 @@ class _TookFreeAt(_TookFresh):
     __slots__ = ("at",)
 
     def __init__(self, space: BlockSpace, block: int, fill: int, priority: int, at: int) -> None:
-        super().__init__(space, block, fill, priority)
-        self.at = at
+        self.space, self.block, self.fill, self.priority, self.at = space, block, fill, priority, at
 
     def undo(self) -> None:
         self.space.free.insert(self.at, self.block)
@@ -368,7 +368,7 @@ class _TookEvicted(_TookFresh):
     __slots__ = ("h", "nxt", "prev")
 
     def __init__(self, space: BlockSpace, block: int, fill: int, priority: int, h: bytes, prev: int, nxt: int) -> None:
-        super().__init__(space, block, fill, priority)
+        self.space, self.block, self.fill, self.priority = space, block, fill, priority  # no super(): hot
         self.h, self.prev, self.nxt = h, prev, nxt
 
     def undo(self) -> None:

@@ -5,16 +5,12 @@ the miss ledger (recently dropped hashes, the tokens-only index).
 the device tier and, over host block ids, by the host tier (:class:`HostTier`).
 
 Blocks whose ref count fell to 0 but which still hold a full, committed,
-hashed prefix block wait here until either a prefix hit revives them (taken
-out of the middle in O(1)) or the pool runs out of free blocks and evicts the
-least recently used one (taken from the front in O(1)).
-
-Eviction order: by retention priority, then least recently released. A
-cached block has a priority in ``[0, NUM_PRIORITIES)`` (lower is evicted
-first, :data:`DEFAULT_PRIORITY` when nobody asked); the front is the least
-recently released block of the lowest priority that has any. When a sequence
-is freed its blocks are released tail first, so within a priority a freed
-sequence's tail blocks are evicted before its head blocks (a later request is
+hashed prefix block wait here until a prefix hit revives them (taken out of
+the middle in O(1)) or the pool runs out of free blocks and evicts the front
+(O(1)): the least recently released block of the lowest retention priority
+that has any (``[0, NUM_PRIORITIES)``, lower first, :data:`DEFAULT_PRIORITY`
+when nobody asked). A freed sequence's blocks are released tail first, so
+within a priority its tail is evicted before its head (a later request is
 more likely to share the head).
 
 A block's priority (``BlockSpace.priority``, and ``HostTier.priority`` for
@@ -51,6 +47,8 @@ NUM_PRIORITIES = 8
 DEFAULT_PRIORITY = 4
 #: the priority a block starts from when it is handed out (its holders raise it)
 MIN_PRIORITY = 0
+#: mask of non-empty priorities -> the lowest (an index beats ``bit_length`` on the eviction path)
+_LOWEST = tuple((mask & -mask).bit_length() - 1 for mask in range(1 << NUM_PRIORITIES))
 
 
 class Undo(ABC):
@@ -108,16 +106,21 @@ class BlockLRU:
         return self._mask
 
     def push_back(self, block_id: int, priority: int) -> None:
-        """Mark ``block_id`` as the most recently released of ``priority``."""
+        """Mark ``block_id`` as the most recently released of ``priority``
+        (:meth:`relink` before the sentinel, inline: the release hot path)."""
         sentinel = self._base + priority
-        self.relink(block_id, self._prev[sentinel], sentinel)
+        prev = self._prev[sentinel]
+        if prev == sentinel:
+            self._mask |= 1 << priority
+        self._prev[block_id] = prev
+        self._next[block_id] = sentinel
+        self._next[prev] = self._prev[sentinel] = block_id
+        self._len += 1
 
     def front(self) -> int | None:
         """The block that would be evicted next, if any."""
         mask = self._mask
-        if not mask:
-            return None
-        return self._next[self._base + (mask & -mask).bit_length() - 1]
+        return self._next[self._base + _LOWEST[mask]] if mask else None
 
     def remove(self, block_id: int) -> tuple[int, int]:
         """Unlink ``block_id``; returns ``(prev, next)`` for :meth:`relink`."""
