@@ -24,7 +24,9 @@ For a replica that follows a leader (``docs/ha.md``):
 re-reads the directory into a fresh state after the log was cut
 (:meth:`truncate_after`) or replaced by the leader's snapshot
 (:meth:`install_snapshot`), both through :mod:`blockd.storage.cut`, which keeps
-a copy of what it removes. Not thread-safe: the engine calls it under its lock.
+a copy of what it removes. Not thread-safe: the engine calls it under its lock,
+except :meth:`Durability.durable` (the wait for a record's fsync), which it
+calls outside it so that concurrent steps share one fsync (group commit).
 """
 
 from __future__ import annotations
@@ -146,9 +148,11 @@ class Durability:
         if self._observer is not None:
             self._observer.snapshotted(lsn)
 
-    def log(self, body: dict, term: int = 0) -> int:
+    def log(self, body: dict, term: int = 0, defer_sync: bool = False) -> int:
         """Append one record of ``term`` (durable per the fsync policy when
-        this returns); its LSN."""
+        this returns, or with ``defer_sync`` once :meth:`durable` returns for
+        it: the engine waits there, outside its lock, so steps share an
+        fsync); its LSN."""
         assert self._wal is not None and self._snapshots is not None, "log() before open()"
         data = json.dumps(body, separators=(",", ":")).encode()
         observer = self._observer
@@ -158,7 +162,7 @@ class Durability:
         # a crash of this leader left unacknowledged, retried by request id
         written = None if observer is None else lambda lsn: observer.record(lsn, term, data)
         try:
-            lsn = self._wal.append(data, term, written)
+            lsn = self._wal.append(data, term, written, defer_sync)
         except OSError as err:
             raise self._break(err) from err
         self.terms.observe(term, lsn)
@@ -184,6 +188,20 @@ class Durability:
                 self._observer.record(lsn, term, body)
             self._snapshots.logged()
         return last
+
+    def durable(self, lsn: int) -> None:
+        """Return once record ``lsn`` is as durable as the fsync policy makes it
+        (group commit: :meth:`blockd.storage.wal.WriteAheadLog.sync_to`). A
+        failed fsync breaks the log (fail-stop) and raises."""
+        wal = self._wal
+        if wal is None or wal.durable_lsn >= lsn:
+            return
+        if self.broken:
+            raise InvariantViolation(self.broken)
+        try:
+            wal.sync_to(lsn)
+        except OSError as err:
+            raise self._break(err) from err
 
     def _break(self, err: OSError) -> InvariantViolation:
         self.broken = f"the write-ahead log failed ({err}); restart blockd to recover"

@@ -158,7 +158,8 @@ class Engine(CacheCalls):  # the prefix cache's calls: blockd.engine.retention.p
             body = records.encode(record)
         lsn = 0
         if self._durability is not None:
-            lsn = self._durability.log(body, self._gate.term if self._gate is not None else 0)
+            # fsynced by _committed, outside the lock: concurrent steps share one fsync
+            lsn = self._durability.log(body, self._gate.term if self._gate is not None else 0, defer_sync=True)
         self._watchers.notify()
         return result, lsn
 
@@ -167,8 +168,13 @@ class Engine(CacheCalls):  # the prefix cache's calls: blockd.engine.retention.p
         return self._durability.last_lsn if self._durability is not None else 0
 
     def _committed(self, lsn: int) -> int:
-        """Return once ``lsn`` is committed (at once without replication), with
-        the leader term it is acknowledged in (0 without replication)."""
+        """Return once ``lsn`` is durable here (its fsync, shared with the
+        steps logged meanwhile: group commit) and committed (at once without
+        replication), with the leader term it is acknowledged in (0 without
+        replication). Every answer and every Watch delta passes here, so
+        nothing leaves that a crash of this machine could take back."""
+        if self._durability is not None and lsn:
+            self._durability.durable(lsn)
         if self._gate is not None:
             return self._gate.committed(lsn)
         return 0

@@ -37,7 +37,12 @@ length that points past the end still passes for a torn tail.
 format 3 refuses a format-3 segment by name rather than misreading it.
 
 Appending: a frame goes out in one ``os.write`` and, under fsync policy
-``always``, is fsynced before the caller acknowledges the batch; ``interval``
+``always``, is fsynced before the caller acknowledges the batch. A caller
+may defer that fsync (``append(defer_sync=True)``) and wait for it later,
+outside its own locks (:meth:`WriteAheadLog.sync_to`): that is group
+commit, one fsync for every record written while the previous one ran, so
+steps of unrelated pools do not queue behind each other's disk writes and
+durable throughput grows with the writers. ``interval``
 fsyncs from a background thread every ``fsync_interval_s``; ``never`` leaves
 it to the OS. Snapshots are built by :mod:`blockd.offline.compact` (another process)
 from the closed segments; the daemon only rotates the log. Imports only the
@@ -207,6 +212,14 @@ class WriteAheadLog:
         self._fd: int | None = None
         self._dirty = False
         self._io_lock = threading.Lock()
+        #: one fsync at a time (_syncing: one runs now; waiters wait on the
+        #: condition, all woken when it ends); taken before _io_lock
+        self._sync_cond = threading.Condition(threading.Lock())
+        self._syncing = False
+        #: every record up to this LSN is on disk (fsynced), and written (set under _io_lock
+        #: once its bytes are out: self.lsn counts up before the write)
+        self.durable_lsn = lsn
+        self._written_lsn = lsn
         self._stop = threading.Event()
         self._syncer: threading.Thread | None = None
 
@@ -238,23 +251,80 @@ class WriteAheadLog:
         assert self._fd is not None, "the log is not open"
         return self._fd
 
-    def append(self, body: bytes, term: int = 0, written: Callable[[int], None] | None = None) -> int:
+    def append(self, body: bytes, term: int = 0, written: Callable[[int], None] | None = None,
+               defer_sync: bool = False) -> int:
         """Write one record of ``term`` (durable per the fsync policy) and
         return its LSN. ``written(lsn)`` runs once the record is written,
         before its fsync (replication sends it on meanwhile: a leader's and
-        its followers' fsyncs overlap)."""
+        its followers' fsyncs overlap). ``defer_sync``: under ``always``, the
+        caller waits for the fsync itself (:meth:`sync_to`) before it
+        acknowledges the record."""
         self.lsn += 1
         frame = encode_frame(self.lsn, body, term)
         with self._io_lock:
             os.write(self._open_fd, frame)
+            self._written_lsn = self.lsn
             self.bytes_since_snapshot += len(frame)
             if written is not None:
                 written(self.lsn)
-            if self.fsync == "always":
+            if self.fsync == "always" and not defer_sync:
                 self._sync_locked()
             else:
                 self._dirty = True
         return self.lsn
+
+    def sync_to(self, lsn: int) -> None:
+        """Return once record ``lsn`` is fsynced (under ``always``; the other
+        policies promise no fsync, so at once). Group commit: one caller
+        fsyncs everything written so far while the others wait on the lock;
+        when it is done each finds its record covered, or fsyncs the next
+        group. The fsync runs outside ``_io_lock``, so appends go on
+        meanwhile. Raises the fsync's OSError (the caller fails stop)."""
+        if self.fsync != "always" or self.durable_lsn >= lsn:
+            return
+        with self._sync_cond:
+            # every waiter wakes when an fsync ends: those it covered return
+            # together (queueing one by one on a lock instead, each would find
+            # out late and the next fsync would start before their next
+            # records are written, covering one or two)
+            while self._syncing:
+                self._sync_cond.wait()
+                if self.durable_lsn >= lsn:
+                    return
+            if self.durable_lsn >= lsn:
+                return
+            self._syncing = True
+        target = self.durable_lsn
+        try:
+            with self._io_lock:
+                target, fd = self._written_lsn, self._open_fd
+            # rotate and close wait for _syncing to clear: fd stays open while this runs
+            start = time.perf_counter()
+            os.fsync(fd)
+            if self.observe_sync is not None:
+                self.observe_sync(time.perf_counter() - start)
+        except BaseException:
+            target = self.durable_lsn  # nothing new is durable
+            raise
+        finally:
+            with self._sync_cond:
+                self.durable_lsn = max(self.durable_lsn, target)
+                self._syncing = False
+                self._sync_cond.notify_all()
+
+    @contextlib.contextmanager
+    def _sync_excluded(self):
+        """Hold off sync_to's fsync (rotate, flush and close fsync and may close the fd)."""
+        with self._sync_cond:
+            while self._syncing:
+                self._sync_cond.wait()
+            self._syncing = True
+        try:
+            yield
+        finally:
+            with self._sync_cond:
+                self._syncing = False
+                self._sync_cond.notify_all()
 
     def append_replicated(self, frames: list[tuple[int, int, bytes]]) -> int:
         """Write a leader's records ``(lsn, term, body)``, which must continue
@@ -270,6 +340,7 @@ class WriteAheadLog:
             view, done = memoryview(data), 0
             while done < len(view):
                 done += os.write(self._open_fd, view[done:])
+            self._written_lsn = self.lsn
             self.bytes_since_snapshot += len(data)
             self._sync_locked()
         return self.lsn
@@ -278,6 +349,7 @@ class WriteAheadLog:
         start = time.perf_counter()
         os.fsync(self._open_fd)
         self._dirty = False
+        self.durable_lsn = self._written_lsn
         if self.observe_sync is not None:
             self.observe_sync(time.perf_counter() - start)
 
@@ -286,7 +358,7 @@ class WriteAheadLog:
             self.flush()
 
     def flush(self) -> None:
-        with self._io_lock:
+        with self._sync_excluded(), self._io_lock:
             if self._fd is not None and self._dirty:
                 self._sync_locked()
 
@@ -294,12 +366,13 @@ class WriteAheadLog:
         """Close the current segment (fsynced) and start a new one; returns the
         LSN a snapshot built from the closed segments covers. A segment with
         no records yet is kept: every record up to the LSN is already closed."""
-        with self._io_lock:
+        with self._sync_excluded(), self._io_lock:
             self.bytes_since_snapshot = 0
             if self._segment_first > self.lsn:
                 return self.lsn
             os.fsync(self._open_fd)
             self._dirty = False
+            self.durable_lsn = self._written_lsn
             os.close(self._open_fd)
             self._open_segment(self.lsn + 1)
             return self.lsn
@@ -308,8 +381,9 @@ class WriteAheadLog:
         self._stop.set()
         if self._syncer is not None:
             self._syncer.join()
-        with self._io_lock:
+        with self._sync_excluded(), self._io_lock:
             if self._fd is not None:
                 os.fsync(self._fd)
+                self.durable_lsn = self._written_lsn
                 os.close(self._fd)
                 self._fd = None
