@@ -20,6 +20,7 @@ from blockd.engine.guardrails import Guardrails
 from blockd.engine.machine import Engine
 from blockd.service.server import BlockdServer
 from client.errors import BlockdClientError, DeadlineExceededError, InvalidArgumentError, UnavailableError
+from client.scheduler import SchedulerConfig
 from client.sdk import BlockdClient
 from tests.support.procs import free_port, start_blockd
 
@@ -155,3 +156,26 @@ def test_a_stream_cut_by_a_daemon_killed_and_restarted(tmp_path):
     finally:
         for proc in procs:
             proc.kill()
+
+
+def test_a_scheduler_on_a_client_that_streams_its_steps_runs_as_on_unary_steps(blockd_server, client):
+    """``BlockdClient(stream_steps=True)``: the scheduler, unchanged, steps over a
+    stream; the same tokens, preemptions and refusals for room as by unary Step."""
+    from tests.client.test_scheduler import workload
+    from tests.support.slot_model import check_outputs, make
+
+    runs = []
+    for streamed in (False, True):
+        with BlockdClient(blockd_server.address, timeout_s=5, stream_steps=streamed) as steps:
+            requests = workload(0, 16)
+            sched, _ = make(steps, 24, SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=12), watermark=1)
+            for req in requests:
+                sched.add_request(req)
+            outputs = sched.run()
+            check_outputs(outputs, requests)
+            counts = {k: v for k, v in vars(sched.counters).items() if isinstance(v, int)}
+            runs.append((sorted((o.request_id, o.output_token_ids) for o in outputs), counts))
+            assert bool(steps._all_streams) is streamed
+        client.delete_pool("p")
+    assert runs[0] == runs[1]
+    assert runs[1][1]["num_preemptions"] > 0 and runs[1][1]["num_refused_batches"] > 0
