@@ -156,10 +156,9 @@ class Engine(CacheCalls):  # the prefix cache's calls: blockd.engine.retention.p
             body = records.encode(record, rid, now)
         else:
             body = records.encode(record)
-        lsn = 0
-        if self._durability is not None:
-            # fsynced by _committed, outside the lock: concurrent steps share one fsync
-            lsn = self._durability.log(body, self._gate.term if self._gate is not None else 0, defer_sync=True)
+        # fsynced in _committed, outside the lock, so concurrent steps share one fsync
+        term = self._gate.term if self._gate is not None else 0
+        lsn = self._durability.log(body, term, defer_sync=True) if self._durability is not None else 0
         self._watchers.notify()
         return result, lsn
 
@@ -168,11 +167,8 @@ class Engine(CacheCalls):  # the prefix cache's calls: blockd.engine.retention.p
         return self._durability.last_lsn if self._durability is not None else 0
 
     def _committed(self, lsn: int) -> int:
-        """Return once ``lsn`` is durable here (its fsync, shared with the
-        steps logged meanwhile: group commit) and committed (at once without
-        replication), with the leader term it is acknowledged in (0 without
-        replication). Every answer and every Watch delta passes here, so
-        nothing leaves that a crash of this machine could take back."""
+        """Return once ``lsn`` is fsynced here (group commit) and committed, with the leader
+        term it is acknowledged in (0 without replication): every answer and Watch delta waits here."""
         if self._durability is not None and lsn:
             self._durability.durable(lsn)
         if self._gate is not None:
