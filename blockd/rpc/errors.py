@@ -223,23 +223,32 @@ def answer_each(method: Callable) -> Callable:
 
     @functools.wraps(method)
     def handler(self, requests, context: grpc.ServicerContext):
-        it = iter(requests)
-        while True:
-            try:
-                request = next(it)
-            except StopIteration:
-                return
-            except grpc.RpcError:
-                return  # the caller cancelled or its connection is gone: nobody to answer
-            try:
-                if isinstance(request, BlockdError):  # the deserializer's refusal (MalformedRequest, ...)
-                    raise request
-                answer = method(self, request, context)
-            except Exception as err:  # noqa: BLE001 - classified like any call's failure
-                answer = self.refused(err, rpc)
-            yield answer
+        try:
+            for request in _read(requests):
+                try:
+                    if isinstance(request, BlockdError):  # the deserializer's refusal (MalformedRequest, ...)
+                        raise request
+                    answer = method(self, request, context)
+                except Exception as err:  # noqa: BLE001 - classified like any call's failure
+                    answer = self.refused(err, rpc)
+                yield answer
+        except CallerGone:
+            return  # the caller cancelled or its connection is gone: nobody to answer
 
     return handler
+
+
+def _read(requests: Iterator) -> Iterator:
+    """A call's request stream; :class:`CallerGone` when it ends with an error."""
+    it = iter(requests)
+    while True:
+        try:
+            request = next(it)
+        except StopIteration:
+            return
+        except grpc.RpcError:
+            raise CallerGone() from None
+        yield request
 
 
 def server_stream(method: Callable[..., Iterator]) -> Callable[..., Iterator]:
@@ -266,14 +275,7 @@ def client_stream(method: Callable) -> Callable:
     wrapped = unary(method)
 
     def parsed(requests: Iterator) -> Iterator:
-        it = iter(requests)
-        while True:
-            try:
-                request = next(it)
-            except StopIteration:
-                return
-            except grpc.RpcError:
-                raise CallerGone() from None
+        for request in _read(requests):
             if isinstance(request, BlockdError):  # the deserializer's refusal (MalformedRequest, ...)
                 raise request
             yield request
