@@ -36,20 +36,24 @@ def reference(parts: int) -> Engine:
     return ref
 
 
-def state(engine: Engine, *, requests: bool = True, miss_totals: bool = True) -> str:
+def state(engine: Engine, *, requests: bool = True, miss_totals: bool = True, priorities: bool = True) -> str:
     """Everything a snapshot holds: pools (tables, ref counts, prefix index,
     LRU order, versions, retained deltas), events and the idempotency table --
     but for what two engines fed the same calls cannot share: the pools'
     random incarnations and the wall-clock times of the requests.
     ``requests=False`` leaves the idempotency table out; ``miss_totals=False``
     the pools' running miss counts (a snapshot written before blockd counted
-    misses cannot know those of the history it covers)."""
+    misses cannot know those of the history it covers); ``priorities=False``
+    the blocks' retention priorities (one written before priorities loads
+    every block at the default, where a live pool's unreleased blocks are at 0)."""
     with engine._lock:
         captured = engine.capture()
     for pool in captured["pools"]:
         pool["identity"]["incarnation"] = "*"
         if not miss_totals:
             pool.get("pool", pool).get("misses", {}).pop("tokens", None)
+        if not priorities:
+            pool.get("pool", pool).pop("priority", None)
     requests = captured.pop("requests") if not requests else captured["requests"]
     requests["now"] = 0
     for entry in requests["entries"]:

@@ -224,8 +224,10 @@ def test_format_1_dirs_are_read_and_upgraded(tmp_path):
     engine = Engine(EngineConfig(data_dir=data_dir, snapshot_every=1 << 30))
     # the format-1 snapshot's request ids are forgotten (their fingerprints did
     # not cover the requests' content; blockd logs a warning), and it predates
-    # counting misses, so the misses of its history are unknown: compare the rest
-    assert state(engine, requests=False, miss_totals=False) == state(reference(3), requests=False, miss_totals=False)
+    # counting misses and priorities, so the misses of its history and the
+    # priorities of its blocks are unknown: compare the rest
+    old = {"requests": False, "miss_totals": False, "priorities": False}
+    assert state(engine, **old) == state(reference(3), **old)
     workload(engine, 3)
     engine.snapshot()  # the first snapshot replaces every format-1 file
     engine.close()
@@ -234,5 +236,5 @@ def test_format_1_dirs_are_read_and_upgraded(tmp_path):
     reader.load_snapshot()
     assert reader.snapshot_format == 2
     again = Engine(EngineConfig(data_dir=data_dir))
-    assert state(again, requests=False, miss_totals=False) == state(reference(4), requests=False, miss_totals=False)
+    assert state(again, **old) == state(reference(4), **old)
     again.close()
