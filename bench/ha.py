@@ -36,7 +36,9 @@ dir under one temp dir, ``--fsync always``.
   group's ``leader`` and its two ``followers`` together, of ``etcd``
   (groups only), and of the stepping client threads (``client``), over
   the measuring windows: on a machine with fewer cores than processes, a
-  group's steps/s is bounded by this sum.
+  group's steps/s is bounded by this sum. ``follower_cpu_per_record_vs_leader``:
+  one follower's CPU per record (the two followers' over two; a record per
+  step) against the leader's per step.
 * ``failover``: a three-replica ``sync`` group under the same load from a
   client given every replica's address (it follows the leader); the leader
   is SIGKILLed ``--kills`` times (restarted as a follower after each).
@@ -323,7 +325,12 @@ def part_steps(args, root: str, etcd: EtcdServer) -> None:
     def cpu_fields(mode: str) -> dict:
         steps = max(1, len(latencies[mode]))
         spent = {**meters[mode].seconds, "client": sum(client_cpu[mode])}
-        return {"cpu_ms_per_step": {name: round(s / steps * 1e3, 3) for name, s in spent.items()}}
+        fields: dict = {"cpu_ms_per_step": {name: round(s / steps * 1e3, 3) for name, s in spent.items()}}
+        if spent.get("leader") and "followers" in spent:
+            # one record per step here: a follower's CPU per record (receive, persist, apply)
+            # against the leader's per step (issue 29 item 5: at most 0.5)
+            fields["follower_cpu_per_record_vs_leader"] = round(spent["followers"] / 2 / spent["leader"], 3)
+        return fields
 
     base = row("single", latencies["single"], args.seconds)
     base.update(rounds=args.rounds, schedulers=args.schedulers, **cpu_fields("single"))
