@@ -619,14 +619,17 @@ def test_a_follower_warns_not_errs_when_its_leader_is_killed_under_load(group):
     assert all(" WARNING " in line and "waiting for the next leader" in line for line in resets), resets
 
 
-def test_the_sdk_follows_the_leader_across_a_failover(group):
+@pytest.mark.parametrize("stream_steps", [False, True], ids=["unary", "stream"])
+def test_the_sdk_follows_the_leader_across_a_failover(group, stream_steps):
     """One client given every replica's address steps through a SIGKILL of
     the leader without an error: each call follows NOT_LEADER or moves to
     the next replica and resends the same request (so the same request id:
-    a step applied twice would fail, its sequence already existing)."""
+    a step applied twice would fail, its sequence already existing). Over a
+    StepStream the same: a refusal in the stream or the stream cut moves it."""
     g = group()
     leader = ready(g)
-    client = BlockdClient(",".join(p.address for p in g.procs.values()), timeout_s=60, max_attempts=1)
+    client = BlockdClient(",".join(p.address for p in g.procs.values()), timeout_s=60, max_attempts=1,
+                          stream_steps=stream_steps)
     try:
         for i in range(120):
             if i == 40:
@@ -635,6 +638,7 @@ def test_the_sdk_follows_the_leader_across_a_failover(group):
         tables = client.get_tables("p")[1]
         assert all(f"f{i}" in tables for i in range(120))
         assert g.leader() != leader
+        assert bool(client._all_streams) is stream_steps
     finally:
         client.close()
 
