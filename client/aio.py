@@ -55,6 +55,7 @@ from client import messages
 from client.channel import DEFAULT_MAX_ATTEMPTS, DEFAULT_TARGET, DEFAULT_TIMEOUT_S, dial
 from client.errors import BlockdClientError, from_rpc_error
 from client.leader import ReplicaStubs
+from client.step_stream import AsyncStepStream
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -196,6 +197,11 @@ class AsyncBlockdClient:
         """Like :meth:`client.sdk.BlockdClient.step`."""
         request = messages.step_request(pool, ops, request_id, dry_run, incarnation, previous_term)
         return convert.step_result_from_proto(await self._unary(self._blocks.Step, request, timeout_s))
+
+    def step_stream(self, timeout_s: float | None = None) -> AsyncStepStream:
+        """Like :meth:`client.sdk.BlockdClient.step_stream`
+        (:class:`client.step_stream.AsyncStepStream`); close it when done."""
+        return AsyncStepStream(self, timeout_s or self.timeout_s)
 
     async def _one(self, pool: str, op: Op, request_id: str | None) -> OpResult:
         return (await self.step(pool, [op], request_id=request_id)).results[0]

@@ -30,6 +30,7 @@ waits for the first's answer (the lock) rather than interleave.
 
 from __future__ import annotations
 
+import asyncio
 import queue
 import threading
 import time
@@ -37,6 +38,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
+import grpc.aio
 
 from blockd.core.types import DecodeAppend, Op, OpResult, StepResult
 from blockd.rpc import convert
@@ -193,3 +195,88 @@ class StepStream:
                 if call is not None:
                     call.timed_out = True
                     call.answers.cancel()
+
+
+class AsyncStepStream:
+    """:class:`StepStream` for :class:`client.aio.AsyncBlockdClient` (from its
+    ``step_stream()``): the same answers, refusals, deadline per step (here
+    ``asyncio.wait_for`` on the answer, no watchdog thread), reopening and
+    leader-following. One step at a time (an ``asyncio.Lock``)."""
+
+    def __init__(self, client: Any, timeout_s: float) -> None:
+        # client: the AsyncBlockdClient it came from (not imported here, as for StepStream)
+        self._client = client
+        self.timeout_s = timeout_s
+        self._call: Any = None
+        self._method: Callable[..., Any] | None = None
+        self._lock = asyncio.Lock()
+        self._closed = False
+
+    async def __aenter__(self) -> AsyncStepStream:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        self._closed = True
+        self._drop()
+
+    def _drop(self) -> None:
+        call, self._call = self._call, None
+        if call is not None:
+            call.cancel()
+
+    async def step(self, pool: str, ops: Sequence[Op], *, request_id: str | None = None,
+                   timeout_s: float | None = None, dry_run: bool = False, incarnation: str = "",
+                   previous_term: int = 0) -> StepResult:
+        """As :meth:`client.aio.AsyncBlockdClient.step`, over the stream."""
+        request = pb.StepStreamRequest(step=messages.step_request(pool, ops, request_id, dry_run, incarnation,
+                                                                  previous_term))
+        async with self._lock:
+            return convert.step_result_from_proto(await self._send(request, timeout_s or self.timeout_s))
+
+    async def decode_append(self, pool: str, seq_ids: Sequence[str], token_ids: Sequence[int], *,
+                            request_id: str | None = None) -> OpResult:
+        result = await self.step(pool, [DecodeAppend(list(seq_ids), list(token_ids))], request_id=request_id)
+        return result.results[0]
+
+    async def _send(self, request: pb.StepStreamRequest, timeout_s: float) -> pb.StepResponse:
+        if self._closed:
+            raise ValueError("this AsyncStepStream is closed")
+        deadline = time.monotonic() + timeout_s
+        attempt = 0
+        method: Callable[..., Any] = self._client._blocks.StepStream
+        if self._call is not None and self._method is not None:
+            method = self._method  # the stream open now is where the last step went
+        while True:
+            if self._call is None:
+                self._method, self._call = method, method()
+            try:
+                await self._call.write(request)
+                answer = await asyncio.wait_for(self._call.read(), max(0.001, deadline - time.monotonic()))
+            except TimeoutError:
+                self._drop()
+                raise DeadlineExceededError(
+                    f"blockd gave no answer to a step within {timeout_s:g} s; it may or may not have been "
+                    "applied: resend it with its request id", code=grpc.StatusCode.DEADLINE_EXCEEDED) from None
+            except grpc.RpcError as err:
+                self._drop()
+                error = from_rpc_error(err)
+            else:
+                if answer is grpc.aio.EOF:
+                    self._drop()
+                    error = UnavailableError("blockd ended the step stream without answering",
+                                             code=grpc.StatusCode.UNAVAILABLE)
+                elif answer.HasField("response"):
+                    return answer.response
+                else:
+                    error = from_status_bytes(answer.error_status)
+            assert self._method is not None
+            step = await self._client._next_call(self._method, error, attempt) if self._client._follow else None
+            if step is None or time.monotonic() + step[1] >= deadline:
+                raise error from None
+            self._drop()
+            await asyncio.sleep(step[1])
+            attempt += 1
+            method = step[0]

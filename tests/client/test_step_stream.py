@@ -179,3 +179,36 @@ def test_a_scheduler_on_a_client_that_streams_its_steps_runs_as_on_unary_steps(b
         client.delete_pool("p")
     assert runs[0] == runs[1]
     assert runs[1][1]["num_preemptions"] > 0 and runs[1][1]["num_refused_batches"] > 0
+
+
+def test_the_asyncio_stream_answers_as_the_asyncio_step_does(blockd_server):
+    """AsyncBlockdClient.step_stream(): the same script's results and refusals as its unary step."""
+    import asyncio
+
+    from client.aio import AsyncBlockdClient
+
+    async def scenario() -> list[tuple]:
+        async with AsyncBlockdClient(blockd_server.address, timeout_s=5) as client:
+            for pool in ("p", "other"):
+                await client.create_pool(PoolConfig(pool, num_blocks=32, block_size=4))
+            pairs = []
+            async with client.step_stream() as stream:
+                for n, ops in enumerate(SCRIPT):
+                    pairs.append((await _async_outcome(client.step("p", ops, request_id=f"u{n}")),
+                                  await _async_outcome(stream.step("other", ops, request_id=f"s{n}"))))
+                # a resent request id on the stream gets the first answer
+                again = await _async_outcome(stream.step("other", SCRIPT[0], request_id="s0"))
+                pairs.append((pairs[0][1], again))
+            return pairs
+
+    pairs = asyncio.run(scenario())
+    assert all(unary == streamed for unary, streamed in pairs), [p for p in pairs if p[0] != p[1]]
+    assert sum(1 for unary, _ in pairs if unary[0] == "error") >= 3
+
+
+async def _async_outcome(call) -> tuple:
+    try:
+        result = await call
+    except BlockdClientError as err:
+        return ("error", type(err).__name__, err.reason, err.op_index, str(err).replace("'other'", "'p'"))
+    return ("ok", result.version, result.results, result.copy_ops, result.tier_ops)
