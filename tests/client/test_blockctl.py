@@ -17,17 +17,12 @@ from blockd.core.types import WorkerInfo
 from client.cli import main as blockctl
 from client.cli.common import EPILOG, EXIT_CODES, Exit
 from client.sdk import BlockdClient
+from tests.support.cli import run
 
 pytest_plugins = ["tests.support.grpc_fixtures"]
 
 POOLS = {"pools": [{"name": "a", "num_blocks": 32, "block_size": 8, "num_layers": 2},
                    {"name": "b", "num_blocks": 16, "block_size": 4}]}
-
-
-def run(capsys, *argv: str) -> tuple[int, str, str]:
-    code = blockctl(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 @pytest.fixture

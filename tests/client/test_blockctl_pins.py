@@ -9,16 +9,10 @@ import re
 import pytest
 
 from blockd.core import Allocate, Commit, PoolConfig
-from client.cli import main as blockctl
 from client.cli.common import Exit
+from tests.support.cli import run
 
 pytest_plugins = ["tests.support.grpc_fixtures"]
-
-
-def run(capsys, *argv: str) -> tuple[int, str, str]:
-    code = blockctl(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def test_pin_list_and_unpin_a_prefix(blockd_server, client, capsys) -> None:

@@ -7,16 +7,10 @@ import json
 import pytest
 
 from blockd.core import Allocate, Commit, PoolConfig
-from client.cli import main as blockctl
 from client.cli.common import Exit
+from tests.support.cli import run
 
 pytest_plugins = ["tests.support.grpc_fixtures"]
-
-
-def run(capsys, *argv: str) -> tuple[int, str, str]:
-    code = blockctl(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def test_set_a_prefix_priority_and_its_refusals(blockd_server, client, capsys) -> None:

@@ -7,15 +7,9 @@ import json
 import pytest
 
 from blockd.core import Allocate, Commit, Fork, PoolConfig
-from client.cli import main as blockctl
+from tests.support.cli import run
 
 pytest_plugins = ["tests.support.grpc_fixtures"]
-
-
-def run(capsys, *argv: str) -> tuple[int, str, str]:
-    code = blockctl(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 @pytest.fixture

@@ -10,16 +10,10 @@ import urllib.request
 import pytest
 
 from blockd.core import PoolConfig
-from client.cli import main as blockctl
 from client.sdk import BlockdClient
+from tests.support.cli import run
 
 pytest_plugins = ["tests.support.grpc_fixtures"]
-
-
-def run(capsys, *argv: str) -> tuple[int, str, str]:
-    code = blockctl(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 @pytest.fixture

@@ -12,11 +12,11 @@ from bench.sim.backend import InProcessBlockd
 from bench.sim.model import StubModel
 from blockd.core import PoolConfig
 from blockd.core.hashing import HASH_SPEC_ID, HashSpec
-from client.cli import main as blockctl
 from client.errors import FailedPreconditionError
 from client.scheduler import Scheduler
 from client.sdk import BlockdClient
 from client.serving import GenerationRequest
+from tests.support.cli import run
 
 pytest_plugins = ["tests.support.grpc_fixtures"]
 
@@ -83,12 +83,6 @@ def test_the_in_process_backend_passes_the_check_once_and_a_backend_without_it_r
 
 def test_the_sdk_check_passes_against_this_build(client) -> None:
     assert client.check_hash_spec().spec_id == HASH_SPEC_ID
-
-
-def run(capsys, *argv: str) -> tuple[int, str, str]:
-    code = blockctl(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def test_blockctl_hash_spec(blockd_server, client, capsys) -> None:

@@ -14,17 +14,11 @@ import json
 from prometheus_client import CollectorRegistry
 
 from blockd.ha.metrics import ElectionCollector
-from client.cli import main as blockctl
 from client.cli.common import Exit
+from tests.support.cli import run
 from tests.support.ha_fixtures import the_leader, wait_for
 
 pytest_plugins = ["tests.support.etcd", "tests.support.ha_fixtures", "tests.support.grpc_fixtures"]
-
-
-def run(capsys, *argv: str) -> tuple[int, str, str]:
-    code = blockctl(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def test_cluster_status_from_etcd(etcd_server, replicas, capsys) -> None:
