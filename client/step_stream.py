@@ -55,6 +55,17 @@ from client.errors import (
 _END = object()
 
 
+def _late(timeout_s: float) -> DeadlineExceededError:
+    """A step whose answer did not come within its deadline (both stream forms)."""
+    return DeadlineExceededError(f"blockd gave no answer to a step within {timeout_s:g} s; it may or may not have "
+                                 "been applied: resend it with its request id",
+                                 code=grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+def _ended() -> UnavailableError:
+    return UnavailableError("blockd ended the step stream without answering", code=grpc.StatusCode.UNAVAILABLE)
+
+
 class _Call:
     """One open stream: its request queue and its answers."""
 
@@ -126,7 +137,7 @@ class StepStream:
         while True:
             call = self._open()
             try:
-                answer = self._exchange(call, request, deadline)
+                answer = self._exchange(call, request, deadline, timeout_s)
             except BlockdClientError as err:
                 error = err
             else:
@@ -151,7 +162,8 @@ class StepStream:
             self._call = None
         call.close()
 
-    def _exchange(self, call: _Call, request: pb.StepStreamRequest, deadline: float) -> pb.StepStreamResponse:
+    def _exchange(self, call: _Call, request: pb.StepStreamRequest, deadline: float,
+                  timeout_s: float) -> pb.StepStreamResponse:
         """Send one request and read its answer, under the watchdog's deadline."""
         with self._cond:
             self._deadline = deadline
@@ -163,14 +175,11 @@ class StepStream:
         except grpc.RpcError as err:
             self._drop(call)
             if call.timed_out:
-                raise DeadlineExceededError(
-                    f"blockd gave no answer to a step within {self.timeout_s:g} s; it may or may not have been "
-                    "applied: resend it with its request id", code=grpc.StatusCode.DEADLINE_EXCEEDED) from None
+                raise _late(timeout_s) from None
             raise from_rpc_error(err) from None
         except StopIteration:
             self._drop(call)
-            raise UnavailableError("blockd ended the step stream without answering",
-                                   code=grpc.StatusCode.UNAVAILABLE) from None
+            raise _ended() from None
         finally:
             with self._cond:
                 self._deadline = None
@@ -257,17 +266,14 @@ class AsyncStepStream:
                 answer = await asyncio.wait_for(self._call.read(), max(0.001, deadline - time.monotonic()))
             except TimeoutError:
                 self._drop()
-                raise DeadlineExceededError(
-                    f"blockd gave no answer to a step within {timeout_s:g} s; it may or may not have been "
-                    "applied: resend it with its request id", code=grpc.StatusCode.DEADLINE_EXCEEDED) from None
+                raise _late(timeout_s) from None
             except grpc.RpcError as err:
                 self._drop()
                 error = from_rpc_error(err)
             else:
                 if answer is grpc.aio.EOF:
                     self._drop()
-                    error = UnavailableError("blockd ended the step stream without answering",
-                                             code=grpc.StatusCode.UNAVAILABLE)
+                    error = _ended()
                 elif answer.HasField("response"):
                     return answer.response
                 else:
