@@ -40,6 +40,15 @@ def slow_disk(monkeypatch):
     return covered
 
 
+def _together(work, count: int) -> None:
+    """``work(n)`` for n in range(count), each on its own thread, all at once."""
+    threads = [threading.Thread(target=work, args=(n,)) for n in range(count)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+
+
 def test_writers_share_fsyncs_and_each_returns_after_its_own(tmp_path, slow_disk):
     log = WriteAheadLog(str(tmp_path), 0, "always")
     log.open_for_append()
@@ -56,11 +65,7 @@ def test_writers_share_fsyncs_and_each_returns_after_its_own(tmp_path, slow_disk
                 late.append((lsn, log.durable_lsn))
 
     before = len(slow_disk)
-    threads = [threading.Thread(target=write, args=(n,)) for n in range(writers)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    _together(write, writers)
     fsyncs = len(slow_disk) - before
     log.close()
     assert not late, "a writer returned before its record was fsynced"
@@ -97,11 +102,7 @@ def test_steps_of_unrelated_pools_share_fsyncs(tmp_path, slow_disk):
             versions[n].append(engine.step(f"p{n}", [DecodeAppend(["s"], [7])]).version)
 
     before = len(slow_disk)
-    threads = [threading.Thread(target=scheduler, args=(n,)) for n in range(pools)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    _together(scheduler, pools)
     fsyncs = len(slow_disk) - before
     assert all(len(v) == steps for v in versions.values())
     # one fsync per step would be pools * steps; the schedulers met while fsyncs ran
