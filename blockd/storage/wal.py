@@ -276,9 +276,9 @@ class WriteAheadLog:
     def sync_to(self, lsn: int) -> None:
         """Return once record ``lsn`` is fsynced (under ``always``; the other
         policies promise no fsync, so at once). Group commit: one caller
-        fsyncs everything written so far while the others wait on the lock;
-        when it is done each finds its record covered, or fsyncs the next
-        group. The fsync runs outside ``_io_lock``, so appends go on
+        fsyncs everything written so far while the others wait on
+        ``_sync_cond``; when it is done all wake, and each finds its record
+        covered or one of them fsyncs the next group. The fsync runs outside ``_io_lock``, so appends go on
         meanwhile. Raises the fsync's OSError (the caller fails stop)."""
         if self.fsync != "always" or self.durable_lsn >= lsn:
             return
