@@ -7,8 +7,9 @@
     blockd certs dev DIR | ca DIR | server DIR ... | client DIR ...           # development certificates
 
 FILE is the identities file of ``blockd serve --tokens-file``
-(:mod:`blockd.auth.tokens`); after changing it, send the daemon SIGHUP
-(``kill -HUP``; in Kubernetes, a mounted Secret changes on its own and the
+(:mod:`blockd.auth.tokens`); after changing it, run ``blockd reload
+--pid-file FILE`` (SIGHUP, waiting for the daemon's answer) or send the
+daemon SIGHUP yourself (``kill -HUP``; in Kubernetes, a mounted Secret changes on its own and the
 sidecar or the operator sends the signal) and the change takes effect for
 new calls without a restart. The token is printed on stdout, alone on its
 line, and stored nowhere but in the caller's hands; the file keeps its
@@ -35,12 +36,13 @@ def _tokens(args: argparse.Namespace) -> int:
             Identity(args.name, args.tenant, frozenset(args.role), "token")  # validate before writing
             print(add_token(args.file, args.name, args.tenant, args.role))
             print(f"token for {args.name}@{args.tenant} stored (hashed) in {args.file}; it is shown only "
-                  "now. Send blockd SIGHUP to load it.", file=sys.stderr)
+                  "now. Run blockd reload --pid-file FILE (or send blockd SIGHUP) to load it.", file=sys.stderr)
         elif args.tokens_command == "remove":
             if not remove_token(args.file, args.name):
                 print(f"blockd tokens: no token named {args.name!r} in {args.file}", file=sys.stderr)
                 return 3
-            print(f"removed {args.name!r}; send blockd SIGHUP to revoke it now", file=sys.stderr)
+            print(f"removed {args.name!r}; run blockd reload --pid-file FILE (or send blockd SIGHUP) to "
+                  "revoke it now", file=sys.stderr)
         elif args.tokens_command == "metrics-user":
             from blockd.auth.metrics_endpoint import add_user
 

@@ -73,11 +73,15 @@ class BasicAuth:
         self.users_file = users_file
         self.users = load_users(users_file)
 
-    def reload(self) -> None:
+    def reload(self) -> list[str]:
+        """Re-read the users file; what went wrong, in words (empty: nothing)."""
         try:
             self.users = load_users(self.users_file)
         except (OSError, ValueError) as err:
-            log.error("metrics users file not reloaded, the previous one stays in force: %s", err)
+            problem = f"metrics users file not reloaded, the previous one stays in force: {err}"
+            log.error("%s", problem)
+            return [problem]
+        return []
 
     def _allowed(self, header: str) -> bool:
         scheme, _, encoded = header.partition(" ")
@@ -134,15 +138,17 @@ class MetricsEndpoint:
         self._thread = threading.Thread(target=self._server.serve_forever, name="blockd-metrics", daemon=True)
         self._thread.start()
 
-    def reload(self) -> None:
-        """Re-read the users file, and the certificate and key for new connections."""
-        if self.auth is not None:
-            self.auth.reload()
+    def reload(self) -> list[str]:
+        """Re-read the users file, and the certificate and key for new connections;
+        what went wrong, in words (empty: nothing)."""
+        problems = self.auth.reload() if self.auth is not None else []
         if self._context is not None and self.tls is not None and self.tls.cert is not None:
             try:
                 self._context.load_cert_chain(self.tls.cert, self.tls.key)
             except (OSError, ssl.SSLError) as err:
-                log.error("metrics TLS certificate not reloaded, the previous one stays: %s", err)
+                problems.append(f"metrics TLS certificate not reloaded, the previous one stays: {err}")
+                log.error("%s", problems[-1])
+        return problems
 
     def close(self) -> None:
         self._server.shutdown()

@@ -54,10 +54,12 @@ class ServerSecurity:
 
         return quota
 
-    def reload(self) -> None:
-        """SIGHUP: re-read the identities file (certificates reload by themselves)."""
-        if self.registry is not None:
-            self.registry.reload()
+    def reload(self) -> tuple[bool, str]:
+        """SIGHUP: re-read the identities file (certificates reload by themselves).
+        Whether it took effect, and what happened in words."""
+        if self.registry is None:
+            return True, "no identities file (--tokens-file) to reload"
+        return self.registry.reload(), self.registry.last_reload
 
 
 def server_security(listen: str, tls: TlsConfig | None = None, tokens_file: str | None = None,

@@ -183,21 +183,25 @@ class IdentityRegistry:
         self._lock = threading.Lock()
         self.current = load_identities(path)
         self.generation = 1
+        self.last_reload = f"identities file {path} loaded at start"
 
     def reload(self) -> bool:
         """Re-read the file. On any error keep serving the previous version and
         log why (a half-edited file must not lock everyone out); True when the
-        new one took effect."""
+        new one took effect. ``last_reload`` says what happened, in words
+        (``blockd reload`` prints it)."""
         with self._lock:
             try:
                 fresh = load_identities(self.path)
             except IdentitiesFileError as err:
-                log.error("identities file not reloaded, the previous one stays in force: %s", err)
+                self.last_reload = f"identities file not reloaded, the previous one stays in force: {err}"
+                log.error("%s", self.last_reload)
                 return False
             self.current = fresh
             self.generation += 1
-        log.info("identities file %s reloaded: %d tokens, %d certificate subjects, %d quotas", self.path,
-                 len(fresh.tokens), len(fresh.subjects), len(fresh.quotas))
+            self.last_reload = (f"identities file {self.path} reloaded: {len(fresh.tokens)} tokens, "
+                                f"{len(fresh.subjects)} certificate subjects, {len(fresh.quotas)} quotas")
+        log.info("%s", self.last_reload)
         return True
 
 

@@ -1,6 +1,8 @@
 """The ``blockd`` console script: ``blockd serve`` runs the daemon; ``check-data``,
 ``repair-data`` and ``compact`` work on a data directory offline
-(:mod:`blockd.offline.repair`, :mod:`blockd.offline.compact`).
+(:mod:`blockd.offline.repair`, :mod:`blockd.offline.compact`); ``blockd reload
+--pid-file FILE`` makes a serving daemon re-read its identities and waits for
+its answer (:mod:`blockd.cli.reload`).
 
 Every flag falls back to an environment variable named after it,
 ``BLOCKD_<FLAG>`` (``--fsync-interval-s`` -> ``BLOCKD_FSYNC_INTERVAL_S``; one
@@ -59,7 +61,7 @@ __all__ = ["build_parser", "data_dir_path", "listen_address", "main", "serve"]
 
 def main(argv: list[str] | None = None) -> int:
     args = config_env.parse_args(build_parser(), argv, "BLOCKD_")
-    if args.command in ("tokens", "certs"):  # print their results on stdout; no log set-up
+    if args.command in ("tokens", "certs", "reload"):  # print their results on stdout; no log set-up
         return args.run(args)
     logs.configure(args.log_level, args.log_format, "%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "serve":

@@ -14,6 +14,7 @@ import os
 from blockd import build_info, config_env, logs
 from blockd.auth.cli import add_commands as add_auth_commands
 from blockd.auth.config import add_tls_flags
+from blockd.cli.reload import add_command as add_reload_command
 from blockd.engine.guardrails import Guardrails
 from blockd.engine.idempotency import IdempotencyLimits
 from blockd.rpc import addresses
@@ -151,8 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--metrics-port", type=config_env.port, default=0,
                        help="Prometheus metrics port; 0 = off")
     serve.add_argument("--pid-file", default=None,
-                       help="write the daemon's pid here once it serves (for kill -HUP \"$(cat FILE)\"); "
-                            "removed at exit")
+                       help="write the daemon's pid here once it serves, and each reload's answer to "
+                            "FILE.reload (blockd reload --pid-file FILE); both removed at exit")
     serve.add_argument("--max-workers", type=config_env.positive_int, default=128,
                        help="most RPC threads; each open Watch/Events stream holds one while open")
     serve.add_argument("--worker-timeout-s", type=config_env.positive_float, default=10.0,
@@ -188,6 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="DEBUG, INFO, WARNING or ERROR")
         _add_log_format(p)
     add_auth_commands(sub)
+    add_reload_command(sub)
     return parser
 
 

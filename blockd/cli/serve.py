@@ -3,7 +3,8 @@
 Builds the engine (recovering its data dir), the replica when ``--etcd`` is
 given, the metrics endpoint, the gRPC server; prints the listen and advertise
 lines; handles SIGTERM/SIGINT (graceful stop), SIGHUP (reload the identities
-file) and the pid file.
+file, answering ``blockd reload`` through the pid file's neighbour,
+:mod:`blockd.cli.reload`) and the pid file.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ import logging
 import os
 import signal
 import threading
+import time
 
+from blockd.cli.reload import remove_status, write_status
 from blockd.core.errors import BlockdError
 from blockd.engine.guardrails import Guardrails
 from blockd.engine.idempotency import IdempotencyLimits
@@ -253,9 +256,7 @@ def serve(args: argparse.Namespace) -> int:
     while not stop.wait(0.2):
         if reload.is_set():
             reload.clear()
-            security.reload()
-            if http is not None:
-                http.reload()
+            _reload(security, http, pid_file)
     if replica is not None:
         replica.stop()  # resign first: the next leader is elected within a poll
     server.stop()
@@ -263,6 +264,19 @@ def serve(args: argparse.Namespace) -> int:
         http.close()
     _remove_pid_file(pid_file)
     return 0
+
+
+def _reload(security, http, pid_file: str | None) -> None:
+    """SIGHUP: re-read the identities file, the metrics users file and certificate; with a
+    pid file, write the answer ``blockd reload`` waits for (:mod:`blockd.cli.reload`)."""
+    began_ns = time.monotonic_ns()  # after the flag was cleared: this reload reads the files from now on
+    ok, message = security.reload()
+    problems = http.reload() if http is not None else []
+    if pid_file is not None:
+        try:
+            write_status(pid_file, began_ns, ok and not problems, [message, *problems])
+        except OSError as err:
+            log.error("cannot write the reload answer next to the pid file: %s", err)
 
 
 def _write_pid_file(path: str | None) -> str | None:
@@ -285,5 +299,6 @@ def _remove_pid_file(path: str | None) -> None:
             ours = f.read().strip() == str(os.getpid())
         if ours:
             os.remove(path)
+            remove_status(path)
     except OSError:
         pass

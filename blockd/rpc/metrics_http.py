@@ -37,8 +37,9 @@ class MetricsServer:
         self._thread = thread
         self.addr, self.port = server.server_address[:2]
 
-    def reload(self) -> None:
-        """Nothing to re-read without TLS or basic auth (SIGHUP calls it)."""
+    def reload(self) -> list[str]:
+        """Nothing to re-read without TLS or basic auth (SIGHUP calls it): no problems."""
+        return []
 
     def close(self) -> None:
         self._server.shutdown()

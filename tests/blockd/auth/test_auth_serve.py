@@ -1,5 +1,5 @@
 """Security of a real ``blockd serve`` process: the plain-text refusal, mutual
-TLS with ``blockctl``, tokens reloaded on SIGHUP, ``/metrics`` over TLS with
+TLS with ``blockctl``, tokens reloaded on SIGHUP and by ``blockd reload``, ``/metrics`` over TLS with
 basic auth."""
 
 from __future__ import annotations
@@ -8,6 +8,8 @@ import http.client
 import os
 import signal
 import ssl
+import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -123,6 +125,48 @@ def test_tokens_file_reloads_on_sighup(daemon, tmp_path) -> None:
     assert d.stop() == 0
     assert "identities file" in d.output() and "reloaded: 1 tokens" in d.output()
     assert first not in d.output() and second not in d.output()
+
+
+def test_blockd_reload_answers_only_once_the_daemon_has_reloaded(daemon, run_module, tmp_path) -> None:
+    path, pid_file = str(tmp_path / "ids.json"), str(tmp_path / "blockd.pid")
+    first = tokens.add_token(path, "ops", "acme", ["admin"])
+    d = daemon("--listen", "127.0.0.1:0", "--tokens-file", path, "--pid-file", pid_file)
+    second = tokens.add_token(path, "ops-2", "acme", ["admin"])
+    done = run_module("blockd.cli", "reload", "--pid-file", pid_file)
+    assert done.returncode == 0, done.stderr
+    assert "reloaded: 2 tokens" in done.stdout
+    with BlockdClient(d.address, token=second, timeout_s=5) as c:
+        assert c.list_pools() == []  # at once, no retry: the answer came after the reload
+    with open(path, "w") as f:
+        f.write("{half an edit")
+    broken = run_module("blockd.cli", "reload", "--pid-file", pid_file)
+    assert broken.returncode == 1 and "the previous one stays in force" in broken.stdout
+    assert "Traceback" not in broken.stderr
+    with BlockdClient(d.address, token=first, timeout_s=5) as c:
+        assert c.list_pools() == []  # the previous file is still in force
+    assert d.stop() == 0
+    assert not os.path.exists(pid_file) and not os.path.exists(pid_file + ".reload")
+    stale = run_module("blockd.cli", "reload", "--pid-file", pid_file)
+    assert stale.returncode == 1 and "is blockd serving with --pid-file" in stale.stderr
+
+
+def test_blockd_reload_gives_up_on_a_process_that_does_not_answer(run_module, tmp_path) -> None:
+    pid_file = tmp_path / "other.pid"
+    deaf = subprocess.Popen([sys.executable, "-c", ("import signal, time; "
+                             "signal.signal(signal.SIGHUP, signal.SIG_IGN); print('ready', flush=True); "
+                             "time.sleep(60)")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert deaf.stdout.readline().strip() == "ready"  # ignores SIGHUP from here on
+        pid_file.write_text(f"{deaf.pid}\n")
+        proc = run_module("blockd.cli", "reload", "--pid-file", str(pid_file), "--timeout-s", "0.5")
+        assert proc.returncode == 1 and "did not confirm a reload within 0.5s" in proc.stderr
+        assert deaf.poll() is None
+    finally:
+        deaf.kill()
+        deaf.wait()
+    pid_file.write_text("not a pid\n")
+    bad = run_module("blockd.cli", "reload", "--pid-file", str(pid_file))
+    assert bad.returncode == 1 and "does not hold a process id" in bad.stderr and "Traceback" not in bad.stderr
 
 
 def test_metrics_over_tls_with_basic_auth(daemon, pki, tmp_path) -> None:
