@@ -251,7 +251,7 @@ def compare_with_vllm(args, python: str) -> dict:
     # prompts that share a block with one being computed wait a step and take it from the prefix
     # cache (vLLM shares such blocks within its step)
     config = SchedulerConfig(max_num_batched_tokens=8192, max_num_seqs=256,
-                             prefix_block_size=0 if args.no_prefix_sharing else VLLM_BLOCK_SIZE)
+                             prefix_block_size=0 if args.no_prefix_sharing else None)  # None: the default
     spec = ClusterSpec(args.model, 1, "vs_vllm", VLLM_NUM_BLOCKS, VLLM_BLOCK_SIZE, WATERMARK_BLOCKS)
     # both engines stay loaded and take turns, round by round; each reports its best round,
     # so a shared machine's slow spells fall on both (the idle one waits on a pipe or a socket)
@@ -286,7 +286,8 @@ def compare_with_vllm(args, python: str) -> dict:
                                                        "blockd_workers": 1},
         "vllm_version": vllm["version"],
         "vllm_prompt_tokens_cached": f"{vllm['cached_prompt_tokens']}/{vllm['prompt_tokens']}",
-        "blockd_prefix_block_size": config.prefix_block_size, "blockd_cpu_linear": _cpu_linear(),
+        "blockd_prefix_block_size": "default (the pool's block size)" if config.prefix_block_size is None
+        else config.prefix_block_size, "blockd_cpu_linear": _cpu_linear(),
         "loadavg_1m": round(os.getloadavg()[0], 2),
         "blockd": {k: blockd[k] for k in blockd_keys}, "vllm": {k: vllm[k] for k in keys},
         "ratio_tokens_per_s_vs_vllm": round(blockd["tokens_per_s"] / vllm["tokens_per_s"], 3),

@@ -28,11 +28,15 @@ Plain data and protocols: no grpc, no torch.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from blockd.core.types import Op, StepResult
+from client.errors import BlockdClientError
+
+log = logging.getLogger("blockd.scheduler")
 
 
 @dataclass(frozen=True)
@@ -136,3 +140,18 @@ class BlockdBackend(Protocol):
     def get_tables(self, pool: str, seq_ids: Sequence[str] = ()) -> tuple[int, dict[str, list[int]]]:
         """``(version, block table per sequence)``: the named sequences, or every one."""
         ...
+
+
+def pool_block_size(backend: BlockdBackend, pool: str) -> int:
+    """``SchedulerConfig.prefix_block_size``'s default: ``pool``'s block size, or 0 (off)
+    when the backend has no ``pool_config`` (it is optional) or cannot answer; sharing
+    prompt prefixes within a burst is an optimisation, never needed for a right answer."""
+    pool_config = getattr(backend, "pool_config", None)
+    if pool_config is None:
+        return 0
+    try:
+        return int(pool_config(pool).block_size)
+    except BlockdClientError as err:
+        log.warning("pool %s: cannot read its block size (%s); prompt prefixes within a burst are not "
+                    "shared (set SchedulerConfig.prefix_block_size)", pool, err)
+        return 0

@@ -22,9 +22,8 @@ process for simulations). One scheduler step::
              sequence, a prompt chunk per prefilling one, within
              ``max_num_batched_tokens`` tokens in all; back come the next tokens,
              drawn as each request's sampling says
-    apply    the tokens extend the sequences (and feed their requests' streams);
-             a sample that drew an end token or reached max_new_tokens is
-             released in the next step's batch
+    apply    the tokens extend the sequences (and feed their requests' streams); a sample
+             that drew an end token or reached max_new_tokens is released (Commit + Free) next step
 
 The workers choose the tokens (:mod:`worker.sampling`): greedy, or seeded
 draws keyed by (request seed, sample index, position), so recomputed
@@ -58,9 +57,10 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import replace
 
 from blockd.core.types import Commit, Free, Op, StepResult, TransferPlan
-from client.backends import BlockdBackend, ModelBatch, ModelExecutor
+from client.backends import BlockdBackend, ModelBatch, ModelExecutor, pool_block_size
 from client.errors import BlockdClientError, FailedPreconditionError, NotFoundError, ResourceExhaustedError
 from client.faults import (
     PoolGone,
@@ -191,6 +191,8 @@ class Scheduler:
         with self._lock:
             if not self._spec_checked:  # plans de-duplicate admissions by hashes that must be blockd's
                 getattr(self.client, "check_hash_spec", lambda: None)()  # optional in a BlockdBackend
+                if self.config.prefix_block_size is None:  # the default: the pool's block size
+                    self.config = replace(self.config, prefix_block_size=pool_block_size(self.client, self.pool))
                 self._spec_checked = True
             try:
                 sent = self._send()

@@ -29,8 +29,10 @@ class SchedulerConfig:
     #: admitted only once that block is committed, usually the next step, and then
     #: takes it from the prefix cache instead of computing it again (blockd
     #: publishes only committed blocks; vLLM shares such blocks within a step).
-    #: Admission stays FCFS: the requests behind it wait too. 0: off.
-    prefix_block_size: int = 0
+    #: Admission stays FCFS: the requests behind it wait too. 0: off. None (the
+    #: default): the pool's block size, which the scheduler asks blockd for before its
+    #: first step (off when its backend cannot say), so a user gets what the benchmarks use.
+    prefix_block_size: int | None = None
     #: another pool of the tenant (same model geometry) whose cached prefixes this
     #: scheduler's admissions may fetch instead of computing (``Allocate.source_pool``;
     #: the executor's workers fetch them, :meth:`client.model_group.WorkerGroup.fetch_blocks`).
@@ -40,8 +42,10 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         if type(self.source_pool) is not str:
             raise ValueError(f"source_pool must be a pool name or '', got {self.source_pool!r}")
-        if type(self.prefix_block_size) is not int or self.prefix_block_size < 0:
-            raise ValueError(f"prefix_block_size must be an integer >= 0 (0: off), got {self.prefix_block_size!r}")
+        if self.prefix_block_size is not None and (type(self.prefix_block_size) is not int
+                                                   or self.prefix_block_size < 0):
+            raise ValueError("prefix_block_size must be an integer >= 0 (0: off) or None (the pool's block "
+                             f"size), got {self.prefix_block_size!r}")
         if not all(type(t) is int and t >= 0 for t in self.eos_token_ids):
             raise ValueError(f"eos_token_ids must be token ids >= 0, got {self.eos_token_ids!r}")
         if type(self.max_num_seqs) is not int or self.max_num_seqs < 1:

@@ -72,13 +72,14 @@ def test_chunked_prefill_respects_the_token_budget(client):
     assert out.num_prefill_tokens == 29 and out.num_output_tokens == 3
 
 
-@pytest.mark.parametrize("prefix_block_size", [0, BLOCK])
+@pytest.mark.parametrize("prefix_block_size", [0, BLOCK, None])
 def test_a_burst_sharing_a_prompt_prefix_computes_it_once(client, prefix_block_size):
     """Requests arriving together with one 9-token system prompt (two full
     blocks): with ``prefix_block_size`` the first computes it and the others,
     held back one step (and FCFS: the unrelated request behind them too), take
     both blocks from the prefix cache; without it all of them compute it. The
-    tokens are the same either way."""
+    tokens are the same either way. None (the default) is the pool's block size,
+    asked of blockd before the first step."""
     system = tuple(range(100, 109))
     requests = [GenerationRequest("other", (7, 7, 7, 7, 7), 3)]
     requests += [GenerationRequest(f"r{i}", (*system, i + 1, i + 2), 3) for i in range(5)]
@@ -92,7 +93,8 @@ def test_a_burst_sharing_a_prompt_prefix_computes_it_once(client, prefix_block_s
         sched.add_request(req)
     check_outputs(sched.run(), requests)
     c = sched.counters
-    if prefix_block_size:
+    assert sched.config.prefix_block_size == (BLOCK if prefix_block_size is None else prefix_block_size)
+    if prefix_block_size != 0:
         assert c.num_cached_tokens == 4 * 8 and c.num_prefill_tokens == 5 + 11 + 4 * 3 + 5
         assert sizes[:2] == [5 + 11, 2 + 4 * 3 + 5], "the others join one step later, with their last 3 tokens"
     else:
@@ -154,6 +156,8 @@ def test_validation():
         SchedulerConfig(max_num_batched_tokens=4, max_num_seqs=8)
     with pytest.raises(ValueError, match="prefix_block_size"):
         SchedulerConfig(prefix_block_size=-1)
+    with pytest.raises(ValueError, match="prefix_block_size"):
+        SchedulerConfig(prefix_block_size="16")
     with pytest.raises(ValueError, match="ReservationAdmission needs"):
         ReservationAdmission(0, 16, 100)
     assert percentile([3.0, 1.0, 2.0], 50) == 2.0 and percentile([], 99) == 0.0
