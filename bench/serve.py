@@ -43,6 +43,9 @@ ignored, block size 32, all at t = 0; vLLM's offline engine in its own
 process (:mod:`bench.vllm_offline`), blockd's local cluster (one worker)
 with the scheduler. It reports both engines' tokens/s, TTFT and TPOT
 p50/p99, ``ratio_tokens_per_s_vs_vllm`` and how many outputs are identical.
+Then ``name="serve_vs_vllm_cold"`` (``--cold-rounds``, default 2; 0: none):
+the same work on each engine started fresh for every round with its
+defaults, timed from its first request, no warm-up.
 
 Run: ``python bench/serve.py [--quick] [--seed N] [--model M] [--vllm-python PY]``.
 """
@@ -130,6 +133,45 @@ def run_scheme(scheme: str, cluster: LocalCluster, requests, config=None) -> tup
     }, outputs
 
 
+def compare_cold(args, python: str) -> dict:
+    """The ``serve_vs_vllm_cold`` row: the anchor's work on each engine started fresh
+    for every round, with both engines' defaults, timed from the first request (each
+    engine's own start-up excluded: vLLM's model load and profiling run, blockd's
+    local cluster start)."""
+    from client.scheduler import SchedulerConfig
+    from client.serving import GenerationRequest, SamplingParams
+
+    prompts = vllm_prompts(args.model)
+    fixed = SamplingParams(ignore_eos=True)
+    requests = [GenerationRequest(f"c{i}", p, VLLM_NEW_TOKENS, sampling=fixed) for i, p in enumerate(prompts)]
+    spec = ClusterSpec(args.model, 1, "vs_vllm_cold", VLLM_NUM_BLOCKS, VLLM_BLOCK_SIZE, WATERMARK_BLOCKS)
+    vllm_rounds, blockd_rounds = [], []
+    for _ in range(args.cold_rounds):
+        engine = VllmRounds(python, args.model, prompts, warm_up=False)
+        try:
+            vllm_rounds.append(engine.run())
+        finally:
+            engine.close()
+        with LocalCluster(spec) as cluster:
+            blockd_rounds.append(run_scheme("paging", cluster, requests, SchedulerConfig()))
+    pairs = [round(b["tokens_per_s"] / v["tokens_per_s"], 3) for (b, _), v in zip(blockd_rounds, vllm_rounds)]
+    vllm = max(vllm_rounds, key=lambda r: r["tokens_per_s"])
+    blockd, outputs = max(blockd_rounds, key=lambda r: r[0]["tokens_per_s"])
+    by_id = _tokens_by_request(outputs)
+    same = sum(by_id.get(f"c{i}", [None])[0] == out for i, out in enumerate(vllm["outputs"]))
+    keys = ("tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "seconds")
+    return {
+        "name": "serve_vs_vllm_cold", "model": args.model, "precision": "float32",
+        "workload": "serve_vs_vllm's (64 chat prompts, 64 greedy tokens each, all at t=0)",
+        "settings": "both engines' defaults (blockd: SchedulerConfig(); vLLM: LLM() with the anchor's "
+                    "block size and prefix caching), a fresh engine per round, no warm-up",
+        "rounds": args.cold_rounds, "loadavg_1m": round(os.getloadavg()[0], 2),
+        "blockd": {k: blockd[k] for k in keys}, "vllm": {k: vllm[k] for k in keys},
+        "ratio_tokens_per_s_vs_vllm": round(blockd["tokens_per_s"] / vllm["tokens_per_s"], 3),
+        "ratio_by_round": pairs, "outputs_identical_to_vllm": f"{same}/{len(prompts)}",
+    }
+
+
 def setup_record(args, config, num_requests: int) -> dict:
     import grpc
     import torch
@@ -187,10 +229,10 @@ def vllm_prompts(model: str) -> list[tuple[int, ...]]:
 
 class VllmRounds:
     """vLLM's offline engine on ``prompts`` in its own venv and process
-    (``bench/vllm_offline.py --rounds``), loaded and warmed up once; each
-    :meth:`run` is one timed round on the whole work."""
+    (``bench/vllm_offline.py --rounds``), loaded and warmed up once (not with
+    ``warm_up=False``); each :meth:`run` is one timed round on the whole work."""
 
-    def __init__(self, python: str, model: str, prompts: list[tuple[int, ...]]) -> None:
+    def __init__(self, python: str, model: str, prompts: list[tuple[int, ...]], *, warm_up: bool = True) -> None:
         from worker.model import source
 
         work = {"model_dir": str(source.model_dir(model)), "prompts": [list(p) for p in prompts],
@@ -200,7 +242,8 @@ class VllmRounds:
         self._work.flush()
         self._log = tempfile.TemporaryFile("w+")  # noqa: SIM115 - vLLM's log, shown if it fails
         script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_offline.py")
-        self._proc = subprocess.Popen([python, script, self._work.name, "--rounds"], stdin=subprocess.PIPE,
+        flags = ["--rounds"] if warm_up else ["--rounds", "--cold"]
+        self._proc = subprocess.Popen([python, script, self._work.name, *flags], stdin=subprocess.PIPE,
                                       stdout=subprocess.PIPE, stderr=self._log, text=True)
         self._python = python
         self._read(lambda line: line == "ready")
@@ -407,6 +450,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only-vllm", action="store_true", help="only the serve_vs_vllm row")
     parser.add_argument("--vllm-rounds", type=int, default=3,
                         help="serve_vs_vllm: timed rounds per engine, taken in turns (default 3; best of each)")
+    parser.add_argument("--cold-rounds", type=int, default=2,
+                        help="serve_vs_vllm_cold: rounds, each on freshly started engines (default 2; 0: no row)")
     parser.add_argument("--no-prefix-sharing", action="store_true",
                         help="serve_vs_vllm: admit every prompt at once (no waiting for a shared block's commit)")
     parser.add_argument("--profile", action="store_true",
@@ -416,6 +461,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--only-vllm needs --vllm-python")
     if args.vllm_rounds < 1:
         parser.error("--vllm-rounds must be >= 1")
+    if args.cold_rounds < 0:
+        parser.error("--cold-rounds must be >= 0")
     num_requests = args.requests or (150 if args.quick else 1000)
     if num_requests < 1:
         parser.error("--requests must be >= 1")
@@ -430,6 +477,11 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(row), flush=True)
         print(f"bench/serve.py: blockd serves {row['ratio_tokens_per_s_vs_vllm']}x vLLM's tokens/s on the same work",
               file=sys.stderr)
+        if args.cold_rounds:
+            cold = compare_cold(args, args.vllm_python)
+            print(json.dumps(cold), flush=True)
+            print(f"bench/serve.py: started fresh with their defaults, blockd serves "
+                  f"{cold['ratio_tokens_per_s_vs_vllm']}x vLLM's tokens/s", file=sys.stderr)
     print(f"bench/serve.py: {time.perf_counter() - start:.0f} s", file=sys.stderr)
     return 0
 

@@ -13,7 +13,8 @@ With ``--rounds`` it loads the engine and warms it up once, prints
 ``ready``, then runs one timed round (prefix cache reset first) for each
 ``run`` line on stdin, printing that JSON object each time, until stdin
 closes: ``bench/serve.py`` interleaves these rounds with blockd's, so a
-shared machine's drifts fall on both engines alike.
+shared machine's drifts fall on both engines alike. With ``--cold`` there is
+no warm-up: the first round is the engine's first request after it loaded.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[index]
 
 
-def main(path: str, rounds: bool = False) -> int:
+def main(path: str, rounds: bool = False, cold: bool = False) -> int:
     with open(path) as f:
         work = json.load(f)
     # the anchor's settings: a 2 GiB KV space, the engine in this process
@@ -43,7 +44,8 @@ def main(path: str, rounds: bool = False) -> int:
               block_size=work["block_size"], enable_prefix_caching=True, disable_log_stats=False)
     params = SamplingParams(temperature=0.0, max_tokens=work["max_new_tokens"], ignore_eos=True)
     prompts = [TokensPrompt(prompt_token_ids=p) for p in work["prompts"]]
-    llm.generate(prompts[:2], params)  # warm-up: the first call compiles and allocates
+    if not cold:  # bench/serve.py's serve_vs_vllm_cold row times the first call itself
+        llm.generate(prompts[:2], params)  # warm-up: the first call compiles and allocates
     if not rounds:
         print(json.dumps(timed_round(llm, work, prompts, params)))
         return 0
@@ -93,8 +95,9 @@ def timed_round(llm, work: dict, prompts: list, params) -> dict:
 
 if __name__ == "__main__":
     args = sys.argv[1:]
-    serve_rounds = "--rounds" in args
-    args = [a for a in args if a != "--rounds"]
+    serve_rounds, cold = "--rounds" in args, "--cold" in args
+    args = [a for a in args if a not in ("--rounds", "--cold")]
     if len(args) != 1:
-        sys.exit("usage: VLLM_VENV/bin/python bench/vllm_offline.py WORK.json [--rounds] (bench/serve.py writes it)")
-    sys.exit(main(args[0], serve_rounds))
+        sys.exit("usage: VLLM_VENV/bin/python bench/vllm_offline.py WORK.json [--rounds] [--cold] "
+                 "(bench/serve.py writes it)")
+    sys.exit(main(args[0], serve_rounds, cold))
