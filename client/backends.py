@@ -29,7 +29,8 @@ Plain data and protocols: no grpc, no torch.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -155,3 +156,19 @@ def pool_block_size(backend: BlockdBackend, pool: str) -> int:
         log.warning("pool %s: cannot read its block size (%s); prompt prefixes within a burst are not "
                     "shared (set SchedulerConfig.prefix_block_size)", pool, err)
         return 0
+
+
+def stream_step(backend: BlockdBackend, owner: object) -> Callable[..., StepResult]:
+    """The scheduler's step call with ``SchedulerConfig.stream_steps``: ``step`` of one
+    :class:`client.step_stream.StepStream` when the backend offers ``step_stream``
+    (the same answers, refusals and request ids as unary ``step``, for less of the
+    daemon's CPU per step; closed once ``owner`` is collected), else ``backend.step``.
+    Only when both methods belong to the same object: a wrapper that overrides
+    ``step`` (to watch or change steps) and hands other attributes through keeps its
+    ``step`` unless it offers a ``step_stream`` of its own."""
+    opener = getattr(backend, "step_stream", None)  # optional in a BlockdBackend
+    if opener is None or getattr(opener, "__self__", None) is not getattr(backend.step, "__self__", None):
+        return backend.step
+    stream = opener()
+    weakref.finalize(owner, stream.close)
+    return stream.step

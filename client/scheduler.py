@@ -60,7 +60,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from blockd.core.types import Commit, Free, Op, StepResult, TransferPlan
-from client.backends import BlockdBackend, ModelBatch, ModelExecutor, pool_block_size
+from client.backends import BlockdBackend, ModelBatch, ModelExecutor, pool_block_size, stream_step
 from client.errors import BlockdClientError, FailedPreconditionError, NotFoundError, ResourceExhaustedError
 from client.faults import (
     PoolGone,
@@ -88,8 +88,7 @@ from client.streaming import RequestStream, ServingLoop, StreamToken
 __all__ = ["RECENT_FREE_STEPS", "Scheduler", "SchedulerConfig", "SchedulerCounters"]
 log = logging.getLogger("blockd.scheduler")
 
-#: steps whose Frees are sent again when a failover may have lost them: an ``async`` group's
-#: followers trail by at most ``--max-lag-records`` (100 by default) records
+#: steps whose Frees are resent when a failover may have lost them (``async`` followers trail <= 100 records)
 RECENT_FREE_STEPS = 1024
 
 _DEFAULT_CONFIG = SchedulerConfig()  # frozen: one instance serves every scheduler that names none
@@ -133,6 +132,7 @@ class Scheduler:
         self._lock = threading.RLock()
         self._seeds = random.SystemRandom()  # seeds of requests that name none
         self._spec_checked = False  # blockd's block-hash spec, checked before the first step
+        self._step = client.step  # over a StepStream from the first step on (config.stream_steps)
 
     # --- public ------------------------------------------------------------------
     def add_request(self, request: GenerationRequest) -> None:
@@ -193,6 +193,7 @@ class Scheduler:
                 getattr(self.client, "check_hash_spec", lambda: None)()  # optional in a BlockdBackend
                 if self.config.prefix_block_size is None:  # the default: the pool's block size
                     self.config = replace(self.config, prefix_block_size=pool_block_size(self.client, self.pool))
+                self._step = stream_step(self.client, self) if self.config.stream_steps else self.client.step
                 self._spec_checked = True
             try:
                 sent = self._send()
@@ -240,8 +241,7 @@ class Scheduler:
             if not plan.ops:
                 return None
             try:
-                result = self.client.step(self.pool, plan.ops, incarnation=self.pool_incarnation,
-                                          previous_term=self.term)
+                result = self._step(self.pool, plan.ops, incarnation=self.pool_incarnation, previous_term=self.term)
             except ResourceExhaustedError as err:
                 self.counters.num_refused_batches += 1
                 recovery = on_no_room(err, plan, self.running)

@@ -40,8 +40,13 @@ class SchedulerConfig:
     #: the executor's workers fetch them, :meth:`client.model_group.WorkerGroup.fetch_blocks`).
     #: "": none
     source_pool: str = ""
+    #: steps go over one ``StepStream`` (when the backend has ``step_stream``): the same
+    #: answers as unary ``Step`` for less of the daemon's CPU (bench/rpc.py --part daemon_cost)
+    stream_steps: bool = True
 
     def __post_init__(self) -> None:
+        if type(self.stream_steps) is not bool:
+            raise ValueError(f"stream_steps must be True or False, got {self.stream_steps!r}")
         if type(self.source_pool) is not str:
             raise ValueError(f"source_pool must be a pool name or '', got {self.source_pool!r}")
         if self.prefix_block_size is not None and (type(self.prefix_block_size) is not int

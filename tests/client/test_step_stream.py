@@ -22,6 +22,7 @@ from blockd.service.server import BlockdServer
 from client.errors import BlockdClientError, DeadlineExceededError, InvalidArgumentError, UnavailableError
 from client.scheduler import SchedulerConfig
 from client.sdk import BlockdClient
+from client.step_stream import StepStream
 from tests.support.procs import free_port, start_blockd
 
 pytest_plugins = ["tests.support.grpc_fixtures"]
@@ -159,26 +160,32 @@ def test_a_stream_cut_by_a_daemon_killed_and_restarted(tmp_path):
 
 
 def test_a_scheduler_on_a_client_that_streams_its_steps_runs_as_on_unary_steps(blockd_server, client):
-    """``BlockdClient(stream_steps=True)``: the scheduler, unchanged, steps over a
-    stream; the same tokens, preemptions and refusals for room as by unary Step."""
+    """The scheduler's steps over unary Step (``stream_steps=False``), over the
+    client's per-thread stream (``BlockdClient(stream_steps=True)``) and over its
+    own StepStream (``SchedulerConfig.stream_steps``, the default): the same tokens,
+    preemptions and refusals for room every way."""
     from tests.client.test_scheduler import workload
-    from tests.support.slot_model import check_outputs, make
+    from tests.support.slot_model import StreamThrough, check_outputs, make
 
     runs = []
-    for streamed in (False, True):
-        with BlockdClient(blockd_server.address, timeout_s=5, stream_steps=streamed) as steps:
+    for client_streams, scheduler_streams in ((False, False), (True, False), (False, True)):
+        with BlockdClient(blockd_server.address, timeout_s=5, stream_steps=client_streams) as steps:
             requests = workload(0, 16)
-            sched, _ = make(steps, 24, SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=12), watermark=1)
+            config = SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=12, stream_steps=scheduler_streams)
+            sched, _ = make(steps, 24, config, watermark=1)
             for req in requests:
                 sched.add_request(req)
             outputs = sched.run()
             check_outputs(outputs, requests)
             counts = {k: v for k, v in vars(sched.counters).items() if isinstance(v, int)}
             runs.append((sorted((o.request_id, o.output_token_ids) for o in outputs), counts))
-            assert bool(steps._all_streams) is streamed
+            assert bool(steps._all_streams) is client_streams
+            assert isinstance(getattr(sched._step, "__self__", None), StreamThrough) is scheduler_streams
         client.delete_pool("p")
-    assert runs[0] == runs[1]
+    assert runs[0] == runs[1] == runs[2]
     assert runs[1][1]["num_preemptions"] > 0 and runs[1][1]["num_refused_batches"] > 0
+    with pytest.raises(ValueError, match="stream_steps"):
+        SchedulerConfig(stream_steps=1)
 
 
 def test_the_asyncio_stream_answers_as_the_asyncio_step_does(blockd_server):
@@ -212,3 +219,29 @@ async def _async_outcome(call) -> tuple:
     except BlockdClientError as err:
         return ("error", type(err).__name__, err.reason, err.op_index, str(err).replace("'other'", "'p'"))
     return ("ok", result.version, result.results, result.copy_ops, result.tier_ops)
+
+
+def test_a_wrapper_that_overrides_step_keeps_it_unless_it_offers_its_own_stream(blockd_server):
+    """``SchedulerConfig.stream_steps`` must never bypass a backend's own ``step``: a
+    wrapper that watches steps and hands everything else through to a client keeps
+    its ``step``; the client itself, or a wrapper with its own ``step_stream``, streams."""
+    from client.backends import stream_step
+
+    class Watching:
+        def __init__(self, client) -> None:
+            self.client, self.seen = client, 0
+
+        def step(self, pool, ops, **kwargs):
+            self.seen += 1
+            return self.client.step(pool, ops, **kwargs)
+
+        def __getattr__(self, name):
+            return getattr(self.client, name)
+
+    with BlockdClient(blockd_server.address, timeout_s=5) as client:
+        watching, owner = Watching(client), Watching(None)  # any object a weak reference can name
+        assert stream_step(watching, owner) == watching.step
+        streamed = stream_step(client, owner)
+        assert isinstance(streamed.__self__, StepStream)
+        client.create_pool(PoolConfig("w", num_blocks=8, block_size=4))
+        assert streamed("w", [Allocate("a", [1, 2, 3])]).results[0].num_cached_tokens == 0

@@ -83,8 +83,9 @@ class SlotModel:
         self.num_steps = 0
         self.batches: list[ModelBatch] = []
 
-    def step(self, pool, ops, **kwargs):
-        result = self.client.step(pool, ops, **kwargs)
+    def step(self, pool, ops, *, via=None, **kwargs):
+        """``via``: the call that sends the step (default: the client's unary step)."""
+        result = (via or self.client.step)(pool, ops, **kwargs)
         for src, dst in result.copy_ops:
             for offset in range(BLOCK):
                 if src * BLOCK + offset in self.slots:
@@ -125,8 +126,25 @@ class StepThrough:
     def step(self, pool, ops, **kwargs):
         return self._model.step(pool, ops, **kwargs)
 
+    def step_stream(self) -> StreamThrough:
+        """The scheduler's StepStream (``SchedulerConfig.stream_steps``), through the model too."""
+        return StreamThrough(self._client.step_stream(), self._model)
+
     def __getattr__(self, name):
         return getattr(self._client, name)
+
+
+class StreamThrough:
+    """A client's StepStream whose steps go through the model (copy ops applied)."""
+
+    def __init__(self, stream, model: SlotModel) -> None:
+        self._stream, self._model = stream, model
+
+    def step(self, pool, ops, **kwargs):
+        return self._model.step(pool, ops, via=self._stream.step, **kwargs)
+
+    def close(self) -> None:
+        self._stream.close()
 
 
 def make(client, num_blocks: int, config, *, watermark: int = 0, admission=None, **kwargs):
