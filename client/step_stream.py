@@ -21,6 +21,11 @@ What holds on a stream that unary calls give for free, kept here:
   sent again on a stream to the next replica within the step's deadline,
   exactly as :meth:`client.sdk.BlockdClient.step` resends a unary call.
 
+A daemon serves at most half its ``--max-workers`` step streams at once (each
+holds one of its threads); beyond that it answers the first step with
+``STEP_STREAMS_FULL`` (nothing applied) and :class:`StepStream` sends that
+step, and the next ones for ``UNARY_AFTER_FULL_S``, by unary ``Step``.
+
 Credentials are checked when a stream opens (as for ``Watch``); a revoked
 token keeps a stream it already opened until the stream ends.
 
@@ -53,6 +58,10 @@ from client.errors import (
 )
 
 _END = object()
+#: the daemon's refusal of a stream beyond its slots (blockd.service.servicer.StepStreamsFull)
+STREAMS_FULL = "STEP_STREAMS_FULL"
+#: how long a StepStream refused a slot steps by unary Step before it tries a stream again
+UNARY_AFTER_FULL_S = 10.0
 
 
 def _late(timeout_s: float) -> DeadlineExceededError:
@@ -98,6 +107,8 @@ class StepStream:
         self._cond = threading.Condition()
         self._deadline: float | None = None
         self._idle = True
+        #: until when steps go by unary Step (the daemon had no stream slot: STREAMS_FULL)
+        self._unary_until = 0.0
         self._watchdog = threading.Thread(target=self._watch, name="blockd-step-stream-watchdog", daemon=True)
         self._watchdog.start()
 
@@ -133,6 +144,8 @@ class StepStream:
         if self._closed:
             raise ValueError("this StepStream is closed")
         deadline = time.monotonic() + timeout_s
+        if time.monotonic() < self._unary_until:
+            return self._unary(request, deadline)
         attempt = 0
         while True:
             call = self._open()
@@ -144,6 +157,10 @@ class StepStream:
                 if answer.HasField("response"):
                     return answer.response
                 error = from_status_bytes(answer.error_status)
+                if error.reason == STREAMS_FULL:  # nothing applied; the daemon has no stream slot for us
+                    self._drop(call)
+                    self._unary_until = time.monotonic() + UNARY_AFTER_FULL_S
+                    return self._unary(request, deadline)
             step = self._client._follow_next(call.method, error, attempt)
             if step is None or time.monotonic() + step[1] >= deadline:
                 raise error from None
@@ -151,6 +168,9 @@ class StepStream:
             time.sleep(step[1])
             attempt += 1
             self._call = _Call(step[0])
+
+    def _unary(self, request: pb.StepStreamRequest, deadline: float) -> pb.StepResponse:
+        return self._client._unary(self._client._blocks.Step, request.step, max(0.001, deadline - time.monotonic()))
 
     def _open(self) -> _Call:
         if self._call is None:

@@ -155,7 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="write the daemon's pid here once it serves, and each reload's answer to "
                             "FILE.reload (blockd reload --pid-file FILE); both removed at exit")
     serve.add_argument("--max-workers", type=config_env.positive_int, default=128,
-                       help="most RPC threads; each open Watch/Events stream holds one while open")
+                       help="most RPC threads; each open Watch/Events/StepStream stream holds one while open "
+                            "(step streams at most half: the SDK steps by unary Step beyond that)")
     serve.add_argument("--worker-timeout-s", type=config_env.positive_float, default=10.0,
                        help="a worker whose last heartbeat is older is reported down")
     serve.add_argument("--grace-s", type=config_env.non_negative_float, default=5.0,

@@ -31,8 +31,9 @@ from blockd.v1 import blockd_pb2 as pb
 
 log = logging.getLogger("blockd.server")
 
-#: RPC threads, created on demand; every open Watch/Events stream holds one for
-#: its lifetime, so this bounds followers + concurrent unary calls
+#: RPC threads, created on demand; every open Watch/Events/StepStream stream holds one
+#: for its lifetime, so this bounds followers + concurrent unary calls (StepStreams
+#: may hold at most half of them: blockd.service.servicer.StepStreamsFull)
 DEFAULT_MAX_WORKERS = 128
 DEFAULT_GRACE_S = 5.0
 #: large enough for a full table dump of a big pool or a very long prompt
@@ -62,7 +63,7 @@ class BlockdServer:
         extra, services = list(extra_services), pb.DESCRIPTOR.services_by_name
         self._endpoint = GrpcEndpoint(
             [(PoolServicer(engine), services["PoolService"]),
-             (BlockServicer(engine, self._shutdown), services["BlockService"]),
+             (BlockServicer(engine, self._shutdown, max(1, max_workers // 2)), services["BlockService"]),
              (WorkerServicer(engine), services["WorkerService"]), *extra],
             listen, max_workers=max_workers, max_message_bytes=max_message_bytes,
             thread_name_prefix="blockd-rpc", interceptors=interceptors,

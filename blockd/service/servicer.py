@@ -12,12 +12,13 @@ engine's wait slice (0.25 s).
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable, Iterator
 
 import grpc
 
-from blockd.core.errors import shown
+from blockd.core.errors import Unavailable, shown
 from blockd.core.hashing import check_hash_spec, hash_spec
 from blockd.core.types import Snapshot
 from blockd.engine.machine import Engine
@@ -98,10 +99,41 @@ class PoolServicer(pb_grpc.PoolServiceServicer):
         return retention.prefix_priority_to_proto(done)
 
 
+class StepStreamsFull(Unavailable):
+    """Every StepStream slot is taken: the caller steps by unary Step instead
+    (:class:`client.step_stream.StepStream` does so by itself)."""
+
+    reason = "STEP_STREAMS_FULL"
+
+
+def _holding_a_slot(method: Callable) -> Callable:
+    """A StepStream holds one of the server's RPC threads for as long as it is
+    open; at most ``max_step_streams`` of them may, so open streams can never
+    take every thread and stall the unary calls (and other streams) of everyone
+    else. A stream beyond that answers its first step with STEP_STREAMS_FULL
+    (UNAVAILABLE, nothing applied) and ends."""
+
+    @functools.wraps(method)
+    def handler(self, requests, context):
+        if not self._stream_slots.acquire(blocking=False):
+            yield self.refused(StepStreamsFull(
+                f"blockd serves at most {self.max_step_streams} step streams at once (half of --max-workers) "
+                "and all are open: step by unary Step (the SDK does), or raise --max-workers"), "StepStream")
+            return
+        try:
+            yield from method(self, requests, context)
+        finally:
+            self._stream_slots.release()
+
+    return handler
+
+
 class BlockServicer(pb_grpc.BlockServiceServicer):
-    def __init__(self, engine: Engine, shutdown: threading.Event) -> None:
+    def __init__(self, engine: Engine, shutdown: threading.Event, max_step_streams: int = 64) -> None:
         self._engine = engine
         self._shutdown = shutdown
+        self.max_step_streams = max_step_streams
+        self._stream_slots = threading.BoundedSemaphore(max_step_streams)
         #: read by blockd.rpc.errors.method_handlers: an oversized Step is refused before it is parsed whole
         self.request_parsers = {"Step": step_parser(engine.config.guardrails),
                                 "StepStream": step_stream_parser(engine.config.guardrails)}
@@ -110,6 +142,7 @@ class BlockServicer(pb_grpc.BlockServiceServicer):
     def Step(self, request: pb.StepRequest, context) -> pb.StepResponse:
         return self._step(request)
 
+    @_holding_a_slot
     @answer_each
     def StepStream(self, request: pb.StepRequest, context) -> pb.StepStreamResponse:
         # the stream's parser hands over the StepRequest inside each StepStreamRequest

@@ -245,3 +245,41 @@ def test_a_wrapper_that_overrides_step_keeps_it_unless_it_offers_its_own_stream(
         assert isinstance(streamed.__self__, StepStream)
         client.create_pool(PoolConfig("w", num_blocks=8, block_size=4))
         assert streamed("w", [Allocate("a", [1, 2, 3])]).results[0].num_cached_tokens == 0
+
+
+def test_streams_beyond_the_daemons_slots_step_by_unary_and_never_stall_others():
+    """Each open StepStream holds one of the daemon's RPC threads, so at most half
+    of ``max_workers`` may be open: with 4 threads, a third stream's step is refused
+    in band (STEP_STREAMS_FULL, nothing applied) and the SDK sends it by unary Step,
+    applied once; unary calls keep being answered; a closed stream frees its slot."""
+    engine = Engine()
+    server = BlockdServer(engine, "127.0.0.1:0", max_workers=4)
+    server.start()
+    try:
+        with BlockdClient(server.address, timeout_s=5) as client:
+            client.create_pool(PoolConfig("p", num_blocks=16, block_size=4))
+            held = [client.step_stream() for _ in range(2)]
+            for n, stream in enumerate(held):
+                stream.step("p", [Allocate(f"held-{n}", [1, 2, 3])])
+            third = client.step_stream()
+            result = third.step("p", [Allocate("third", [4, 5, 6])], request_id="third-1")
+            assert third._unary_until > time.monotonic() and third._call is None  # refused a slot: unary
+            assert result.results[0].seq_id == "third"
+            assert client.get_sequence("p", "third").num_tokens == 3
+            again = third.step("p", [Allocate("third", [4, 5, 6])], request_id="third-1")  # a resend
+            assert again.version == result.version  # the first answer: applied once
+            assert [p.name for p in client.list_pools()] == ["p"]  # unary calls are answered meanwhile
+            held.pop().close()
+            third._unary_until = 0.0
+            deadline = time.monotonic() + 10
+            while True:  # the daemon frees the slot once it sees the stream's cancellation
+                third.step("p", [Append("third", [7])])
+                if third._call is not None:
+                    break
+                assert time.monotonic() < deadline, "the closed stream's slot was never freed"
+                third._unary_until = 0.0
+                time.sleep(0.05)
+            for stream in (*held, third):
+                stream.close()
+    finally:
+        server.stop(0.5)
