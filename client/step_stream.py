@@ -23,8 +23,9 @@ What holds on a stream that unary calls give for free, kept here:
 
 A daemon serves at most half its ``--max-workers`` step streams at once (each
 holds one of its threads); beyond that it answers the first step with
-``STEP_STREAMS_FULL`` (nothing applied) and :class:`StepStream` sends that
-step, and the next ones for ``UNARY_AFTER_FULL_S``, by unary ``Step``.
+``STEP_STREAMS_FULL`` (nothing applied) and :class:`StepStream` (and
+:class:`AsyncStepStream`) sends that step, and the next ones for
+``UNARY_AFTER_FULL_S``, by unary ``Step``.
 
 Credentials are checked when a stream opens (as for ``Watch``); a revoked
 token keeps a stream it already opened until the stream ends.
@@ -240,6 +241,7 @@ class AsyncStepStream:
         self._method: Callable[..., Any] | None = None
         self._lock = asyncio.Lock()
         self._closed = False
+        self._unary_until = 0.0  # as StepStream's: no stream slot (STREAMS_FULL), step by unary Step
 
     async def __aenter__(self) -> AsyncStepStream:
         return self
@@ -274,6 +276,8 @@ class AsyncStepStream:
         if self._closed:
             raise ValueError("this AsyncStepStream is closed")
         deadline = time.monotonic() + timeout_s
+        if time.monotonic() < self._unary_until:
+            return await self._unary(request, deadline)
         attempt = 0
         method: Callable[..., Any] = self._client._blocks.StepStream
         if self._call is not None and self._method is not None:
@@ -298,6 +302,10 @@ class AsyncStepStream:
                     return answer.response
                 else:
                     error = from_status_bytes(answer.error_status)
+                    if error.reason == STREAMS_FULL:  # nothing applied; no stream slot for us
+                        self._drop()
+                        self._unary_until = time.monotonic() + UNARY_AFTER_FULL_S
+                        return await self._unary(request, deadline)
             assert self._method is not None
             step = await self._client._next_call(self._method, error, attempt) if self._client._follow else None
             if step is None or time.monotonic() + step[1] >= deadline:
@@ -306,3 +314,7 @@ class AsyncStepStream:
             await asyncio.sleep(step[1])
             attempt += 1
             method = step[0]
+
+    async def _unary(self, request: pb.StepStreamRequest, deadline: float) -> pb.StepResponse:
+        return await self._client._unary(self._client._blocks.Step, request.step,
+                                         max(0.001, deadline - time.monotonic()))

@@ -279,7 +279,25 @@ def test_streams_beyond_the_daemons_slots_step_by_unary_and_never_stall_others()
                 assert time.monotonic() < deadline, "the closed stream's slot was never freed"
                 third._unary_until = 0.0
                 time.sleep(0.05)
+            asyncio_third = _asyncio_step_beyond_the_slots(server.address)
+            assert asyncio_third == (True, 3)  # by unary Step, applied
             for stream in (*held, third):
                 stream.close()
     finally:
         server.stop(0.5)
+
+
+def _asyncio_step_beyond_the_slots(address: str) -> tuple[bool, int]:
+    """With every slot held, an AsyncStepStream's step also goes by unary Step:
+    (whether it stepped unary, the new sequence's tokens)."""
+    import asyncio
+
+    from client.aio import AsyncBlockdClient
+
+    async def scenario() -> tuple[bool, int]:
+        async with AsyncBlockdClient(address, timeout_s=5) as client, client.step_stream() as stream:
+            await stream.step("p", [Allocate("async", [1, 2, 3])], request_id="async-1")
+            unary = stream._unary_until > time.monotonic() and stream._call is None
+            return unary, (await client.get_sequence("p", "async")).num_tokens
+
+    return asyncio.run(scenario())
