@@ -25,10 +25,14 @@ from worker.tiers import batches
 LAYERS, HEADS, Q_HEADS, DIM, B = 2, 2, 4, 16, 4
 
 
-def _runtime(num_host_blocks: int = 8, dtype: str = "float32", metrics=None) -> WorkerRuntime:
+CUDA = pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="CUDA path: needs a GPU, torch.cuda.is_available() is False"))
+
+
+def _runtime(num_host_blocks: int = 8, dtype: str = "float32", metrics=None, device: str = "cpu") -> WorkerRuntime:
     config = PoolConfig("p", num_blocks=8, block_size=B, num_layers=LAYERS, num_kv_heads=HEADS, head_dim=DIM,
                         dtype=dtype, num_host_blocks=num_host_blocks)
-    return WorkerRuntime(config, device="cpu", version_timeout_s=0.2, metrics=metrics)
+    return WorkerRuntime(config, device=device, version_timeout_s=0.2, metrics=metrics)
 
 
 class Feed:
@@ -46,8 +50,8 @@ class Feed:
     def write(self, version: int, slots: list[int]) -> None:
         """Random K/V into ``slots`` of every layer."""
         for layer in range(LAYERS):
-            key = torch.randn(len(slots), HEADS, DIM, generator=self.gen).to(self.runtime.dtype)
-            value = torch.randn(len(slots), HEADS, DIM, generator=self.gen).to(self.runtime.dtype)
+            key = torch.randn(len(slots), HEADS, DIM, generator=self.gen).to(self.runtime.device, self.runtime.dtype)
+            value = torch.randn(len(slots), HEADS, DIM, generator=self.gen).to(self.runtime.device, self.runtime.dtype)
             self.runtime.write_kv(version, layer, key, value, slots)
 
     def attend(self, version: int, seq_id: str, length: int, query: torch.Tensor) -> list[torch.Tensor]:
@@ -55,13 +59,15 @@ class Feed:
         return [self.runtime.attention(version, layer, [seq_id], [1], [length], query) for layer in range(LAYERS)]
 
 
+@pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_attention_over_restored_blocks_equals_the_originals_bit_for_bit(dtype):
-    runtime = _runtime(dtype=dtype)
+def test_attention_over_restored_blocks_equals_the_originals_bit_for_bit(dtype, device):
+    """On CUDA the host tier is pinned memory and the moves cross PCIe; the bytes must still be equal."""
+    runtime = _runtime(dtype=dtype, device=device)
     feed = Feed(runtime)
     v1 = feed.delta(TableUpdate("a", 0, (0, 1, 2)))
     feed.write(v1, list(range(10)))  # 10 tokens: two full blocks, 2 slots of the third
-    query = torch.randn(1, Q_HEADS, DIM, generator=feed.gen).to(runtime.dtype)
+    query = torch.randn(1, Q_HEADS, DIM, generator=feed.gen).to(runtime.device, runtime.dtype)
     original = feed.attend(v1, "a", 10, query)
     blocks = runtime.kv[:, :, [0, 1, 2]].clone()
 

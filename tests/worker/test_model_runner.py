@@ -126,11 +126,11 @@ class Scenario:
 class Local:
     """A core Pool and one runtime following its deltas, with a model runner."""
 
-    def __init__(self, spec: str, model=None, linear: str = "auto") -> None:
+    def __init__(self, spec: str, model=None, linear: str = "auto", device: str = "cpu") -> None:
         model = model if model is not None else build_model(spec, seed=0)
         self.config = pool_config_for(model.config, "m", num_blocks=64, block_size=BLOCK_SIZE)
         self.pool = Pool(self.config)
-        self.runtime = WorkerRuntime(self.config, device="cpu", version_timeout_s=0.2,
+        self.runtime = WorkerRuntime(self.config, device=device, version_timeout_s=0.2,
                                      latest_committed=lambda: self.pool.version)
         self.runner = ModelRunner(model, self.runtime, linear=linear)
 
@@ -151,6 +151,17 @@ def test_runner_matches_hf_logits_and_greedy_generate(spec, linear):
     # Llama and Qwen2 layers run fused on the packed path (GPT-2 keeps transformers' layers)
     assert local.runner.fused_layers == (2 if linear == "auto" and spec != "tiny-gpt2" else 0)
     scenario = Scenario(local.step, local.runner.step, reference(spec))
+    scenario.drive()
+    assert scenario.max_diff < TOL
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA path: needs a GPU, torch.cuda.is_available() is False")
+@pytest.mark.parametrize("spec", ["tiny-llama", "tiny-qwen2", "tiny-gpt2"])
+def test_runner_on_cuda_matches_hf_logits_and_greedy_generate(spec):
+    """The same scenario with the pool and the model on the GPU (the reference stays on the CPU)."""
+    local = Local(spec, device="cuda")
+    assert next(local.runner.model.parameters()).device.type == "cuda"
+    scenario = Scenario(local.step, lambda *args: local.runner.step(*args).cpu(), reference(spec))
     scenario.drive()
     assert scenario.max_diff < TOL
 
