@@ -155,8 +155,9 @@ def span(name: str) -> Any:
 
 def record(name: str, seconds: float, **attributes: Any) -> None:
     """A span of ``name`` that ended now and lasted ``seconds``, under the
-    current span: for parts already timed (a worker's kernels), so tracing
-    adds no clock reads of its own. Call only when :data:`tracer` is set."""
+    current span: for parts already timed (a worker's kernels), so a traced
+    part costs one wall-clock read more, not a timer of its own around it.
+    Call only when :data:`tracer` is set."""
     end = time.time_ns()
     span = tracer.start_span(name, start_time=end - int(seconds * 1e9), attributes=attributes or None)
     span.end(end_time=end)
