@@ -77,6 +77,11 @@ def settings_from_env(environ: Mapping[str, str]) -> tuple[str, str] | None:
         raise TracingConfigError(f"OTEL_TRACES_EXPORTER={exporter!r} is not one of {', '.join(EXPORTERS)} "
                                  "(blockd exports spans over OTLP/gRPC, or prints them with console)")
     if exporter == "otlp":
+        protocol = (environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or environ.get("OTEL_EXPORTER_OTLP_PROTOCOL")
+                    or "grpc").strip()
+        if protocol != "grpc":
+            raise TracingConfigError(f"OTLP protocol {protocol!r}: blockd exports OTLP over gRPC only (the otel "
+                                     "extra's exporter); unset OTEL_EXPORTER_OTLP_PROTOCOL or set it to grpc")
         endpoint = endpoint or DEFAULT_OTLP_ENDPOINT
         parts = urlsplit(endpoint)
         try:
