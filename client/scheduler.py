@@ -33,9 +33,9 @@ the samples then fork from sample 0 (forks go before the releases in the
 batch, so sample 0 may end at its first token and still be forked from).
 
 Outputs are had two ways: :meth:`Scheduler.run` returns every request's
-:class:`~client.serving.RequestOutput` at the end; :meth:`Scheduler.submit` returns a
-:class:`~client.streaming.RequestStream` of tokens as they are applied (stepped by its consumer, or by a
-:class:`~client.streaming.ServingLoop`). A step is a span when tracing is on (:mod:`blockd.rpc.tracing`).
+:class:`~client.serving.RequestOutput` at the end; :meth:`Scheduler.submit`
+returns a :class:`~client.streaming.RequestStream` of tokens as they are
+applied (stepped by its consumer, or by a :class:`~client.streaming.ServingLoop`).
 
 The scheduler is this module (``Scheduler``: the requests' state, the I/O to
 blockd and the model, carrying out plans and recoveries) and parts that own
@@ -43,9 +43,9 @@ their own state or none and never import back: ``client.streaming``
 (RequestStream, ServingLoop), ``client.faults`` (a refusal or fault -> a
 Recovery), ``client.step_plan`` (the state -> a StepPlan) and
 ``client.scheduler_config`` (SchedulerConfig, SchedulerCounters, also
-imported from here). Faults (a worker restarted, the pool re-created) are
-dealt with as :mod:`client.faults` says. With ``config.source_pool``, an admission's missed prefix
-blocks cached in that pool are fetched by the workers instead of computed, where they can (:meth:`Scheduler._fetch`).
+imported from here). Faults (a worker restarted, the pool re-created) are dealt with as
+:mod:`client.faults` says. With ``config.source_pool``, an admission's missed prefix blocks cached in
+that pool are fetched by the workers instead of computed, where they can (:meth:`Scheduler._fetch`).
 """
 
 from __future__ import annotations
