@@ -25,8 +25,9 @@ loads.
 carries a trace context, so heartbeats, Watch streams and ``blockctl`` calls
 make no traces of their own.
 
-Imports grpc and the standard library; opentelemetry only inside the
-functions that switch tracing on. Never the daemon.
+Imports the standard library only (the interceptors, which need grpc, are
+:mod:`blockd.rpc.trace_grpc`); opentelemetry only inside the functions that
+run once tracing is on. Never the daemon.
 """
 
 from __future__ import annotations
