@@ -178,10 +178,13 @@ def test_tracing_is_off_unless_an_exporter_is_asked_for():
     channel.close()
 
 
-def test_a_malformed_otlp_endpoint_stops_blockd_with_one_line():
+@pytest.mark.parametrize(("args", "code", "says"), [
+    (["blockd.cli", "serve", "--listen", "127.0.0.1:0"], 2, "cannot serve: OTLP endpoint"),
+    (["worker.main", "--blockd", "127.0.0.1:1", "--pool", "p"], 1, "blockd-worker: OTLP endpoint")])
+def test_a_malformed_otlp_endpoint_stops_a_program_with_one_line(args, code, says):
     env = child_env(OTEL_EXPORTER_OTLP_ENDPOINT="collector:4317")
-    done = subprocess.run([sys.executable, "-m", "blockd.cli", "serve", "--listen", "127.0.0.1:0"], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=60, check=False)
-    assert done.returncode == 2, done.stderr
-    assert "cannot serve: OTLP endpoint 'collector:4317' is not a URL" in done.stderr
+    done = subprocess.run([sys.executable, "-m", *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=60, check=False)
+    assert done.returncode == code, done.stderr
+    assert f"{says} 'collector:4317' is not a URL" in done.stderr
     assert "Traceback" not in done.stderr
