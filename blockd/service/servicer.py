@@ -162,6 +162,7 @@ class BlockServicer(pb_grpc.BlockServiceServicer):
         pool = require_id(request.pool, "pool")
         request_id = optional_id(request.request_id, "request_id")
         incarnation = optional_id(request.pool_incarnation, "pool_incarnation")
+        optional_id(request.traceparent, "traceparent")  # read by tracing only (a W3C value is 55 characters)
         # before a single op is converted: an oversized batch costs nothing but its bytes
         self._engine.config.guardrails.check_num_ops(len(request.ops))
         result = self._engine.step(pool, convert.ops_from_proto(request.ops), request_id, dry_run=request.dry_run,
