@@ -188,3 +188,12 @@ def test_a_malformed_otlp_endpoint_stops_a_program_with_one_line(args, code, say
     assert done.returncode == code, done.stderr
     assert f"{says} 'collector:4317' is not a URL" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_asking_for_tracing_without_the_extra_says_what_to_install(monkeypatch):
+    monkeypatch.setattr(tracing, "_decided", False)
+    monkeypatch.setitem(sys.modules, "opentelemetry.sdk.resources", None)  # as if not installed
+    with pytest.raises(tracing.TracingConfigError, match=r"pip install 'blockd\[otel\]'"):
+        tracing.set_up("blockd", {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4317"})
+    assert tracing.tracer is None
+    assert tracing.set_up("blockd", {}) is False  # nothing asked for: off, and nothing imported
