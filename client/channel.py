@@ -26,6 +26,7 @@ from typing import Any
 from blockd.auth.channels import open_channel
 from blockd.auth.config import TlsConfig
 from blockd.rpc.addresses import dial_target
+from blockd.rpc.trace_grpc import intercept
 from blockd.v1 import blockd_pb2 as pb
 from client.errors import InvalidArgumentError
 
@@ -74,4 +75,6 @@ def dial(target: str, *, tls: TlsConfig | None = None, token: str | None = None,
         target = dial_target(target)
     except ValueError as err:
         raise InvalidArgumentError(str(err)) from None
-    return open_channel(target, tls, token, options=channel_options(max_attempts, max_message_bytes), aio=aio)
+    channel = open_channel(target, tls, token, options=channel_options(max_attempts, max_message_bytes), aio=aio)
+    # trace context in the metadata of unary calls, once the process has switched tracing on
+    return intercept(channel)

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 from blockd.auth.config import TlsConfig
 from blockd.core.types import TransferPlan
+from blockd.rpc.tracing import carry
 from client.backends import ModelBatch
 from client.errors import BlockdClientError, UnavailableError
 from client.worker import WorkerClient
@@ -128,7 +129,8 @@ class WorkerGroup:
     def run(self, version: int, batch: ModelBatch, *, pool_incarnation: str = "", term: int = 0) -> list[int]:
         if self._threads is None:
             return self._step(self.workers[0], version, batch, pool_incarnation, term)
-        futures = [self._threads.submit(self._step, worker, version, batch, pool_incarnation, term)
+        # carry: each rank's ModelStep goes under the caller's span (itself when tracing is off)
+        futures = [self._threads.submit(carry(self._step), worker, version, batch, pool_incarnation, term)
                    for worker in self.workers]
         # wait for every rank before raising any rank's error: no call is left running
         wait(futures)

@@ -43,10 +43,9 @@ their own state or none and never import back: ``client.streaming``
 (RequestStream, ServingLoop), ``client.faults`` (a refusal or fault -> a
 Recovery), ``client.step_plan`` (the state -> a StepPlan) and
 ``client.scheduler_config`` (SchedulerConfig, SchedulerCounters, also
-imported from here). Faults (a worker restarted, the pool re-created) are
-dealt with as :mod:`client.faults` says. With ``config.source_pool``, an
-admission's missed prefix blocks cached in that pool are fetched by the
-workers instead of computed, where they can (:meth:`Scheduler._fetch`).
+imported from here). Faults (a worker restarted, the pool re-created) are dealt with as
+:mod:`client.faults` says. With ``config.source_pool``, an admission's missed prefix blocks cached in
+that pool are fetched by the workers instead of computed, where they can (:meth:`Scheduler._fetch`).
 """
 
 from __future__ import annotations
@@ -60,6 +59,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from blockd.core.types import Commit, Free, Op, StepResult, TransferPlan
+from blockd.rpc.tracing import span
 from client.backends import BlockdBackend, ModelBatch, ModelExecutor, pool_block_size, stream_step
 from client.errors import BlockdClientError, FailedPreconditionError, NotFoundError, ResourceExhaustedError
 from client.faults import (
@@ -188,7 +188,7 @@ class Scheduler:
 
     def step(self) -> bool:
         """One scheduler step (see the module docstring); False if there was nothing to send."""
-        with self._lock:
+        with self._lock, span("scheduler.step"):  # the root of the step's trace when tracing is on
             if not self._spec_checked:  # plans de-duplicate admissions by hashes that must be blockd's
                 getattr(self.client, "check_hash_spec", lambda: None)()  # optional in a BlockdBackend
                 if self.config.prefix_block_size is None:  # the default: the pool's block size

@@ -48,6 +48,7 @@ import grpc.aio
 
 from blockd.core.types import DecodeAppend, Op, OpResult, StepResult
 from blockd.rpc import convert
+from blockd.rpc.tracing import traceparent
 from blockd.v1 import blockd_pb2 as pb
 from client import messages
 from client.errors import (
@@ -134,6 +135,8 @@ class StepStream:
         """As :meth:`client.sdk.BlockdClient.step`, over the stream."""
         request = pb.StepStreamRequest(step=messages.step_request(pool, ops, request_id, dry_run, incarnation,
                                                                   previous_term))
+        # a stream message has no metadata of its own: the step carries its trace context ("" when off)
+        request.step.traceparent = traceparent()
         with self._lock:
             return convert.step_result_from_proto(self._send(request, timeout_s or self.timeout_s))
 
@@ -264,6 +267,8 @@ class AsyncStepStream:
         """As :meth:`client.aio.AsyncBlockdClient.step`, over the stream."""
         request = pb.StepStreamRequest(step=messages.step_request(pool, ops, request_id, dry_run, incarnation,
                                                                   previous_term))
+        # a stream message has no metadata of its own: the step carries its trace context ("" when off)
+        request.step.traceparent = traceparent()
         async with self._lock:
             return convert.step_result_from_proto(await self._send(request, timeout_s or self.timeout_s))
 

@@ -36,7 +36,7 @@ from blockd import build_info, config_env, logs
 from blockd.auth.config import add_tls_flags, client_security, server_tls
 from blockd.auth.security import ServerSecurity, server_security
 from blockd.core.types import WorkerInfo
-from blockd.rpc import addresses
+from blockd.rpc import addresses, tracing
 from client.cli.common import EXIT_CODES, Exit
 from client.errors import BlockdClientError
 from client.sdk import BlockdClient
@@ -134,8 +134,9 @@ def _secured(args: argparse.Namespace) -> tuple[ServerSecurity, BlockdClient, tu
     try:
         tls, token = client_security(args)
         security = server_security(args.listen, server_tls(args), args.tokens_file, args.insecure)
+        tracing.set_up("blockd-worker")  # before any channel or server: they are made traced or not
         return security, BlockdClient(args.blockd, tls=tls, token=token), (tls, token)
-    except ValueError as err:  # InsecureListen, TlsError, IdentitiesFileError
+    except ValueError as err:  # InsecureListen, TlsError, IdentitiesFileError, TracingConfigError
         raise SystemExit(f"blockd-worker: {err}") from None
 
 

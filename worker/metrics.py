@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from blockd.build_info import register_standard_metrics
+from blockd.rpc import tracing
 from blockd.rpc.metrics_http import ServedMetrics, serve_metrics
 
 #: kernel label values; a kernel outside this list is a programming error
@@ -89,6 +90,8 @@ class WorkerMetrics:
         if child is None:
             raise ValueError(f"unknown kernel {kernel!r}; metrics know {', '.join(sorted(self._kernel_names))}")
         child.observe(seconds)
+        if tracing.tracer is not None:
+            trace_kernel(kernel, seconds)
 
     def add_tokens(self, n: int) -> None:
         self._tokens.inc(n)
@@ -121,3 +124,13 @@ class WorkerMetrics:
         blockd itself: loopback unless a deployment (a container) opens it.
         """
         return serve_metrics(self.registry, port, addr)
+
+
+def trace_kernel(kernel: str, seconds: float) -> None:
+    """A kernel's timed part as a span under the current one (write_kv and
+    attention per layer, sampling, copies): the measurement the histogram
+    takes, so tracing reads no clock of its own. model_forward is not: it
+    is a span of its own around its layers' (:mod:`worker.service`).
+    Call only when tracing is on (:data:`blockd.rpc.tracing.tracer`)."""
+    if kernel != "model_forward":
+        tracing.record(kernel, seconds)

@@ -34,8 +34,10 @@ import torch
 from blockd.core.errors import InvalidArgument, WrongState, shown
 from blockd.core.incarnations import new_incarnation
 from blockd.core.types import PoolConfig
+from blockd.rpc import tracing
 from worker.kernels import PagedAttention, copy_blocks, native, select_device, write_kv
 from worker.layout import KVGeometry, allocate_host_pool, allocate_kv_pool, split_slots
+from worker.metrics import trace_kernel
 from worker.tables import TableMirror
 from worker.tiers import HostTier
 from worker.written import ContextBlocks, WrittenSlots
@@ -96,7 +98,10 @@ class PreparedStep:
 
 
 class _NoMetrics:
-    def observe_kernel(self, kernel: str, seconds: float) -> None: ...
+    def observe_kernel(self, kernel: str, seconds: float) -> None:
+        if tracing.tracer is not None:  # spans need no metrics port
+            trace_kernel(kernel, seconds)
+
     def add_tokens(self, n: int) -> None: ...
     def add_copy_ops(self, n: int) -> None: ...
     def add_tier_ops(self, kind: str, n: int) -> None: ...

@@ -31,6 +31,8 @@ from blockd.rpc.convert import require_id, require_ids
 from blockd.rpc.endpoint import GrpcEndpoint
 from blockd.rpc.errors import BadField, server_stream, unary
 from blockd.rpc.tensors import from_proto, to_proto
+from blockd.rpc.trace_grpc import server_interceptors
+from blockd.rpc.tracing import carry, span
 from blockd.v1 import worker_pb2 as pb
 from client.backends import SamplingSpec
 from worker import transfer
@@ -145,7 +147,8 @@ class KVShardServicer:
         if self.runner is None:
             raise WrongState("this worker runs no model (start blockd-worker with --model)")
         specs = _sampling_specs(request)  # refused before the model runs
-        logits, tokens = self.compute.submit(self._model_step, request, specs, incarnation).result()
+        # carry: the compute thread's spans go under this call's (a no-op when tracing is off)
+        logits, tokens = self.compute.submit(carry(self._model_step), request, specs, incarnation).result()
         response = pb.ModelStepResponse(version=request.version, next_token_ids=tokens)
         if request.return_logits:
             response.logits.CopyFrom(to_proto(logits.float()))
@@ -206,9 +209,10 @@ class KVShardServicer:
     def _model_step(self, request, specs: list[SamplingSpec], incarnation: str | None):
         """The forward and the token choice of one ModelStep (on :attr:`compute`)."""
         start = time.perf_counter()
-        logits = self.runner.step(request.version, list(request.seq_ids), list(request.query_lens),
-                                  list(request.context_lens), list(request.token_ids),
-                                  list(request.slot_mapping), pool_incarnation=incarnation)
+        with span("model_forward"):  # the parent of the layers' write_kv and attention spans
+            logits = self.runner.step(request.version, list(request.seq_ids), list(request.query_lens),
+                                      list(request.context_lens), list(request.token_ids),
+                                      list(request.slot_mapping), pool_incarnation=incarnation)
         forward_done = time.perf_counter()
         tokens = next_tokens(logits, specs, list(request.context_lens))
         metrics = self.runtime.metrics
@@ -245,7 +249,8 @@ class WorkerServer:
         servicer = self._servicer = KVShardServicer(runtime, worker_id, str(runtime.device), runner, peers)
         self._endpoint = GrpcEndpoint([(servicer, SERVICE)], listen, max_workers=max_workers,
                                       max_message_bytes=MAX_MESSAGE_BYTES, thread_name_prefix="worker-rpc",
-                                      interceptors=security.interceptors if security is not None else (),
+                                      interceptors=[*server_interceptors(),
+                                                    *(security.interceptors if security is not None else ())],
                                       credentials=security.credentials if security is not None else None)
         self.health = self._endpoint.health
         self.port = self._endpoint.port

@@ -169,13 +169,16 @@ def serve(args: argparse.Namespace) -> int:
     from blockd.auth.config import server_tls
     from blockd.engine.config import EngineConfig
     from blockd.engine.machine import Engine
+    from blockd.rpc import tracing
+    from blockd.rpc.trace_grpc import server_interceptors
     from blockd.service.server import BlockdServer
     from blockd.storage.reader import DataDirError, advice
 
     try:  # before the data dir is touched: a refusal changes nothing
         tls = server_tls(args)
         security = server_security(args.listen, tls, args.tokens_file, args.insecure)
-    except ValueError as err:  # InsecureListen, TlsError, IdentitiesFileError
+        tracing.set_up("blockd")  # only when OTEL_* variables ask for it (docs/operations.md, "Tracing")
+    except ValueError as err:  # InsecureListen, TlsError, IdentitiesFileError, TracingConfigError
         log.error("cannot serve: %s", err)
         return 2
     if args.etcd:
@@ -213,7 +216,8 @@ def serve(args: argparse.Namespace) -> int:
                  stats.block_size, stats.num_seqs, stats.version)
     try:
         server = BlockdServer(engine, args.listen, max_workers=args.max_workers, grace_s=args.grace_s,
-                              interceptors=[*([metrics.interceptor()] if metrics is not None else []),
+                              interceptors=[*server_interceptors(),
+                                            *([metrics.interceptor()] if metrics is not None else []),
                                             *security.interceptors], credentials=security.credentials,
                               extra_services=[replica.servicer()] if replica is not None else [])
         advertise = _advertise_address(args.advertise_address, server.address)

@@ -27,6 +27,7 @@ from blockd.rpc import convert, retention
 from blockd.rpc.convert import optional_id, require_id, require_ids
 from blockd.rpc.errors import BadField, answer_each, server_stream, status_bytes, unary
 from blockd.rpc.hash_spec import hash_spec_to_proto
+from blockd.rpc.tracing import server_span
 from blockd.service.skim import step_parser, step_stream_parser
 from blockd.v1 import blockd_pb2 as pb
 from blockd.v1 import blockd_pb2_grpc as pb_grpc
@@ -145,9 +146,11 @@ class BlockServicer(pb_grpc.BlockServiceServicer):
     @_holding_a_slot
     @answer_each
     def StepStream(self, request: pb.StepRequest, context) -> pb.StepStreamResponse:
-        # the stream's parser hands over the StepRequest inside each StepStreamRequest
+        # the stream's parser hands over the StepRequest inside each StepStreamRequest; its
+        # traceparent is how a streamed step joins its caller's trace (gRPC has no metadata per message)
         answer = pb.StepStreamResponse()
-        answer.response.CopyFrom(self._step(request))
+        with server_span("blockd.v1.BlockService/StepStream", request.traceparent):
+            answer.response.CopyFrom(self._step(request))
         return answer
 
     @staticmethod
@@ -159,6 +162,7 @@ class BlockServicer(pb_grpc.BlockServiceServicer):
         pool = require_id(request.pool, "pool")
         request_id = optional_id(request.request_id, "request_id")
         incarnation = optional_id(request.pool_incarnation, "pool_incarnation")
+        optional_id(request.traceparent, "traceparent")  # read by tracing only (a W3C value is 55 characters)
         # before a single op is converted: an oversized batch costs nothing but its bytes
         self._engine.config.guardrails.check_num_ops(len(request.ops))
         result = self._engine.step(pool, convert.ops_from_proto(request.ops), request_id, dry_run=request.dry_run,

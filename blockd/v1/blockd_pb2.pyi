@@ -1332,6 +1332,7 @@ class StepRequest(_message.Message):
     DRY_RUN_FIELD_NUMBER: _builtins.int
     POOL_INCARNATION_FIELD_NUMBER: _builtins.int
     PREVIOUS_TERM_FIELD_NUMBER: _builtins.int
+    TRACEPARENT_FIELD_NUMBER: _builtins.int
     pool: _builtins.str
     request_id: _builtins.str
     """Names this step for retries (see the idempotency window above); the
@@ -1359,6 +1360,14 @@ class StepRequest(_message.Message):
     new term). A term newer than the leader's is INVALID_ARGUMENT (a
     leader that can prove its lease knows the newest term).
     """
+    traceparent: _builtins.str
+    """The caller's trace context (a W3C traceparent header value) when it
+    traces its steps; empty otherwise. Unary calls carry it in the call's
+    metadata too, but a StepStream's steps are messages of one call, and
+    gRPC has no metadata per message: this is how each streamed step joins
+    its caller's trace (docs/operations.md, "Tracing"). Not part of the
+    step: a retried request id may name another one.
+    """
     @_builtins.property
     def ops(self) -> _containers.RepeatedCompositeFieldContainer[Global___Op]: ...
     def __init__(
@@ -1370,10 +1379,11 @@ class StepRequest(_message.Message):
         dry_run: _builtins.bool = ...,
         pool_incarnation: _builtins.str = ...,
         previous_term: _builtins.int = ...,
+        traceparent: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dry_run", b"dry_run", "ops", b"ops", "pool", b"pool", "pool_incarnation", b"pool_incarnation", "previous_term", b"previous_term", "request_id", b"request_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dry_run", b"dry_run", "ops", b"ops", "pool", b"pool", "pool_incarnation", b"pool_incarnation", "previous_term", b"previous_term", "request_id", b"request_id", "traceparent", b"traceparent"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -5,7 +5,16 @@
 Each frame shows, per pool: a utilisation bar (used blocks / capacity),
 blocks by state, tail waste (slots and the share of used slots it wastes),
 the prefix-cache hit rate (since the previous frame when there is one, else
-over the pool's lifetime), sequences, tokens, version and workers up/down.
+over the pool's lifetime), sequences, tokens, version and workers up/down;
+then a second table of the tiers (cached blocks on the device and in the host
+tier, offloads and restores) and the prompt tokens that missed the prefix
+cache by reason (:data:`blockd.core.types.MISS_REASONS`), since the pool was made.
+
+One screen: on a terminal a frame fits its size. A pool name longer than
+:data:`NAME_WIDTH` is shortened in the middle (the columns stay where they
+are), lines are cut at the terminal's width rather than wrapped, and pools
+beyond its height are counted on a last line instead of scrolling the title
+away. Piped output (and ``--json``) is never cut.
 
 Everything comes from two SDK reads per frame (``list_pools``,
 ``list_workers``): the same O(1) per-pool stats the metrics endpoint serves,
@@ -23,6 +32,7 @@ import contextlib
 import json
 import os
 import select
+import shutil
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -37,6 +47,11 @@ BAR_WIDTH = 20
 CLEAR = "\x1b[H\x1b[2J"
 HEADERS = ("POOL", "UTILISATION", "USED", "FREE", "EVICT", "TAIL WASTE", "PREFIX HIT", "SEQS", "TOKENS",
            "VERSION", "WORKERS")
+#: the second table: cached blocks per tier, then missed prompt tokens by reason (MISS_REASONS' order)
+TIER_HEADERS = ("POOL", "DEV CACHED", "HOST CACHED", "OFFLOADS", "RESTORES", "MISS: NEVER STORED",
+                "EVICTED DEV", "EVICTED HOST", "PARTIAL", "OTHER KEYS")
+#: the widest pool name shown whole; longer ones keep their head and tail around an ellipsis
+NAME_WIDTH = 24
 
 
 def utilisation_bar(ratio: float, width: int = BAR_WIDTH) -> str:
@@ -64,18 +79,32 @@ def prefix_hit_cell(stats: PoolStats, previous: PoolStats | None) -> str:
     return f"{stats.prefix_hit_ratio * 100:.1f}%"
 
 
+def short_name(name: str, width: int = NAME_WIDTH) -> str:
+    """``name``, or its head and tail around ``…`` in ``width`` characters."""
+    if len(name) <= width:
+        return name
+    head = (width - 1) // 2
+    return f"{name[:head]}…{name[len(name) - (width - 1 - head):]}"
+
+
 def _row(stats: PoolStats, previous: PoolStats | None, workers: tuple[int, int]) -> list[str]:
     up, down = workers
-    return [stats.name, utilisation_bar(stats.utilisation_ratio), str(stats.num_used_blocks),
+    return [short_name(stats.name), utilisation_bar(stats.utilisation_ratio), str(stats.num_used_blocks),
             str(stats.num_free_blocks), str(stats.num_evictable_blocks), tail_waste_cell(stats),
             prefix_hit_cell(stats, previous), str(stats.num_seqs), str(stats.num_tokens), str(stats.version),
             f"{up} up / {down} down"]
 
 
-def _table(rows: Sequence[Sequence[str]]) -> list[str]:
-    widths = [max(len(HEADERS[i]), *(len(r[i]) for r in rows)) for i in range(len(HEADERS))]
+def _tier_row(stats: PoolStats) -> list[str]:
+    host = f"{stats.num_host_cached_blocks} / {stats.num_host_blocks}" if stats.num_host_blocks else "-"
+    return [short_name(stats.name), str(stats.num_evictable_blocks), host, str(stats.num_offloads),
+            str(stats.num_restores), *(str(n) for n in stats.prefix_miss_tokens)]
+
+
+def _table(rows: Sequence[Sequence[str]], headers: Sequence[str] = HEADERS) -> list[str]:
+    widths = [max(len(headers[i]), *(len(r[i]) for r in rows)) for i in range(len(headers))]
     return ["  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip()
-            for line in (HEADERS, *rows)]
+            for line in (headers, *rows)]
 
 
 def count_workers(workers: Sequence) -> dict[str, tuple[int, int]]:
@@ -87,20 +116,32 @@ def count_workers(workers: Sequence) -> dict[str, tuple[int, int]]:
 
 
 def render_frame(pools: Sequence[PoolStats], workers: Sequence, previous: dict[str, PoolStats] | None = None,
-                 title: str = "") -> str:
-    """One frame as text: a title line, then one row per pool (sorted by name)."""
+                 title: str = "", size: tuple[int, int] | None = None) -> str:
+    """One frame as text: a title line, then one row per pool (sorted by name)
+    in each table. ``size``: the terminal's ``(columns, lines)``, which the
+    frame then fits (module docstring); None: nothing is cut."""
     pools = sorted(pools, key=lambda s: s.name)
     previous = previous or {}
     counts = count_workers(workers)
     lines = [title or f"blockd top  {time.strftime('%H:%M:%S')}  {len(pools)} pools", ""]
+    orphans = sorted(set(counts) - {s.name for s in pools})
+    tail = ["", "workers of unknown pools: " + ", ".join(orphans)] if orphans else []
+    shown = pools
+    if size is not None:
+        # title, blank, two headers, the blank between the tables, the "more" line; the cursor's last line
+        room = max(1, (size[1] - 1 - 6 - len(tail)) // 2)
+        shown = pools[:room] if len(pools) > room else pools
     if not pools:
         lines.append("no pools (create one with `blockctl pools create`)")
     else:
-        lines.extend(_table([_row(s, previous.get(s.name), counts.get(s.name, (0, 0))) for s in pools]))
-    orphans = sorted(set(counts) - {s.name for s in pools})
-    if orphans:
+        lines.extend(_table([_row(s, previous.get(s.name), counts.get(s.name, (0, 0))) for s in shown]))
         lines.append("")
-        lines.append("workers of unknown pools: " + ", ".join(orphans))
+        lines.extend(_table([_tier_row(s) for s in shown], TIER_HEADERS))
+        if len(shown) < len(pools):
+            lines.append(f"... {len(pools) - len(shown)} more pools (a taller terminal shows them; --json has all)")
+    lines.extend(tail)
+    if size is not None:
+        lines = [line[: size[0]].rstrip() for line in lines]
     return "\n".join(lines) + "\n"
 
 
@@ -158,7 +199,8 @@ def run_top(client, interval: float, once: bool, out: TextIO, *, sleep: Callable
     writes each frame as one JSON line instead of a screen."""
     if not once and not interval > 0:
         raise ValueError(f"interval must be a positive number of seconds, got {interval!r}")
-    clear = CLEAR if getattr(out, "isatty", lambda: False)() and not as_json else ""
+    terminal = getattr(out, "isatty", lambda: False)() and not as_json
+    clear = CLEAR if terminal else ""
     title_target = getattr(client, "target", "")
     previous: dict[str, PoolStats] = {}
     frames = 0
@@ -167,8 +209,10 @@ def run_top(client, interval: float, once: bool, out: TextIO, *, sleep: Callable
         workers = client.list_workers()
         where = f"  {title_target}" if title_target else ""
         title = f"blockd top{where}  {time.strftime('%H:%M:%S')}  {len(pools)} pools"
+        # the terminal's size read every frame: a resized window gets a frame that fits it
+        size = (shutil.get_terminal_size().columns, shutil.get_terminal_size().lines) if terminal else None
         out.write(json_frame(pools, workers) + "\n" if as_json else clear + render_frame(pools, workers, previous,
-                                                                                          title))
+                                                                                          title, size))
         out.flush()
         frames += 1
         if once or (max_frames is not None and frames >= max_frames):

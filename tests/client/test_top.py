@@ -98,3 +98,84 @@ def test_add_top_registers_the_subcommand():
     add_top(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["top", "--once", "--interval", "3"])
     assert args.once and args.interval == 3.0 and callable(args.run)
+
+
+def test_tiers_and_misses_by_reason():
+    engine = Engine()
+    engine.create_pool(PoolConfig("tiered", num_blocks=4, block_size=4, num_host_blocks=4))
+    engine.register_worker(WorkerInfo("w0", "tiered", layer_end=1, kv_head_end=1, incarnation="i0"))
+    # three cached blocks, pushed to the host tier by another prompt, then hit there
+    for ops in ([Allocate("a", list(range(12))), Commit("a", 12)], [Free("a")],
+                [Allocate("b", list(range(100, 113)))], [Free("b")], [Allocate("c", list(range(12)))]):
+        engine.step("tiered", ops)
+    stats = engine.get_pool("tiered")
+    assert stats.num_offloads and stats.num_restores, "the steps above moved blocks between the tiers"
+    out = io.StringIO()
+    run_top(engine, 1.0, True, out)
+    lines = out.getvalue().splitlines()
+    header = next(line for line in lines if line.startswith("POOL") and "HOST CACHED" in line)
+    row = lines[lines.index(header) + 1].split()
+    assert header.split()[1:5] == ["DEV", "CACHED", "HOST", "CACHED"]
+    misses = stats.prefix_miss_by_reason
+    assert row == ["tiered", str(stats.num_evictable_blocks), str(stats.num_host_cached_blocks), "/", "4",
+                   str(stats.num_offloads), str(stats.num_restores),
+                   *(str(misses[r]) for r in ("never_stored", "evicted_device", "evicted_host", "partial",
+                                               "other_extra_keys"))]
+    assert misses["never_stored"] and misses["partial"]
+
+
+class Terminal(io.StringIO):
+    """Output that says it is a terminal (of the size get_terminal_size is patched to)."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+def test_one_screen_with_a_long_pool_name_over_real_grpc(client, monkeypatch):
+    import os
+
+    from client.cli import top
+
+    long_name = "tenant-a-" + "x" * 100 + "-pool-7"
+    for name in ("short", long_name):
+        client.create_pool(PoolConfig(name, num_blocks=16, block_size=4))
+        client.allocate(name, "s", [1, 2, 3, 4, 5])
+    frames = {}
+    for columns, lines in ((80, 24), (200, 50)):
+        monkeypatch.setattr(top.shutil, "get_terminal_size", lambda c=columns, n=lines: os.terminal_size((c, n)))
+        out = Terminal()
+        run_top(client, 1.0, True, out)
+        text = out.getvalue().removeprefix(top.CLEAR)
+        frames[columns] = text.splitlines()
+        assert len(frames[columns]) < lines and all(len(line) <= columns for line in frames[columns])
+    wide = frames[200]
+    shown = top.short_name(long_name)
+    assert len(shown) == top.NAME_WIDTH and shown.startswith("tenant-a-") and shown.endswith("-pool-7")
+    # the long name moves no column: both pools' cells line up under the headers, in both tables
+    for header in (wide[2], wide[6]):
+        rows = wide[wide.index(header) + 1 : wide.index(header) + 3]
+        assert [r.split()[0] for r in rows] == ["short", shown]
+        second = header.index(header.split()[1])
+        assert second == top.NAME_WIDTH + 2  # the name column is as wide as a shortened name, no wider
+        assert all(r[second - 2 : second] == "  " and r[second] != " " for r in rows)
+    # a short terminal: the pools it cannot hold are counted, the title stays
+    monkeypatch.setattr(top.shutil, "get_terminal_size", lambda: os.terminal_size((80, 9)))
+    out = Terminal()
+    run_top(client, 1.0, True, out)
+    short = out.getvalue().removeprefix(top.CLEAR).splitlines()
+    assert short[0].startswith("blockd top") and short[-1].startswith("... 1 more pools") and len(short) < 9
+
+
+def test_q_quits_on_a_terminal():
+    import os
+
+    from client.cli.top import key_reader
+
+    leader, follower = os.openpty()
+    with os.fdopen(follower, "r") as stream, key_reader(stream) as wait:
+        assert wait(0.05) is False  # nothing typed: it just waits
+        os.write(leader, b"x")
+        assert wait(0.05) is False  # another key is not q
+        os.write(leader, b"q")
+        assert wait(5.0) is True
+    os.close(leader)
