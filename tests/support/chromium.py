@@ -1,0 +1,60 @@
+"""Headless Chromium for tests that check a page as a person sees it.
+
+Debian's ``chromium`` (``apt-get install chromium``; ``.ci/run`` installs
+it). Tests that need it skip, saying why, unless ``BLOCKD_REQUIRE_CHROMIUM=1``
+(CI sets it, so there they fail instead of skipping). Each call starts a
+fresh browser with an empty profile in a temporary directory; the flags keep
+it off the network (no background fetches, updates or sync: with nothing to
+reach here it would otherwise wait on refused connections) and let it run as
+root without a sandbox (a CI container).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+
+import pytest
+
+TIMEOUT_S = 60
+FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync",
+         "--hide-scrollbars")
+
+
+def binary() -> str | None:
+    return next((path for name in ("chromium", "chromium-browser") if (path := shutil.which(name))), None)
+
+
+def require_chromium() -> str:
+    """The browser's path; skip (or fail, with ``BLOCKD_REQUIRE_CHROMIUM=1``) without one."""
+    path = binary()
+    if path is not None:
+        return path
+    reason = "no chromium on PATH (Debian: apt-get install chromium)"
+    if os.environ.get("BLOCKD_REQUIRE_CHROMIUM") == "1":
+        pytest.fail(f"BLOCKD_REQUIRE_CHROMIUM=1 but {reason}")
+    pytest.skip(reason)
+
+
+def _run(browser: str, url: str, width: int, height: int, *extra: str) -> str:
+    with tempfile.TemporaryDirectory(prefix="chromium-profile-") as profile:
+        done = subprocess.run([browser, *FLAGS, f"--user-data-dir={profile}", f"--window-size={width},{height}",
+                               *extra, url], capture_output=True, text=True, timeout=TIMEOUT_S, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"chromium exited with {done.returncode}: {done.stderr[-2000:]}")
+    return done.stdout
+
+
+def screenshot(browser: str, url: str, path: str, width: int, height: int) -> None:
+    """A PNG of the page's first ``width`` x ``height`` pixels."""
+    _run(browser, url, width, height, f"--screenshot={path}")
+    if not os.path.exists(path):
+        raise RuntimeError(f"chromium wrote no screenshot to {path}")
+
+
+def dump_dom(browser: str, url: str, width: int, height: int) -> str:
+    """The page's DOM once it has loaded (its scripts run)."""
+    return _run(browser, url, width, height, "--dump-dom")
