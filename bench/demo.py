@@ -188,6 +188,7 @@ def serve(cfg: DemoConfig, cluster: LocalCluster, requests, out, eos_token_ids=(
         progress = _Progress(len(requests), out)
         # the pool read after every step, for the progress line, the meter and the report
         recorder = RunRecorder("demo", lambda: client.get_pool(pool))
+        recorder.sample()  # the pool before the first request
         start = time.perf_counter()
         tick = 0  # arrivals are counted in scheduler steps
         while pending or not sched.is_idle:

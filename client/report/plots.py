@@ -49,7 +49,9 @@ def _png(fig) -> bytes:
     return buf.getvalue()
 
 
-def _time_axis(ax) -> None:
+def _time_axis(ax, run: RunRecord) -> None:
+    """The run's whole span on every time axis, so a run's panels line up."""
+    ax.set_xlim(run.times_s[0], max(run.times_s[-1], run.times_s[0] + 1e-3))
     ax.set_xlabel("seconds since the run began")
     ax.grid(True, color="0.85")
 
@@ -65,7 +67,7 @@ def blocks_by_state(run: RunRecord) -> Plot:
     ax.set_ylabel("device blocks")
     ax.set_ylim(0, run.pool.num_blocks)
     ax.legend(loc="upper right", fontsize="small")
-    _time_axis(ax)
+    _time_axis(ax, run)
     caption = (f"The device tier's {run.pool.num_blocks} blocks of {run.pool.block_size} slots by state "
                "(they add up to the pool).")
     if has_host:
@@ -76,7 +78,7 @@ def blocks_by_state(run: RunRecord) -> Plot:
         ax.set_ylabel("host-tier blocks")
         ax.set_ylim(0, run.pool.num_host_blocks)
         ax.legend(loc="upper right", fontsize="small")
-        _time_axis(ax)
+        _time_axis(ax, run)
         caption += f" Below, the host tier's {run.pool.num_host_blocks} blocks."
     return Plot(f"{run.name}_blocks", f"{run.name}: blocks by state", caption, _png(fig))
 
@@ -90,7 +92,7 @@ def pool_utilisation(run: RunRecord) -> Plot:
     ax.set_ylim(0, 1.05)
     ax.set_ylabel("ratio")
     ax.legend(loc="upper right", fontsize="small")
-    _time_axis(ax)
+    _time_axis(ax, run)
     return Plot(f"{run.name}_utilisation", f"{run.name}: pool utilisation",
                 "The gap between the two lines is tail waste: slots of used blocks that hold no token.", _png(fig))
 
@@ -107,7 +109,7 @@ def tail_waste(run: RunRecord) -> Plot:
     ax.set_ylim(0, b)
     ax.set_ylabel("tail waste, slots per sequence")
     ax.legend(loc="upper right", fontsize="small")
-    _time_axis(ax)
+    _time_axis(ax, run)
     return Plot(f"{run.name}_tail_waste", f"{run.name}: tail waste against the bound",
                 f"Unused slots in partly filled last blocks, per running sequence (block size {b}); "
                 "the grey band is the seed's bound ceil(T/b)*b - T in [0, b-1].", _png(fig))
@@ -119,10 +121,15 @@ def prefix_cache(run: RunRecord) -> Plot:
     ax = axes[0][0]
     rates = [float("nan") if r is None else r for r in iv.hit_rate()]
     ax.plot(iv.ends_s, rates, color="tab:blue", marker=".", label=f"hit rate in each 1/{NUM_BINS} of the run")
+    first = run.stats[0]
+    cumulative = [(s.prefix_hit_tokens - first.prefix_hit_tokens) / queried
+                  if (queried := s.prefix_queried_tokens - first.prefix_queried_tokens) else float("nan")
+                  for s in run.stats]
+    ax.step(run.times_s, cumulative, where="post", color="tab:green", label="since the run began")
     ax.set_ylim(0, 1.05)
     ax.set_ylabel("hit tokens / queried")
     ax.legend(loc="upper right", fontsize="small")
-    _time_axis(ax)
+    _time_axis(ax, run)
     ax = axes[1][0]
     span = (run.times_s[-1] - run.times_s[0]) / NUM_BINS
     starts = [end - span for end in iv.ends_s]
@@ -135,7 +142,7 @@ def prefix_cache(run: RunRecord) -> Plot:
             bottom = [b + c for b, c in zip(bottom, counts)]
     ax.set_ylabel("missed prompt tokens")
     ax.legend(loc="upper right", fontsize="small", title="miss reason")
-    _time_axis(ax)
+    _time_axis(ax, run)
     return Plot(f"{run.name}_prefix", f"{run.name}: prefix cache",
                 "Above, the share of allocated prompt tokens served from cache between samples; below, the "
                 "tokens that missed, by reason (never stored, evicted from a tier, the partial last block, "
