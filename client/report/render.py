@@ -17,6 +17,7 @@ from __future__ import annotations
 import base64
 import html
 import os
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -48,6 +49,9 @@ def write_report(directory: str, title: str, runs: Sequence[RunRecord], *, notes
     """Draw ``runs`` into ``directory``/report.html and its PNGs (see the module docstring)."""
     if not runs or any(len(run.stats) < 2 for run in runs):
         raise ValueError("a report needs at least one run with two samples of its pool")
+    names = [run.name for run in runs]
+    if len(set(names)) != len(names) or not all(re.fullmatch(r"[\w-]+", name) for name in names):
+        raise ValueError(f"run names name the PNG files: distinct, letters, digits, _ and - only, not {names}")
     lengths = [p + o for run in runs for p, o in run.lengths]
     if not lengths:
         raise ValueError("a report needs at least one finished request")

@@ -175,3 +175,11 @@ def test_without_chromium_the_test_skips_saying_why(monkeypatch) -> None:
     monkeypatch.setenv("BLOCKD_REQUIRE_CHROMIUM", "1")
     with pytest.raises(pytest.fail.Exception, match="BLOCKD_REQUIRE_CHROMIUM=1 but no chromium"):
         chromium.require_chromium()
+
+
+def test_bad_runs_are_refused_with_a_message(report, tmp_path) -> None:
+    _, runs = report
+    with pytest.raises(ValueError, match="distinct"):
+        write_report(str(tmp_path), "twice", [runs[0], runs[0]])
+    with pytest.raises(ValueError, match="two samples"):
+        write_report(str(tmp_path), "empty", [])
