@@ -25,6 +25,7 @@ def write(directory: str, title: str, runs: Sequence[RunRecord], out, notes: Seq
 
     report = write_report(directory, title, runs, notes=notes)
     path = os.path.abspath(report.html_path)
-    print(f"run report: {path} (open it in a browser; its {len(report.png_paths)} plots are PNGs beside it); "
-          f"block-size advisor: {report.advice.recommended.block_size}", file=out, flush=True)
+    advice = f"; block-size advisor: {report.advice.recommended.block_size}" if report.advice else ""
+    print(f"run report: {path} (open it in a browser; its {len(report.png_paths)} plots are PNGs beside it)"
+          f"{advice}", file=out, flush=True)
     return path

@@ -194,6 +194,8 @@ def advisor(advice: Advice) -> Plot:
 def comparison(runs: list[RunRecord]) -> Plot:
     """Runs side by side (paging against max-length reservation): sequences held, utilisation, TTFT."""
     fig, axes = _figure(1, 3)
+    if not all(run.ttft_s for run in runs):
+        raise ValueError("runs side by side need their requests' TTFT")
     for run, colour in zip(runs, SCHEME_COLOURS):
         slots, _ = utilisation(run)
         axes[0][0].step(run.times_s, [s.num_seqs for s in run.stats], where="post", color=colour, label=run.name)
@@ -215,4 +217,7 @@ def comparison(runs: list[RunRecord]) -> Plot:
 
 
 def run_plots(run: RunRecord) -> list[Plot]:
-    return [blocks_by_state(run), pool_utilisation(run), tail_waste(run), prefix_cache(run), latency(run)]
+    """A run's figures; TTFT and TPOT only when the run saw requests finish (a
+    report from the daemon's statistics alone has none, and no empty axis is drawn)."""
+    figures = [blocks_by_state(run), pool_utilisation(run), tail_waste(run), prefix_cache(run)]
+    return [*figures, latency(run)] if run.ttft_s else figures

@@ -6,7 +6,9 @@ tail waste against its bound, the prefix cache with misses by reason,
 TTFT and TPOT), one comparing the runs when there are several, and the
 block-size advisor (:mod:`client.report.advisor`) over all runs' observed
 lengths; it writes ``report.html`` and ``<plot>.png`` for each figure into
-``directory``. The page fetches nothing: every PNG is in it as a ``data:``
+``directory``. A run with no finished requests (``blockctl report``: the
+daemon's statistics alone) has no TTFT/TPOT figure, and without any
+sequence lengths the advisor is left out, saying why. The page fetches nothing: every PNG is in it as a ``data:``
 URI, the style sheet is inline and there is no script, so it opens from a
 mail attachment or a CI artefact as it is. Every plot is an
 ``<img class="plot" id="plot-KEY">``, which the screenshot test finds.
@@ -38,11 +40,16 @@ figure { margin: 16px 0; } figcaption { font-size: 13px; color: #444; max-width:
 """
 
 
+NO_ADVICE = ("<p class='note'>No advice: it needs the lengths of finished sequences, which a scheduler's run "
+             "records (make demo, bench/serve.py); the daemon's statistics hold only their sum.</p>")
+
+
 @dataclass(frozen=True)
 class Report:
     html_path: str
     png_paths: tuple[str, ...]
-    advice: Advice
+    #: None without sequence lengths
+    advice: Advice | None
 
 
 def write_report(directory: str, title: str, runs: Sequence[RunRecord], *, notes: Sequence[str] = ()) -> Report:
@@ -53,15 +60,18 @@ def write_report(directory: str, title: str, runs: Sequence[RunRecord], *, notes
     if len(set(names)) != len(names) or not all(re.fullmatch(r"[\w-]+", name) for name in names):
         raise ValueError(f"run names name the PNG files: distinct, letters, digits, _ and - only, not {names}")
     lengths = [p + o for run in runs for p, o in run.lengths]
-    if not lengths:
-        raise ValueError("a report needs at least one finished request")
     first = runs[0]
-    advice = advise(lengths, first.pool.bytes_per_slot, table_bytes_per_block(first.num_workers))
+    advice = advise(lengths, first.pool.bytes_per_slot, table_bytes_per_block(first.num_workers)) if lengths \
+        else None
     sections: list[tuple[str, list[plots.Plot], str]] = []
-    if len(runs) > 1:
+    if len(runs) > 1 and all(run.ttft_s for run in runs):
         sections.append(("Side by side", [plots.comparison(list(runs))], ""))
     sections += [(f"Run: {run.name}", plots.run_plots(run), _run_notes(run)) for run in runs]
-    sections.append(("Block-size advisor", [plots.advisor(advice)], _advice_table(advice, first.pool.block_size)))
+    if advice is not None:
+        sections.append(("Block-size advisor", [plots.advisor(advice)],
+                         _advice_table(advice, first.pool.block_size)))
+    else:
+        sections.append(("Block-size advisor", [], NO_ADVICE))
     os.makedirs(directory, exist_ok=True)
     pngs = []
     for _, figures, _ in sections:
@@ -105,8 +115,8 @@ def _summary(runs: Sequence[RunRecord]) -> str:
         t = totals(run)
         ttft, tpot = [v * 1e3 for v in run.ttft_s], [v * 1e3 for v in run.tpot_s]
         cells = (run.name, t["requests"], t["sequences"], f"{t['seconds']:.2f}", f"{t['output_tokens_per_s']:.0f}",
-                 f"{percentile(ttft, 50):.1f}", f"{percentile(ttft, 99):.1f}", f"{percentile(tpot, 50):.1f}",
-                 f"{percentile(tpot, 99):.1f}", f"{t['mean_utilisation']:.3f}",
+                 *(f"{percentile(ms, q):.1f}" if ms else "-" for ms in (ttft, tpot) for q in (50, 99)),
+                 f"{t['mean_utilisation']:.3f}",
                  f"{t['mean_tail_waste_per_seq']:.2f}", f"{t['prefix_hit_rate']:.3f}", t["evictions"])
         rows.append("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in cells) + "</tr>")
     return ("<table><tr>" + "".join(f"<th>{h}</th>" for h in head) + "</tr>" + "".join(rows) + "</table>"

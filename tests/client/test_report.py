@@ -41,14 +41,12 @@ from client.report.series import RunRecord, RunRecorder, prefix_intervals, total
 from client.scheduler import Scheduler, SchedulerConfig  # noqa: E402
 from client.serving import ReservationAdmission  # noqa: E402
 from tests.support import chromium  # noqa: E402
+from tests.support.chromium import MIN_DATA_COLUMNS, data_columns  # noqa: E402
 
 WIDTH = 1200
 TRACE = TraceSpec("report_test", LengthDist(40, 0.7), LengthDist(40, 0.7), max_len=200)
 POOL = PoolConfig("report", 80, 16, num_layers=4, num_kv_heads=2, head_dim=32, dtype="float16",
                   watermark_blocks=2, num_host_blocks=48)
-#: a colour's channels differ; a grey's (axes, text, grid, reference lines) do not
-SATURATION = 60
-MIN_DATA_COLUMNS = 100
 PROBE = """<script>
 window.addEventListener("load", () => {
   const plots = [...document.querySelectorAll("img.plot")].map(img => {
@@ -93,12 +91,6 @@ def report(tmp_path_factory):
                                                                POOL.watermark_blocks))]
     directory = tmp_path_factory.mktemp("report")
     return write_report(str(directory), "report test", runs, notes=["recorded in tests/client/test_report.py"]), runs
-
-
-def data_columns(png: bytes) -> int:
-    """How many pixel columns hold a coloured (data) pixel."""
-    rgb = np.asarray(Image.open(io.BytesIO(png)).convert("RGB")).astype(int)
-    return int(((rgb.max(axis=2) - rgb.min(axis=2)) > SATURATION).any(axis=0).sum())
 
 
 EXPECTED = ["comparison", *(f"{run}_{plot}" for run in ("paging", "max_reservation")

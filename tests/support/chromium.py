@@ -6,7 +6,8 @@ it). Tests that need it skip, saying why, unless ``BLOCKD_REQUIRE_CHROMIUM=1``
 fresh browser with an empty profile in a temporary directory; the flags keep
 it off the network (no background fetches, updates or sync: with nothing to
 reach here it would otherwise wait on refused connections) and let it run as
-root without a sandbox (a CI container).
+root without a sandbox (a CI container). :func:`data_columns` reads a plot's
+pixels for data.
 """
 
 from __future__ import annotations
@@ -19,6 +20,10 @@ import tempfile
 import pytest
 
 TIMEOUT_S = 60
+#: a colour's channels differ; a grey's (axes, text, grid, reference lines) do not
+SATURATION = 60
+#: a plot with data colours at least this many pixel columns; a legend's swatches alone colour a few dozen
+MIN_DATA_COLUMNS = 100
 FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
          "--disable-background-networking", "--disable-component-update", "--disable-sync",
          "--hide-scrollbars")
@@ -58,3 +63,15 @@ def screenshot(browser: str, url: str, path: str, width: int, height: int) -> No
 def dump_dom(browser: str, url: str, width: int, height: int) -> str:
     """The page's DOM once it has loaded (its scripts run)."""
     return _run(browser, url, width, height, "--dump-dom")
+
+
+def data_columns(png: bytes) -> int:
+    """How many pixel columns of a PNG hold a coloured pixel: the run report draws
+    data in colour and everything else in greys (:mod:`client.report.plots`)."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    rgb = np.asarray(Image.open(io.BytesIO(png)).convert("RGB")).astype(int)
+    return int(((rgb.max(axis=2) - rgb.min(axis=2)) > SATURATION).any(axis=0).sum())
