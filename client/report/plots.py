@@ -57,7 +57,9 @@ def _time_axis(ax, run: RunRecord) -> None:
 
 
 def blocks_by_state(run: RunRecord) -> Plot:
-    has_host = run.pool.num_host_blocks > 0
+    # from the samples, not the pool's config: a history read from the metrics has no host-tier counts
+    num_host_blocks = max(s.num_host_blocks for s in run.stats)
+    has_host = num_host_blocks > 0
     fig, axes = _figure(2 if has_host else 1)
     t = run.times_s
     ax = axes[0][0]
@@ -76,10 +78,10 @@ def blocks_by_state(run: RunRecord) -> Plot:
         ax.stackplot(t, cached, [s.num_host_blocks - c for s, c in zip(run.stats, cached)],
                      labels=("cached (offloaded)", "free"), colors=(COLOURS["host"], COLOURS["free"]), step="post")
         ax.set_ylabel("host-tier blocks")
-        ax.set_ylim(0, run.pool.num_host_blocks)
+        ax.set_ylim(0, num_host_blocks)
         ax.legend(loc="upper right", fontsize="small")
         _time_axis(ax, run)
-        caption += f" Below, the host tier's {run.pool.num_host_blocks} blocks."
+        caption += f" Below, the host tier's {num_host_blocks} blocks."
     return Plot(f"{run.name}_blocks", f"{run.name}: blocks by state", caption, _png(fig))
 
 

@@ -114,7 +114,9 @@ def _summary(runs: Sequence[RunRecord]) -> str:
     for run in runs:
         t = totals(run)
         ttft, tpot = [v * 1e3 for v in run.ttft_s], [v * 1e3 for v in run.tpot_s]
-        cells = (run.name, t["requests"], t["sequences"], f"{t['seconds']:.2f}", f"{t['output_tokens_per_s']:.0f}",
+        served = bool(run.ttft_s)  # a report from the daemon's statistics alone saw no requests
+        cells = (run.name, t["requests"] if served else "-", t["sequences"] if served else "-", f"{t['seconds']:.2f}",
+                 f"{t['output_tokens_per_s']:.0f}" if served else "-",
                  *(f"{percentile(ms, q):.1f}" if ms else "-" for ms in (ttft, tpot) for q in (50, 99)),
                  f"{t['mean_utilisation']:.3f}",
                  f"{t['mean_tail_waste_per_seq']:.2f}", f"{t['prefix_hit_rate']:.3f}", t["evictions"])

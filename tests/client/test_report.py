@@ -41,7 +41,7 @@ from client.report.series import RunRecord, RunRecorder, prefix_intervals, total
 from client.scheduler import Scheduler, SchedulerConfig  # noqa: E402
 from client.serving import ReservationAdmission  # noqa: E402
 from tests.support import chromium  # noqa: E402
-from tests.support.chromium import MIN_DATA_COLUMNS, data_columns  # noqa: E402
+from tests.support.chromium import has_data, plot_grid  # noqa: E402
 
 WIDTH = 1200
 TRACE = TraceSpec("report_test", LengthDist(40, 0.7), LengthDist(40, 0.7), max_len=200)
@@ -117,6 +117,7 @@ def test_the_page_is_self_contained_and_its_pngs_are_beside_it(report) -> None:
     for key, src in zip(ids, sources):
         beside = os.path.join(os.path.dirname(result.html_path), f"{key}.png")
         assert Path(beside).read_bytes() == base64.b64decode(src.split(",", 1)[1])
+        assert has_data(Path(beside).read_bytes(), *plot_grid(key, True)), f"{key} has a subplot without data"
     assert f"Recommended: block size {result.advice.recommended.block_size}" in page
 
 
@@ -131,7 +132,7 @@ def test_an_empty_axis_does_not_count_as_data() -> None:
     ax.legend()
     buf = io.BytesIO()
     fig.savefig(buf, format="png")
-    assert data_columns(buf.getvalue()) < MIN_DATA_COLUMNS
+    assert not has_data(buf.getvalue())
 
 
 def test_chromium_shows_every_plot_with_data(report, tmp_path) -> None:
@@ -154,7 +155,8 @@ def test_chromium_shows_every_plot_with_data(report, tmp_path) -> None:
         assert plot["width"] >= 600 and plot["height"] >= 200, f"{plot['id']} is drawn too small: {plot}"
         buf = io.BytesIO()
         image.crop(box).save(buf, format="PNG")
-        assert data_columns(buf.getvalue()) >= MIN_DATA_COLUMNS, f"{plot['id']} shows no data in the screenshot"
+        key = plot["id"].removeprefix("plot-")
+        assert has_data(buf.getvalue(), *plot_grid(key, True)), f"{key} shows no data (in a subplot) in the screenshot"
     if os.environ.get("BLOCKD_REPORT_SCREENSHOT"):  # to look at it: a path to copy it to
         image.save(os.environ["BLOCKD_REPORT_SCREENSHOT"])
 

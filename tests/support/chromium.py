@@ -24,6 +24,8 @@ TIMEOUT_S = 60
 SATURATION = 60
 #: a plot with data colours at least this many pixel columns; a legend's swatches alone colour a few dozen
 MIN_DATA_COLUMNS = 100
+#: the same for one subplot of several (a third of the width at least); a legend alone colours ~40
+MIN_CELL_COLUMNS = 60
 FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
          "--disable-background-networking", "--disable-component-update", "--disable-sync",
          "--hide-scrollbars")
@@ -65,13 +67,35 @@ def dump_dom(browser: str, url: str, width: int, height: int) -> str:
     return _run(browser, url, width, height, "--dump-dom")
 
 
-def data_columns(png: bytes) -> int:
-    """How many pixel columns of a PNG hold a coloured pixel: the run report draws
-    data in colour and everything else in greys (:mod:`client.report.plots`)."""
+def data_columns(png: bytes, rows: int = 1, cols: int = 1) -> list[int]:
+    """How many pixel columns hold a coloured pixel in each cell of a ``rows`` x
+    ``cols`` grid over a PNG (a figure's subplots), row by row: the run report
+    draws data in colour and everything else in greys (:mod:`client.report.plots`)."""
     import io
 
     import numpy as np
     from PIL import Image
 
     rgb = np.asarray(Image.open(io.BytesIO(png)).convert("RGB")).astype(int)
-    return int(((rgb.max(axis=2) - rgb.min(axis=2)) > SATURATION).any(axis=0).sum())
+    coloured = (rgb.max(axis=2) - rgb.min(axis=2)) > SATURATION
+    height, width = coloured.shape
+    return [int(coloured[r * height // rows:(r + 1) * height // rows,
+                         c * width // cols:(c + 1) * width // cols].any(axis=0).sum())
+            for r in range(rows) for c in range(cols)]
+
+
+def has_data(png: bytes, rows: int = 1, cols: int = 1) -> bool:
+    """Whether every subplot of a ``rows`` x ``cols`` figure shows data (see :func:`data_columns`)."""
+    least = MIN_DATA_COLUMNS if rows * cols == 1 else MIN_CELL_COLUMNS
+    return min(data_columns(png, rows, cols)) >= least
+
+
+def plot_grid(key: str, host_tier: bool) -> tuple[int, int]:
+    """The subplot grid of a run report's figure, by its key (:mod:`client.report.plots`)."""
+    if key == "comparison":
+        return 1, 3
+    if key.endswith("_latency"):
+        return 1, 2
+    if key.endswith("_prefix") or (key.endswith("_blocks") and host_tier):
+        return 2, 1
+    return 1, 1
