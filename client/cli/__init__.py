@@ -12,7 +12,7 @@
     blockctl top [--interval S] [--once]
     blockctl cluster status [--etcd URLS] [--group G]
     blockctl hash-spec [--pool POOL]
-    blockctl report POOL --for DURATION [--every S] [--out DIR]
+    blockctl report POOL (--since DURATION --prometheus URL | --for DURATION) [--every S] [--out DIR]
 
 Human-readable tables by default; ``--json`` prints JSON (events and ``seq
 list`` as one object per line, so they can be piped). The three global flags may also follow
