@@ -45,6 +45,16 @@ NO_ADVICE = ("<p class='note'>No advice: it needs the lengths of finished sequen
 
 
 @dataclass(frozen=True)
+class Section:
+    """A heading, HTML before its figures (``intro``) and after them (``after``)."""
+
+    heading: str
+    figures: list[plots.Plot]
+    intro: str = ""
+    after: str = ""
+
+
+@dataclass(frozen=True)
 class Report:
     html_path: str
     png_paths: tuple[str, ...]
@@ -60,22 +70,23 @@ def write_report(directory: str, title: str, runs: Sequence[RunRecord], *, notes
     if len(set(names)) != len(names) or not all(re.fullmatch(r"[\w-]+", name) for name in names):
         raise ValueError(f"run names name the PNG files: distinct, letters, digits, _ and - only, not {names}")
     lengths = [p + o for run in runs for p, o in run.lengths]
+    # the runs of one report share a model (the benchmarks' schemes and tier sizes): the first one's prices the KV
     first = runs[0]
     advice = advise(lengths, first.pool.bytes_per_slot, table_bytes_per_block(first.num_workers)) if lengths \
         else None
-    sections: list[tuple[str, list[plots.Plot], str]] = []
+    sections: list[Section] = []
     if len(runs) > 1 and all(run.ttft_s for run in runs):
-        sections.append(("Side by side", [plots.comparison(list(runs))], ""))
-    sections += [(f"Run: {run.name}", plots.run_plots(run), _run_notes(run)) for run in runs]
+        sections.append(Section("Side by side", [plots.comparison(list(runs))]))
+    sections += [Section(f"Run: {run.name}", plots.run_plots(run), intro=_run_notes(run)) for run in runs]
     if advice is not None:
-        sections.append(("Block-size advisor", [plots.advisor(advice)],
-                         _advice_table(advice, first.pool.block_size)))
+        sections.append(Section("Block-size advisor", [plots.advisor(advice)],
+                                after=_advice_table(advice, first.pool.block_size)))
     else:
-        sections.append(("Block-size advisor", [], NO_ADVICE))
+        sections.append(Section("Block-size advisor", [], after=NO_ADVICE))
     os.makedirs(directory, exist_ok=True)
     pngs = []
-    for _, figures, _ in sections:
-        for plot in figures:
+    for section in sections:
+        for plot in section.figures:
             path = os.path.join(directory, f"{plot.key}.png")
             with open(path, "wb") as f:
                 f.write(plot.png)
@@ -87,22 +98,19 @@ def write_report(directory: str, title: str, runs: Sequence[RunRecord], *, notes
     return Report(html_path, tuple(pngs), advice)
 
 
-def _page(title: str, runs: Sequence[RunRecord], sections, notes: Sequence[str]) -> str:
+def _page(title: str, runs: Sequence[RunRecord], sections: list[Section], notes: Sequence[str]) -> str:
     parts = [(f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
               f"<style>{STYLE}</style></head><body><h1>{html.escape(title)}</h1>")]
     parts += [f"<p class='note'>{html.escape(n)}</p>" for n in notes]
     parts.append(_summary(runs))
-    for heading, figures, extra in sections:
-        parts.append(f"<h2>{html.escape(heading)}</h2>")
-        if heading.startswith("Run:"):
-            parts.append(extra)
-        for plot in figures:
+    for section in sections:
+        parts += [f"<h2>{html.escape(section.heading)}</h2>", section.intro]
+        for plot in section.figures:
             data = base64.b64encode(plot.png).decode()
             parts.append(f"<figure><img class='plot' id='plot-{plot.key}' alt='{html.escape(plot.title)}' "
                          f"src='data:image/png;base64,{data}'><figcaption><b>{html.escape(plot.title)}.</b> "
                          f"{html.escape(plot.caption)}</figcaption></figure>")
-        if not heading.startswith("Run:"):
-            parts.append(extra)
+        parts.append(section.after)
     parts.append("</body></html>")
     return "\n".join(parts)
 
