@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from blockd.core.types import MISS_REASONS
 from client.report.advisor import Advice
-from client.report.series import NUM_BINS, RunRecord, prefix_intervals, tail_waste_per_seq, utilisation
+from client.report.series import NUM_BINS, RunRecord, increase, prefix_intervals, tail_waste_per_seq, utilisation
 
 WIDTH_IN, ROW_IN, DPI = 10.0, 3.0, 100
 COLOURS = {"used": "tab:blue", "evictable": "tab:orange", "free": "tab:green", "host": "tab:purple"}
@@ -123,10 +123,8 @@ def prefix_cache(run: RunRecord) -> Plot:
     ax = axes[0][0]
     rates = [float("nan") if r is None else r for r in iv.hit_rate()]
     ax.plot(iv.ends_s, rates, color="tab:blue", marker=".", label=f"hit rate in each 1/{NUM_BINS} of the run")
-    first = run.stats[0]
-    cumulative = [(s.prefix_hit_tokens - first.prefix_hit_tokens) / queried
-                  if (queried := s.prefix_queried_tokens - first.prefix_queried_tokens) else float("nan")
-                  for s in run.stats]
+    queried = increase(run, lambda s: s.prefix_queried_tokens)
+    cumulative = [h / q if q else float("nan") for h, q in zip(increase(run, lambda s: s.prefix_hit_tokens), queried)]
     ax.step(run.times_s, cumulative, where="post", color="tab:green", label="since the run began")
     ax.set_ylim(0, 1.05)
     ax.set_ylabel("hit tokens / queried")

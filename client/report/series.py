@@ -14,6 +14,7 @@ differences between samples. Imports no plotting library.
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -107,6 +108,23 @@ def tail_waste_per_seq(record: RunRecord) -> list[float | None]:
     return [s.tail_waste_slots / s.num_seqs if s.num_seqs else None for s in record.stats]
 
 
+def increase(record: RunRecord, read: Callable[[PoolStats], int]) -> list[int]:
+    """A counter's increase since the first sample, at each sample. A drop means it
+    started again from 0 (the pool was made again, or a history spans a daemon's
+    restart without its data dir), so the increase over that step is its new value,
+    as Prometheus' ``increase`` counts it."""
+    return grown([read(s) for s in record.stats])
+
+
+def grown(values: list[int]) -> list[int]:
+    """:func:`increase` of a counter's values."""
+    total, out = 0, [0]
+    for a, b in itertools.pairwise(values):
+        total += b - a if b >= a else b
+        out.append(total)
+    return out
+
+
 @dataclass(frozen=True)
 class PrefixIntervals:
     """The prefix cache over spans of a run: ``ends_s[i]`` closes span ``i``."""
@@ -129,35 +147,43 @@ def prefix_intervals(record: RunRecord, num_bins: int = NUM_BINS) -> PrefixInter
     """The prefix cache's counters in at most ``num_bins`` equal spans of the run (a span
     with no sample ending in it is left out): per-sample differences are too few tokens
     each to read a rate from."""
-    stats, times = record.stats, record.times_s
+    times = record.times_s
     span = (times[-1] - times[0]) / num_bins or 1.0
     ends: list[float] = []
     marks: list[int] = [0]  # sample indices closing each kept span
+
+    def span_of(t: float) -> int:  # spans are (k * span, (k + 1) * span]: a sample closes the one it ends
+        return min(num_bins - 1, max(0, math.ceil((t - times[0]) / span) - 1))
+
     for i in range(1, len(times)):
-        closes = min(num_bins - 1, int((times[i] - times[0]) / span))
-        if i == len(times) - 1 or min(num_bins - 1, int((times[i + 1] - times[0]) / span)) != closes:
+        closes = span_of(times[i])
+        if i == len(times) - 1 or span_of(times[i + 1]) != closes:
             ends.append(times[0] + (closes + 1) * span)
             marks.append(i)
-    pairs = [(stats[a], stats[b]) for a, b in itertools.pairwise(marks)]
-    missed = {reason: [b.prefix_miss_tokens[i] - a.prefix_miss_tokens[i] for a, b in pairs]
-              for i, reason in enumerate(MISS_REASONS)}
-    return PrefixIntervals(ends, [b.prefix_queried_tokens - a.prefix_queried_tokens for a, b in pairs],
-                           [b.prefix_hit_tokens - a.prefix_hit_tokens for a, b in pairs], missed)
+    pairs = list(itertools.pairwise(marks))
+
+    def spans(values: list[int]) -> list[int]:
+        counted = grown(values)
+        return [counted[b] - counted[a] for a, b in pairs]
+
+    stats = record.stats
+    missed = {reason: spans([s.prefix_miss_tokens[i] for s in stats]) for i, reason in enumerate(MISS_REASONS)}
+    return PrefixIntervals(ends, spans([s.prefix_queried_tokens for s in stats]),
+                           spans([s.prefix_hit_tokens for s in stats]), missed)
 
 
 def totals(record: RunRecord) -> dict[str, float]:
-    """The run's headline numbers: over the whole run, differences of the first and last samples."""
-    first, last = record.stats[0], record.stats[-1]
+    """The run's headline numbers over the whole run (counters: their increase)."""
     busy = [s for s in record.stats if s.num_seqs]
     slots, _ = utilisation(record)
-    queried = last.prefix_queried_tokens - first.prefix_queried_tokens
+    queried = increase(record, lambda s: s.prefix_queried_tokens)[-1]
     return {
         "requests": len(record.ttft_s), "sequences": len(record.lengths), "seconds": record.seconds,
         "output_tokens_per_s": record.output_tokens / record.seconds if record.seconds else 0.0,
         "mean_utilisation": sum(u for u, s in zip(slots, record.stats) if s.num_seqs) / len(busy) if busy else 0.0,
         "peak_utilisation": max(slots, default=0.0),
         "mean_tail_waste_per_seq": (sum(s.tail_waste_slots / s.num_seqs for s in busy) / len(busy)) if busy else 0.0,
-        "prefix_hit_rate": (last.prefix_hit_tokens - first.prefix_hit_tokens) / queried if queried else 0.0,
+        "prefix_hit_rate": increase(record, lambda s: s.prefix_hit_tokens)[-1] / queried if queried else 0.0,
         "peak_seqs": max((s.num_seqs for s in record.stats), default=0),
-        "evictions": last.num_evictions - first.num_evictions,
+        "evictions": increase(record, lambda s: s.num_evictions)[-1],
     }
