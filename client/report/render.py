@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from client.report import plots
-from client.report.advisor import Advice, advise, table_bytes_per_block
+from client.report.advisor import CANDIDATES, Advice, advise, table_bytes_per_block
 from client.report.series import RunRecord, totals
 from client.serving import percentile
 
@@ -72,8 +72,10 @@ def write_report(directory: str, title: str, runs: Sequence[RunRecord], *, notes
     lengths = [p + o for run in runs for p, o in run.lengths]
     # the runs of one report share a model (the benchmarks' schemes and tier sizes): the first one's prices the KV
     first = runs[0]
-    advice = advise(lengths, first.pool.bytes_per_slot, table_bytes_per_block(first.num_workers)) if lengths \
-        else None
+    # the run's own block size is always a row, so the table says what changing it would save
+    candidates = sorted({*CANDIDATES, first.pool.block_size})
+    advice = advise(lengths, first.pool.bytes_per_slot, table_bytes_per_block(first.num_workers), candidates) \
+        if lengths else None
     sections: list[Section] = []
     if len(runs) > 1 and all(run.ttft_s for run in runs):
         sections.append(Section("Side by side", [plots.comparison(list(runs))]))
