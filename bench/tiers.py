@@ -33,6 +33,13 @@ is the target's measure (within 5% of one pool with sharing).
 
 With ``--vllm-python``, vLLM's rows on the same requests come first
 (:mod:`bench.tiers_vllm`).
+
+The host-tier rows also make a run report (``--report DIR``, default
+``reports/tiers``; :mod:`client.report`): the rows side by side, and for
+each its device and host blocks by state, utilisation, tail waste, the
+prefix cache with misses by reason (evicted from the device tier, from the
+host tier, ...), TTFT and TPOT, from the pool read at most every
+``REPORT_INTERVAL_S``; and the block-size advisor.
 """
 
 from __future__ import annotations
@@ -49,11 +56,12 @@ import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench import tiers_vllm
+from bench import run_report, tiers_vllm
 from blockd.cluster.local import ClusterSpec, LocalCluster, model_config
 
 MODEL = "smollm2-135m"
 BLOCK_SIZE = 16
+REPORT_INTERVAL_S = 0.05
 
 
 def conversations(num: int, seed: int, vocab: int, first: tuple[int, int], question: tuple[int, int]):
@@ -76,7 +84,7 @@ def _metric(url: str, name: str, **labels: str) -> float:
     return 0.0
 
 
-def _serve_wave(scheds: list, wave: list, placement: list[int]) -> dict:
+def _serve_wave(scheds: list, wave: list, placement: list[int], on_step=None) -> dict:
     """Run one wave: request ``i`` on scheduler ``placement[i]``, the schedulers
     stepping at once (each its own pool and workers), like replicas of one model."""
     from concurrent.futures import ThreadPoolExecutor
@@ -84,20 +92,22 @@ def _serve_wave(scheds: list, wave: list, placement: list[int]) -> dict:
     for req, where in zip(wave, placement, strict=True):
         scheds[where].add_request(req)
     if len(scheds) == 1:
-        return {o.request_id: o for o in scheds[0].run()}
+        return {o.request_id: o for o in scheds[0].run(on_step)}
     with ThreadPoolExecutor(len(scheds)) as threads:
         done = list(threads.map(lambda sched: sched.run(), scheds))
     return {o.request_id: o for outputs in done for o in outputs}
 
 
 def run_row(args, num_host_blocks: int, *, num_pools: int = 1, share: bool = False,
-            device_blocks: int | None = None) -> tuple[dict, list, list]:
+            device_blocks: int | None = None, records: list | None = None) -> tuple[dict, list, list]:
     """One row on a fresh cluster: ``num_pools`` pools of ``device_blocks``
     (default ``--device-blocks``) and ``num_host_blocks`` each; with several,
     each turn lands on a pool drawn from the seed (the same draws in every
     row), and with ``share`` each pool's scheduler names the other as its
-    source pool (cross-pool transfers)."""
+    source pool (cross-pool transfers). With one pool and a list as
+    ``records``, the row's :class:`~client.report.series.RunRecord` is added to it."""
     from client.model_group import WorkerGroup
+    from client.report.series import RunRecorder
     from client.scheduler import Scheduler, SchedulerConfig
     from client.sdk import BlockdClient
     from client.serving import GREEDY, GenerationRequest, percentile
@@ -118,6 +128,11 @@ def run_row(args, num_host_blocks: int, *, num_pools: int = 1, share: bool = Fal
             args.max_batched_tokens, args.max_seqs, source_pool=names[1 - i] if share and num_pools == 2 else ""))
             for i, (name, group) in enumerate(zip(names, groups, strict=True))]
         history = [tuple(s) for s in starts]
+        recorder = None
+        if records is not None and num_pools == 1:
+            name = f"host_{num_host_blocks}_blocks" if num_host_blocks else "no_host_tier"
+            recorder = RunRecorder(name, lambda: client.get_pool(names[0]), REPORT_INTERVAL_S)
+            recorder.sample()  # the pool before the first request
         start = time.perf_counter()
         base = None
         for turn in range(args.turns):
@@ -128,7 +143,10 @@ def run_row(args, num_host_blocks: int, *, num_pools: int = 1, share: bool = Fal
             for c in range(args.conversations):
                 prompt = history[c] if turn == 0 else history[c] + questions[c][turn]
                 wave.append(GenerationRequest(f"c{c}-t{turn}", prompt, args.output_tokens, sampling=GREEDY))
-            done = _serve_wave(scheds, wave, placement[turn])
+            done = _serve_wave(scheds, wave, placement[turn],
+                               (lambda _: recorder.sample()) if recorder is not None else None)
+            if recorder is not None:
+                recorder.add_outputs(done.values())
             for c, req in enumerate(wave):
                 out = done[req.request_id]
                 history[c] = req.prompt_token_ids + out.output_token_ids[0]
@@ -137,6 +155,9 @@ def run_row(args, num_host_blocks: int, *, num_pools: int = 1, share: bool = Fal
                     later.append(out)
             requests += wave
         seconds = time.perf_counter() - start
+        if recorder is not None and records is not None:
+            records.append(recorder.record(client.pool_config(names[0]), notes=[
+                f"device tier {device_blocks} blocks, host tier {num_host_blocks} blocks"]))
         stats = [client.get_pool(name) for name in names]
         metrics = [sum(_metric(url, name, **labels) for url in cluster.worker_metrics_urls)
                    for name, labels in (("blockd_worker_kernel_duration_seconds_sum", {"kernel": "restore_blocks"}),
@@ -226,6 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--verify", type=int, default=6, help="requests checked against transformers (default 6)")
     parser.add_argument("--vllm-python", default=None,
                         help="a vLLM venv's python: vLLM's rows on the same requests first (bench/tiers_vllm.py)")
+    parser.add_argument("--report", default="reports/tiers", metavar="DIR",
+                        help="the host-tier rows' run report (report.html and its PNGs) goes here; '' for none")
     parser.add_argument("--pool-host-ratio", type=float, default=4.0,
                         help="the host tier of each pool in the two-pool rows, in device pools (default 4; "
                              "negative: no two-pool rows)")
@@ -246,8 +269,9 @@ def main(argv: list[str] | None = None) -> int:
     common = {"name": "tiers", **setup(args)}
     against_vllm = tiers_vllm.anchor(args, common, conversations)  # prints vLLM's rows (none without the flag)
     base = None
+    records: list | None = [] if args.report else None
     for ratio in ratios:
-        row, requests, outputs = run_row(args, int(ratio * args.device_blocks))
+        row, requests, outputs = run_row(args, int(ratio * args.device_blocks), records=records)
         row.update(verify(args.model, requests, outputs, args.verify) if args.verify else {})
         row.update(against_vllm(row, requests, outputs))
         if base is None:
@@ -257,6 +281,12 @@ def main(argv: list[str] | None = None) -> int:
         row["ratio_ttft_p50_vs_no_tier"] = round(row["ttft_p50_ms"] / base["ttft_p50_ms"], 3)
         row["ratio_tpot_p50_vs_no_tier"] = round(row["tpot_p50_ms"] / base["tpot_p50_ms"], 3)
         print(json.dumps({**common, **row}), flush=True)
+    if records:
+        setting = (f"{args.conversations} conversations of {args.turns} turns on {args.model}, {args.max_seqs} "
+                   f"running at once, device pool {args.device_blocks} blocks of {BLOCK_SIZE}; the same requests "
+                   f"on a fresh cluster per host tier size; the pool read at most every {REPORT_INTERVAL_S} s")
+        run_report.write(args.report, "bench/tiers.py: multi-turn chat with and without a host tier", records,
+                         sys.stderr, [setting])
     if args.pool_host_ratio >= 0:
         pool_rows(args, common)
     return 0

@@ -12,6 +12,7 @@
     blockctl top [--interval S] [--once]
     blockctl cluster status [--etcd URLS] [--group G]
     blockctl hash-spec [--pool POOL]
+    blockctl report POOL (--since DURATION --prometheus URL | --for DURATION) [--every S] [--out DIR]
 
 Human-readable tables by default; ``--json`` prints JSON (events and ``seq
 list`` as one object per line, so they can be piped). The three global flags may also follow
@@ -29,7 +30,8 @@ message go to stderr as one line.
 Each command group registers itself in :data:`COMMANDS` through one
 ``add_*(subparsers)`` function (pools in :mod:`client.cli.pools`, workers and
 health in :mod:`client.cli.workers`, ``top`` in :mod:`client.cli.top`, ``cluster
-status`` in :mod:`client.cli.group`, ``hash-spec`` in :mod:`client.cli.hash_spec`).
+status`` in :mod:`client.cli.group`, ``hash-spec`` in :mod:`client.cli.hash_spec`, ``report``
+in :mod:`client.cli.report`).
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ from client.cli.common import EPILOG, EXIT_CODES, CommandFailed, Exit, emit, jso
 from client.cli.group import add_cluster
 from client.cli.hash_spec import add_hash_spec
 from client.cli.pools import add_pools, add_prefix_cache
+from client.cli.report import add_report
 from client.cli.top import add_top
 from client.cli.workers import add_health, add_workers
 from client.errors import BlockdClientError, NotFoundError
@@ -177,7 +180,8 @@ def add_events(sub: argparse._SubParsersAction) -> None:
 
 #: command groups, each registering its subcommands
 COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
-    add_pools, add_prefix_cache, add_workers, add_health, add_seq, add_events, add_top, add_cluster, add_hash_spec]
+    add_pools, add_prefix_cache, add_workers, add_health, add_seq, add_events, add_top, add_cluster, add_hash_spec,
+    add_report]
 
 
 def _add_global_flags(parser: argparse.ArgumentParser, after_command: bool) -> None:

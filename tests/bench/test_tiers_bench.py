@@ -2,10 +2,11 @@
 size, the tier raising the later turns' hit rate, then the pool rows (one
 pool holding all conversations, two pools without and with sharing: sharing
 raises the hit rate to near one pool's), outputs equal to transformers' in
-every row, and bad arguments a usage error."""
+every row, its run report written, and bad arguments a usage error."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -13,10 +14,14 @@ import sys
 from tests.conftest import ROOT
 
 
-def test_the_tier_rows_run_and_the_tier_raises_the_hit_rate_with_exact_outputs():
-    out = subprocess.run([sys.executable, "bench/tiers.py", "--quick", "--ratios", "0,4", "--verify", "4"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
+def test_the_tier_rows_run_and_the_tier_raises_the_hit_rate_with_exact_outputs(tmp_path):
+    report = tmp_path / "report"
+    out = subprocess.run([sys.executable, "bench/tiers.py", "--quick", "--ratios", "0,4", "--verify", "4",
+                          "--report", str(report)], cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
     assert out.returncode == 0, out.stderr[-2000:]
+    if importlib.util.find_spec("matplotlib") is not None:  # the host-tier rows' run report
+        assert f"run report: {report / 'report.html'}" in out.stderr
+        assert (report / "no_host_tier_blocks.png").exists() and (report / "host_96_blocks_blocks.png").exists()
     rows = [json.loads(line) for line in out.stdout.splitlines()]
     assert [r["host_ratio"] for r in rows[:2]] == [0.0, 4.0]
     plain, tiered, one, apart, shared = rows

@@ -13,6 +13,7 @@ it must succeed, show text, and leave no process behind, also on Ctrl-C.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import random
 import re
@@ -93,12 +94,16 @@ def _child_pids(output: str, count: int) -> list[int]:
     return pids
 
 
-def test_cluster_demo_matches_the_reference_and_leaves_nothing_behind():
-    """``make demo`` as it is (the real model, one worker), on fewer requests."""
-    proc = _demo("--requests", "5", "--rate", "2")
+def test_cluster_demo_matches_the_reference_and_leaves_nothing_behind(tmp_path):
+    """``make demo`` as it is (the real model, one worker), on fewer requests;
+    its run report is drawn (the report itself: tests/client/test_report.py)."""
+    proc = _demo("--requests", "5", "--rate", "2", "--report", str(tmp_path / "report"))
     output, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, output
     assert "outputs match the contiguous reference" in output
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert f"run report: {tmp_path / 'report' / 'report.html'}" in output
+        assert (tmp_path / "report" / "demo_blocks.png").stat().st_size > 0
     for label in ("time to first token", "time per output token", "tokens/s", "pool utilisation",
                   "tail waste", "prefix hit rate", "finished   5/5", "some answers", "tokens, "):
         assert label in output, label
