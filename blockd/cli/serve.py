@@ -163,6 +163,22 @@ def _replica(args: argparse.Namespace, tls):
     return Replica(config, args.data_dir)
 
 
+def _member(args: argparse.Namespace):
+    """This daemon's place in ``--cluster`` (:mod:`blockd.service.groups`), or None
+    (the default: nothing of it is imported); ValueError for flags that do not fit."""
+    if not args.cluster:
+        if args.cluster_etcd:
+            raise ValueError("--cluster-etcd needs --cluster (the cluster's name)")
+        return None
+    if not args.cluster_etcd:
+        raise ValueError("--cluster needs --cluster-etcd (the etcd endpoints holding its pool directory)")
+    if args.etcd:
+        raise ValueError("--cluster with --etcd (a replicated group in a cluster) is not supported yet: run "
+                         "each group of a cluster as one daemon")
+    from blockd.service.groups import GroupMember
+    return GroupMember(args.cluster_etcd, args.cluster, args.group, args.lease_ttl_s)
+
+
 def serve(args: argparse.Namespace) -> int:
     # imported here so `blockd --help` stays fast and grpc-free
     from blockd.auth import server_security
@@ -178,12 +194,13 @@ def serve(args: argparse.Namespace) -> int:
     except ValueError as err:  # InsecureListen, TlsError, IdentitiesFileError
         log.error("cannot serve: %s", err)
         return 2
-    if args.etcd:
-        try:
+    try:
+        if args.etcd:
             _peer_security(args, tls)
-        except ValueError as err:
-            log.error("cannot serve: %s", err)
-            return 2
+        member = _member(args)
+    except ValueError as err:
+        log.error("cannot serve: %s", err)
+        return 2
     log.info("data dir: %s; fsync: %s", args.data_dir or "none (in memory)", args.fsync)
     try:
         limits = IdempotencyLimits(args.max_request_ids, args.max_request_bytes, args.request_ttl_s)
@@ -214,13 +231,16 @@ def serve(args: argparse.Namespace) -> int:
     try:
         server = BlockdServer(engine, args.listen, max_workers=args.max_workers, grace_s=args.grace_s,
                               interceptors=[*([metrics.interceptor()] if metrics is not None else []),
-                                            *security.interceptors], credentials=security.credentials,
+                                            *security.interceptors, *_gate(member)],
+                              credentials=security.credentials,
                               extra_services=[replica.servicer()] if replica is not None else [])
         advertise = _advertise_address(args.advertise_address, server.address)
         http = _start_metrics(engine, args.metrics_port, metrics, args)
     except (OSError, ValueError, RuntimeError) as err:
         log.error("cannot serve on %s (metrics port %d): %s", args.listen, args.metrics_port, err)
         engine.close()
+        return 1
+    if member is not None and not _join(member, advertise, engine, http):
         return 1
 
     stop = threading.Event()
@@ -259,11 +279,36 @@ def serve(args: argparse.Namespace) -> int:
             _reload(security, http, pid_file)
     if replica is not None:
         replica.stop()  # resign first: the next leader is elected within a poll
+    if member is not None:
+        member.leave()  # callers learn at once that this group's pools are down
     server.stop()
     if http is not None:
         http.close()
     _remove_pid_file(pid_file)
     return 0
+
+
+def _gate(member) -> list:
+    """The interceptor that serves only the group's pools (last: after authentication)."""
+    if member is None:
+        return []
+    from blockd.service.groups import PoolGate
+    return [PoolGate(member)]
+
+
+def _join(member, advertise: str, engine, http) -> bool:
+    """Join the cluster before serving; False (logged, everything closed) when etcd refuses."""
+    from blockd.ha.etcd import EtcdUnavailable
+    from blockd.ha.keys import BadValue
+    try:
+        member.join(advertise, [stats.name for stats in engine.list_pools(local=True)])
+        return True
+    except (EtcdUnavailable, BadValue) as err:
+        log.error("cannot join cluster %s as group %s: %s", member.directory.cluster, member.group, err)
+        engine.close()
+        if http is not None:
+            http.close()
+        return False
 
 
 def _reload(security, http, pid_file: str | None) -> None:

@@ -1,0 +1,263 @@
+"""A daemon as one group of a cluster (``blockd serve --cluster NAME --group G
+--cluster-etcd URL``): its membership and the gate that serves only its own pools.
+
+:class:`GroupMember` keeps the group's key in the cluster's directory
+(:mod:`blockd.ha.directory`) alive on an etcd lease, and the set of pools the
+directory gives this group (read when it joins, then changed only by this
+daemon: a pool it creates is claimed in etcd first, a pool it deletes is
+released after). :class:`PoolGate`, a server interceptor, looks at the pool a
+call names:
+
+* a pool this group owns: served, at the cost of a dict lookup;
+* a pool another group owns (read from etcd on a miss): refused with
+  FAILED_PRECONDITION, reason ``WRONG_GROUP``, naming the owner's group,
+  address and epoch, so a caller routes there (CreatePool of such a name:
+  ALREADY_EXISTS, reason ``EXISTS_ON_OTHER_GROUP``); a pool in no entry: the
+  engine answers (NOT_FOUND);
+* CreatePool claims the name in etcd ("put if absent") before the engine
+  builds the pool, and gives the claim back if the engine refuses;
+  DeletePool releases the entry once the engine deleted the pool.
+
+A refusal replaces the request (a :class:`~blockd.core.errors.BlockdError`
+in its place is what every servicer wrapper of :mod:`blockd.rpc.errors`
+answers with the one error mapping), so it leaves exactly as an engine
+refusal does, in band on a StepStream. ListPools answers only this group's
+pools. Without ``--cluster`` none of this is built or imported.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterator
+
+import grpc
+
+from blockd.core.errors import BlockdError, ExistsOnOtherGroup, Unavailable, WrongGroup, shown
+from blockd.ha.directory import Directory, GroupEntry, PoolEntry
+from blockd.ha.etcd import EtcdClient, EtcdUnavailable
+from blockd.ha.keys import BadValue, check_name
+from blockd.v1 import blockd_pb2 as pb
+
+log = logging.getLogger("blockd.groups")
+
+_KINDS = {(False, False): grpc.unary_unary_rpc_method_handler,
+          (False, True): grpc.unary_stream_rpc_method_handler,
+          (True, False): grpc.stream_unary_rpc_method_handler,
+          (True, True): grpc.stream_stream_rpc_method_handler}
+
+
+class DirectoryUnavailable(Unavailable):
+    """etcd, which holds the cluster's directory, did not answer: retry."""
+
+    reason = "DIRECTORY_UNAVAILABLE"
+
+
+class GroupMember:
+    """This daemon's place in the cluster: its lease, its key, the pools it owns.
+
+    Directory reads and writes run under one lock (the etcd client is not
+    thread-safe); the hot path reads only :attr:`owned`, a dict replaced or
+    changed whole under that lock."""
+
+    def __init__(self, etcd_endpoints: str, cluster: str, group: str, lease_ttl_s: int = 5) -> None:
+        self.directory = Directory(EtcdClient(etcd_endpoints), cluster)
+        self.group = check_name("group name", group)
+        self.lease_ttl_s = lease_ttl_s
+        #: pool name -> epoch of the directory entry that gives it to this group
+        self.owned: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._lease = 0
+        self._entry: GroupEntry | None = None
+        self._thread: threading.Thread | None = None
+
+    # --- lifetime -----------------------------------------------------------------------------
+    def join(self, address: str, local_pools: list[str]) -> None:
+        """Announce this group at ``address`` and learn its pools; a pool in the
+        data dir that the directory has no entry for is claimed (a daemon that
+        joins with pools it already had). Raises EtcdUnavailable / BadValue."""
+        self._entry = GroupEntry(self.group, address)
+        with self._lock:
+            self._lease, _ = self.directory.etcd.grant(self.lease_ttl_s)
+            self.directory.join(self._entry, self._lease)
+            entries = self.directory.pools()
+            for name in local_pools:
+                if name not in entries:
+                    entries[name], _ = self.directory.claim(name, self.group)
+            for name, entry in entries.items():
+                if name in local_pools and entry.group != self.group:
+                    log.error("pool %s is in the data dir but the directory gives it to group %s (epoch %d): "
+                              "not served here", name, entry.group, entry.epoch)
+            self.owned = {name: e.epoch for name, e in entries.items() if e.group == self.group}
+        self._thread = threading.Thread(target=self._keepalive, name="blockd-group-lease", daemon=True)
+        self._thread.start()
+        log.info("joined cluster %s as group %s at %s, owning %d pools", self.directory.cluster, self.group,
+                 address, len(self.owned))
+
+    def _keepalive(self) -> None:
+        """Renew the lease a few times per TTL; a lease etcd lost (a long pause)
+        is granted again and the key put back."""
+        while not self._stop.wait(max(0.2, self.lease_ttl_s / 3)):
+            try:
+                with self._lock:
+                    if self.directory.etcd.keepalive(self._lease) <= 0 and self._entry is not None:
+                        log.warning("the group's etcd lease was lost; joining again")
+                        self._lease, _ = self.directory.etcd.grant(self.lease_ttl_s)
+                        self.directory.join(self._entry, self._lease)
+            except EtcdUnavailable as err:
+                log.warning("cannot renew the group's etcd lease: %s", err)
+
+    def leave(self) -> None:
+        """Stop renewing and revoke the lease: the group's key goes at once."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        with self._lock:
+            try:
+                if self._lease:
+                    self.directory.etcd.revoke(self._lease, timeout_s=1.0)
+            except EtcdUnavailable as err:
+                log.warning("cannot revoke the group's lease (its key goes with its TTL): %s", err)
+            self.directory.etcd.close()
+
+    # --- the gate's slow path -----------------------------------------------------------------
+    def refusal(self, pool: str) -> BlockdError | None:
+        """Why this group must not serve ``pool`` (it is another group's, or etcd
+        cannot say), or None: serve it (it is ours, or no group has it)."""
+        try:
+            with self._lock:
+                entry = self.directory.pool(pool)
+                if entry is None or entry.group == self.group:
+                    if entry is not None:
+                        self.owned = {**self.owned, pool: entry.epoch}
+                    return None
+                return self._elsewhere(entry, WrongGroup, "is served by")
+        except (EtcdUnavailable, BadValue) as err:
+            return DirectoryUnavailable(f"cannot read the cluster directory for pool {shown(pool)}: {err}")
+
+    def _elsewhere(self, entry: PoolEntry, cls: type, says: str) -> BlockdError:
+        """Under the lock: the refusal naming ``entry``'s group and its address."""
+        group = self.directory.groups().get(entry.group)
+        address = group.address if group is not None else ""
+        state = f"at {address}" if address else "which is down now (no live daemon in the directory)"
+        return cls(f"pool {shown(entry.pool)} {says} group {entry.group} {state} (epoch {entry.epoch}), not "
+                   f"group {self.group}: call that group (an SDK given the cluster target routes by pool)",
+                   group=entry.group, address=address, epoch=entry.epoch)
+
+    def claim(self, pool: str) -> tuple[PoolEntry | None, BlockdError | None]:
+        """Before CreatePool: ``(the entry this call made, or None; the refusal, or None)``."""
+        try:
+            with self._lock:
+                entry, made = self.directory.claim(pool, self.group)
+                if entry.group != self.group:
+                    return None, self._elsewhere(entry, ExistsOnOtherGroup, "already exists on")
+                self.owned = {**self.owned, pool: entry.epoch}
+                return (entry if made else None), None
+        except (EtcdUnavailable, BadValue) as err:
+            return None, DirectoryUnavailable(f"cannot claim pool {shown(pool)} in the cluster directory "
+                                              f"(nothing was created): {err}")
+
+    def release(self, pool: str, entry: PoolEntry | None = None) -> None:
+        """After a DeletePool, or a CreatePool the engine refused (``entry``: the claim it made)."""
+        try:
+            with self._lock:
+                self.owned = {name: epoch for name, epoch in self.owned.items() if name != pool}
+                found = entry or self.directory.pool(pool)
+                if found is not None and found.group == self.group and not self.directory.release(found):
+                    log.warning("pool %s's directory entry changed while it was released; left as is", pool)
+        except (EtcdUnavailable, BadValue) as err:
+            log.error("pool %s is gone here but its directory entry could not be removed: %s; a CreatePool "
+                      "of that name on this group claims it again", pool, err)
+
+
+def _pools_named(method: str, request) -> list[str]:
+    """The pools a request names (empty: none, or a request that did not parse)."""
+    if isinstance(request, BlockdError):
+        return []
+    if method == "RegisterWorker":
+        return [request.info.pool] if request.info.pool else []
+    if method == "LookupPrefix":
+        return list(request.pools)
+    pool = getattr(request, "pool", "")
+    return [pool] if isinstance(pool, str) and pool else []
+
+
+class PoolGate(grpc.ServerInterceptor):
+    """Serve only this group's pools (module docstring)."""
+
+    def __init__(self, member: GroupMember) -> None:
+        self.member = member
+        self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        full = handler_call_details.method
+        if handler is None or not full.startswith("/blockd.v1.") or "Replication" in full:
+            return handler
+        cached = self._wrapped.get(full)
+        if cached is not None and cached[0] is handler:
+            return cached[1]
+        wrapped = self._wrap(handler, full.rsplit("/", 1)[-1])
+        self._wrapped[full] = (handler, wrapped)
+        return wrapped
+
+    def checked(self, method: str, request):
+        """``request``, or the refusal to answer it with."""
+        owned = self.member.owned
+        for pool in _pools_named(method, request):
+            if pool not in owned:
+                refusal = self.member.refusal(pool)
+                if refusal is not None:
+                    return refusal
+        return request
+
+    def _create(self, behavior: Callable, request, context):
+        name = request.config.name if not isinstance(request, BlockdError) else ""
+        if not name:
+            return behavior(request, context)  # the servicer says what is wrong with it
+        made, refusal = self.member.claim(name)
+        if refusal is not None:
+            return behavior(refusal, context)
+        try:
+            return behavior(request, context)
+        except BaseException:  # the engine refused (gRPC's abort raises): the claim goes back
+            if made is not None:
+                self.member.release(name, made)
+            raise
+
+    def _delete(self, behavior: Callable, request, context):
+        request = self.checked("DeletePool", request)
+        response = behavior(request, context)  # a refusal raises (abort): nothing to release
+        self.member.release(request.pool)
+        return response
+
+    def _list(self, behavior: Callable, request, context):
+        response = behavior(request, context)
+        owned = self.member.owned
+        return pb.ListPoolsResponse(pools=[stats for stats in response.pools if stats.name in owned])
+
+    def _wrap(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+        kind = (handler.request_streaming, handler.response_streaming)
+        behavior = {(False, False): handler.unary_unary, (False, True): handler.unary_stream,
+                    (True, False): handler.stream_unary, (True, True): handler.stream_stream}[kind]
+        assert behavior is not None  # gRPC sets the one matching the handler's kind
+        special = {"CreatePool": self._create, "DeletePool": self._delete, "ListPools": self._list}.get(method)
+        checked = self.checked
+
+        if special is not None:
+            def serve(request, context):
+                return special(behavior, request, context)
+        elif kind[0]:
+            def each(requests: Iterator) -> Iterator:
+                for request in requests:
+                    yield checked(method, request)
+
+            def serve(requests, context):
+                return behavior(each(requests), context)
+        else:
+            def serve(request, context):
+                return behavior(checked(method, request), context)
+
+        return _KINDS[kind](serve, request_deserializer=handler.request_deserializer,
+                            response_serializer=handler.response_serializer)
