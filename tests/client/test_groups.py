@@ -17,7 +17,6 @@ import pytest
 
 from blockd.cluster.local import ROOT, child_env
 from blockd.core.types import Allocate, DecodeAppend, PoolConfig
-from client.groups import ClusterClient
 from client.errors import (
     AlreadyExistsError,
     FailedPreconditionError,
@@ -25,6 +24,7 @@ from client.errors import (
     NotFoundError,
     UnavailableError,
 )
+from client.groups import ClusterClient
 from client.sdk import BlockdClient
 from tests.support.procs import start_blockd
 
