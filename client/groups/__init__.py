@@ -4,6 +4,6 @@
 :mod:`client.groups.router`.
 """
 
-from client.groups.router import ClusterClient, parse_cluster_target
+from client.groups.router import ClusterClient, connect, parse_cluster_target
 
-__all__ = ["ClusterClient", "parse_cluster_target"]
+__all__ = ["ClusterClient", "connect", "parse_cluster_target"]

@@ -61,6 +61,13 @@ def parse_cluster_target(target: str) -> tuple[list[str], str] | None:
     return endpoints, cluster
 
 
+def connect(target: str, **kwargs: Any) -> Any:
+    """A :class:`ClusterClient` for a ``cluster://`` target, else a
+    :class:`~client.sdk.BlockdClient` (what ``blockctl`` and ``blockd-worker`` dial)."""
+    return ClusterClient(target, **kwargs) if target.strip().startswith(CLUSTER_SCHEME) else \
+        BlockdClient(target, **kwargs)
+
+
 def _routed(name: str) -> Callable[..., Any]:
     """``BlockdClient.<name>(pool, ...)`` at the group that owns ``pool``."""
 
@@ -93,7 +100,7 @@ class ClusterClient:
         except ValueError as err:
             raise InvalidArgumentError(f"target {target!r}: {err}") from None
         self.target, self.cluster = target, cluster
-        self.timeout_s = timeout_s
+        self.timeout_s, self.tls, self.token = timeout_s, tls, token
         self._dial = lambda address: BlockdClient(address, timeout_s=timeout_s, max_attempts=max_attempts,
                                                   tls=tls, token=token)
         self._lock = threading.Lock()
@@ -104,6 +111,14 @@ class ClusterClient:
         #: worker id -> its pool, so a heartbeat (which names no pool) goes where the worker registered
         self._workers: dict[str, str] = {}
         self.refresh()
+
+    def __getattr__(self, name: str) -> Any:
+        """What a plain client has and a cluster cannot route (a replica's status,
+        a step stream): refused in words rather than with an AttributeError."""
+        if not name.startswith("_") and hasattr(BlockdClient, name):
+            raise InvalidArgumentError(f"{name} is not offered over a cluster target ({self.target}): call "
+                                       f"one group's daemon at its address")
+        raise AttributeError(name)
 
     def close(self) -> None:
         with self._lock:

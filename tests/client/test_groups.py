@@ -9,6 +9,7 @@ dies: its pools unavailable with a clear error while the other group's serve.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -26,7 +27,8 @@ from client.errors import (
 )
 from client.groups import ClusterClient
 from client.sdk import BlockdClient
-from tests.support.procs import start_blockd
+from tests.support.cli import run
+from tests.support.procs import start_blockd, start_worker
 
 pytest_plugins = ["tests.support.etcd"]
 
@@ -56,6 +58,9 @@ def test_pools_are_placed_on_the_fewest_loaded_group_and_stepped_at_their_owner(
         client.step(name, [DecodeAppend(["s"], [7])], incarnation=result.incarnation)
         assert client.get_pool(name).num_seqs == 1
     assert [s.name for s in client.list_pools()] == ["a", "b", "c"]
+    stream = client.watch("b", 0, timeout_s=5)  # a worker's Watch, at b's group
+    assert next(stream).version == 1
+    stream.close()
     with BlockdClient(g1.address) as one:
         assert [s.name for s in one.list_pools()] == ["a", "c"]  # a group lists only its own pools
     # the decode step committed the prompt: its two full blocks are cached in every pool
@@ -112,6 +117,36 @@ def test_a_dead_group_leaves_its_pools_unavailable_while_the_others_serve(two_gr
         time.sleep(0.2)
     assert client.step("a", [Allocate("s", [1, 2])]).version == 1
     assert [s.name for s in client.list_pools()] == ["a"]
+
+
+def test_blockctl_and_a_worker_route_by_pool(two_groups, capsys) -> None:
+    client, (_, g2) = two_groups
+    target = client.target
+    code, out, _ = run(capsys, "--target", target, "pools", "create", "a", "--num-blocks", "16", "--block-size", "4")
+    assert code == 0, out
+    run(capsys, "--target", target, "pools", "create", "b", "--num-blocks", "16", "--block-size", "4")
+    assert client.group_of("b") == "g2"
+    code, out, _ = run(capsys, "--target", target, "pools", "list", "--json")
+    assert code == 0 and [p["name"] for p in json.loads(out)] == ["a", "b"]
+    code, _, err = run(capsys, "--target", target, "cluster", "status")  # one replica's view: not over a cluster
+    assert code == 2 and "is not HOST:PORT" in err and "Traceback" not in err
+    with pytest.raises(InvalidArgumentError, match="not offered over a cluster target"):
+        client.replica_status()
+    code, _, err = run(capsys, "--target", "cluster://127.0.0.1:1", "pools", "list")
+    assert code != 0 and "names no cluster" in err and "Traceback" not in err
+    worker = start_worker(target, "b", "--device", "cpu", "--worker-id", "wb")
+    try:
+        deadline = time.monotonic() + 20
+        while True:  # registered at g2 and heartbeating there (a heartbeat names no pool: routed by the worker's)
+            found = client.list_workers("b")
+            if found and found[0].is_up and found[0].last_heartbeat_age_s < 1.0:
+                break
+            assert time.monotonic() < deadline, found
+            time.sleep(0.1)
+        with BlockdClient(g2.address) as owner:
+            assert [w.info.worker_id for w in owner.list_workers()] == ["wb"]
+    finally:
+        worker.kill()
 
 
 def test_bad_cluster_targets_are_refused_in_words() -> None:
