@@ -195,8 +195,8 @@ def serve(args: argparse.Namespace) -> int:
         log.error("cannot serve: %s", err)
         return 2
     try:
-        if args.etcd:
-            _peer_security(args, tls)
+        if args.etcd or (args.cluster and (tls is not None or args.tokens_file)):
+            _peer_security(args, tls)  # a follower's credentials, or those a pool's move calls another group with
         member = _member(args)
     except ValueError as err:
         log.error("cannot serve: %s", err)
@@ -228,12 +228,14 @@ def serve(args: argparse.Namespace) -> int:
     for stats in sorted(engine.list_pools(local=True), key=lambda s: s.name):
         log.info("pool %s: %d blocks of %d, %d sequences, version %d", stats.name, stats.num_blocks,
                  stats.block_size, stats.num_seqs, stats.version)
+    gate = _gate(member)
     try:
         server = BlockdServer(engine, args.listen, max_workers=args.max_workers, grace_s=args.grace_s,
                               interceptors=[*([metrics.interceptor()] if metrics is not None else []),
-                                            *security.interceptors, *_gate(member)],
+                                            *security.interceptors, *gate],
                               credentials=security.credentials,
-                              extra_services=[replica.servicer()] if replica is not None else [])
+                              extra_services=[*([replica.servicer()] if replica is not None else []),
+                                              *_group_service(engine, gate, member, args, tls)])
         advertise = _advertise_address(args.advertise_address, server.address)
         http = _start_metrics(engine, args.metrics_port, metrics, args)
     except (OSError, ValueError, RuntimeError) as err:
@@ -294,6 +296,16 @@ def _gate(member) -> list:
         return []
     from blockd.service.groups import PoolGate
     return [PoolGate(member)]
+
+
+def _group_service(engine, gate: list, member, args: argparse.Namespace, tls) -> list:
+    """``GroupService`` (a pool's move) with the credentials a move calls the other group with."""
+    if member is None:
+        return []
+    from blockd.service.moves import GroupServicer
+    from blockd.v1 import groups_pb2
+    peer = _peer_security(args, tls) if tls is not None or args.tokens_file else (None, None)
+    return [(GroupServicer(engine, gate[0], member, peer), groups_pb2.DESCRIPTOR.services_by_name["GroupService"])]
 
 
 def _join(member, advertise: str, engine, http) -> bool:

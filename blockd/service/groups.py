@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import grpc
 
@@ -158,6 +159,30 @@ class GroupMember:
             return None, DirectoryUnavailable(f"cannot claim pool {shown(pool)} in the cluster directory "
                                               f"(nothing was created): {err}")
 
+    # --- moves (blockd.service.moves) -----------------------------------------------------------
+    def entry(self, pool: str) -> PoolEntry | None:
+        """``pool``'s directory entry now (EtcdUnavailable / BadValue)."""
+        with self._lock:
+            return self.directory.pool(pool)
+
+    def live_groups(self) -> dict[str, GroupEntry]:
+        with self._lock:
+            return self.directory.groups()
+
+    def elsewhere(self, entry: PoolEntry) -> BlockdError:
+        """WRONG_GROUP naming ``entry``'s group."""
+        with self._lock:
+            return self._elsewhere(entry, WrongGroup, "is served by")
+
+    def hand_over(self, entry: PoolEntry, group: str) -> PoolEntry | None:
+        """Switch ``entry`` to ``group`` under the next epoch if it is unchanged
+        (None if not), and stop owning the pool."""
+        with self._lock:
+            moved = self.directory.switch(entry, group)
+            if moved is not None:
+                self.owned = {name: epoch for name, epoch in self.owned.items() if name != entry.pool}
+            return moved
+
     def release(self, pool: str, entry: PoolEntry | None = None) -> None:
         """After a DeletePool, or a CreatePool the engine refused (``entry``: the claim it made)."""
         try:
@@ -183,17 +208,31 @@ def _pools_named(method: str, request) -> list[str]:
     return [pool] if isinstance(pool, str) and pool else []
 
 
+class PoolMoving(Unavailable):
+    """The pool is being handed to another group: retry shortly (the SDK does)."""
+
+    reason = "POOL_MOVING"
+
+
 class PoolGate(grpc.ServerInterceptor):
-    """Serve only this group's pools (module docstring)."""
+    """Serve only this group's pools (module docstring); count the calls under
+    way per pool, so a move can hold new ones back and wait for those to end
+    (:meth:`freeze`)."""
 
     def __init__(self, member: GroupMember) -> None:
         self.member = member
         self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
+        self._changed = threading.Condition(threading.Lock())
+        #: pool -> calls admitted and not yet answered
+        self._busy: dict[str, int] = {}
+        #: pools being moved away: new calls are refused with POOL_MOVING
+        self._frozen: set[str] = set()
 
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)
         full = handler_call_details.method
-        if handler is None or not full.startswith("/blockd.v1.") or "Replication" in full:
+        if handler is None or not full.startswith(("/blockd.v1.PoolService/", "/blockd.v1.BlockService/",
+                                                   "/blockd.v1.WorkerService/")):
             return handler
         cached = self._wrapped.get(full)
         if cached is not None and cached[0] is handler:
@@ -202,16 +241,60 @@ class PoolGate(grpc.ServerInterceptor):
         self._wrapped[full] = (handler, wrapped)
         return wrapped
 
-    def checked(self, method: str, request):
-        """``request``, or the refusal to answer it with."""
-        owned = self.member.owned
-        for pool in _pools_named(method, request):
-            if pool not in owned:
-                refusal = self.member.refusal(pool)
-                if refusal is not None:
-                    return refusal
-        return request
+    # --- admission ----------------------------------------------------------------------------
+    def admit(self, method: str, request) -> tuple[Any, list[str]]:
+        """``(request or the refusal to answer it with, the pools it holds busy)``;
+        the caller hands those pools to :meth:`done` once answered."""
+        pools = _pools_named(method, request)
+        for _ in range(2):  # a pool learnt from the directory is admitted on the second pass
+            with self._changed:
+                owned = self.member.owned
+                missing = ""
+                for pool in pools:
+                    if pool in self._frozen:
+                        return PoolMoving(f"pool {shown(pool)} is being moved to another group; retry in a "
+                                          f"moment (the SDK does, and then calls the new owner)"), []
+                    if pool not in owned:
+                        missing = pool
+                        break
+                if not missing:
+                    for pool in pools:
+                        self._busy[pool] = self._busy.get(pool, 0) + 1
+                    return request, pools
+            refusal = self.member.refusal(missing)  # reads etcd: outside the lock
+            if refusal is not None:
+                return refusal, []
+            if missing not in self.member.owned:
+                return request, []  # no group has it: the engine answers (NOT_FOUND)
+        return request, []
 
+    def done(self, pools: list[str]) -> None:
+        if not pools:
+            return
+        with self._changed:
+            for pool in pools:
+                left = self._busy.get(pool, 1) - 1
+                if left:
+                    self._busy[pool] = left
+                else:
+                    self._busy.pop(pool, None)
+            self._changed.notify_all()
+
+    def freeze(self, pool: str, timeout_s: float) -> bool:
+        """Refuse new calls for ``pool`` and wait for those under way; False (and
+        unfrozen again) if they did not end within ``timeout_s``."""
+        with self._changed:
+            self._frozen.add(pool)
+            if self._changed.wait_for(lambda: not self._busy.get(pool), timeout_s):
+                return True
+            self._frozen.discard(pool)
+            return False
+
+    def thaw(self, pool: str) -> None:
+        with self._changed:
+            self._frozen.discard(pool)
+
+    # --- the special calls --------------------------------------------------------------------
     def _create(self, behavior: Callable, request, context):
         name = request.config.name if not isinstance(request, BlockdError) else ""
         if not name:
@@ -227,8 +310,11 @@ class PoolGate(grpc.ServerInterceptor):
             raise
 
     def _delete(self, behavior: Callable, request, context):
-        request = self.checked("DeletePool", request)
-        response = behavior(request, context)  # a refusal raises (abort): nothing to release
+        checked, busy = self.admit("DeletePool", request)
+        try:
+            response = behavior(checked, context)  # a refusal raises (abort): nothing to release
+        finally:
+            self.done(busy)
         self.member.release(request.pool)
         return response
 
@@ -243,21 +329,36 @@ class PoolGate(grpc.ServerInterceptor):
                     (True, False): handler.stream_unary, (True, True): handler.stream_stream}[kind]
         assert behavior is not None  # gRPC sets the one matching the handler's kind
         special = {"CreatePool": self._create, "DeletePool": self._delete, "ListPools": self._list}.get(method)
-        checked = self.checked
+        admit, done = self.admit, self.done
 
         if special is not None:
             def serve(request, context):
                 return special(behavior, request, context)
         elif kind[0]:
             def each(requests: Iterator) -> Iterator:
-                for request in requests:
-                    yield checked(method, request)
+                busy: list[str] = []
+                try:
+                    for request in requests:  # one answer per request: busy until the next is read
+                        done(busy)
+                        checked, busy = admit(method, request)
+                        yield checked
+                finally:
+                    done(busy)
 
             def serve(requests, context):
                 return behavior(each(requests), context)
+        elif kind[1]:
+            def serve(request, context):  # Watch, Events: long-lived reads, checked when they open
+                checked, busy = admit(method, request)
+                done(busy)
+                return behavior(checked, context)
         else:
             def serve(request, context):
-                return behavior(checked(method, request), context)
+                checked, busy = admit(method, request)
+                try:
+                    return behavior(checked, context)
+                finally:
+                    done(busy)
 
         return _KINDS[kind](serve, request_deserializer=handler.request_deserializer,
                             response_serializer=handler.response_serializer)

@@ -25,12 +25,24 @@ group with the fewest pools (:func:`blockd.ha.directory.place`).
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Generator, Iterator, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
+import grpc
+
 from blockd.core.types import PoolConfig, PoolStats, WorkerInfo, WorkerStatus
-from client.channel import DEFAULT_MAX_ATTEMPTS, DEFAULT_TIMEOUT_S
-from client.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError, UnavailableError
+from blockd.v1 import groups_pb2 as gpb
+from blockd.v1 import groups_pb2_grpc as gpb_grpc
+from client.channel import DEFAULT_MAX_ATTEMPTS, DEFAULT_TIMEOUT_S, dial
+from client.errors import (
+    FailedPreconditionError,
+    InvalidArgumentError,
+    NotFoundError,
+    UnavailableError,
+    from_rpc_error,
+)
 from client.sdk import BlockdClient
 
 if TYPE_CHECKING:
@@ -45,6 +57,18 @@ CLUSTER_SCHEME = "cluster://"
 CLUSTER_FORM = "cluster://HOST:PORT[,HOST:PORT...]/CLUSTER"
 #: a call re-routed this many times in a row gives up (pools moving back and forth)
 MAX_REROUTES = 4
+#: first and longest pause before calling a moving pool again
+MOVING_PAUSE_S = (0.01, 0.2)
+
+
+@dataclass(frozen=True)
+class Moved:
+    """Where :meth:`ClusterClient.move_pool` put a pool: its group, the directory
+    entry's epoch, and the pool's version when it was handed over."""
+
+    group: str
+    epoch: int
+    version: int
 
 
 def parse_cluster_target(target: str) -> tuple[list[str], str] | None:
@@ -176,19 +200,26 @@ class ClusterClient:
 
     def on_pool(self, pool: str, call: Callable[[BlockdClient], T]) -> T:
         """``call(client of pool's group)``, re-routed when the group refuses the pool
-        as another's or does not answer."""
-        for attempt in range(MAX_REROUTES + 1):
+        as another's or does not answer, and retried while the pool is moving
+        (UNAVAILABLE ``POOL_MOVING``: nothing was applied) within this client's timeout."""
+        deadline, reroutes, pause = time.monotonic() + self.timeout_s, 0, MOVING_PAUSE_S[0]
+        while True:
             try:
                 return call(self._client(self._route(pool)[1]))
             except FailedPreconditionError as err:
-                if err.reason != "WRONG_GROUP" or attempt == MAX_REROUTES:
+                if err.reason != "WRONG_GROUP" or reroutes >= MAX_REROUTES:
                     raise
+                reroutes += 1
                 self.refresh()
             except UnavailableError as err:
+                if err.reason == "POOL_MOVING" and time.monotonic() + pause < deadline:
+                    time.sleep(pause)
+                    pause = min(2 * pause, MOVING_PAUSE_S[1])
+                    continue
                 # a group gone down: the directory says so once its lease ends; until then, this error
-                if err.reason or attempt == MAX_REROUTES or not self._group_gone(pool):
+                if err.reason or reroutes >= MAX_REROUTES or not self._group_gone(pool):
                     raise
-        raise AssertionError("unreachable: the last attempt raises")
+                reroutes += 1
 
     def _group_gone(self, pool: str) -> bool:
         """After a group did not answer: True when the directory now routes ``pool`` elsewhere
@@ -220,6 +251,26 @@ class ClusterClient:
         self.on_pool(pool, lambda client: client.delete_pool(pool, request_id=request_id))
         with self._lock:
             self._routes = {name: route for name, route in self._routes.items() if name != pool}
+
+    def move_pool(self, pool: str, to_group: str, *, timeout_s: float = 60.0) -> Moved:
+        """Move ``pool`` to group ``to_group`` (asked of its owner, which drains it,
+        hands its state over and switches the directory entry; docs/operations.md).
+        Steps of other callers wait meanwhile (POOL_MOVING) and then go to the new owner."""
+
+        def move(client: BlockdClient) -> Moved:
+            channel = dial(client.target, tls=self.tls, token=self.token, max_attempts=1)
+            try:
+                reply = gpb_grpc.GroupServiceStub(channel).MovePool(
+                    gpb.MovePoolRequest(pool=pool, to_group=to_group), timeout=timeout_s)
+            except grpc.RpcError as err:
+                raise from_rpc_error(err) from None
+            finally:
+                channel.close()
+            return Moved(reply.group, reply.epoch, reply.version)
+
+        moved = self.on_pool(pool, move)
+        self.refresh()
+        return moved
 
     def list_pools(self) -> list[PoolStats]:
         """Every live group's pools, by name."""

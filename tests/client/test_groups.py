@@ -28,24 +28,9 @@ from client.errors import (
 from client.groups import ClusterClient
 from client.sdk import BlockdClient
 from tests.support.cli import run
-from tests.support.procs import start_blockd, start_worker
+from tests.support.procs import start_worker
 
-pytest_plugins = ["tests.support.etcd"]
-
-
-def _group(etcd_url: str, cluster: str, group: str):
-    return start_blockd("--cluster", cluster, "--group", group, "--cluster-etcd", etcd_url, "--lease-ttl-s", "2")
-
-
-@pytest.fixture
-def two_groups(etcd_server, request):
-    cluster = request.node.name[:40].replace("[", "-").replace("]", "")
-    daemons = [_group(etcd_server.url, cluster, g) for g in ("g1", "g2")]
-    client = ClusterClient(f"cluster://{etcd_server.url.split('://')[1]}/{cluster}", timeout_s=5)
-    yield client, daemons
-    client.close()
-    for daemon in daemons:
-        daemon.kill()
+pytest_plugins = ["tests.support.etcd", "tests.support.groups"]
 
 
 def test_pools_are_placed_on_the_fewest_loaded_group_and_stepped_at_their_owner(two_groups) -> None:

@@ -1,0 +1,126 @@
+"""A pool's move between daemon groups (``GroupService``), over real daemons and a real etcd.
+
+A scheduler keeps stepping a pool while it moves: no step is lost or applied
+twice (versions stay consecutive, the sequence holds every token), the
+incarnation is kept, and the old owner refuses late calls naming the new
+one. Every bad MovePool / ImportPool is refused with its status and changes
+nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import grpc
+import pytest
+
+from blockd.core.types import Allocate, DecodeAppend, PoolConfig
+from blockd.v1 import groups_pb2 as gpb
+from blockd.v1 import groups_pb2_grpc as gpb_grpc
+from client.errors import FailedPreconditionError
+from client.groups import ClusterClient
+from client.sdk import BlockdClient
+
+pytest_plugins = ["tests.support.etcd", "tests.support.groups"]
+
+PROMPT = 6
+STEPS = 300
+
+
+def _wait(predicate, what: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+def test_a_pool_moved_under_a_running_scheduler_loses_no_step(two_groups) -> None:
+    client, (g1, g2) = two_groups
+    client.create_pool(PoolConfig("m", num_blocks=256, block_size=4))
+    assert client.group_of("m") == "g1"
+    results: list = []
+    failures: list = []
+
+    def scheduler() -> None:
+        try:
+            with ClusterClient(client.target, timeout_s=30) as own:
+                first = own.step("m", [Allocate("s", list(range(PROMPT)))])
+                results.append(first)
+                for n in range(STEPS):  # one at a time: the test watches the list grow
+                    results.append(own.step("m", [DecodeAppend(["s"], [n])], incarnation=first.incarnation))  # noqa: PERF401
+        except Exception as err:  # noqa: BLE001 - reported by the test below
+            failures.append(err)
+
+    thread = threading.Thread(target=scheduler)
+    thread.start()
+    _wait(lambda: len(results) >= 30 or failures, "the scheduler's first steps")
+    moved = client.move_pool("m", "g2")
+    thread.join(60)
+    assert not failures, failures
+    assert (moved.group, moved.epoch) == ("g2", 2) and 30 <= moved.version < STEPS + 1
+    assert [r.version for r in results] == list(range(1, STEPS + 2))  # every step once, in order
+    assert {r.incarnation for r in results} == {results[0].incarnation}
+    assert client.group_of("m") == "g2"
+    info = client.get_sequence("m", "s")
+    assert info.num_tokens == PROMPT + STEPS
+    with BlockdClient(g2.address) as new:
+        assert new.get_pool("m").version == STEPS + 1
+    with BlockdClient(g1.address, timeout_s=5) as old:  # a late call at the old owner
+        with pytest.raises(FailedPreconditionError, match="served by group g2") as err:
+            old.step("m", [DecodeAppend(["s"], [1])], incarnation=results[0].incarnation)
+        assert err.value.reason == "WRONG_GROUP"
+        assert (err.value.metadata["owner_address"], err.value.metadata["epoch"]) == (g2.address, "2")
+        assert old.list_pools() == []
+    assert client.get_pool("m").version == STEPS + 1  # the refused call changed nothing
+
+
+def _code(call, request) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(grpc.RpcError) as err:
+        call(request, timeout=10)
+    return err.value.code(), err.value.details()
+
+
+def test_bad_moves_and_imports_are_refused_and_change_nothing(two_groups) -> None:
+    client, (g1, g2) = two_groups
+    client.create_pool(PoolConfig("m", num_blocks=16, block_size=4))
+    client.step("m", [Allocate("s", [1, 2, 3])])
+    bad = grpc.StatusCode.INVALID_ARGUMENT
+    with grpc.insecure_channel(g1.address) as c1, grpc.insecure_channel(g2.address) as c2:
+        owner, other = gpb_grpc.GroupServiceStub(c1), gpb_grpc.GroupServiceStub(c2)
+        state = json.dumps({"config": {"name": "m"}}).encode()
+        for stub, request, code, says in [
+            (owner, gpb.MovePoolRequest(to_group="g2"), bad, "pool"),
+            (owner, gpb.MovePoolRequest(pool="m"), bad, "to_group"),
+            (owner, gpb.MovePoolRequest(pool="m", to_group="a/b"), bad, "group name must be"),
+            (owner, gpb.MovePoolRequest(pool="m", to_group="g1"), bad, "is g1"),
+            (owner, gpb.MovePoolRequest(pool="m", to_group="g9"), grpc.StatusCode.NOT_FOUND, "no live daemon"),
+            (owner, gpb.MovePoolRequest(pool="nope", to_group="g2"), grpc.StatusCode.NOT_FOUND, "in no group"),
+            (other, gpb.MovePoolRequest(pool="m", to_group="g1"), grpc.StatusCode.FAILED_PRECONDITION,
+             "served by group g1"),
+        ]:
+            assert _code(stub.MovePool, request)[0] == code
+            assert says in _code(stub.MovePool, request)[1]
+        for stub, request, code, says in [
+            (other, gpb.ImportPoolRequest(state=state, epoch=2), bad, "pool"),
+            (other, gpb.ImportPoolRequest(pool="m", state=state, epoch=0), bad, "epoch"),
+            (other, gpb.ImportPoolRequest(pool="m", state=b"{", epoch=2), bad, "not JSON"),
+            (other, gpb.ImportPoolRequest(pool="m", state=b"[]", epoch=2), bad, "JSON object"),
+            (other, gpb.ImportPoolRequest(pool="m", state=state, epoch=2), bad, "snapshot form"),
+            (other, gpb.ImportPoolRequest(pool="m", state=state, epoch=5), grpc.StatusCode.FAILED_PRECONDITION,
+             "does not follow"),
+            (other, gpb.ImportPoolRequest(pool="nope", state=state, epoch=2), grpc.StatusCode.NOT_FOUND,
+             "in no group"),
+            (owner, gpb.ImportPoolRequest(pool="m", state=state, epoch=2), grpc.StatusCode.FAILED_PRECONDITION,
+             "already belongs"),
+        ]:
+            got, details = _code(stub.ImportPool, request)
+            assert (got, says in details) == (code, True), details
+    client.refresh()
+    assert client.group_of("m") == "g1" and client.get_pool("m").num_seqs == 1
+    assert client.get_pool("m").version == 1
+    with BlockdClient(g2.address) as other_client:
+        assert other_client.list_pools() == []
+    # and the move itself still works afterwards
+    assert client.move_pool("m", "g2").epoch == 2 and client.get_pool("m").num_seqs == 1
