@@ -119,6 +119,12 @@ def test_blockctl_and_a_worker_route_by_pool(two_groups, capsys) -> None:
         client.replica_status()
     code, _, err = run(capsys, "--target", "cluster://127.0.0.1:1", "pools", "list")
     assert code != 0 and "names no cluster" in err and "Traceback" not in err
+    code, out, _ = run(capsys, "--target", target, "pools", "move", "a", "--to-group", "g2", "--json")
+    assert code == 0 and json.loads(out) == {"pool": "a", "group": "g2", "epoch": 2, "version": 0}
+    code, _, err = run(capsys, "--target", target, "pools", "move", "a", "--to-group", "g9")
+    assert code == 3 and "group g9 has no live daemon" in err and "Traceback" not in err
+    code, _, err = run(capsys, "--target", "127.0.0.1:1", "pools", "move", "a", "--to-group", "g1")
+    assert code == 2 and "needs a cluster" in err
     worker = start_worker(target, "b", "--device", "cpu", "--worker-id", "wb")
     try:
         deadline = time.monotonic() + 20
@@ -130,6 +136,11 @@ def test_blockctl_and_a_worker_route_by_pool(two_groups, capsys) -> None:
             time.sleep(0.1)
         with BlockdClient(g2.address) as owner:
             assert [w.info.worker_id for w in owner.list_workers()] == ["wb"]
+        client.move_pool("b", "g1")  # the worker follows its pool: registers and heartbeats at g1
+        deadline = time.monotonic() + 20
+        while not [w for w in client.list_workers("b") if w.info.worker_id == "wb" and w.is_up]:
+            assert time.monotonic() < deadline, "the worker did not follow its pool to g1"
+            time.sleep(0.1)
     finally:
         worker.kill()
 
