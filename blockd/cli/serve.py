@@ -114,9 +114,15 @@ def _freeze_gc(stop: threading.Event, interval_s: float) -> None:
 
 
 
+def _peered(args: argparse.Namespace) -> str:
+    """The flag that makes this daemon call its peers (in the messages of :func:`_peer_security`)."""
+    return "--etcd" if args.etcd else "--cluster"
+
+
 def _peer_security(args: argparse.Namespace, tls) -> tuple:
-    """``(TlsConfig | None, token | None)`` a follower dials its leader with;
-    ValueError when the group's own security would refuse the stream."""
+    """``(TlsConfig | None, token | None)`` a follower dials its leader with (or a
+    ``--cluster`` group another, to move a pool); ValueError when the daemon's own
+    security would refuse the stream."""
     from blockd.auth.config import TlsConfig
 
     peer_tls = None
@@ -124,10 +130,10 @@ def _peer_security(args: argparse.Namespace, tls) -> tuple:
         peer_tls = TlsConfig(cert=args.peer_tls_cert, key=args.peer_tls_key, ca=args.peer_tls_ca,
                              server_name=args.peer_tls_server_name)
     if tls is not None and (peer_tls is None or not peer_tls.ca):
-        raise ValueError("--etcd with --tls-cert needs --peer-tls-ca: the CA bundle the other replicas' server "
-                         "certificates chain to, so a follower can verify its leader")
+        raise ValueError(f"{_peered(args)} with --tls-cert needs --peer-tls-ca: the CA bundle the other replicas' "
+                         "server certificates chain to, so a follower can verify its leader")
     if tls is not None and tls.mutual and (peer_tls is None or not peer_tls.cert):
-        raise ValueError("--etcd with --tls-client-ca needs --peer-tls-cert and --peer-tls-key: the client "
+        raise ValueError(f"{_peered(args)} with --tls-client-ca needs --peer-tls-cert and --peer-tls-key: the client "
                          "certificate (an admin identity) a follower presents to its leader")
     token = None
     if args.peer_token_file:
@@ -139,7 +145,7 @@ def _peer_security(args: argparse.Namespace, tls) -> tuple:
         if not token:
             raise ValueError(f"--peer-token-file {args.peer_token_file} is empty")
     elif args.tokens_file and (peer_tls is None or not peer_tls.cert):
-        raise ValueError("--etcd with --tokens-file needs --peer-token-file (an admin token a follower sends "
+        raise ValueError(f"{_peered(args)} with --tokens-file needs --peer-token-file (an admin token a follower sends "
                          "its leader) or a --peer-tls-cert the leader accepts")
     return peer_tls, token
 
@@ -228,7 +234,7 @@ def serve(args: argparse.Namespace) -> int:
     for stats in sorted(engine.list_pools(local=True), key=lambda s: s.name):
         log.info("pool %s: %d blocks of %d, %d sequences, version %d", stats.name, stats.num_blocks,
                  stats.block_size, stats.num_seqs, stats.version)
-    gate = _gate(member)
+    gate = _gate(member, security.quota_source())
     try:
         server = BlockdServer(engine, args.listen, max_workers=args.max_workers, grace_s=args.grace_s,
                               interceptors=[*([metrics.interceptor()] if metrics is not None else []),
@@ -290,12 +296,13 @@ def serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _gate(member) -> list:
-    """The interceptor that serves only the group's pools (last: after authentication)."""
+def _gate(member, quotas) -> list:
+    """The interceptor that serves only the group's pools and counts tenants' quotas
+    over every group (last: after authentication)."""
     if member is None:
         return []
     from blockd.service.groups import PoolGate
-    return [PoolGate(member)]
+    return [PoolGate(member, quotas)]
 
 
 def _group_service(engine, gate: list, member, args: argparse.Namespace, tls) -> list:

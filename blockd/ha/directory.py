@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from urllib.parse import quote, unquote
 
 from blockd.ha.etcd import EtcdClient, cmp_absent, cmp_mod_revision, op_delete, op_put, op_range
@@ -67,15 +67,21 @@ class GroupEntry:
 class PoolEntry:
     """Who owns ``pool``: ``group``, since the move that set ``epoch``
     (1 at creation). ``mod_revision``: etcd's revision of the entry as read,
-    what a compare-and-swap compares (0 for an entry not read from etcd)."""
+    what a compare-and-swap compares (0 for an entry not read from etcd).
+    ``tenant``, ``num_blocks`` and ``num_bytes`` (of KV) say what the pool
+    takes of its tenant's quota, counted over every group."""
 
     pool: str
     group: str
     epoch: int
     mod_revision: int = 0
+    tenant: str = ""
+    num_blocks: int = 0
+    num_bytes: int = 0
 
     def encode(self) -> bytes:
-        return json.dumps({"group": self.group, "epoch": self.epoch}, sort_keys=True).encode()
+        return json.dumps({"group": self.group, "epoch": self.epoch, "tenant": self.tenant,
+                           "num_blocks": self.num_blocks, "num_bytes": self.num_bytes}, sort_keys=True).encode()
 
     @classmethod
     def decode(cls, pool: str, raw: bytes, mod_revision: int) -> PoolEntry:
@@ -83,7 +89,10 @@ class PoolEntry:
         group, epoch = doc.get("group"), doc.get("epoch")
         if not isinstance(group, str) or not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 1:
             raise BadValue(f"pool {pool}'s entry needs a group and an epoch >= 1: {doc}")
-        return cls(pool, group, epoch, mod_revision)
+        tenant, sizes = doc.get("tenant", ""), [doc.get(name, 0) for name in ("num_blocks", "num_bytes")]
+        if not isinstance(tenant, str) or any(not isinstance(n, int) or isinstance(n, bool) or n < 0 for n in sizes):
+            raise BadValue(f"pool {pool}'s entry has a bad tenant or size: {doc}")
+        return cls(pool, group, epoch, mod_revision, tenant, *sizes)
 
 
 def _load(raw: bytes, what: str) -> dict:
@@ -160,14 +169,15 @@ class Directory:
         kv = self.etcd.get(self.pool_key(name))
         return None if kv is None else PoolEntry.decode(name, kv.value, kv.mod_revision)
 
-    def claim(self, pool: str, group: str) -> tuple[PoolEntry, bool]:
+    def claim(self, pool: str, group: str, *, tenant: str = "", num_blocks: int = 0,
+              num_bytes: int = 0) -> tuple[PoolEntry, bool]:
         """Make ``group`` the owner of a new ``pool`` (epoch 1) unless an entry
         exists: ``(the entry now, whether this call made it)``."""
         key = self.pool_key(pool)
-        wanted = PoolEntry(pool, check_name("group name", group), 1)
+        wanted = PoolEntry(pool, check_name("group name", group), 1, 0, tenant, num_blocks, num_bytes)
         result = self.etcd.txn([cmp_absent(key)], [op_put(key, wanted.encode())], [op_range(key)])
         if result.succeeded:
-            return PoolEntry(pool, group, 1, result.revision), True
+            return replace(wanted, mod_revision=result.revision), True
         kvs = result.ranges[0] or []
         if not kvs:  # deleted between the compare and the range: impossible within one txn
             raise BadValue(f"pool {pool}'s entry was neither absent nor present")
@@ -177,9 +187,9 @@ class Directory:
         """Hand ``entry``'s pool to ``group`` under ``epoch + 1`` if the entry is
         unchanged since it was read; the new entry, or None if it had changed."""
         key = self.pool_key(entry.pool)
-        moved = PoolEntry(entry.pool, check_name("group name", group), entry.epoch + 1)
+        moved = replace(entry, group=check_name("group name", group), epoch=entry.epoch + 1)
         result = self.etcd.txn([cmp_mod_revision(key, entry.mod_revision)], [op_put(key, moved.encode())])
-        return PoolEntry(moved.pool, moved.group, moved.epoch, result.revision) if result.succeeded else None
+        return replace(moved, mod_revision=result.revision) if result.succeeded else None
 
     def release(self, entry: PoolEntry) -> bool:
         """Remove ``entry``'s pool from the directory if the entry is unchanged since it was read."""

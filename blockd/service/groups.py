@@ -34,10 +34,14 @@ from typing import Any
 
 import grpc
 
+from blockd.auth.quotas import UNLIMITED, Quota
 from blockd.core.errors import BlockdError, ExistsOnOtherGroup, Unavailable, WrongGroup, shown
+from blockd.core.types import PoolConfig
+from blockd.engine.tenancy import check_cluster_create, owner_of, with_owner
 from blockd.ha.directory import Directory, GroupEntry, PoolEntry
 from blockd.ha.etcd import EtcdClient, EtcdUnavailable
 from blockd.ha.keys import BadValue, check_name
+from blockd.rpc import convert
 from blockd.v1 import blockd_pb2 as pb
 
 log = logging.getLogger("blockd.groups")
@@ -146,11 +150,24 @@ class GroupMember:
                    f"group {self.group}: call that group (an SDK given the cluster target routes by pool)",
                    group=entry.group, address=address, epoch=entry.epoch)
 
-    def claim(self, pool: str) -> tuple[PoolEntry | None, BlockdError | None]:
-        """Before CreatePool: ``(the entry this call made, or None; the refusal, or None)``."""
+    def claim(self, pool: str, config: PoolConfig | None = None,
+              quota: Quota | None = None) -> tuple[PoolEntry | None, BlockdError | None]:
+        """Before CreatePool: ``(the entry this call made, or None; the refusal, or None)``.
+        ``config`` (its tenant filled in): what the entry records of the pool's size;
+        ``quota``: its tenant's, checked over every group's pools first."""
+        tenant = owner_of(config) if config is not None else ""
+        sizes = (config.num_blocks, config.num_blocks * config.bytes_per_block) if config is not None else (0, 0)
         try:
             with self._lock:
-                entry, made = self.directory.claim(pool, self.group)
+                if config is not None and quota is not None and quota != UNLIMITED:
+                    held = [(e.num_blocks, e.num_bytes) for e in self.directory.pools().values()
+                            if e.tenant == tenant and e.pool != pool]
+                    try:
+                        check_cluster_create(config, quota, held)
+                    except BlockdError as err:
+                        return None, err
+                entry, made = self.directory.claim(pool, self.group, tenant=tenant, num_blocks=sizes[0],
+                                                   num_bytes=sizes[1])
                 if entry.group != self.group:
                     return None, self._elsewhere(entry, ExistsOnOtherGroup, "already exists on")
                 self.owned = {**self.owned, pool: entry.epoch}
@@ -219,8 +236,10 @@ class PoolGate(grpc.ServerInterceptor):
     way per pool, so a move can hold new ones back and wait for those to end
     (:meth:`freeze`)."""
 
-    def __init__(self, member: GroupMember) -> None:
+    def __init__(self, member: GroupMember, quotas: Callable[[str], Quota] | None = None) -> None:
         self.member = member
+        #: each tenant's quota (the identities file's), or None: no quotas
+        self.quotas = quotas
         self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
         self._changed = threading.Condition(threading.Lock())
         #: pool -> calls admitted and not yet answered
@@ -299,7 +318,12 @@ class PoolGate(grpc.ServerInterceptor):
         name = request.config.name if not isinstance(request, BlockdError) else ""
         if not name:
             return behavior(request, context)  # the servicer says what is wrong with it
-        made, refusal = self.member.claim(name)
+        try:
+            config: PoolConfig | None = with_owner(convert.pool_config_from_proto(request.config))
+        except BlockdError:
+            config = None  # the engine refuses it, saying why
+        quota = self.quotas(owner_of(config)) if config is not None and self.quotas is not None else None
+        made, refusal = self.member.claim(name, config, quota)
         if refusal is not None:
             return behavior(refusal, context)
         try:

@@ -4,7 +4,7 @@ A scheduler keeps stepping a pool while it moves: no step is lost or applied
 twice (versions stay consecutive, the sequence holds every token), the
 incarnation is kept, and the old owner refuses late calls naming the new
 one. Every bad MovePool / ImportPool is refused with its status and changes
-nothing.
+nothing. A tenant's pool, block and byte quotas count the pools of every group.
 """
 
 from __future__ import annotations
@@ -16,12 +16,14 @@ import time
 import grpc
 import pytest
 
+from blockd.auth.tokens import add_token, read_for_edit, write_atomically
 from blockd.core.types import Allocate, DecodeAppend, PoolConfig
 from blockd.v1 import groups_pb2 as gpb
 from blockd.v1 import groups_pb2_grpc as gpb_grpc
-from client.errors import FailedPreconditionError
+from client.errors import FailedPreconditionError, ResourceExhaustedError
 from client.groups import ClusterClient
 from client.sdk import BlockdClient
+from tests.support.procs import start_blockd
 
 pytest_plugins = ["tests.support.etcd", "tests.support.groups"]
 
@@ -124,3 +126,28 @@ def test_bad_moves_and_imports_are_refused_and_change_nothing(two_groups) -> Non
         assert other_client.list_pools() == []
     # and the move itself still works afterwards
     assert client.move_pool("m", "g2").epoch == 2 and client.get_pool("m").num_seqs == 1
+
+
+def test_a_tenants_pool_quotas_count_every_groups_pools(etcd_server, tmp_path) -> None:
+    tokens = str(tmp_path / "identities.json")
+    token = add_token(tokens, "ops", "t1", ["admin"])
+    data = read_for_edit(tokens)
+    data["quotas"] = {"t1": {"pools": 2, "blocks": 40}}
+    write_atomically(tokens, data)
+    peer = tmp_path / "peer-token"  # what one group calls another with (a move)
+    peer.write_text(token)
+    daemons = [start_blockd("--cluster", "quotas", "--group", g, "--cluster-etcd", etcd_server.url,
+                            "--tokens-file", tokens, "--peer-token-file", str(peer)) for g in ("g1", "g2")]
+    try:
+        with ClusterClient(f"cluster://{etcd_server.url.split('://')[1]}/quotas", token=token) as client:
+            client.create_pool(PoolConfig("p1", num_blocks=16, block_size=4))
+            with pytest.raises(ResourceExhaustedError, match="46 blocks across the cluster's groups"):
+                client.create_pool(PoolConfig("p2", num_blocks=30, block_size=4))  # g2 holds none itself
+            client.create_pool(PoolConfig("p2", num_blocks=16, block_size=4))
+            assert [client.group_of(p) for p in ("p1", "p2")] == ["g1", "g2"]
+            with pytest.raises(ResourceExhaustedError, match="3 pools across the cluster's groups"):
+                client.create_pool(PoolConfig("p3", num_blocks=1, block_size=4))
+            assert [s.name for s in client.list_pools()] == ["p1", "p2"]
+    finally:
+        for daemon in daemons:
+            daemon.kill()

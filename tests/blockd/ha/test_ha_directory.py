@@ -19,12 +19,13 @@ def directory(etcd_server, request):
 
 
 def test_a_pool_is_claimed_once_and_switched_only_from_the_entry_read(directory) -> None:
-    entry, made = directory.claim("llama/7b", "g1")
+    entry, made = directory.claim("llama/7b", "g1", tenant="acme", num_blocks=16, num_bytes=4096)
     assert made and (entry.group, entry.epoch) == ("g1", 1)
     again, made_again = directory.claim("llama/7b", "g2")  # the second creator learns the owner
     assert not made_again and (again.group, again.epoch) == ("g1", 1)
     moved = directory.switch(again, "g2")
     assert moved is not None and (moved.group, moved.epoch) == ("g2", 2)
+    assert (moved.tenant, moved.num_blocks, moved.num_bytes) == ("acme", 16, 4096)  # the quota's count moves along
     assert directory.switch(again, "g3") is None  # a stale entry: refused, nothing changed
     assert directory.pool("llama/7b") == moved
     assert not directory.release(again) and directory.release(moved)
