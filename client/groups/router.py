@@ -20,6 +20,10 @@ Calls that name no pool span the groups: :meth:`ClusterClient.list_pools`
 and :meth:`ClusterClient.lookup_prefix` ask every live group and merge the
 answers; :meth:`ClusterClient.create_pool` places a new pool on the live
 group with the fewest pools (:func:`blockd.ha.directory.place`).
+:meth:`ClusterClient.move_pool` hands a pool to another group
+(:mod:`blockd.service.moves`); while it moves, calls for it are answered
+``POOL_MOVING`` and retried here (nothing was applied), then go to the new
+owner.
 """
 
 from __future__ import annotations
