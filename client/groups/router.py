@@ -289,12 +289,19 @@ class ClusterClient:
             for client in self._live():
                 found.update(client.lookup_prefix(token_ids, extra_keys, tiers=tiers))
             return found
-        by_group: dict[str, list[str]] = {}
-        for pool in pools:
-            by_group.setdefault(self._route(pool)[1], []).append(pool)
-        for address, named in by_group.items():
-            found.update(self._client(address).lookup_prefix(token_ids, extra_keys, named, tiers=tiers))
-        return found
+        for attempt in range(2):  # a pool moved since the directory was read: read it again, once
+            by_group: dict[str, list[str]] = {}
+            for pool in pools:
+                by_group.setdefault(self._route(pool)[1], []).append(pool)
+            try:
+                for address, named in by_group.items():
+                    found.update(self._client(address).lookup_prefix(token_ids, extra_keys, named, tiers=tiers))
+                return found
+            except FailedPreconditionError as err:
+                if err.reason != "WRONG_GROUP" or attempt:
+                    raise
+                self.refresh()
+        raise AssertionError("unreachable: the second attempt returns or raises")
 
     def list_workers(self, pool: str | None = None) -> list[WorkerStatus]:
         if pool:

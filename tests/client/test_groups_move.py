@@ -124,8 +124,12 @@ def test_bad_moves_and_imports_are_refused_and_change_nothing(two_groups) -> Non
     assert client.get_pool("m").version == 1
     with BlockdClient(g2.address) as other_client:
         assert other_client.list_pools() == []
-    # and the move itself still works afterwards
-    assert client.move_pool("m", "g2").epoch == 2 and client.get_pool("m").num_seqs == 1
+    # and the move itself still works afterwards; a client that read the directory before follows it
+    with ClusterClient(client.target) as stale:
+        assert stale.group_of("m") == "g1"
+        assert client.move_pool("m", "g2").epoch == 2 and client.get_pool("m").num_seqs == 1
+        assert stale.lookup_prefix([1, 2, 3], pools=["m"]) == {"m": 0}
+        assert stale.get_pool("m").num_seqs == 1 and stale.group_of("m") == "g2"
 
 
 def test_a_tenants_pool_quotas_count_every_groups_pools(etcd_server, tmp_path) -> None:
