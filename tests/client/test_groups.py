@@ -28,7 +28,7 @@ from client.errors import (
 from client.groups import ClusterClient
 from client.sdk import BlockdClient
 from tests.support.cli import run
-from tests.support.procs import start_worker
+from tests.support.procs import start_blockd, start_worker
 
 pytest_plugins = ["tests.support.etcd", "tests.support.groups"]
 
@@ -174,3 +174,22 @@ def test_a_daemon_that_cannot_reach_the_directory_does_not_serve() -> None:
                           cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 1 and "cannot join cluster c as group main" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_a_group_restarted_on_its_data_dir_serves_its_pools_again(etcd_server, tmp_path) -> None:
+    def group():
+        return start_blockd("--cluster", "restart", "--group", "g1", "--cluster-etcd", etcd_server.url,
+                            "--data-dir", str(tmp_path / "g1"), "--lease-ttl-s", "2")
+
+    daemon = group()
+    try:
+        with ClusterClient(f"cluster://{etcd_server.url.split('://')[1]}/restart", timeout_s=5) as client:
+            client.create_pool(PoolConfig("a", num_blocks=16, block_size=4))
+            version = client.step("a", [Allocate("s", [1, 2, 3])]).version
+            daemon.stop()  # SIGTERM: it leaves the directory at once
+            with pytest.raises(UnavailableError, match="has no live daemon"):
+                client.get_pool("a")
+            daemon = group()  # another port: the directory says where
+            assert client.get_pool("a").version == version and client.group_of("a") == "g1"
+    finally:
+        daemon.kill()
