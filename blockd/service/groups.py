@@ -21,8 +21,8 @@ call names:
 A refusal replaces the request (a :class:`~blockd.core.errors.BlockdError`
 in its place is what every servicer wrapper of :mod:`blockd.rpc.errors`
 answers with the one error mapping), so it leaves exactly as an engine
-refusal does, in band on a StepStream. ListPools answers only this group's
-pools. Without ``--cluster`` none of this is built or imported.
+refusal does, in band on a StepStream. ListPools and a LookupPrefix that
+names no pool answer for this group's pools only. Without ``--cluster`` none of this is built or imported.
 """
 
 from __future__ import annotations
@@ -347,12 +347,26 @@ class PoolGate(grpc.ServerInterceptor):
         owned = self.member.owned
         return pb.ListPoolsResponse(pools=[stats for stats in response.pools if stats.name in owned])
 
+    def _lookup(self, behavior: Callable, request, context):
+        """LookupPrefix: named pools are checked as any call's; with none named, the
+        answer covers this group's pools only (not a copy a move left behind)."""
+        checked, busy = self.admit("LookupPrefix", request)
+        try:
+            response = behavior(checked, context)
+        finally:
+            self.done(busy)
+        owned = self.member.owned
+        return pb.LookupPrefixResponse(
+            num_cached_tokens={p: n for p, n in response.num_cached_tokens.items() if p in owned},
+            num_host_tokens={p: n for p, n in response.num_host_tokens.items() if p in owned})
+
     def _wrap(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
         kind = (handler.request_streaming, handler.response_streaming)
         behavior = {(False, False): handler.unary_unary, (False, True): handler.unary_stream,
                     (True, False): handler.stream_unary, (True, True): handler.stream_stream}[kind]
         assert behavior is not None  # gRPC sets the one matching the handler's kind
-        special = {"CreatePool": self._create, "DeletePool": self._delete, "ListPools": self._list}.get(method)
+        special = {"CreatePool": self._create, "DeletePool": self._delete, "ListPools": self._list,
+                   "LookupPrefix": self._lookup}.get(method)
         admit, done = self.admit, self.done
 
         if special is not None:

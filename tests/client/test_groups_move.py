@@ -18,6 +18,7 @@ import pytest
 
 from blockd.auth.tokens import add_token, read_for_edit, write_atomically
 from blockd.core.types import Allocate, DecodeAppend, PoolConfig
+from blockd.engine.machine import Engine
 from blockd.v1 import groups_pb2 as gpb
 from blockd.v1 import groups_pb2_grpc as gpb_grpc
 from client.errors import FailedPreconditionError, ResourceExhaustedError
@@ -122,12 +123,21 @@ def test_bad_moves_and_imports_are_refused_and_change_nothing(two_groups) -> Non
     client.refresh()
     assert client.group_of("m") == "g1" and client.get_pool("m").num_seqs == 1
     assert client.get_pool("m").version == 1
+    # an import whose move never switched the directory (the owner failed after it) is never served
+    elsewhere = Engine()
+    elsewhere.create_pool(PoolConfig("m", num_blocks=16, block_size=4))
+    elsewhere.step("m", [Allocate("x", [1, 2, 3, 4, 5])])
+    leftover = json.dumps(elsewhere.export_pool("m")).encode()
+    with grpc.insecure_channel(g2.address) as c2:
+        gpb_grpc.GroupServiceStub(c2).ImportPool(gpb.ImportPoolRequest(pool="m", state=leftover, epoch=2), timeout=10)
     with BlockdClient(g2.address) as other_client:
-        assert other_client.list_pools() == []
-    # and the move itself still works afterwards; a client that read the directory before follows it
+        assert other_client.list_pools() == [] and other_client.lookup_prefix([1, 2, 3, 4, 5]) == {}
+    # the move itself still works afterwards (replacing the leftover); a client that read the directory before
+    # follows it
     with ClusterClient(client.target) as stale:
         assert stale.group_of("m") == "g1"
         assert client.move_pool("m", "g2").epoch == 2 and client.get_pool("m").num_seqs == 1
+        assert client.get_sequence("m", "s").num_tokens == 3  # the real pool, not the leftover (sequence x)
         assert stale.lookup_prefix([1, 2, 3], pools=["m"]) == {"m": 0}
         assert stale.get_pool("m").num_seqs == 1 and stale.group_of("m") == "g2"
 
