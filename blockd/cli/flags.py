@@ -57,7 +57,8 @@ def _add_replication(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--group", default="main",
                        help="the replica group (with --etcd); with --cluster, this daemon's group in the cluster")
     serve.add_argument("--cluster", default="",
-                       help="serve the pools a cluster's directory gives --group (needs --cluster-etcd); "
+                       help="serve the pools a cluster's directory gives --group (needs --cluster-etcd; with --etcd, "
+                            "the replica group is the cluster's group); "
                             "without it the daemon serves every pool it holds, as always")
     serve.add_argument("--cluster-etcd", default="",
                        help="etcd endpoints (http://HOST:PORT,...) holding --cluster's pool directory")

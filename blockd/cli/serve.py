@@ -178,11 +178,9 @@ def _member(args: argparse.Namespace):
         return None
     if not args.cluster_etcd:
         raise ValueError("--cluster needs --cluster-etcd (the etcd endpoints holding its pool directory)")
-    if args.etcd:
-        raise ValueError("--cluster with --etcd (a replicated group in a cluster) is not supported yet: run "
-                         "each group of a cluster as one daemon")
     from blockd.service.groups import GroupMember
-    return GroupMember(args.cluster_etcd, args.cluster, args.group, args.lease_ttl_s)
+    # with --etcd, --group names both the replica group and the cluster's group: its leader announces it
+    return GroupMember(args.cluster_etcd, args.cluster, args.group, args.lease_ttl_s, replicated=bool(args.etcd))
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -275,6 +273,8 @@ def serve(args: argparse.Namespace) -> int:
         return 1
     if replica is not None:
         _leader_health(server, replica)
+        if member is not None:
+            _announce_when_leading(replica, member)
         replica.start(engine, advertise)
         if metrics is not None:
             _register_replication_metrics(metrics, replica)
@@ -303,6 +303,17 @@ def _gate(member, quotas) -> list:
         return []
     from blockd.service.groups import PoolGate
     return [PoolGate(member, quotas)]
+
+
+def _announce_when_leading(replica, member) -> None:
+    """A replicated group in a cluster: the replica that leads announces the group."""
+    health = replica.on_role
+
+    def on_role(leading: bool) -> None:
+        health(leading)
+        member.announce(leading)
+
+    replica.on_role = on_role
 
 
 def _group_service(engine, gate: list, member, args: argparse.Namespace, tls) -> list:

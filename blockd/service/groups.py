@@ -2,7 +2,9 @@
 --cluster-etcd URL``): its membership and the gate that serves only its own pools.
 
 :class:`GroupMember` keeps the group's key in the cluster's directory
-(:mod:`blockd.ha.directory`) alive on an etcd lease, and the set of pools the
+(:mod:`blockd.ha.directory`) alive on an etcd lease (a replicated group,
+``--etcd`` too: its leader's key and address, put when a replica starts to
+lead, gone with its lease when it stops), and the set of pools the
 directory gives this group (read when it joins, then changed only by this
 daemon: a pool it creates is claimed in etcd first, a pool it deletes is
 released after). :class:`PoolGate`, a server interceptor, looks at the pool a
@@ -65,10 +67,16 @@ class GroupMember:
     thread-safe); the hot path reads only :attr:`owned`, a dict replaced or
     changed whole under that lock."""
 
-    def __init__(self, etcd_endpoints: str, cluster: str, group: str, lease_ttl_s: int = 5) -> None:
+    def __init__(self, etcd_endpoints: str, cluster: str, group: str, lease_ttl_s: int = 5,
+                 replicated: bool = False) -> None:
         self.directory = Directory(EtcdClient(etcd_endpoints), cluster)
         self.group = check_name("group name", group)
         self.lease_ttl_s = lease_ttl_s
+        #: a replica of a replicated group announces the group only while it leads
+        #: (:meth:`announce`); a single daemon is its group's leader from the start
+        self._leading = not replicated
+        self._announced = False
+        self._wake = threading.Event()
         #: pool name -> epoch of the directory entry that gives it to this group
         self.owned: dict[str, int] = {}
         self._lock = threading.Lock()
@@ -79,13 +87,13 @@ class GroupMember:
 
     # --- lifetime -----------------------------------------------------------------------------
     def join(self, address: str, local_pools: list[str]) -> None:
-        """Announce this group at ``address`` and learn its pools; a pool in the
-        data dir that the directory has no entry for is claimed (a daemon that
-        joins with pools it already had). Raises EtcdUnavailable / BadValue."""
+        """Take a lease, announce this group at ``address`` (a replica: once it
+        leads) and learn its pools; a pool in the data dir that the directory
+        has no entry for is claimed (a daemon that joins with pools it already
+        had). Raises EtcdUnavailable / BadValue."""
         self._entry = GroupEntry(self.group, address)
         with self._lock:
             self._lease, _ = self.directory.etcd.grant(self.lease_ttl_s)
-            self.directory.join(self._entry, self._lease)
             entries = self.directory.pools()
             for name in local_pools:
                 if name not in entries:
@@ -94,28 +102,54 @@ class GroupMember:
                 if name in local_pools and entry.group != self.group:
                     log.error("pool %s is in the data dir but the directory gives it to group %s (epoch %d): "
                               "not served here", name, entry.group, entry.epoch)
+            self._announce_now()
             self.owned = {name: e.epoch for name, e in entries.items() if e.group == self.group}
         self._thread = threading.Thread(target=self._keepalive, name="blockd-group-lease", daemon=True)
         self._thread.start()
         log.info("joined cluster %s as group %s at %s, owning %d pools", self.directory.cluster, self.group,
                  address, len(self.owned))
 
+    def announce(self, leading: bool) -> None:
+        """A replica's role changed (its election's callback: no etcd call here,
+        the lease thread does it at once)."""
+        self._leading = leading
+        self._wake.set()
+
+    def _announce_now(self) -> None:
+        """Under the lock: put the group's key while leading; on stepping down, end
+        the lease it is bound to (so a successor's key is never the one removed)."""
+        if self._leading and not self._announced and self._entry is not None:
+            self.directory.join(self._entry, self._lease)
+            self._announced = True
+            # a new leader of a replicated group: its pools as the directory says now
+            self.owned = {name: e.epoch for name, e in self.directory.pools().items() if e.group == self.group}
+        elif not self._leading and self._announced:
+            self.directory.etcd.revoke(self._lease)
+            self._announced = False
+            self._lease, _ = self.directory.etcd.grant(self.lease_ttl_s)
+
     def _keepalive(self) -> None:
-        """Renew the lease a few times per TTL; a lease etcd lost (a long pause)
-        is granted again and the key put back."""
-        while not self._stop.wait(max(0.2, self.lease_ttl_s / 3)):
+        """Renew the lease a few times per TTL (and announce a change of role at
+        once); a lease etcd lost (a long pause) is granted again and the key put back."""
+        while not self._stop.is_set():
+            self._wake.wait(max(0.2, self.lease_ttl_s / 3))
+            self._wake.clear()
+            if self._stop.is_set():
+                return
             try:
                 with self._lock:
-                    if self.directory.etcd.keepalive(self._lease) <= 0 and self._entry is not None:
+                    if self.directory.etcd.keepalive(self._lease) <= 0:
                         log.warning("the group's etcd lease was lost; joining again")
                         self._lease, _ = self.directory.etcd.grant(self.lease_ttl_s)
-                        self.directory.join(self._entry, self._lease)
-            except EtcdUnavailable as err:
-                log.warning("cannot renew the group's etcd lease: %s", err)
+                        self._announced = False
+                    self._announce_now()
+            except (EtcdUnavailable, BadValue) as err:
+                log.warning("cannot renew the group's etcd lease or key: %s", err)
 
     def leave(self) -> None:
         """Stop renewing and revoke the lease: the group's key goes at once."""
         self._stop.set()
+        self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
         with self._lock:

@@ -88,6 +88,7 @@ class GroupServicer(gpb_grpc.GroupServiceServicer):
         if to not in groups:
             raise NotFound(f"group {to} has no live daemon in cluster {self._member.directory.cluster} (live: "
                            f"{', '.join(sorted(groups)) or 'none'}); nothing moved")
+        self._engine.get_pool(pool)  # a replica that does not lead refuses here (NOT_LEADER), before anything
         if not self._gate.freeze(pool, DRAIN_TIMEOUT_S):
             raise Unavailable(f"the calls under way on pool {shown(pool)} did not end within {DRAIN_TIMEOUT_S:g} "
                               f"s; nothing moved, the pool serves here")

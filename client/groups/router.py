@@ -176,6 +176,11 @@ class ClusterClient:
             self._groups = groups
             self._routes = {name: (entry.group, groups.get(entry.group, "")) for name, entry in pools.items()}
 
+    def groups(self) -> dict[str, str]:
+        """The live groups and the address each serves at (a replicated group's leader), read now."""
+        self.refresh()
+        return dict(self._groups)
+
     def group_of(self, pool: str) -> str:
         """The group the directory gives ``pool`` (as last read)."""
         return self._route(pool)[0]
