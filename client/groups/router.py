@@ -75,6 +75,12 @@ class Moved:
     version: int
 
 
+class NotOverCluster(InvalidArgumentError, AttributeError):
+    """A plain client's method that a cluster cannot route (a replica's status, a
+    step stream). An AttributeError too, so ``getattr(client, name, None)`` (how
+    the scheduler asks whether a backend offers ``step_stream``) answers None."""
+
+
 def parse_cluster_target(target: str) -> tuple[list[str], str] | None:
     """``(etcd endpoints as http://HOST:PORT, cluster name)`` of a ``cluster://`` target;
     None for any other target; :class:`InvalidArgumentError` naming what is wrong."""
@@ -144,8 +150,8 @@ class ClusterClient:
         """What a plain client has and a cluster cannot route (a replica's status,
         a step stream): refused in words rather than with an AttributeError."""
         if not name.startswith("_") and hasattr(BlockdClient, name):
-            raise InvalidArgumentError(f"{name} is not offered over a cluster target ({self.target}): call "
-                                       f"one group's daemon at its address")
+            raise NotOverCluster(f"{name} is not offered over a cluster target ({self.target}): call one "
+                                 f"group's daemon at its address")
         raise AttributeError(name)
 
     def close(self) -> None:

@@ -2,7 +2,8 @@
 
 A scheduler keeps stepping a pool while it moves: no step is lost or applied
 twice (versions stay consecutive, the sequence holds every token), the
-incarnation is kept, and the old owner refuses late calls naming the new
+incarnation is kept, the real Scheduler (over the slot model) computes every
+token as the reference does, and the old owner refuses late calls naming the new
 one. Every bad MovePool / ImportPool is refused with its status and changes
 nothing. A tenant's pool, block and byte quotas count the pools of every group.
 """
@@ -10,6 +11,7 @@ nothing. A tenant's pool, block and byte quotas count the pools of every group.
 from __future__ import annotations
 
 import json
+import random
 import threading
 import time
 
@@ -23,8 +25,11 @@ from blockd.v1 import groups_pb2 as gpb
 from blockd.v1 import groups_pb2_grpc as gpb_grpc
 from client.errors import FailedPreconditionError, ResourceExhaustedError
 from client.groups import ClusterClient
+from client.scheduler import SchedulerConfig
 from client.sdk import BlockdClient
+from client.serving import GenerationRequest
 from tests.support.procs import start_blockd
+from tests.support.slot_model import VOCAB, check_outputs, make
 
 pytest_plugins = ["tests.support.etcd", "tests.support.groups"]
 
@@ -165,3 +170,27 @@ def test_a_tenants_pool_quotas_count_every_groups_pools(etcd_server, tmp_path) -
     finally:
         for daemon in daemons:
             daemon.kill()
+
+
+def test_the_scheduler_serves_every_request_right_while_its_pool_moves(two_groups) -> None:
+    client, _ = two_groups
+    rng = random.Random(7)
+    requests = [GenerationRequest(f"r{i}", tuple(rng.randrange(VOCAB) for _ in range(rng.randint(3, 12))),
+                                  rng.randint(4, 14)) for i in range(12)]
+    # the slot model wraps the client: it would open a StepStream, which a cluster does not offer
+    sched, model = make(client, 64, SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=8, stream_steps=False))
+    for req in requests:
+        sched.add_request(req)
+    moved: list = []
+
+    def mover() -> None:
+        _wait(lambda: model.num_steps >= 5, "the scheduler's first steps")
+        moved.append(client.move_pool("p", "g2"))
+
+    thread = threading.Thread(target=mover)
+    thread.start()
+    outputs = sched.run()
+    thread.join(30)
+    check_outputs(outputs, requests)  # every token as the reference: no step lost, the KV where it was
+    assert moved and moved[0].group == "g2" and moved[0].version < client.get_pool("p").version
+    assert client.get_pool("p").num_seqs == 0
