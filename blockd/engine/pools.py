@@ -114,10 +114,15 @@ class PoolMoves:
                             check: Callable[[], object] | None = None) -> tuple[object, int]: ...
 
     def export_pool(self, name: str) -> dict:
-        """Pool ``name``'s exact state as plain JSON-able data (NOT_FOUND if none)."""
+        """Pool ``name``'s exact state as plain JSON-able data (NOT_FOUND if none),
+        with the request ids answered for it (``requests``): a step resent to the
+        pool's new owner under the same id is answered, not applied again."""
         self._guard(name)
         with self._lock:
-            return self._state.entry(name).dump()
+            entry = self._state.entry(name)
+            data = entry.dump()
+            data["requests"] = self._state.requests.dump_scope(entry.identity.incarnation)
+            return data
 
     def import_pool(self, name: str, state: dict) -> PoolStats:
         """Build pool ``name`` from :meth:`export_pool`'s output, logged;

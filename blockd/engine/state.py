@@ -121,6 +121,11 @@ class State:
         if entry.pool.config.name != name:
             raise InvalidArgument(f"the state handed over as pool {shown(name)} is pool "
                                   f"{shown(entry.pool.config.name)}'s")
+        requests = state.get("requests", [])
+        try:
+            self.requests.add_entries(requests if isinstance(requests, list) else [requests])
+        except ValueError as err:
+            raise InvalidArgument(f"the request ids handed over with pool {shown(name)}: {err}") from None
         self.pools[name] = entry
         return entry.stats()
 

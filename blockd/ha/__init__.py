@@ -18,6 +18,6 @@ for one replica group and nothing of the engine, the log or the service:
 * :mod:`blockd.ha.directory` - a cluster's pool directory (which daemon group
   owns which pool), under ``/blockd-clusters/<cluster>/``, and the placement rule.
 
-The daemon without ``--etcd`` never imports this package. ``docs/ha.md``
+The daemon without ``--etcd`` or ``--cluster`` never imports this package. ``docs/ha.md``
 describes how replication is built on top of it.
 """

@@ -22,9 +22,10 @@ A failure before step 4 leaves the pool here and serving; an import the
 target made for a move that then failed is never served there (the
 directory does not name it) and the next import replaces it.
 
-Request ids are not carried over: a step retried at the new owner with the
-id of a step the old owner answered would be applied again. The drain makes
-that need a caller that lost an answer during the move.
+The pool's request ids travel with its state (the answers kept for its
+incarnation): a step resent to the new owner under the id of one the old
+owner applied is answered, not applied again (:class:`client.groups.ClusterClient`
+gives each change one id for all its resends).
 """
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ import grpc
 from blockd.core.types import PoolConfig, PoolStats, WorkerInfo, WorkerStatus
 from blockd.v1 import groups_pb2 as gpb
 from blockd.v1 import groups_pb2_grpc as gpb_grpc
-from client.channel import DEFAULT_MAX_ATTEMPTS, DEFAULT_TIMEOUT_S, dial
+from client.channel import DEFAULT_MAX_ATTEMPTS, DEFAULT_TIMEOUT_S, dial, new_request_id
 from client.errors import (
     FailedPreconditionError,
     InvalidArgumentError,
@@ -102,10 +102,15 @@ def connect(target: str, **kwargs: Any) -> Any:
         BlockdClient(target, **kwargs)
 
 
-def _routed(name: str) -> Callable[..., Any]:
-    """``BlockdClient.<name>(pool, ...)`` at the group that owns ``pool``."""
+def _routed(name: str, mutates: bool = False) -> Callable[..., Any]:
+    """``BlockdClient.<name>(pool, ...)`` at the group that owns ``pool``. A change
+    (``mutates``) gets its request id here, once: a resend to the pool's new owner
+    after a move carries the same id, which the move handed over, so a change the
+    old owner applied is answered, never applied twice."""
 
     def method(self: ClusterClient, pool: str, *args: Any, **kwargs: Any) -> Any:
+        if mutates and not kwargs.get("request_id") and not kwargs.get("dry_run"):
+            kwargs["request_id"] = new_request_id()
         return self.on_pool(pool, lambda client: getattr(client, name)(pool, *args, **kwargs))
 
     method.__name__ = name
@@ -322,18 +327,18 @@ class ClusterClient:
     # --- calls by pool -------------------------------------------------------------------------
     get_pool = _routed("get_pool")
     pool_config = _routed("pool_config")
-    reset_prefix_cache = _routed("reset_prefix_cache")
-    pin_prefix = _routed("pin_prefix")
-    set_prefix_priority = _routed("set_prefix_priority")
-    unpin_prefix = _routed("unpin_prefix")
+    reset_prefix_cache = _routed("reset_prefix_cache", mutates=True)
+    pin_prefix = _routed("pin_prefix", mutates=True)
+    set_prefix_priority = _routed("set_prefix_priority", mutates=True)
+    unpin_prefix = _routed("unpin_prefix", mutates=True)
     list_pins = _routed("list_pins")
-    step = _routed("step")
-    allocate = _routed("allocate")
-    append = _routed("append")
-    decode_append = _routed("decode_append")
-    commit = _routed("commit")
-    fork = _routed("fork")
-    free = _routed("free")
+    step = _routed("step", mutates=True)
+    allocate = _routed("allocate", mutates=True)
+    append = _routed("append", mutates=True)
+    decode_append = _routed("decode_append", mutates=True)
+    commit = _routed("commit", mutates=True)
+    fork = _routed("fork", mutates=True)
+    free = _routed("free", mutates=True)
     get_tables = _routed("get_tables")
     get_sequence = _routed("get_sequence")
 

@@ -194,3 +194,13 @@ def test_the_scheduler_serves_every_request_right_while_its_pool_moves(two_group
     check_outputs(outputs, requests)  # every token as the reference: no step lost, the KV where it was
     assert moved and moved[0].group == "g2" and moved[0].version < client.get_pool("p").version
     assert client.get_pool("p").num_seqs == 0
+
+
+def test_a_step_resent_after_a_move_under_its_request_id_is_answered_not_applied_again(two_groups) -> None:
+    client, _ = two_groups
+    client.create_pool(PoolConfig("m", num_blocks=16, block_size=4))
+    first = client.step("m", [Allocate("s", [1, 2, 3])], request_id="rid-1")
+    client.move_pool("m", "g2")
+    again = client.step("m", [Allocate("s", [1, 2, 3])], request_id="rid-1")  # as if its answer had been lost
+    assert (again.version, again.results[0].slot_mapping) == (first.version, first.results[0].slot_mapping)
+    assert client.get_pool("m").version == first.version

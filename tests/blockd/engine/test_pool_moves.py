@@ -53,3 +53,19 @@ def test_a_bad_import_is_refused_and_changes_nothing() -> None:
     with pytest.raises(NotFound):
         source.export_pool("nope")
     assert [s.name for s in target.list_pools()] == ["m"]
+
+
+def test_the_request_ids_of_a_pool_move_with_it() -> None:
+    source = Engine()
+    source.create_pool(PoolConfig("m", num_blocks=8, block_size=4))
+    source.create_pool(PoolConfig("o", num_blocks=8, block_size=4))
+    first = source.step("m", [Allocate("a", [1, 2])], "rid-m")
+    source.step("o", [Allocate("a", [1, 2])], "rid-o")
+    state = source.export_pool("m")
+    assert [row[0] for row in state["requests"]] == ["rid-m"]  # only this pool's answers
+    with pytest.raises(InvalidArgument, match="request ids"):
+        Engine().import_pool("m", {**state, "requests": [["rid-m"]]})
+    target = Engine()
+    target.import_pool("m", state)
+    again = target.step("m", [Allocate("a", [1, 2])], "rid-m")  # answered, not applied again
+    assert again.version == first.version and target.get_pool("m").version == first.version
