@@ -41,6 +41,10 @@ and 4 schedulers, in memory and with ``--fsync always``, plain and with mTLS
 and a token, against the in-process core; and where a step's time goes
 (:mod:`bench.daemon_cost` has the fields).
 
+``groups``: pools over daemon groups (``blockd serve --cluster``, a real
+etcd): steps/s of two schedulers with their pools on 1 and on 2 daemon
+processes, and the SDK's routing cost per step (rows of :mod:`bench.groups`).
+
 ``big_batch_isolation``: one caller's 20,000- and 30,000-op failing batches
 against another's small steps (rows of :mod:`bench.isolation`).
 
@@ -64,6 +68,7 @@ sys.path.insert(0, ROOT)
 from bench.auth import interceptor, step_security
 from bench.daemon import BLOCK_SIZE, MAX_STEPS, NUM_BLOCKS, NUM_SEQS, percentile, start_daemon, stop_daemon
 from bench.daemon_cost import daemon_cost
+from bench.groups import groups_rows
 from bench.isolation import big_batch_isolation
 from blockd.core import Allocate, Pool, PoolConfig
 from blockd.core.types import DecodeAppend, Free
@@ -461,6 +466,11 @@ def daemon_cost_part(args: argparse.Namespace) -> Iterator[dict]:
     yield from daemon_cost(args.seconds, args.quick, args.profile)
 
 
+def groups(args: argparse.Namespace) -> Iterator[dict]:
+    """Pools over 1 and 2 daemon processes, and the SDK's routing cost (:mod:`bench.groups`)."""
+    yield from groups_rows(args.seconds)
+
+
 def big_batch(args: argparse.Namespace) -> Iterator[dict]:
     """A huge failing batch against other callers' small steps (:mod:`bench.isolation`)."""
     yield from big_batch_isolation(args.seconds)
@@ -469,7 +479,7 @@ def big_batch(args: argparse.Namespace) -> Iterator[dict]:
 PARTS: dict[str, Callable[[argparse.Namespace], Iterator[dict]]] = {
     "step_rpc": step_rpc, "recovery": recovery, "crash_loop_restart": crash_loop_restart,
     "snapshot_stall": snapshot_stall, "idempotency": idempotency, "security": security,
-    "big_batch_isolation": big_batch, "daemon_cost": daemon_cost_part}
+    "big_batch_isolation": big_batch, "daemon_cost": daemon_cost_part, "groups": groups}
 
 
 def main(argv: list[str] | None = None) -> int:

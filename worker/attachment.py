@@ -37,6 +37,7 @@ from blockd.core.errors import BlockdError
 from blockd.core.hashing import DEFAULT_TENANT
 from blockd.core.types import PoolConfig, Snapshot, WorkerInfo
 from client.errors import BlockdClientError, NotFoundError
+from client.groups import connect
 from client.leader import BACKOFF_S
 from client.sdk import BlockdClient
 from worker.runtime import WorkerRuntime
@@ -57,8 +58,7 @@ class Attachment:
         # the stream gets its own channel: closing it is the one way to end a
         # blocked stream from another thread (a generator cannot be closed
         # while it runs)
-        self._watch_client = BlockdClient(client.target, timeout_s=client.timeout_s, tls=client.tls,
-                                          token=client.token)
+        self._watch_client = connect(client.target, timeout_s=client.timeout_s, tls=client.tls, token=client.token)
         self._threads = [
             threading.Thread(target=self._follow, name="blockd-worker-watch", daemon=True),
             threading.Thread(target=self._heartbeat, name="blockd-worker-heartbeat", daemon=True),

@@ -39,6 +39,7 @@ from blockd.core.types import WorkerInfo
 from blockd.rpc import addresses, tracing
 from client.cli.common import EXIT_CODES, Exit
 from client.errors import BlockdClientError
+from client.groups import connect
 from client.sdk import BlockdClient
 from worker.attachment import Attachment
 from worker.runtime import ShardSpec, WorkerRuntime
@@ -68,7 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=build_info.describe("blockd-worker"))
     p.add_argument("--blockd", default="127.0.0.1:50051",
                    help="blockd address; for a replicated group every replica's address, comma-separated "
-                        "(calls and Watch follow the leader)")
+                        "(calls and Watch follow the leader); for a cluster of groups cluster://ETCD_HOST:PORT/"
+                        "NAME (calls and Watch go to the pool's group)")
     p.add_argument("--pool", required=True, help="the pool whose shard this worker holds")
     p.add_argument("--worker-id", default=f"{socket.gethostname()}-{os.getpid()}",
                    help="unique per worker (default: HOST-PID)")
@@ -135,7 +137,8 @@ def _secured(args: argparse.Namespace) -> tuple[ServerSecurity, BlockdClient, tu
         tls, token = client_security(args)
         security = server_security(args.listen, server_tls(args), args.tokens_file, args.insecure)
         tracing.set_up("blockd-worker")  # before any channel or server: they are made traced or not
-        return security, BlockdClient(args.blockd, tls=tls, token=token), (tls, token)
+        # a cluster:// target routes by pool: the worker talks to its pool's group
+        return security, connect(args.blockd, tls=tls, token=token), (tls, token)
     except ValueError as err:  # InsecureListen, TlsError, IdentitiesFileError, TracingConfigError
         raise SystemExit(f"blockd-worker: {err}") from None
 

@@ -6,7 +6,7 @@ same kind of thing:
 =================  ===========================================================
 permission         RPCs
 =================  ===========================================================
-``pool.admin``     CreatePool, DeletePool, ResetPrefixCache
+``pool.admin``     CreatePool, DeletePool, ResetPrefixCache, GroupService.MovePool
 ``pool.read``      GetPool, ListPools, ListPins, ListWorkers, GetReplicaStatus, GetHashSpec (sizes, versions,
                    the hash spec and a pool's block size and tenant)
 ``tables.read``    GetTables, GetSequence, Watch (block tables)
@@ -17,7 +17,8 @@ permission         RPCs
 ``kv.stats``       KVShardService.GetWorkerStats
 ``kv.compute``     KVShardService.WriteKV, Attention, ModelStep, FetchBlocks
 ``kv.read``        KVShardService.ReadBlocks (another pool's worker fetching blocks: its tenant's KV)
-``replicate``      ReplicationService.ReplicateLog, AckLog, StreamAcks (admin only)
+``replicate``      ReplicationService.ReplicateLog, AckLog, StreamAcks, GroupService.ImportPool (admin only:
+                   one daemon handing another its log or a pool)
 ``authenticated``  server reflection (any valid identity, no role needed)
 ``open``           grpc.health.v1.Health (no credentials at all)
 =================  ===========================================================
@@ -92,6 +93,8 @@ _BLOCKD = {
     # (--peer-tls-*, --peer-token-file) must name an admin
     "blockd.v1.ReplicationService": {"ReplicateLog": REPLICATE, "AckLog": REPLICATE,
                                      "StreamAcks": REPLICATE, "GetReplicaStatus": POOL_READ},
+    # a pool's move between a cluster's groups (blockd serve --cluster): ImportPool is daemon to daemon
+    "blockd.v1.GroupService": {"MovePool": POOL_ADMIN, "ImportPool": REPLICATE},
     "grpc.health.v1.Health": {"Check": OPEN, "Watch": OPEN, "List": OPEN},
     "grpc.reflection.v1alpha.ServerReflection": {"ServerReflectionInfo": AUTHENTICATED},
 }

@@ -54,7 +54,14 @@ def _add_replication(serve: argparse.ArgumentParser) -> None:
                        help="etcd endpoints (http://HOST:PORT,...): run as one replica of a group, with leader "
                             "election and log replication; needs --data-dir and --replica-id")
     serve.add_argument("--replica-id", default="", help="this replica's name in its group (with --etcd)")
-    serve.add_argument("--group", default="main", help="the replica group (with --etcd)")
+    serve.add_argument("--group", default="main",
+                       help="the replica group (with --etcd); with --cluster, this daemon's group in the cluster")
+    serve.add_argument("--cluster", default="",
+                       help="serve the pools a cluster's directory gives --group (needs --cluster-etcd; with --etcd, "
+                            "the replica group is the cluster's group); "
+                            "without it the daemon serves every pool it holds, as always")
+    serve.add_argument("--cluster-etcd", default="",
+                       help="etcd endpoints (http://HOST:PORT,...) holding --cluster's pool directory")
     serve.add_argument("--replication", default="sync", choices=("sync", "async"),
                        help="sync: a step is acknowledged once an in-sync follower persisted it; async: once "
                             "the leader logged it (followers trail)")
@@ -79,7 +86,8 @@ def _add_replication(serve: argparse.ArgumentParser) -> None:
                        help="the replication port, on the host of --listen (0: any free port; followers learn "
                             "it from the leader's ReplicateLog answer)")
     serve.add_argument("--lease-ttl-s", type=config_env.positive_int, default=2,
-                       help="the leader's etcd lease; failover takes about this plus 1 s")
+                       help="the leader's etcd lease (and a --cluster group's: its pools are reported down "
+                            "this long after its daemon dies); failover takes about this plus 1 s")
     peers = serve.add_argument_group(
         "replication between replicas", "how a follower's stream authenticates to its leader when the group "
         "serves TLS or tokens: the leader checks it like any call (the replicate permission: an admin identity)")

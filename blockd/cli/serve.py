@@ -114,9 +114,15 @@ def _freeze_gc(stop: threading.Event, interval_s: float) -> None:
 
 
 
+def _peered(args: argparse.Namespace) -> str:
+    """The flag that makes this daemon call its peers (in the messages of :func:`_peer_security`)."""
+    return "--etcd" if args.etcd else "--cluster"
+
+
 def _peer_security(args: argparse.Namespace, tls) -> tuple:
-    """``(TlsConfig | None, token | None)`` a follower dials its leader with;
-    ValueError when the group's own security would refuse the stream."""
+    """``(TlsConfig | None, token | None)`` a follower dials its leader with (or a
+    ``--cluster`` group another, to move a pool); ValueError when the daemon's own
+    security would refuse the stream."""
     from blockd.auth.config import TlsConfig
 
     peer_tls = None
@@ -124,10 +130,10 @@ def _peer_security(args: argparse.Namespace, tls) -> tuple:
         peer_tls = TlsConfig(cert=args.peer_tls_cert, key=args.peer_tls_key, ca=args.peer_tls_ca,
                              server_name=args.peer_tls_server_name)
     if tls is not None and (peer_tls is None or not peer_tls.ca):
-        raise ValueError("--etcd with --tls-cert needs --peer-tls-ca: the CA bundle the other replicas' server "
-                         "certificates chain to, so a follower can verify its leader")
+        raise ValueError(f"{_peered(args)} with --tls-cert needs --peer-tls-ca: the CA bundle the other replicas' "
+                         "server certificates chain to, so a follower can verify its leader")
     if tls is not None and tls.mutual and (peer_tls is None or not peer_tls.cert):
-        raise ValueError("--etcd with --tls-client-ca needs --peer-tls-cert and --peer-tls-key: the client "
+        raise ValueError(f"{_peered(args)} with --tls-client-ca needs --peer-tls-cert and --peer-tls-key: the client "
                          "certificate (an admin identity) a follower presents to its leader")
     token = None
     if args.peer_token_file:
@@ -139,7 +145,7 @@ def _peer_security(args: argparse.Namespace, tls) -> tuple:
         if not token:
             raise ValueError(f"--peer-token-file {args.peer_token_file} is empty")
     elif args.tokens_file and (peer_tls is None or not peer_tls.cert):
-        raise ValueError("--etcd with --tokens-file needs --peer-token-file (an admin token a follower sends "
+        raise ValueError(f"{_peered(args)} with --tokens-file needs --peer-token-file (an admin token a follower sends "
                          "its leader) or a --peer-tls-cert the leader accepts")
     return peer_tls, token
 
@@ -163,6 +169,20 @@ def _replica(args: argparse.Namespace, tls):
     return Replica(config, args.data_dir)
 
 
+def _member(args: argparse.Namespace):
+    """This daemon's place in ``--cluster`` (:mod:`blockd.service.groups`), or None
+    (the default: nothing of it is imported); ValueError for flags that do not fit."""
+    if not args.cluster:
+        if args.cluster_etcd:
+            raise ValueError("--cluster-etcd needs --cluster (the cluster's name)")
+        return None
+    if not args.cluster_etcd:
+        raise ValueError("--cluster needs --cluster-etcd (the etcd endpoints holding its pool directory)")
+    from blockd.service.groups import GroupMember
+    # with --etcd, --group names both the replica group and the cluster's group: its leader announces it
+    return GroupMember(args.cluster_etcd, args.cluster, args.group, args.lease_ttl_s, replicated=bool(args.etcd))
+
+
 def serve(args: argparse.Namespace) -> int:
     # imported here so `blockd --help` stays fast and grpc-free
     from blockd.auth import server_security
@@ -181,12 +201,13 @@ def serve(args: argparse.Namespace) -> int:
     except ValueError as err:  # InsecureListen, TlsError, IdentitiesFileError, TracingConfigError
         log.error("cannot serve: %s", err)
         return 2
-    if args.etcd:
-        try:
-            _peer_security(args, tls)
-        except ValueError as err:
-            log.error("cannot serve: %s", err)
-            return 2
+    try:
+        if args.etcd or (args.cluster and (tls is not None or args.tokens_file)):
+            _peer_security(args, tls)  # a follower's credentials, or those a pool's move calls another group with
+        member = _member(args)
+    except ValueError as err:
+        log.error("cannot serve: %s", err)
+        return 2
     log.info("data dir: %s; fsync: %s", args.data_dir or "none (in memory)", args.fsync)
     try:
         limits = IdempotencyLimits(args.max_request_ids, args.max_request_bytes, args.request_ttl_s)
@@ -214,17 +235,22 @@ def serve(args: argparse.Namespace) -> int:
     for stats in sorted(engine.list_pools(local=True), key=lambda s: s.name):
         log.info("pool %s: %d blocks of %d, %d sequences, version %d", stats.name, stats.num_blocks,
                  stats.block_size, stats.num_seqs, stats.version)
+    gate = _gate(member, security.quota_source())
     try:
         server = BlockdServer(engine, args.listen, max_workers=args.max_workers, grace_s=args.grace_s,
                               interceptors=[*server_interceptors(),
                                             *([metrics.interceptor()] if metrics is not None else []),
-                                            *security.interceptors], credentials=security.credentials,
-                              extra_services=[replica.servicer()] if replica is not None else [])
+                                            *security.interceptors, *gate],
+                              credentials=security.credentials,
+                              extra_services=[*([replica.servicer()] if replica is not None else []),
+                                              *_group_service(engine, gate, member, args, tls)])
         advertise = _advertise_address(args.advertise_address, server.address)
         http = _start_metrics(engine, args.metrics_port, metrics, args)
     except (OSError, ValueError, RuntimeError) as err:
         log.error("cannot serve on %s (metrics port %d): %s", args.listen, args.metrics_port, err)
         engine.close()
+        return 1
+    if member is not None and not _join(member, advertise, engine, http):
         return 1
 
     stop = threading.Event()
@@ -251,6 +277,8 @@ def serve(args: argparse.Namespace) -> int:
         return 1
     if replica is not None:
         _leader_health(server, replica)
+        if member is not None:
+            _announce_when_leading(replica, member)
         replica.start(engine, advertise)
         if metrics is not None:
             _register_replication_metrics(metrics, replica)
@@ -263,11 +291,58 @@ def serve(args: argparse.Namespace) -> int:
             _reload(security, http, pid_file)
     if replica is not None:
         replica.stop()  # resign first: the next leader is elected within a poll
+    if member is not None:
+        member.leave()  # callers learn at once that this group's pools are down
     server.stop()
     if http is not None:
         http.close()
     _remove_pid_file(pid_file)
     return 0
+
+
+def _gate(member, quotas) -> list:
+    """The interceptor that serves only the group's pools and counts tenants' quotas
+    over every group (last: after authentication)."""
+    if member is None:
+        return []
+    from blockd.service.groups import PoolGate
+    return [PoolGate(member, quotas)]
+
+
+def _announce_when_leading(replica, member) -> None:
+    """A replicated group in a cluster: the replica that leads announces the group."""
+    health = replica.on_role
+
+    def on_role(leading: bool) -> None:
+        health(leading)
+        member.announce(leading)
+
+    replica.on_role = on_role
+
+
+def _group_service(engine, gate: list, member, args: argparse.Namespace, tls) -> list:
+    """``GroupService`` (a pool's move) with the credentials a move calls the other group with."""
+    if member is None:
+        return []
+    from blockd.service.moves import GroupServicer
+    from blockd.v1 import groups_pb2
+    peer = _peer_security(args, tls) if tls is not None or args.tokens_file else (None, None)
+    return [(GroupServicer(engine, gate[0], member, peer), groups_pb2.DESCRIPTOR.services_by_name["GroupService"])]
+
+
+def _join(member, advertise: str, engine, http) -> bool:
+    """Join the cluster before serving; False (logged, everything closed) when etcd refuses."""
+    from blockd.ha.etcd import EtcdUnavailable
+    from blockd.ha.keys import BadValue
+    try:
+        member.join(advertise, [stats.name for stats in engine.list_pools(local=True)])
+        return True
+    except (EtcdUnavailable, BadValue) as err:
+        log.error("cannot join cluster %s as group %s: %s", member.directory.cluster, member.group, err)
+        engine.close()
+        if http is not None:
+            http.close()
+        return False
 
 
 def _reload(security, http, pid_file: str | None) -> None:

@@ -129,6 +129,28 @@ class NotLeader(WrongState):
         self.metadata = {"leader_id": leader_id, "leader_address": leader_address, "term": str(term)}
 
 
+class WrongGroup(WrongState):
+    """The pool belongs to another daemon group of the cluster (``blockd serve
+    --cluster``): the ErrorInfo metadata names its group, the group's address
+    (empty when that group is down) and the directory entry's epoch."""
+
+    reason = "WRONG_GROUP"
+
+    def __init__(self, message: str, *, group: str, address: str, epoch: int) -> None:
+        super().__init__(message)
+        self.metadata = {"owner_group": group, "owner_address": address, "epoch": str(epoch)}
+
+
+class ExistsOnOtherGroup(AlreadyExists):
+    """CreatePool of a name another group of the cluster owns (metadata as :class:`WrongGroup`'s)."""
+
+    reason = "EXISTS_ON_OTHER_GROUP"
+
+    def __init__(self, message: str, *, group: str, address: str, epoch: int) -> None:
+        super().__init__(message)
+        self.metadata = {"owner_group": group, "owner_address": address, "epoch": str(epoch)}
+
+
 class Unavailable(BlockdError):
     """Not now, maybe soon: retry (with the same request id)."""
 

@@ -212,6 +212,26 @@ class IdempotencyTable:
              e.scope]
             for rid, e in self._entries.items()]}
 
+    def dump_scope(self, scope: str) -> list:
+        """The entries whose answers belong to ``scope`` (a pool incarnation), as
+        :meth:`dump` writes them: what a pool's move to another daemon hands over."""
+        return [row for row in self.dump()["entries"] if row[4] == scope]
+
+    def add_entries(self, rows: list) -> None:
+        """Add :meth:`dump_scope`'s entries (another daemon's); ValueError (nothing
+        added) for rows of another shape; an id already kept here keeps its own."""
+        parsed = []
+        for row in rows:
+            if not isinstance(row, list) or len(row) != 5 or not all(isinstance(v, str) for v in row[:2]) \
+                    or not isinstance(row[2], (int, float)) or not isinstance(row[3], (str, type(None))) \
+                    or not isinstance(row[4], str):
+                raise ValueError(f"a request id entry must be [id, fingerprint, time, answer, scope], got {row!r:.80}")
+            parsed.append((row[0], row[1], float(row[2]), None if row[3] is None else base64.b64decode(row[3]),
+                           row[4]))
+        for rid, fp, t, answer, scope in parsed:
+            if rid not in self._entries:
+                self._put(rid, fp, t, answer, scope)
+
     def load(self, data: dict | list) -> None:
         self._entries.clear()
         self._answers.clear()

@@ -41,7 +41,7 @@ from blockd.engine import records
 from blockd.engine.config import EngineConfig
 from blockd.engine.durability import Durability, recover
 from blockd.engine.idempotency import MISSING, IdempotencyTable, IdempotencyUsage
-from blockd.engine.pools import PoolEntry
+from blockd.engine.pools import PoolEntry, PoolMoves
 from blockd.engine.retention.pins import CacheCalls
 from blockd.engine.state import State
 from blockd.engine.step_checks import check_previous_term, refuse_malformed
@@ -56,7 +56,7 @@ log = logging.getLogger("blockd.engine.machine")
 T = TypeVar("T")
 
 
-class Engine(CacheCalls):  # the prefix cache's calls: blockd.engine.retention.pins
+class Engine(CacheCalls, PoolMoves):  # the prefix cache's calls (retention.pins); a pool's move (pools)
     def __init__(self, config: EngineConfig | None = None) -> None:
         self.config = config = config if config is not None else EngineConfig()
         self._lock = threading.RLock()
@@ -359,8 +359,7 @@ class Engine(CacheCalls):  # the prefix cache's calls: blockd.engine.retention.p
             self.workers.check(info, entry.pool.config)
             lsn = self._log_position()
             if not entry.identity.knows(info.incarnation):
-                num_lost, lsn = self._apply_and_log(records.WorkerJoined(info.pool, info.worker_id,
-                                                                         info.incarnation))
+                num_lost, lsn = self._apply_and_log(records.WorkerJoined(info.pool, info.worker_id, info.incarnation))
                 if num_lost:
                     log.warning("pool %r: worker %r registered as a new incarnation (%s); the KV of %d "
                                 "sequences is lost and the prefix cache is cleared: steps naming them fail "

@@ -151,6 +151,18 @@ class SetPrefixPriority:
 
 
 @dataclass(frozen=True)
+class ImportPool:
+    """A pool handed over by another group of a cluster, in its exact snapshot
+    form (:meth:`blockd.engine.pools.PoolEntry.dump`): incarnation, versions,
+    tables and prefix cache continue as they were (:class:`blockd.engine.pools.PoolMoves`)."""
+
+    pool: str
+    state: dict
+    kind = "import_pool"
+    subject = None
+
+
+@dataclass(frozen=True)
 class TermStart:
     """A new leader's first record: its term, the one before, and who leads.
 
@@ -167,7 +179,7 @@ class TermStart:
 
 
 Record = (CreatePool | DeletePool | Step | ResetPrefixCache | WorkerJoined | PinPrefix | UnpinPrefix
-          | SetPrefixPriority | TermStart)
+          | SetPrefixPriority | ImportPool | TermStart)
 
 
 def encode(record: Record, rid: str = "", t: float = 0.0) -> dict:
@@ -188,6 +200,8 @@ def encode(record: Record, rid: str = "", t: float = 0.0) -> dict:
     elif isinstance(record, SetPrefixPriority):
         body = {"pool": record.pool, "tokens": list(record.token_ids), "extra": extra_to_json(record.extra_keys),
                 "priority": record.priority}
+    elif isinstance(record, ImportPool):
+        body = {"pool": record.pool, "state": record.state}
     elif isinstance(record, TermStart):
         body = {"term": record.term, "previous_term": record.previous_term, "leader": record.leader}
     else:
@@ -221,6 +235,8 @@ def decode(body: dict) -> tuple[Record, str, float]:
         record = UnpinPrefix(body["pool"], body["pin_id"], bool(body["expired"]))
     elif kind == "set_prefix_priority":
         record = SetPrefixPriority(body["pool"], body["tokens"], extra_from_json(body["extra"]), body["priority"])
+    elif kind == "import_pool":
+        record = ImportPool(body["pool"], body["state"])
     elif kind == "term_start":
         record = TermStart(int(body["term"]), int(body["previous_term"]), str(body["leader"]))
     else:

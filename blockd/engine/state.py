@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from blockd.core import AlreadyExists, Op, Pool, PoolConfig, PoolStats, StepResult, check_invariants
-from blockd.core.errors import NotFound, shown
+from blockd.core.errors import InvalidArgument, NotFound, shown
 from blockd.core.validate import check_config, check_name
 from blockd.engine import records
 from blockd.engine.idempotency import IdempotencyTable, fingerprint
@@ -61,6 +61,8 @@ class State:
             return self.run_step(self.pools[record.pool], record.ops)
         if isinstance(record, records.CreatePool):
             return self._create_pool(record.config, record.incarnation)
+        if isinstance(record, records.ImportPool):
+            return self._import_pool(record.pool, record.state)
         if isinstance(record, records.DeletePool):
             self._delete_pool(record.pool)
             return None
@@ -105,6 +107,26 @@ class State:
             config = replace(config, tenant=owner_of(config))
         entry = PoolEntry(Pool(config), PoolIncarnations(incarnation))
         self.pools[config.name] = entry
+        return entry.stats()
+
+    def _import_pool(self, name: str, state: dict) -> PoolStats:
+        """Pool ``name`` from its snapshot form (another group's, handed over in a move)."""
+        if name in self.pools:
+            raise AlreadyExists(f"pool {shown(name)} already exists here: it cannot be imported over")
+        try:
+            entry = PoolEntry.load(state, 0)
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as err:
+            raise InvalidArgument(f"the state of pool {shown(name)} is not a pool's snapshot form: "
+                                  f"{type(err).__name__} {shown(str(err))}") from None
+        if entry.pool.config.name != name:
+            raise InvalidArgument(f"the state handed over as pool {shown(name)} is pool "
+                                  f"{shown(entry.pool.config.name)}'s")
+        requests = state.get("requests", [])
+        try:
+            self.requests.add_entries(requests if isinstance(requests, list) else [requests])
+        except ValueError as err:
+            raise InvalidArgument(f"the request ids handed over with pool {shown(name)}: {err}") from None
+        self.pools[name] = entry
         return entry.stats()
 
     def _delete_pool(self, name: str) -> None:

@@ -176,3 +176,19 @@ def _refuse_over(tenant: str, what: str, wanted: dict[str, tuple[int, int | None
         first = violations[0][1]
         raise QuotaExceeded(f"{what} would exceed tenant {tenant!r}'s quota: {first}. Free or delete what it "
                             f"no longer needs, or ask the operator for a higher quota", violations)
+
+
+def check_cluster_create(config: PoolConfig, quota: Quota, held: Iterable[tuple[int, int]]) -> None:
+    """Refuse a new pool over its tenant's pools, blocks or bytes quota counted over
+    a cluster's groups (``blockd serve --cluster``): ``held`` is ``(blocks, bytes)``
+    of each pool the tenant has on any group, as the cluster's directory says."""
+    held = list(held)
+    tenant = owner_of(config)
+    wanted = {
+        "pools": (len(held) + 1, quota.pools, "pools across the cluster's groups"),
+        "blocks": (sum(b for b, _ in held) + config.num_blocks, quota.blocks, "blocks across the cluster's groups"),
+        "bytes": (sum(n for _, n in held) + config.num_blocks * config.bytes_per_block, quota.bytes,
+                  "bytes of KV across the cluster's groups"),
+    }
+    _refuse_over(tenant, "creating pool " + shown(config.name), wanted)
+

@@ -15,7 +15,9 @@ for one replica group and nothing of the engine, the log or the service:
 * :mod:`blockd.ha.insync` - the in-sync replica set, changed only by the
   current leader (fenced by its term inside etcd's transaction).
 * :mod:`blockd.ha.metrics` - a Prometheus collector for term and leadership.
+* :mod:`blockd.ha.directory` - a cluster's pool directory (which daemon group
+  owns which pool), under ``/blockd-clusters/<cluster>/``, and the placement rule.
 
-The daemon without ``--etcd`` never imports this package. ``docs/ha.md``
+The daemon without ``--etcd`` or ``--cluster`` never imports this package. ``docs/ha.md``
 describes how replication is built on top of it.
 """

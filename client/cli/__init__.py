@@ -61,6 +61,7 @@ from client.cli.report import add_report
 from client.cli.top import add_top
 from client.cli.workers import add_health, add_workers
 from client.errors import BlockdClientError, NotFoundError
+from client.groups import connect
 from client.sdk import BlockdClient
 
 #: events `events tail` shows when no --from is given, like tail(1)
@@ -188,7 +189,8 @@ def _add_global_flags(parser: argparse.ArgumentParser, after_command: bool) -> N
     """``--target``, ``--json``, ``--timeout-s``: before the command, and again
     after it (with no default there, so a flag given before is not undone)."""
     kwargs: dict[str, Any] = {"default": argparse.SUPPRESS} if after_command else {}
-    parser.add_argument("--target", help="blockd (or, for health, a worker) address HOST:PORT",
+    parser.add_argument("--target", help="blockd (or, for health, a worker) address HOST:PORT, or a cluster of "
+                        "groups: cluster://ETCD_HOST:PORT/NAME (each command goes to its pool's group)",
                         **(kwargs or {"default": DEFAULT_TARGET}))
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables",
                         **kwargs)
@@ -225,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     args = config_env.parse_args(build_parser(), argv, ENV_PREFIX, ENV_OVERRIDES)
     try:
         tls, token = client_security(args)
-        with BlockdClient(args.target, timeout_s=args.timeout_s, tls=tls, token=token) as client:
+        with connect(args.target, timeout_s=args.timeout_s, tls=tls, token=token) as client:
             args.run(client, args)
     except ValueError as err:  # TlsError: flags or files that cannot work
         print(f"blockctl: {err}", file=sys.stderr)

@@ -29,6 +29,7 @@ from blockd.core.pool import Pin
 from blockd.core.types import PoolConfig
 from client.cli import pool_apply
 from client.cli.common import CommandFailed, Exit, emit, render_table
+from client.groups import ClusterClient
 from client.sdk import BlockdClient
 
 _POOL_COLUMNS = ("name", "num_blocks", "block_size", "num_free_blocks", "num_used_blocks",
@@ -71,6 +72,15 @@ def _pools_misses(client: BlockdClient, args: argparse.Namespace) -> None:
     emit(args, data, lambda: (f"pool {stats.name}: {stats.prefix_queried_tokens} prompt tokens queried, "
                               f"{stats.prefix_hit_tokens} hit, {total} missed\n"
                               + render_table(("reason", "tokens", "share"), rows)))
+
+
+def _pools_move(client: BlockdClient | ClusterClient, args: argparse.Namespace) -> None:
+    if not isinstance(client, ClusterClient):  # a plain daemon has no groups to move a pool between
+        raise CommandFailed("pools move needs a cluster of daemon groups: --target cluster://ETCD_HOST:PORT/NAME",
+                            Exit.USAGE)
+    moved = client.move_pool(args.name, args.to_group)
+    emit(args, {"pool": args.name, "group": moved.group, "epoch": moved.epoch, "version": moved.version},
+         lambda: f"moved pool {args.name} to group {moved.group} at version {moved.version} (epoch {moved.epoch})")
 
 
 def _pools_delete(client: BlockdClient, args: argparse.Namespace) -> None:
@@ -199,6 +209,11 @@ def add_pools(sub: argparse._SubParsersAction) -> None:
                        "(cached under another model, adapter or salt)")
     misses.add_argument("name")
     misses.set_defaults(run=_pools_misses)
+    move = pools.add_parser("move", help="hand a pool to another daemon group of a cluster (--target cluster://"
+                                         "...): its steps wait a moment, then continue at the new group")
+    move.add_argument("name")
+    move.add_argument("--to-group", required=True, help="the group that takes the pool")
+    move.set_defaults(run=_pools_move)
     delete = pools.add_parser("delete", help="delete a pool with all its sequences and cached blocks")
     delete.add_argument("name")
     delete.set_defaults(run=_pools_delete)

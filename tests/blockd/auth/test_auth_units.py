@@ -44,7 +44,7 @@ from blockd.auth.tokens import (
     remove_token,
 )
 from blockd.rpc.errors import status_for
-from blockd.v1 import blockd_pb2, replication_pb2, worker_pb2
+from blockd.v1 import blockd_pb2, groups_pb2, replication_pb2, worker_pb2
 from tests.conftest import ROOT
 
 SERVED = [*blockd_pb2.DESCRIPTOR.services_by_name.values(), *worker_pb2.DESCRIPTOR.services_by_name.values(),
@@ -57,9 +57,10 @@ ALL_METHODS = [(f"/{s.full_name}/{m.name}", m) for s in SERVED for m in s.method
 
 # --- the policy -----------------------------------------------------------------------------------
 def test_every_rpc_of_every_service_has_a_permission_and_no_entry_is_stale() -> None:
-    # a replica also serves the replication service (blockd serve --etcd)
-    replication = [f"/{s.full_name}/{m.name}" for s in replication_pb2.DESCRIPTOR.services_by_name.values()
-                   for m in s.methods]
+    # a replica also serves the replication service (blockd serve --etcd), a cluster's group the group
+    # service (blockd serve --cluster)
+    replication = [f"/{s.full_name}/{m.name}" for module in (replication_pb2, groups_pb2)
+                   for s in module.DESCRIPTOR.services_by_name.values() for m in s.methods]
     paths = {path for path, _ in ALL_METHODS} | set(replication)
     missing = sorted(paths - set(METHOD_PERMISSIONS))
     assert not missing, f"add these to blockd.auth.policy: {missing}"

@@ -1,0 +1,28 @@
+"""Two daemon groups of one cluster for tests: ``blockd serve --cluster`` processes on a real etcd.
+
+Load with ``pytest_plugins = ["tests.support.etcd", "tests.support.groups"]``:
+``two_groups`` is ``(a ClusterClient of the cluster, [the daemon of g1, the
+daemon of g2])``, one cluster per test (named after it), killed at its end.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from client.groups import ClusterClient
+from tests.support.procs import start_blockd
+
+
+def _group(etcd_url: str, cluster: str, group: str):
+    return start_blockd("--cluster", cluster, "--group", group, "--cluster-etcd", etcd_url, "--lease-ttl-s", "2")
+
+
+@pytest.fixture
+def two_groups(etcd_server, request):
+    cluster = request.node.name[:40].replace("[", "-").replace("]", "")
+    daemons = [_group(etcd_server.url, cluster, g) for g in ("g1", "g2")]
+    client = ClusterClient(f"cluster://{etcd_server.url.split('://')[1]}/{cluster}", timeout_s=5)
+    yield client, daemons
+    client.close()
+    for daemon in daemons:
+        daemon.kill()
