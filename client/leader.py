@@ -55,15 +55,23 @@ def parse_etcd_target(target: str) -> tuple[list[str], str] | None:
     """``(etcd endpoints as http://HOST:PORT, group)`` of an ``etcd://HOST:PORT[,...]/GROUP``
     target; None for a list of replica addresses; :class:`InvalidArgumentError`
     (a ``ValueError``) naming what is wrong for a malformed one."""
-    if not target.startswith(ETCD_SCHEME):
+    return parse_etcd_named_target(target, ETCD_SCHEME, "group", f"an etcd target is {ETCD_FORM}")
+
+
+def parse_etcd_named_target(target: str, scheme: str, noun: str, form: str) -> tuple[list[str], str] | None:
+    """``(etcd endpoints as http://HOST:PORT, NAME)`` of a ``SCHEME HOST:PORT[,...]/NAME`` target
+    (an HA group's ``etcd://``, a cluster's ``cluster://``); None when it has another scheme;
+    :class:`InvalidArgumentError` naming what is wrong (``noun``: what NAME is; ``form``: the
+    sentence that ends the message)."""
+    if not target.startswith(scheme):
         return None
-    hosts, _, group = target[len(ETCD_SCHEME):].partition("/")
+    hosts, _, name = target[len(scheme):].partition("/")
     endpoints = [f"http://{h.strip()}" for h in hosts.split(",") if h.strip()]
-    problem = ("names no etcd endpoint" if not endpoints else "names no group" if not group
-               else f"has a '/' in its group {group!r}" if "/" in group else "")
+    problem = ("names no etcd endpoint" if not endpoints else f"names no {noun}" if not name
+               else f"has a '/' in its {noun} {name!r}" if "/" in name else "")
     if problem:
-        raise InvalidArgumentError(f"target {target!r} {problem}: an etcd target is {ETCD_FORM}")
-    return endpoints, group
+        raise InvalidArgumentError(f"target {target!r} {problem}: {form}")
+    return endpoints, name
 
 
 def etcd_leader(endpoints: list[str], group: str, timeout_s: float = 2.0) -> str:

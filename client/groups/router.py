@@ -47,6 +47,7 @@ from client.errors import (
     UnavailableError,
     from_rpc_error,
 )
+from client.leader import parse_etcd_named_target
 from client.sdk import BlockdClient
 
 if TYPE_CHECKING:
@@ -84,15 +85,7 @@ class NotOverCluster(InvalidArgumentError, AttributeError):
 def parse_cluster_target(target: str) -> tuple[list[str], str] | None:
     """``(etcd endpoints as http://HOST:PORT, cluster name)`` of a ``cluster://`` target;
     None for any other target; :class:`InvalidArgumentError` naming what is wrong."""
-    if not target.startswith(CLUSTER_SCHEME):
-        return None
-    hosts, _, cluster = target[len(CLUSTER_SCHEME):].partition("/")
-    endpoints = [f"http://{h.strip()}" for h in hosts.split(",") if h.strip()]
-    problem = ("names no etcd endpoint" if not endpoints else "names no cluster" if not cluster
-               else f"has a '/' in its cluster name {cluster!r}" if "/" in cluster else "")
-    if problem:
-        raise InvalidArgumentError(f"target {target!r} {problem}: a cluster target is {CLUSTER_FORM}")
-    return endpoints, cluster
+    return parse_etcd_named_target(target, CLUSTER_SCHEME, "cluster name", f"a cluster target is {CLUSTER_FORM}")
 
 
 def connect(target: str, **kwargs: Any) -> Any:
