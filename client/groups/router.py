@@ -17,9 +17,11 @@ directory fails at once with UnavailableError saying so, while the other
 groups' pools keep serving.
 
 Calls that name no pool span the groups: :meth:`ClusterClient.list_pools`
-and :meth:`ClusterClient.lookup_prefix` ask every live group and merge the
-answers; :meth:`ClusterClient.create_pool` places a new pool on the live
-group with the fewest pools (:func:`blockd.ha.directory.place`).
+and :meth:`ClusterClient.lookup_prefix` ask every live group at once (a
+thread per group beyond the first, so a router's cluster-wide lookup takes
+the slowest group's time, not the sum) and merge the answers;
+:meth:`ClusterClient.create_pool` places a new pool on the live group
+with the fewest pools (:func:`blockd.ha.directory.place`).
 :meth:`ClusterClient.move_pool` hands a pool to another group
 (:mod:`blockd.service.moves`); while it moves, calls for it are answered
 ``POOL_MOVING`` and retried here (nothing was applied), then go to the new
@@ -31,6 +33,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Generator, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -142,6 +145,8 @@ class ClusterClient:
         self._clients: dict[str, BlockdClient] = {}
         #: worker id -> its pool, so a heartbeat (which names no pool) goes where the worker registered
         self._workers: dict[str, str] = {}
+        #: the threads that ask several groups at once (made on the first such call)
+        self._fan_out_pool: ThreadPoolExecutor | None = None
         self.refresh()
 
     def __getattr__(self, name: str) -> Any:
@@ -155,7 +160,10 @@ class ClusterClient:
     def close(self) -> None:
         with self._lock:
             clients, self._clients = list(self._clients.values()), {}
+            fan_out, self._fan_out_pool = self._fan_out_pool, None
             self._directory.etcd.close()
+        if fan_out is not None:
+            fan_out.shutdown(wait=False)
         for client in clients:
             client.close()
 
@@ -245,6 +253,18 @@ class ClusterClient:
         self.refresh()
         return [self._client(address) for address in sorted(set(self._groups.values()))]
 
+    def _each(self, clients: Sequence[BlockdClient], call: Callable[[BlockdClient], T]) -> list[T]:
+        """``call`` on every client at once, the answers in ``clients``' order; the first
+        failure in that order is raised (as asking them one by one would)."""
+        if len(clients) <= 1:
+            return [call(client) for client in clients]
+        with self._lock:
+            if self._fan_out_pool is None:
+                self._fan_out_pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="blockd-cluster")
+            fan_out = self._fan_out_pool
+        futures = [fan_out.submit(call, client) for client in clients]
+        return [future.result() for future in futures]
+
     # --- calls that span the groups ----------------------------------------------------------
     def create_pool(self, config: PoolConfig, *, request_id: str | None = None) -> PoolStats:
         """Create ``config``'s pool on the live group with the fewest pools."""
@@ -287,7 +307,8 @@ class ClusterClient:
 
     def list_pools(self) -> list[PoolStats]:
         """Every live group's pools, by name."""
-        return sorted((s for client in self._live() for s in client.list_pools()), key=lambda s: s.name)
+        answers = self._each(self._live(), lambda client: client.list_pools())
+        return sorted((s for pools in answers for s in pools), key=lambda s: s.name)
 
     def lookup_prefix(self, token_ids: Sequence[int], extra_keys=None, pools: Sequence[str] = (), *,
                       tiers: bool = False) -> dict:
@@ -295,16 +316,23 @@ class ClusterClient:
         pools at their groups; with none named, every pool of every live group)."""
         found: dict = {}
         if not pools:
-            for client in self._live():
-                found.update(client.lookup_prefix(token_ids, extra_keys, tiers=tiers))
+            for answer in self._each(self._live(),
+                                     lambda client: client.lookup_prefix(token_ids, extra_keys, tiers=tiers)):
+                found.update(answer)
             return found
         for attempt in range(2):  # a pool moved since the directory was read: read it again, once
             by_group: dict[str, list[str]] = {}
             for pool in pools:
                 by_group.setdefault(self._route(pool)[1], []).append(pool)
             try:
-                for address, named in by_group.items():
-                    found.update(self._client(address).lookup_prefix(token_ids, extra_keys, named, tiers=tiers))
+                clients = [self._client(address) for address in by_group]
+                named = dict(zip(clients, by_group.values()))
+
+                def ask(client: BlockdClient, named: dict[BlockdClient, list[str]] = named) -> dict:
+                    return client.lookup_prefix(token_ids, extra_keys, named[client], tiers=tiers)
+
+                for answer in self._each(clients, ask):
+                    found.update(answer)
                 return found
             except FailedPreconditionError as err:
                 if err.reason != "WRONG_GROUP" or attempt:
@@ -315,7 +343,7 @@ class ClusterClient:
     def list_workers(self, pool: str | None = None) -> list[WorkerStatus]:
         if pool:
             return self.on_pool(pool, lambda client: client.list_workers(pool))
-        return [w for client in self._live() for w in client.list_workers()]
+        return [w for workers in self._each(self._live(), lambda client: client.list_workers()) for w in workers]
 
     # --- calls by pool -------------------------------------------------------------------------
     get_pool = _routed("get_pool")
