@@ -407,18 +407,28 @@ class PoolGate(grpc.ServerInterceptor):
             def serve(request, context):
                 return special(behavior, request, context)
         elif kind[0]:
-            def each(requests: Iterator) -> Iterator:
-                busy: list[str] = []
-                try:
-                    for request in requests:  # one answer per request: busy until the next is read
-                        done(busy)
-                        checked, busy = admit(method, request)
-                        yield checked
-                finally:
+            def serve(requests, context):
+                # one answer per request (StepStream): a pool is busy from its request's
+                # admission until its answer is made, not until the next request comes, so a
+                # stream idle between steps never holds a move's drain up
+                held: list[list[str]] = [[]]
+
+                def release() -> None:
+                    busy, held[0] = held[0], []
                     done(busy)
 
-            def serve(requests, context):
-                return behavior(each(requests), context)
+                def each() -> Iterator:
+                    for request in requests:
+                        release()
+                        checked, held[0] = admit(method, request)
+                        yield checked
+
+                try:
+                    for answer in behavior(each(), context):
+                        release()
+                        yield answer
+                finally:
+                    release()
         elif kind[1]:
             def serve(request, context):  # Watch, Events: long-lived reads, checked when they open
                 checked, busy = admit(method, request)

@@ -2,10 +2,12 @@
 
 Load with ``pytest_plugins = ["tests.support.etcd", "tests.support.groups"]``:
 ``two_groups`` is ``(a ClusterClient of the cluster, [the daemon of g1, the
-daemon of g2])``, one cluster per test (named after it), killed at its end.
+daemon of g2])``, one cluster per test (named after it and its id), killed at its end.
 """
 
 from __future__ import annotations
+
+import zlib
 
 import pytest
 
@@ -19,7 +21,10 @@ def _group(etcd_url: str, cluster: str, group: str):
 
 @pytest.fixture
 def two_groups(etcd_server, request):
-    cluster = request.node.name[:40].replace("[", "-").replace("]", "")
+    # the test's name, cut, and a hash of its whole id: parametrized cases of one test get
+    # clusters of their own in the session's etcd (a cut name alone would be shared)
+    name = request.node.name[:30].replace("[", "-").replace("]", "")
+    cluster = f"{name}-{zlib.crc32(request.node.nodeid.encode()):08x}"
     daemons = [_group(etcd_server.url, cluster, g) for g in ("g1", "g2")]
     client = ClusterClient(f"cluster://{etcd_server.url.split('://')[1]}/{cluster}", timeout_s=5)
     yield client, daemons
