@@ -58,6 +58,7 @@ if TYPE_CHECKING:
 
     from blockd.auth.config import TlsConfig
     from blockd.ha.directory import Directory
+    from client.groups.stream import ClusterStepStream
 
 T = TypeVar("T")
 
@@ -80,8 +81,8 @@ class Moved:
 
 
 class NotOverCluster(InvalidArgumentError, AttributeError):
-    """A plain client's method that a cluster cannot route (a replica's status, a
-    step stream). An AttributeError too, so ``getattr(client, name, None)`` (how
+    """A plain client's method that a cluster cannot route (a replica's status).
+    An AttributeError too, so ``getattr(client, name, None)`` (how
     the scheduler asks whether a backend offers ``step_stream``) answers None."""
 
 
@@ -156,6 +157,14 @@ class ClusterClient:
             raise NotOverCluster(f"{name} is not offered over a cluster target ({self.target}): call one "
                                  f"group's daemon at its address")
         raise AttributeError(name)
+
+    def step_stream(self, timeout_s: float | None = None) -> ClusterStepStream:
+        """Steps over StepStreams, one per group, each step at its pool's owner
+        (:class:`client.groups.stream.ClusterStepStream`); the scheduler's default way
+        to step (``SchedulerConfig.stream_steps``). Close it when done."""
+        from client.groups.stream import ClusterStepStream
+
+        return ClusterStepStream(self, timeout_s or self.timeout_s)
 
     def close(self) -> None:
         with self._lock:

@@ -172,13 +172,15 @@ def test_a_tenants_pool_quotas_count_every_groups_pools(etcd_server, tmp_path) -
             daemon.kill()
 
 
-def test_the_scheduler_serves_every_request_right_while_its_pool_moves(two_groups) -> None:
+@pytest.mark.parametrize("stream_steps", [True, False], ids=["streamed", "unary"])
+def test_the_scheduler_serves_every_request_right_while_its_pool_moves(two_groups, stream_steps) -> None:
+    """Streamed (the scheduler's default: a ClusterStepStream, a StepStream per group) and by unary Step."""
     client, _ = two_groups
     rng = random.Random(7)
     requests = [GenerationRequest(f"r{i}", tuple(rng.randrange(VOCAB) for _ in range(rng.randint(3, 12))),
                                   rng.randint(4, 14)) for i in range(12)]
-    # the slot model wraps the client: it would open a StepStream, which a cluster does not offer
-    sched, model = make(client, 64, SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=8, stream_steps=False))
+    sched, model = make(client, 64, SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=8,
+                                                    stream_steps=stream_steps))
     for req in requests:
         sched.add_request(req)
     moved: list = []
@@ -194,6 +196,23 @@ def test_the_scheduler_serves_every_request_right_while_its_pool_moves(two_group
     check_outputs(outputs, requests)  # every token as the reference: no step lost, the KV where it was
     assert moved and moved[0].group == "g2" and moved[0].version < client.get_pool("p").version
     assert client.get_pool("p").num_seqs == 0
+
+
+def test_a_cluster_step_stream_follows_its_pool_to_the_new_owner(two_groups) -> None:
+    client, _ = two_groups
+    client.create_pool(PoolConfig("s", num_blocks=16, block_size=4))
+    with client.step_stream() as stream:
+        first = stream.step("s", [Allocate("q", [1, 2, 3])])
+        client.move_pool("s", "g2")
+        # the old owner's stream refuses it in band (WRONG_GROUP, nothing applied); sent again at g2's
+        second = stream.step("s", [DecodeAppend(["q"], [4])])
+        assert second.version == first.version + 1 and second.incarnation == first.incarnation
+        assert len(stream._streams) == 2  # one StepStream per group
+        assert stream.step("s", [DecodeAppend(["q"], [5])], request_id="same").version == second.version + 1
+        assert stream.step("s", [DecodeAppend(["q"], [5])], request_id="same").version == second.version + 1
+    assert client.get_sequence("s", "q").num_tokens == 5
+    with pytest.raises(ValueError, match="closed"):
+        stream.step("s", [DecodeAppend(["q"], [6])])
 
 
 def test_a_step_resent_after_a_move_under_its_request_id_is_answered_not_applied_again(two_groups) -> None:
