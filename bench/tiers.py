@@ -6,9 +6,13 @@
 Workload: ``--conversations`` conversations of ``--turns`` turns, greedy.
 Each turn's prompt is the conversation's whole history (its first prompt,
 then every earlier question and the model's answers) plus a new question.
-A round sends every conversation's next turn; with ``--max-seqs`` running at
-once and a device pool far smaller than all histories together, a
-conversation's history has left the device tier by its next turn. The rows
+A round sends every conversation's next turn, in order; each pool's client
+keeps ``--max-seqs`` requests in flight and sends the next when one
+finishes (``--arrivals closed``, the default, as vLLM's ``bench serve
+--max-concurrency``; ``backlog`` sends the round at once, so most requests
+wait for a running slot and their TTFT is mostly that wait). With a device
+pool far smaller than all histories together, a conversation's history has
+left the device tier by its next turn. The rows
 run the same requests on a fresh cluster with the same device pool and a
 host tier of 0, 4x and 16x its blocks.
 
@@ -84,17 +88,41 @@ def _metric(url: str, name: str, **labels: str) -> float:
     return 0.0
 
 
-def _serve_wave(scheds: list, wave: list, placement: list[int], on_step=None) -> dict:
+def _serve_wave(scheds: list, wave: list, placement: list[int], on_step=None, in_flight: int = 0) -> dict:
     """Run one wave: request ``i`` on scheduler ``placement[i]``, the schedulers
-    stepping at once (each its own pool and workers), like replicas of one model."""
+    stepping at once (each its own pool and workers), like replicas of one model.
+
+    ``in_flight`` 0 submits the whole wave at once (a backlog: the later
+    requests wait for a running slot, so their TTFT is mostly that wait);
+    otherwise each scheduler's client keeps at most that many of its requests
+    submitted and sends the next, in the wave's order, when one finishes
+    (closed-loop clients, as vLLM's ``bench serve --max-concurrency``): a
+    request's TTFT is its own prefill beside the others' decodes."""
     from concurrent.futures import ThreadPoolExecutor
 
+    queues: list[list] = [[] for _ in scheds]
     for req, where in zip(wave, placement, strict=True):
-        scheds[where].add_request(req)
+        queues[where].append(req)
+
+    def serve(i: int) -> list:
+        sched, queue = scheds[i], queues[i]
+
+        def feed(s) -> None:
+            while queue and (not in_flight or len(s.waiting) + len(s.running) < in_flight):
+                s.add_request(queue.pop(0))
+
+        def stepped(s) -> None:
+            feed(s)  # a finished request's client sends its next one at once
+            if on_step is not None:
+                on_step(s)
+
+        feed(sched)
+        return sched.run(stepped)
+
     if len(scheds) == 1:
-        return {o.request_id: o for o in scheds[0].run(on_step)}
+        return {o.request_id: o for o in serve(0)}
     with ThreadPoolExecutor(len(scheds)) as threads:
-        done = list(threads.map(lambda sched: sched.run(), scheds))
+        done = list(threads.map(serve, range(len(scheds))))
     return {o.request_id: o for outputs in done for o in outputs}
 
 
@@ -144,7 +172,8 @@ def run_row(args, num_host_blocks: int, *, num_pools: int = 1, share: bool = Fal
                 prompt = history[c] if turn == 0 else history[c] + questions[c][turn]
                 wave.append(GenerationRequest(f"c{c}-t{turn}", prompt, args.output_tokens, sampling=GREEDY))
             done = _serve_wave(scheds, wave, placement[turn],
-                               (lambda _: recorder.sample()) if recorder is not None else None)
+                               (lambda _: recorder.sample()) if recorder is not None else None,
+                               args.max_seqs if args.arrivals == "closed" else 0)
             if recorder is not None:
                 recorder.add_outputs(done.values())
             for c, req in enumerate(wave):
@@ -232,7 +261,9 @@ def setup(args) -> dict:
                      "output_tokens": args.output_tokens, "sampling": "greedy", "seed": args.seed,
                      "tokens": "random ids (the KV and the cache do not depend on their meaning)"},
         "pool": {"device_blocks": args.device_blocks, "block_size": BLOCK_SIZE},
-        "concurrency": {"max_num_seqs": args.max_seqs, "max_num_batched_tokens": args.max_batched_tokens},
+        "concurrency": {"max_num_seqs": args.max_seqs, "max_num_batched_tokens": args.max_batched_tokens,
+                        "arrivals": args.arrivals,
+                        "in_flight_per_pool": args.max_seqs if args.arrivals == "closed" else args.conversations},
     }
 
 
@@ -249,6 +280,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="a vLLM venv's python: vLLM's rows on the same requests first (bench/tiers_vllm.py)")
     parser.add_argument("--report", default="reports/tiers", metavar="DIR",
                         help="the host-tier rows' run report (report.html and its PNGs) goes here; '' for none")
+    parser.add_argument("--arrivals", choices=("closed", "backlog"), default="closed",
+                        help="closed (default): each pool's client keeps --max-seqs requests in flight and sends "
+                             "the next when one finishes (vLLM's bench serve --max-concurrency); backlog: a round's "
+                             "requests all at once, most of them waiting for a running slot")
     parser.add_argument("--pool-host-ratio", type=float, default=4.0,
                         help="the host tier of each pool in the two-pool rows, in device pools (default 4; "
                              "negative: no two-pool rows)")

@@ -17,7 +17,9 @@ That half runs in vLLM's interpreter and imports only vLLM and the standard
 library (and :mod:`bench.vllm_offline`, which does the same). It runs the
 rounds as ``bench/tiers.py`` does (every conversation's turn t, then t+1;
 each turn's prompt is the history, the prompts and vLLM's own greedy outputs
-so far, plus the turn's question) and prints each request's prompt, output,
+so far, plus the turn's question; with the same arrivals: at most
+``max_num_seqs`` in flight, through the engine's own ``add_request``/``step``,
+or the whole round at once to ``LLM.generate``) and prints each request's prompt, output,
 ``num_cached_tokens`` and vLLM's own TTFT/TPOT, with its prefix-cache
 counters; or the error the engine gave.
 
@@ -64,6 +66,7 @@ def workload(args, starts, questions, model_dir: str, block_bytes: int) -> dict:
         "model_dir": model_dir, "block_size": block, "device_blocks": args.device_blocks,
         "vllm_block_size": VLLM_BLOCK_SIZE, "vllm_num_blocks": args.device_blocks * block // VLLM_BLOCK_SIZE,
         "max_num_seqs": args.max_seqs, "max_num_batched_tokens": args.max_batched_tokens,
+        "in_flight": args.max_seqs if args.arrivals == "closed" else 0,
         "max_model_len": -(-longest // block) * block, "turns": args.turns, "output_tokens": args.output_tokens,
         "starts": [list(s) for s in starts], "questions": [[list(q) for q in qs[:args.turns]] for qs in questions],
         "kv_offloading_gib": OFFLOAD_RATIO * args.device_blocks * block_bytes / (1 << 30),
@@ -233,7 +236,11 @@ def run_rounds(work: dict, config: str) -> dict:
         if turn == 1:
             base = _counters(llm)  # the later turns are what a tier can help
         prompts = [h if turn == 0 else h + work["questions"][c][turn] for c, h in enumerate(history)]
-        outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        if work.get("in_flight"):
+            outputs = closed_loop(llm, [TokensPrompt(prompt_token_ids=p) for p in prompts], params,
+                                  work["in_flight"], f"t{turn}")
+        else:
+            outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
         for c, (prompt, out) in enumerate(zip(prompts, outputs)):
             tokens = list(out.outputs[0].token_ids)
             ttft, tpot = request_times(out)
@@ -250,6 +257,30 @@ def run_rounds(work: dict, config: str) -> dict:
             "num_gpu_blocks": vllm_config.cache_config.num_gpu_blocks,
             "kv_connector": transfer.kv_connector if transfer else None,
             "counters": {k: v - base.get(k, 0) for k, v in end.items()}}
+
+
+def closed_loop(llm, prompts: list, params, in_flight: int, tag: str) -> list:
+    """``prompts`` through vLLM's engine as ``bench/tiers.py --arrivals closed``
+    sends them: at most ``in_flight`` submitted, the next (in order) added when
+    one finishes; each arrival time is when it is added. The outputs in
+    ``prompts``' order."""
+    engine = llm.llm_engine
+    pending, outputs = list(enumerate(prompts)), [None] * len(prompts)
+    index: dict[str, int] = {}  # request id -> its place in prompts
+
+    def feed() -> None:
+        while pending and len(index) < in_flight:
+            i, prompt = pending.pop(0)
+            engine.add_request(f"{tag}-{i}", prompt, params)  # outputs carry this id (the engine's own differs)
+            index[f"{tag}-{i}"] = i
+
+    feed()
+    while index:
+        for out in engine.step():
+            if out.finished:
+                outputs[index.pop(out.request_id)] = out
+        feed()
+    return outputs
 
 
 def _counters(llm) -> dict[str, float]:

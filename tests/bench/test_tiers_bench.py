@@ -25,6 +25,8 @@ def test_the_tier_rows_run_and_the_tier_raises_the_hit_rate_with_exact_outputs(t
     rows = [json.loads(line) for line in out.stdout.splitlines()]
     assert [r["host_ratio"] for r in rows[:2]] == [0.0, 4.0]
     plain, tiered, one, apart, shared = rows
+    # closed-loop clients by default: each pool's client keeps --max-seqs requests in flight
+    assert plain["concurrency"]["arrivals"] == "closed" and plain["concurrency"]["in_flight_per_pool"] == 2
     assert plain["restores"] == plain["offloads"] == 0
     assert tiered["restores"] > 0 and tiered["hit_rate_later_turns"] > plain["hit_rate_later_turns"]
     assert tiered["prompt_tokens_computed"] < plain["prompt_tokens_computed"]
@@ -40,7 +42,7 @@ def test_the_tier_rows_run_and_the_tier_raises_the_hit_rate_with_exact_outputs(t
 
 
 def test_bad_arguments_are_a_usage_error():
-    for bad in (["--ratios", "4,16"], ["--turns", "1"]):
+    for bad in (["--ratios", "4,16"], ["--turns", "1"], ["--arrivals", "poisson"]):
         out = subprocess.run([sys.executable, "bench/tiers.py", *bad], cwd=ROOT, capture_output=True, text=True,
                              timeout=60, check=False)
         assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
