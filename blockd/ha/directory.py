@@ -14,13 +14,20 @@ key                  lease       value (JSON)
                                  key, and its pools are unavailable, not silently elsewhere.
 ``pools/<p>``        none        :class:`PoolEntry`: the owning group and the entry's
                                  ``epoch``, raised by one at every move of the pool.
+``tenants/<t>``      none        a counter rewritten by every claim of tenant ``t``'s pools:
+                                 what a quota-checked claim compares (below).
 ===================  ==========  ==========================================================
 
 Pool names are percent-encoded in keys (a pool name may hold ``/``).
 
 Writes are etcd transactions, never read-then-write: a pool is claimed by
 "put if absent" (:meth:`Directory.claim`), so two groups creating the same
-name at once cannot both own it; an entry is switched or removed only if it
+name at once cannot both own it. A claim under a tenant's quota reads the
+tenant's pools and its ``tenants/<t>`` key in one transaction, checks the
+quota on what it read, and commits only if that key is unchanged (every claim
+of the tenant rewrites it), retrying on a fresh read otherwise: two groups
+creating pools of one tenant at once cannot both pass a check that only one
+of them fits. An entry is switched or removed only if it
 is unchanged since it was read (compare-and-swap on its ``mod_revision``,
 :meth:`Directory.switch`, :meth:`Directory.release`).
 
@@ -34,14 +41,16 @@ engine or the service.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from urllib.parse import quote, unquote
 
-from blockd.ha.etcd import EtcdClient, cmp_absent, cmp_mod_revision, op_delete, op_put, op_range
+from blockd.ha.etcd import EtcdClient, EtcdUnavailable, cmp_absent, cmp_mod_revision, op_delete, op_put, op_range
 from blockd.ha.keys import BadValue, check_name
 
 ROOT = "/blockd-clusters/"
+#: claims of one tenant that lost the race to another claim of the same tenant, before giving up
+CLAIM_TRIES = 32
 
 
 @dataclass(frozen=True)
@@ -141,6 +150,9 @@ class Directory:
     def pool_key(self, pool: str) -> str:
         return self.pools_prefix + quote(pool, safe="")
 
+    def tenant_key(self, tenant: str) -> str:
+        return self.prefix + "tenants/" + quote(tenant, safe="")
+
     # --- groups -------------------------------------------------------------------------------
     def join(self, entry: GroupEntry, lease: int) -> None:
         """Announce a live group (its key bound to ``lease``: it goes with the daemon)."""
@@ -169,19 +181,41 @@ class Directory:
         kv = self.etcd.get(self.pool_key(name))
         return None if kv is None else PoolEntry.decode(name, kv.value, kv.mod_revision)
 
-    def claim(self, pool: str, group: str, *, tenant: str = "", num_blocks: int = 0,
-              num_bytes: int = 0) -> tuple[PoolEntry, bool]:
+    def claim(self, pool: str, group: str, *, tenant: str = "", num_blocks: int = 0, num_bytes: int = 0,
+              admit: Callable[[list[PoolEntry]], None] | None = None) -> tuple[PoolEntry, bool]:
         """Make ``group`` the owner of a new ``pool`` (epoch 1) unless an entry
-        exists: ``(the entry now, whether this call made it)``."""
+        exists: ``(the entry now, whether this call made it)``.
+
+        ``admit`` (a quota check) gets the tenant's other pools as one
+        transaction read them and raises to refuse; the claim then commits
+        only if no other claim of ``tenant`` committed since that read, and
+        reads and checks again if one did (:data:`CLAIM_TRIES` times at most,
+        then :class:`~blockd.ha.etcd.EtcdUnavailable`)."""
         key = self.pool_key(pool)
         wanted = PoolEntry(pool, check_name("group name", group), 1, 0, tenant, num_blocks, num_bytes)
-        result = self.etcd.txn([cmp_absent(key)], [op_put(key, wanted.encode())], [op_range(key)])
-        if result.succeeded:
-            return replace(wanted, mod_revision=result.revision), True
-        kvs = result.ranges[0] or []
-        if not kvs:  # deleted between the compare and the range: impossible within one txn
-            raise BadValue(f"pool {pool}'s entry was neither absent nor present")
-        return PoolEntry.decode(pool, kvs[0].value, kvs[0].mod_revision), False
+        for _ in range(CLAIM_TRIES):
+            guard: list[dict] = []
+            bump: list[dict] = []
+            if tenant:  # every claim of the tenant rewrites its key: the claims of one tenant are ordered
+                tkey = self.tenant_key(tenant)
+                seen = self.etcd.txn([], [op_range(tkey), op_range(self.pools_prefix, prefix=True)])
+                counter = next(iter(seen.ranges[0] or ()), None)
+                if admit is not None:
+                    others = [PoolEntry.decode(name, kv.value, kv.mod_revision) for kv in seen.ranges[1] or []
+                              if (name := unquote(kv.key[len(self.pools_prefix):])) != pool]
+                    admit([e for e in others if e.tenant == tenant])
+                guard = [cmp_mod_revision(tkey, counter.mod_revision) if counter is not None else cmp_absent(tkey)]
+                bump = [op_put(tkey, str(seen.revision).encode())]  # the value is never read; the write is the point
+            result = self.etcd.txn([cmp_absent(key), *guard], [op_put(key, wanted.encode()), *bump], [op_range(key)])
+            if result.succeeded:
+                return replace(wanted, mod_revision=result.revision), True
+            kvs = result.ranges[0] or []
+            if kvs:  # the pool exists: its owner
+                return PoolEntry.decode(pool, kvs[0].value, kvs[0].mod_revision), False
+            if not tenant:  # deleted between the compare and the range: impossible within one txn
+                raise BadValue(f"pool {pool}'s entry was neither absent nor present")
+            # another claim of the tenant's committed since our read: read and check again
+        raise EtcdUnavailable(f"pool {pool}'s claim lost to other claims of tenant {tenant} {CLAIM_TRIES} times")
 
     def switch(self, entry: PoolEntry, group: str) -> PoolEntry | None:
         """Hand ``entry``'s pool to ``group`` under ``epoch + 1`` if the entry is

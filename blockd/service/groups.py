@@ -193,15 +193,15 @@ class GroupMember:
         sizes = (config.num_blocks, config.num_blocks * config.bytes_per_block) if config is not None else (0, 0)
         try:
             with self._lock:
+                admit = None
                 if config is not None and quota is not None and quota != UNLIMITED:
-                    held = [(e.num_blocks, e.num_bytes) for e in self.directory.pools().values()
-                            if e.tenant == tenant and e.pool != pool]
-                    try:
-                        check_cluster_create(config, quota, held)
-                    except BlockdError as err:
-                        return None, err
-                entry, made = self.directory.claim(pool, self.group, tenant=tenant, num_blocks=sizes[0],
-                                                   num_bytes=sizes[1])
+                    def admit(held: list[PoolEntry]) -> None:  # raises the refusal; checked against claims racing it
+                        check_cluster_create(config, quota, [(e.num_blocks, e.num_bytes) for e in held])
+                try:
+                    entry, made = self.directory.claim(pool, self.group, tenant=tenant, num_blocks=sizes[0],
+                                                       num_bytes=sizes[1], admit=admit)
+                except BlockdError as err:
+                    return None, err
                 if entry.group != self.group:
                     return None, self._elsewhere(entry, ExistsOnOtherGroup, "already exists on")
                 self.owned = {**self.owned, pool: entry.epoch}

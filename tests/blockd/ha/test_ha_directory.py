@@ -51,3 +51,25 @@ def test_placement_takes_the_live_group_with_the_fewest_pools() -> None:
     assert place(["g1", "g2", "g3"], pools) == "g3"
     assert place(["g2", "g1"], []) == "g1"  # ties: the first name
     assert place([], pools) is None
+
+
+def test_a_quota_checked_claim_checks_again_when_a_claim_of_its_tenant_won_the_race(directory) -> None:
+    """Two groups creating pools of one tenant at once: the claim whose read
+    was overtaken reads again and is refused on what is there now."""
+    seen: list[list[str]] = []
+
+    def one_pool_each(held: list[PoolEntry]) -> None:
+        seen.append(sorted(e.pool for e in held))
+        if held:
+            raise ValueError("over the tenant's quota of 1 pool")
+        if len(seen) == 1:  # another group's claim of the same tenant commits between this read and this write
+            assert directory.claim("b", "g2", tenant="acme", num_blocks=8, admit=lambda _: None)[1]
+
+    with pytest.raises(ValueError, match="quota of 1 pool"):
+        directory.claim("a", "g1", tenant="acme", num_blocks=8, admit=one_pool_each)
+    assert seen == [[], ["b"]] and set(directory.pools()) == {"b"}  # refused: nothing of "a" was written
+    # another tenant's pools never count, and its claims do not guard this tenant's
+    entry, made = directory.claim("c", "g1", tenant="other", admit=one_pool_each)
+    assert made and entry.tenant == "other" and seen[-1] == []
+    # a pool that exists is its owner's, whatever the check would say
+    assert directory.claim("b", "g1", tenant="acme", admit=one_pool_each)[0].group == "g2"
