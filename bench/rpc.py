@@ -45,6 +45,11 @@ and a token, against the in-process core; and where a step's time goes
 etcd): steps/s of two schedulers with their pools on 1 and on 2 daemon
 processes, and the SDK's routing cost per step (rows of :mod:`bench.groups`).
 
+``transport_floor``: the server CPU per message of a stream that does no
+work, carrying the decode step's bytes, over sync gRPC, ``grpc.aio`` and a
+framed TCP socket (rows of :mod:`bench.transport_floor`): what no code of
+blockd's can take away from ``daemon_cost`` on that transport.
+
 ``big_batch_isolation``: one caller's 20,000- and 30,000-op failing batches
 against another's small steps (rows of :mod:`bench.isolation`).
 
@@ -70,6 +75,7 @@ from bench.daemon import BLOCK_SIZE, MAX_STEPS, NUM_BLOCKS, NUM_SEQS, percentile
 from bench.daemon_cost import daemon_cost
 from bench.groups import groups_rows
 from bench.isolation import big_batch_isolation
+from bench.transport_floor import MESSAGES, transport_floor
 from blockd.core import Allocate, Pool, PoolConfig
 from blockd.core.types import DecodeAppend, Free
 from client.sdk import BlockdClient
@@ -471,6 +477,11 @@ def groups(args: argparse.Namespace) -> Iterator[dict]:
     yield from groups_rows(args.seconds)
 
 
+def floor(args: argparse.Namespace) -> Iterator[dict]:
+    """Server CPU per message of each transport, doing no work (:mod:`bench.transport_floor`)."""
+    yield from transport_floor(MESSAGES // 5 if args.quick else MESSAGES)
+
+
 def big_batch(args: argparse.Namespace) -> Iterator[dict]:
     """A huge failing batch against other callers' small steps (:mod:`bench.isolation`)."""
     yield from big_batch_isolation(args.seconds)
@@ -479,7 +490,8 @@ def big_batch(args: argparse.Namespace) -> Iterator[dict]:
 PARTS: dict[str, Callable[[argparse.Namespace], Iterator[dict]]] = {
     "step_rpc": step_rpc, "recovery": recovery, "crash_loop_restart": crash_loop_restart,
     "snapshot_stall": snapshot_stall, "idempotency": idempotency, "security": security,
-    "big_batch_isolation": big_batch, "daemon_cost": daemon_cost_part, "groups": groups}
+    "big_batch_isolation": big_batch, "daemon_cost": daemon_cost_part, "groups": groups,
+    "transport_floor": floor}
 
 
 def main(argv: list[str] | None = None) -> int:
