@@ -4,7 +4,8 @@ A scheduler keeps stepping a pool while it moves: no step is lost or applied
 twice (versions stay consecutive, the sequence holds every token), the
 incarnation is kept, the real Scheduler (over the slot model) computes every
 token as the reference does, and the old owner refuses late calls naming the new
-one. Every bad MovePool / ImportPool is refused with its status and changes
+one; a real model worker given the cluster target follows its pool to the new
+group, and its greedy outputs equal transformers'. Every bad MovePool / ImportPool is refused with its status and changes
 nothing. A tenant's pool, block and byte quotas count the pools of every group.
 """
 
@@ -223,3 +224,40 @@ def test_a_step_resent_after_a_move_under_its_request_id_is_answered_not_applied
     again = client.step("m", [Allocate("s", [1, 2, 3])], request_id="rid-1")  # as if its answer had been lost
     assert (again.version, again.results[0].slot_mapping) == (first.version, first.results[0].slot_mapping)
     assert client.get_pool("m").version == first.version
+
+
+def test_a_model_worker_serves_its_pool_right_while_the_pool_moves(two_groups) -> None:
+    """A real ``blockd-worker --model tiny-llama`` given the cluster target: its
+    tables and heartbeats follow the pool to its new group mid-run, and every
+    greedy output equals transformers' ``generate``."""
+    from blockd.cluster.local import model_config
+    from client.model_group import WorkerGroup
+    from client.scheduler import Scheduler
+    from tests.support.procs import start_worker
+    from worker.model import pool_config_for
+    from worker.model.reference import ContiguousReference
+
+    client, _ = two_groups
+    config = model_config("tiny-llama")
+    client.create_pool(pool_config_for(config, "w", 96, 4, dtype="float32"))
+    rng = random.Random(11)
+    requests = [GenerationRequest(f"r{i}", tuple(rng.randrange(config.vocab_size) for _ in range(rng.randint(5, 20))),
+                                  rng.randint(6, 12)) for i in range(8)]
+    worker = start_worker(client.target, "w", "--model", "tiny-llama", "--device", "cpu", "--worker-id", "w0")
+    moved: list = []
+    try:
+        with WorkerGroup("w", [worker.address]) as group:
+            sched = Scheduler(client, "w", group, SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=4))
+            for req in requests:
+                sched.add_request(req)
+
+            def step(s) -> None:  # the move runs in this thread, between two of the scheduler's steps
+                if s.counters.num_steps == 6 and not moved:
+                    moved.append(client.move_pool("w", "g2"))
+            outputs = sched.run(step)
+        assert moved and moved[0].group == "g2" and client.group_of("w") == "g2"
+        assert client.get_pool("w").version > moved[0].version  # steps ran at the new owner after the move
+        assert ContiguousReference("tiny-llama").mismatches(requests, outputs) == []
+        assert [w.info.worker_id for w in client.list_workers("w")] == ["w0"]  # registered at the new owner
+    finally:
+        worker.kill()
