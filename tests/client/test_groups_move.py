@@ -6,7 +6,8 @@ incarnation is kept, the real Scheduler (over the slot model) computes every
 token as the reference does, and the old owner refuses late calls naming the new
 one; a real model worker given the cluster target follows its pool to the new
 group, and its greedy outputs equal transformers'. Every bad MovePool /
-ImportPool is refused with its status and changes nothing. A tenant's pool, block and byte quotas count the pools of every group.
+ImportPool is refused with its status and changes nothing. A tenant's pool,
+block and byte quotas count the pools of every group.
 """
 
 from __future__ import annotations
