@@ -4,6 +4,7 @@
 :mod:`client.groups.router`.
 """
 
-from client.groups.router import ClusterClient, connect, parse_cluster_target
+from client.groups.router import ClusterClient, connect
+from client.groups.routes import parse_cluster_target
 
 __all__ = ["ClusterClient", "connect", "parse_cluster_target"]

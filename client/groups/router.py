@@ -4,7 +4,7 @@ A cluster (``blockd serve --cluster NAME --group G --cluster-etcd URL``,
 docs/operations.md) spreads its pools over groups; etcd holds the directory
 of which group owns which pool (:mod:`blockd.ha.directory`). The target
 ``cluster://HOST:PORT[,HOST:PORT...]/NAME`` names that etcd and the cluster
-(:func:`parse_cluster_target`).
+(:func:`client.groups.routes.parse_cluster_target`).
 
 The client keeps a route per pool (pool -> the owning group's address),
 read from the directory on a miss and again whenever a group refuses a
@@ -43,31 +43,23 @@ from blockd.core.types import PoolConfig, PoolStats, WorkerInfo, WorkerStatus
 from blockd.v1 import groups_pb2 as gpb
 from blockd.v1 import groups_pb2_grpc as gpb_grpc
 from client.channel import DEFAULT_MAX_ATTEMPTS, DEFAULT_TIMEOUT_S, dial, new_request_id
-from client.errors import (
-    FailedPreconditionError,
-    InvalidArgumentError,
-    NotFoundError,
-    UnavailableError,
-    from_rpc_error,
+from client.errors import FailedPreconditionError, InvalidArgumentError, UnavailableError, from_rpc_error
+from client.groups.routes import (
+    CLUSTER_SCHEME,
+    MAX_REROUTES,
+    MOVING_PAUSE_S,
+    RouteTable,
+    pools_by_address,
 )
-from client.leader import parse_etcd_named_target
 from client.sdk import BlockdClient
 
 if TYPE_CHECKING:
     from typing_extensions import Self
 
     from blockd.auth.config import TlsConfig
-    from blockd.ha.directory import Directory
     from client.groups.stream import ClusterStepStream
 
 T = TypeVar("T")
-
-CLUSTER_SCHEME = "cluster://"
-CLUSTER_FORM = "cluster://HOST:PORT[,HOST:PORT...]/CLUSTER"
-#: a call re-routed this many times in a row gives up (pools moving back and forth)
-MAX_REROUTES = 4
-#: first and longest pause before calling a moving pool again
-MOVING_PAUSE_S = (0.01, 0.2)
 
 
 @dataclass(frozen=True)
@@ -84,12 +76,6 @@ class NotOverCluster(InvalidArgumentError, AttributeError):
     """A plain client's method that a cluster cannot route (a replica's status).
     An AttributeError too, so ``getattr(client, name, None)`` (how
     the scheduler asks whether a backend offers ``step_stream``) answers None."""
-
-
-def parse_cluster_target(target: str) -> tuple[list[str], str] | None:
-    """``(etcd endpoints as http://HOST:PORT, cluster name)`` of a ``cluster://`` target;
-    None for any other target; :class:`InvalidArgumentError` naming what is wrong."""
-    return parse_etcd_named_target(target, CLUSTER_SCHEME, "cluster name", f"a cluster target is {CLUSTER_FORM}")
 
 
 def connect(target: str, **kwargs: Any) -> Any:
@@ -122,30 +108,13 @@ class ClusterClient:
     def __init__(self, target: str, *, timeout_s: float = DEFAULT_TIMEOUT_S,
                  max_attempts: int = DEFAULT_MAX_ATTEMPTS, tls: TlsConfig | None = None,
                  token: str | None = None) -> None:
-        parsed = parse_cluster_target(target.strip())
-        if parsed is None:
-            raise InvalidArgumentError(f"target {target!r} is not a cluster target: {CLUSTER_FORM}")
-        try:
-            from blockd.ha.directory import Directory
-            from blockd.ha.etcd import EtcdClient
-        except ImportError as err:
-            raise ValueError(f"a cluster:// target needs the ha extra (pip install 'blockd[ha]'): {err}") from None
-        endpoints, cluster = parsed
-        try:
-            self._directory: Directory = Directory(EtcdClient(endpoints), cluster)
-        except ValueError as err:
-            raise InvalidArgumentError(f"target {target!r}: {err}") from None
-        self.target, self.cluster = target, cluster
+        self._table = RouteTable(target)
+        self.target, self.cluster = target, self._table.cluster
         self.timeout_s, self.tls, self.token = timeout_s, tls, token
         self._dial = lambda address: BlockdClient(address, timeout_s=timeout_s, max_attempts=max_attempts,
                                                   tls=tls, token=token)
         self._lock = threading.Lock()
-        #: pool -> (group, address); address "" when the group has no live daemon
-        self._routes: dict[str, tuple[str, str]] = {}
-        self._groups: dict[str, str] = {}
         self._clients: dict[str, BlockdClient] = {}
-        #: worker id -> its pool, so a heartbeat (which names no pool) goes where the worker registered
-        self._workers: dict[str, str] = {}
         #: the threads that ask several groups at once (made on the first such call)
         self._fan_out_pool: ThreadPoolExecutor | None = None
         self.refresh()
@@ -170,7 +139,7 @@ class ClusterClient:
         with self._lock:
             clients, self._clients = list(self._clients.values()), {}
             fan_out, self._fan_out_pool = self._fan_out_pool, None
-            self._directory.etcd.close()
+        self._table.close()
         if fan_out is not None:
             fan_out.shutdown(wait=False)
         for client in clients:
@@ -185,39 +154,16 @@ class ClusterClient:
     # --- the routes -------------------------------------------------------------------------
     def refresh(self) -> None:
         """Read the directory again (every pool's group, every live group's address)."""
-        from blockd.ha.etcd import EtcdUnavailable
-        from blockd.ha.keys import BadValue
-
-        with self._lock:
-            try:
-                groups = {name: entry.address for name, entry in self._directory.groups().items()}
-                pools = self._directory.pools()
-            except (EtcdUnavailable, BadValue) as err:
-                raise UnavailableError(f"cannot read cluster {self.cluster}'s directory: {err}") from None
-            self._groups = groups
-            self._routes = {name: (entry.group, groups.get(entry.group, "")) for name, entry in pools.items()}
+        self._table.refresh()
 
     def groups(self) -> dict[str, str]:
         """The live groups and the address each serves at (a replicated group's leader), read now."""
-        self.refresh()
-        return dict(self._groups)
+        self._table.refresh()
+        return dict(self._table.groups)
 
     def group_of(self, pool: str) -> str:
         """The group the directory gives ``pool`` (as last read)."""
-        return self._route(pool)[0]
-
-    def _route(self, pool: str) -> tuple[str, str]:
-        route = self._routes.get(pool)
-        if route is None or not route[1]:
-            self.refresh()
-            route = self._routes.get(pool)
-        if route is None:
-            raise NotFoundError(f"pool {pool!r} is in no group of cluster {self.cluster} (create it first)")
-        if not route[1]:
-            raise UnavailableError(f"pool {pool!r} lives on group {route[0]} of cluster {self.cluster}, which "
-                                   f"has no live daemon now: its pools are unavailable until it is back (the "
-                                   f"other groups' pools are served)")
-        return route
+        return self._table.route(pool)[0]
 
     def _client(self, address: str) -> BlockdClient:
         client = self._clients.get(address)
@@ -235,32 +181,16 @@ class ClusterClient:
         deadline, reroutes, pause = time.monotonic() + self.timeout_s, 0, MOVING_PAUSE_S[0]
         while True:
             try:
-                return call(self._client(self._route(pool)[1]))
-            except FailedPreconditionError as err:
-                if err.reason != "WRONG_GROUP" or reroutes >= MAX_REROUTES:
-                    raise
-                reroutes += 1
-                self.refresh()
-            except UnavailableError as err:
-                if err.reason == "POOL_MOVING" and time.monotonic() + pause < deadline:
-                    time.sleep(pause)
+                return call(self._client(self._table.route(pool)[1]))
+            except (FailedPreconditionError, UnavailableError) as err:
+                wait, rerouted = self._table.retry(pool, err, reroutes, deadline, pause)  # or raises err
+                reroutes += rerouted
+                if wait:
+                    time.sleep(wait)
                     pause = min(2 * pause, MOVING_PAUSE_S[1])
-                    continue
-                # a group gone down: the directory says so once its lease ends; until then, this error
-                if err.reason or reroutes >= MAX_REROUTES or not self._group_gone(pool):
-                    raise
-                reroutes += 1
-
-    def _group_gone(self, pool: str) -> bool:
-        """After a group did not answer: True when the directory now routes ``pool`` elsewhere
-        (or says its group is down, which the next :meth:`_route` raises)."""
-        before = self._routes.get(pool)
-        self.refresh()
-        return self._routes.get(pool) != before
 
     def _live(self) -> list[BlockdClient]:
-        self.refresh()
-        return [self._client(address) for address in sorted(set(self._groups.values()))]
+        return [self._client(address) for address in self._table.live_addresses()]
 
     def _each(self, clients: Sequence[BlockdClient], call: Callable[[BlockdClient], T]) -> list[T]:
         """``call`` on every client at once, the answers in ``clients``' order; the first
@@ -277,22 +207,15 @@ class ClusterClient:
     # --- calls that span the groups ----------------------------------------------------------
     def create_pool(self, config: PoolConfig, *, request_id: str | None = None) -> PoolStats:
         """Create ``config``'s pool on the live group with the fewest pools."""
-        from blockd.ha.directory import PoolEntry, place
-
-        self.refresh()
-        group = place(self._groups, [PoolEntry(p, g, 1) for p, (g, _) in self._routes.items()])
-        if group is None:
-            raise UnavailableError(f"cluster {self.cluster} has no live group to create pool {config.name!r} on")
-        stats = self._client(self._groups[group]).create_pool(config, request_id=request_id)
-        with self._lock:
-            self._routes = {**self._routes, config.name: (group, self._groups[group])}
+        group, address = self._table.placement(config.name)
+        stats = self._client(address).create_pool(config, request_id=request_id)
+        self._table.remember(config.name, group, address)
         return stats
 
     def delete_pool(self, pool: str, *, request_id: str | None = None) -> None:
         """Delete ``pool`` at its group (which removes it from the directory)."""
         self.on_pool(pool, lambda client: client.delete_pool(pool, request_id=request_id))
-        with self._lock:
-            self._routes = {name: route for name, route in self._routes.items() if name != pool}
+        self._table.forget(pool)
 
     def move_pool(self, pool: str, to_group: str, *, timeout_s: float = 60.0) -> Moved:
         """Move ``pool`` to group ``to_group`` (asked of its owner, which drains it,
@@ -330,9 +253,7 @@ class ClusterClient:
                 found.update(answer)
             return found
         for attempt in range(2):  # a pool moved since the directory was read: read it again, once
-            by_group: dict[str, list[str]] = {}
-            for pool in pools:
-                by_group.setdefault(self._route(pool)[1], []).append(pool)
+            by_group = pools_by_address(self._table, pools)
             try:
                 clients = [self._client(address) for address in by_group]
                 named = dict(zip(clients, by_group.values()))
@@ -382,7 +303,7 @@ class ClusterClient:
 
     def _stream(self, pool: str, open_: Callable[[BlockdClient], Iterator[T]]) -> Generator[T, None, None]:
         for attempt in range(MAX_REROUTES + 1):
-            items = open_(self._client(self._route(pool)[1]))
+            items = open_(self._client(self._table.route(pool)[1]))
             try:
                 first = next(items)
             except StopIteration:
@@ -398,15 +319,11 @@ class ClusterClient:
 
     def register_worker(self, info: WorkerInfo, **kwargs: Any) -> WorkerStatus:
         status = self.on_pool(info.pool, lambda client: client.register_worker(info, **kwargs))
-        with self._lock:
-            self._workers[info.worker_id] = info.pool
+        self._table.remember_worker(info.worker_id, info.pool)
         return status
 
     def heartbeat(self, worker_id: str, applied_version: int, **kwargs: Any) -> WorkerStatus:
-        pool = self._workers.get(worker_id)
-        if pool is None:
-            raise NotFoundError(f"worker {worker_id!r} did not register through this client: register it "
-                                f"first (a heartbeat names no pool to route by)")
+        pool = self._table.pool_of_worker(worker_id)
         return self.on_pool(pool, lambda client: client.heartbeat(worker_id, applied_version, **kwargs))
 
     def get_hash_spec(self, pool: str | None = None):
