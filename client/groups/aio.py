@@ -24,7 +24,8 @@ from blockd.core.types import DecodeAppend, Op, OpResult, PoolConfig, PoolStats,
 from client.aio import AsyncBlockdClient
 from client.channel import DEFAULT_MAX_ATTEMPTS, DEFAULT_TIMEOUT_S, new_request_id
 from client.errors import FailedPreconditionError, UnavailableError
-from client.groups.routes import MAX_REROUTES, MOVING_PAUSE_S, RouteTable, pools_by_address
+from client.groups.router import NotOverCluster
+from client.groups.routes import MAX_REROUTES, MOVING_PAUSE_S, POOL_CALLS, RouteTable, pools_by_address
 from client.step_stream import AsyncStepStream
 
 if TYPE_CHECKING:
@@ -61,6 +62,13 @@ class AsyncClusterClient:
         self._dial = lambda address: AsyncBlockdClient(address, timeout_s=timeout_s, max_attempts=max_attempts,
                                                        tls=tls, token=token)
         self._clients: dict[str, AsyncBlockdClient] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        """What a plain client has and a cluster cannot route: refused in words (as ClusterClient's)."""
+        if not name.startswith("_") and hasattr(AsyncBlockdClient, name):
+            raise NotOverCluster(f"{name} is not offered over a cluster target ({self.target}): call one "
+                                 f"group's daemon at its address")
+        raise AttributeError(name)
 
     async def close(self) -> None:
         clients, self._clients = list(self._clients.values()), {}
@@ -174,23 +182,7 @@ class AsyncClusterClient:
         answers = await self._each(await self._live(), lambda client: client.list_workers())
         return [w for workers in answers for w in workers]
 
-    # --- calls by pool -------------------------------------------------------------------------
-    get_pool = _routed("get_pool")
-    pool_config = _routed("pool_config")
-    reset_prefix_cache = _routed("reset_prefix_cache", mutates=True)
-    pin_prefix = _routed("pin_prefix", mutates=True)
-    set_prefix_priority = _routed("set_prefix_priority", mutates=True)
-    unpin_prefix = _routed("unpin_prefix", mutates=True)
-    list_pins = _routed("list_pins")
-    step = _routed("step", mutates=True)
-    allocate = _routed("allocate", mutates=True)
-    append = _routed("append", mutates=True)
-    decode_append = _routed("decode_append", mutates=True)
-    commit = _routed("commit", mutates=True)
-    fork = _routed("fork", mutates=True)
-    free = _routed("free", mutates=True)
-    get_tables = _routed("get_tables")
-    get_sequence = _routed("get_sequence")
+    # --- calls by pool (the POOL_CALLS set on the class below), and streams ------------------
 
     def watch(self, pool: str, from_version: int = 0, **kwargs: Any) -> AsyncGenerator[Any, None]:
         """:meth:`~client.aio.AsyncBlockdClient.watch` at the pool's group; a refusal by a
@@ -234,6 +226,10 @@ class AsyncClusterClient:
         if not live:
             raise UnavailableError(f"cluster {self.cluster} has no live group to ask")
         return await self._client(live[0]).get_hash_spec()
+
+
+for _name, _mutates in POOL_CALLS.items():  # AsyncBlockdClient's calls by pool, each at the pool's owner
+    setattr(AsyncClusterClient, _name, _routed(_name, _mutates))
 
 
 class AsyncClusterStepStream:

@@ -48,6 +48,7 @@ from client.groups.routes import (
     CLUSTER_SCHEME,
     MAX_REROUTES,
     MOVING_PAUSE_S,
+    POOL_CALLS,
     RouteTable,
     pools_by_address,
 )
@@ -275,23 +276,7 @@ class ClusterClient:
             return self.on_pool(pool, lambda client: client.list_workers(pool))
         return [w for workers in self._each(self._live(), lambda client: client.list_workers()) for w in workers]
 
-    # --- calls by pool -------------------------------------------------------------------------
-    get_pool = _routed("get_pool")
-    pool_config = _routed("pool_config")
-    reset_prefix_cache = _routed("reset_prefix_cache", mutates=True)
-    pin_prefix = _routed("pin_prefix", mutates=True)
-    set_prefix_priority = _routed("set_prefix_priority", mutates=True)
-    unpin_prefix = _routed("unpin_prefix", mutates=True)
-    list_pins = _routed("list_pins")
-    step = _routed("step", mutates=True)
-    allocate = _routed("allocate", mutates=True)
-    append = _routed("append", mutates=True)
-    decode_append = _routed("decode_append", mutates=True)
-    commit = _routed("commit", mutates=True)
-    fork = _routed("fork", mutates=True)
-    free = _routed("free", mutates=True)
-    get_tables = _routed("get_tables")
-    get_sequence = _routed("get_sequence")
+    # --- calls by pool (the POOL_CALLS set on the class below), and streams ------------------
 
     def watch(self, pool: str, from_version: int = 0, **kwargs: Any) -> Generator[Any, None, None]:
         """:meth:`~client.sdk.BlockdClient.watch` at the pool's group; a refusal by a
@@ -333,3 +318,7 @@ class ClusterClient:
         if not live:
             raise UnavailableError(f"cluster {self.cluster} has no live group to ask")
         return live[0].get_hash_spec()
+
+
+for _name, _mutates in POOL_CALLS.items():  # BlockdClient's calls by pool, each at the pool's owner
+    setattr(ClusterClient, _name, _routed(_name, _mutates))

@@ -30,6 +30,27 @@ CLUSTER_FORM = "cluster://HOST:PORT[,HOST:PORT...]/CLUSTER"
 MAX_REROUTES = 4
 #: first and longest pause before calling a moving pool again
 MOVING_PAUSE_S = (0.01, 0.2)
+#: the plain clients' calls that name a pool, each sent to the pool's owner, and whether it is a
+#: change: a change gets its request id in the cluster client, once, so a resend to the pool's new
+#: owner after a move carries the same id (which the move handed over) and is answered, not applied again
+POOL_CALLS: dict[str, bool] = {
+    "get_pool": False,
+    "pool_config": False,
+    "reset_prefix_cache": True,
+    "pin_prefix": True,
+    "set_prefix_priority": True,
+    "unpin_prefix": True,
+    "list_pins": False,
+    "step": True,
+    "allocate": True,
+    "append": True,
+    "decode_append": True,
+    "commit": True,
+    "fork": True,
+    "free": True,
+    "get_tables": False,
+    "get_sequence": False,
+}
 
 
 def parse_cluster_target(target: str) -> tuple[list[str], str] | None:

@@ -108,3 +108,10 @@ def test_bad_targets_are_refused_in_words() -> None:
     for bad in ("127.0.0.1:50051", "cluster://127.0.0.1:2379", "cluster://127.0.0.1:2379/bad name"):
         with pytest.raises(InvalidArgumentError):
             AsyncClusterClient(bad)
+    client = AsyncClusterClient("cluster://127.0.0.1:1/c")  # the directory is read on first use
+    with pytest.raises(InvalidArgumentError, match="replica_status is not offered over a cluster target"):
+        client.replica_status  # noqa: B018 - the attribute access is what is refused
+    assert getattr(client, "no_such_call", None) is None
+    with pytest.raises(UnavailableError, match="cannot read cluster c's directory"):
+        asyncio.run(client.get_pool("p"))
+    asyncio.run(client.close())
