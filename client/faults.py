@@ -27,6 +27,11 @@ to, so nothing planned on one pool runs on another:
   refuses it (``TERM_CHANGED``). Every running request is recomputed (the
   workers resync and re-register too); ``counters.num_term_changes`` counts
   these.
+* The source pool of cross-pool sharing unusable (``SOURCE_POOL_NOT_FOUND``:
+  deleted or never made; ``SOURCE_IN_OTHER_GROUP``: a cluster serves it from
+  another group): nothing was applied; the scheduler names no source for
+  ``SOURCE_RETRY_S`` (its admissions' prompts are computed, as after a failed
+  transfer), says so once in its log, then tries the source again.
 * The pool deleted or re-created under the scheduler (``POOL_INCARNATION_MISMATCH``
   or NOT_FOUND for the pool): its sequences are gone, so every request held
   fails with an error saying so; later requests run on the new pool.
@@ -54,7 +59,11 @@ WORKER_FAULTS = frozenset({"KV_NOT_WRITTEN", "WORKER_INCARNATION_MISMATCH", "POO
                            "TERM_NOT_SEEN"})
 _UNREACHABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 
-Fault = Literal["no_room", "kv_lost", "term_changed", "worker_fault", "pool_gone"]
+Fault = Literal["no_room", "kv_lost", "term_changed", "worker_fault", "pool_gone", "source_unusable"]
+#: refusals of an Allocate's source_pool that the pool's state, not the caller's settings, explains
+SOURCE_UNUSABLE = frozenset({"SOURCE_POOL_NOT_FOUND", "SOURCE_IN_OTHER_GROUP"})
+#: how long a scheduler names no source pool after such a refusal, before it tries the source again
+SOURCE_RETRY_S = 30.0
 
 
 class PoolGone(Exception):
@@ -92,6 +101,8 @@ class Recovery:
     admit_limit: int | None = None
     #: ... and, once a batch is taken, none until a Free is sent (an Allocate was refused)
     admission_refused: bool = False
+    #: why the source pool is unusable: name none in admissions for SOURCE_RETRY_S (None: unchanged)
+    source_off: str | None = None
 
 
 def on_no_room(err: ResourceExhaustedError, plan: StepPlan, running: Sequence[RequestState]) -> Recovery:
@@ -169,3 +180,11 @@ def on_pool_gone(pool: str, err: BlockdClientError) -> Recovery:
     """The pool was deleted or re-created: fail every request held."""
     return Recovery("pool_gone", fail_all=(f"pool {pool!r} was deleted or re-created while this request ran, "
                                            f"so its sequences are gone: {err.message}"))
+
+
+def on_source_unusable(err: BlockdClientError) -> Recovery:
+    """An Allocate's ``source_pool`` is gone or in another group (:data:`SOURCE_UNUSABLE`;
+    nothing was applied): step on without it for :data:`SOURCE_RETRY_S`, computing those prompts."""
+    if err.reason not in SOURCE_UNUSABLE:
+        raise err
+    return Recovery("source_unusable", source_off=err.message)

@@ -25,27 +25,22 @@ process for simulations). One scheduler step::
     apply    the tokens extend the sequences (and feed their requests' streams); a sample
              that drew an end token or reached max_new_tokens is released (Commit + Free) next step
 
-The workers choose the tokens (:mod:`worker.sampling`): greedy, or seeded
-draws keyed by (request seed, sample index, position), so recomputed
-sequences continue exactly as an uninterrupted run would. The step that
-computes a prompt's last token draws the first token of all ``n`` samples;
-the samples then fork from sample 0 (forks go before the releases in the
-batch, so sample 0 may end at its first token and still be forked from).
+The workers choose the tokens (:mod:`worker.sampling`): greedy, or seeded draws keyed by (request seed, sample index,
+position), so recomputed sequences continue exactly as an uninterrupted run would. The step that computes a prompt's
+last token draws the first token of all ``n`` samples; the samples then fork from sample 0 (forks go before the
+releases in the batch, so sample 0 may end at its first token and still be forked from).
 
-Outputs are had two ways: :meth:`Scheduler.run` returns every request's
-:class:`~client.serving.RequestOutput` at the end; :meth:`Scheduler.submit`
-returns a :class:`~client.streaming.RequestStream` of tokens as they are
-applied (stepped by its consumer, or by a :class:`~client.streaming.ServingLoop`).
+Outputs are had two ways: :meth:`Scheduler.run` returns every request's :class:`~client.serving.RequestOutput` at the
+end; :meth:`Scheduler.submit` returns a :class:`~client.streaming.RequestStream` of tokens as they are applied
+(stepped by its consumer, or by a :class:`~client.streaming.ServingLoop`).
 
-The scheduler is this module (``Scheduler``: the requests' state, the I/O to
-blockd and the model, carrying out plans and recoveries) and parts that own
-their own state or none and never import back: ``client.streaming``
-(RequestStream, ServingLoop), ``client.faults`` (a refusal or fault -> a
-Recovery), ``client.step_plan`` (the state -> a StepPlan) and
-``client.scheduler_config`` (SchedulerConfig, SchedulerCounters, also
-imported from here). Faults (a worker restarted, the pool re-created) are dealt with as
-:mod:`client.faults` says. With ``config.source_pool``, an admission's missed prefix blocks cached in
-that pool are fetched by the workers instead of computed, where they can (:meth:`Scheduler._fetch`).
+The scheduler is this module (``Scheduler``: the requests' state, the I/O to blockd and the model, carrying out plans
+and recoveries) and parts that own their own state or none and never import back: ``client.streaming``
+(RequestStream, ServingLoop), ``client.faults`` (a refusal or fault -> a Recovery), ``client.step_plan`` (the state
+-> a StepPlan) and ``client.scheduler_config`` (SchedulerConfig, SchedulerCounters, also imported from here). Faults
+(a worker restarted, the pool re-created) are dealt with as :mod:`client.faults` says. With ``config.source_pool``,
+an admission's missed prefix blocks cached in that pool are fetched by the workers instead of computed, where they
+can (:meth:`Scheduler._fetch`).
 """
 
 from __future__ import annotations
@@ -63,12 +58,14 @@ from blockd.rpc.tracing import span
 from client.backends import BlockdBackend, ModelBatch, ModelExecutor, pool_block_size, stream_step
 from client.errors import BlockdClientError, FailedPreconditionError, NotFoundError, ResourceExhaustedError
 from client.faults import (
+    SOURCE_RETRY_S,
     PoolGone,
     Recovery,
     on_kv_lost,
     on_model_fault,
     on_no_room,
     on_pool_gone,
+    on_source_unusable,
     on_term_changed,
 )
 from client.scheduler_config import SchedulerConfig, SchedulerCounters
@@ -120,16 +117,14 @@ class Scheduler:
         self._known_ids: set[str] = set()
         self._release: list[Op] = []  # Commit/Free ops the next batch must carry
         self._admission_blocked = False
-        #: the pool incarnation of the last step ("" before the first)
-        self.pool_incarnation = ""
-        #: the leader term of the last step (0 before the first, or without replication)
-        self.term = 0
+        self._source_off_until = 0.0  # until then admissions name no source pool (it was unusable)
+        self.pool_incarnation = ""  # of the last step ("" before the first)
+        self.term = 0  # the leader term of the last step (0 before the first, or without replication)
         #: the sequences each of the last steps of this term freed: an ``async`` failover may lose those Frees
         self._recent_frees: deque[list[str]] = deque(maxlen=RECENT_FREE_STEPS)
         self._streams: dict[str, RequestStream] = {}
         self._loop: ServingLoop | None = None  # a ServingLoop stepping this scheduler, if any
-        # steps and submissions may come from different threads (ServingLoop)
-        self._lock = threading.RLock()
+        self._lock = threading.RLock()  # steps and submissions may come from different threads (ServingLoop)
         self._seeds = random.SystemRandom()  # seeds of requests that name none
         self._spec_checked = False  # blockd's block-hash spec, checked before the first step
         self._step = client.step  # over a StepStream from the first step on (config.stream_steps)
@@ -233,7 +228,9 @@ class Scheduler:
         admit_limit: int | None = None
         refused_admission = False
         while True:
-            plan = plan_step(self.config, self.admission, running=self.running, waiting=self.waiting,
+            off = self._source_off_until and self.clock() < self._source_off_until  # no clock read unless set
+            config = replace(self.config, source_pool="") if off else self.config
+            plan = plan_step(config, self.admission, running=self.running, waiting=self.waiting,
                              releases=self._release, admission_blocked=self._admission_blocked,
                              admit_limit=admit_limit)
             for state, reason in plan.rejected:
@@ -251,9 +248,8 @@ class Scheduler:
             except FailedPreconditionError as err:
                 recovery = self._on_refused_precondition(err)
             except NotFoundError as err:
-                if err.op_index is not None:  # one of the pool's sequences, not the pool itself
-                    raise
-                recovery = on_pool_gone(self.pool, err)
+                # naming an op: one of the pool's sequences (raised again) or the source pool; else the pool
+                recovery = on_source_unusable(err) if err.op_index is not None else on_pool_gone(self.pool, err)
             else:
                 self._sent(plan, result, refused_admission)
                 return plan, result
@@ -269,7 +265,7 @@ class Scheduler:
             return on_term_changed(err, self.running, self._release, self._recent_frees, tables)
         if err.reason == "POOL_INCARNATION_MISMATCH":
             return on_pool_gone(self.pool, err)
-        raise err
+        return on_source_unusable(err)  # or raises err
 
     def _sent(self, plan: StepPlan, result: StepResult, refused_admission: bool) -> None:
         """blockd took ``plan``'s batch."""
@@ -303,6 +299,9 @@ class Scheduler:
         reconnect = getattr(self.executor, "reconnect", None)
         if recovery.reconnect_workers and reconnect is not None:
             reconnect(self.config.worker_restart_timeout_s)
+        if recovery.source_off is not None:
+            self._source_off_until = self.clock() + SOURCE_RETRY_S
+            log.warning("admissions name no source pool for %g s: %s", SOURCE_RETRY_S, recovery.source_off)
 
     def _fail_all(self, error: str) -> None:
         """The pool is gone: fail every request held, then raise PoolGone (the step ends)."""

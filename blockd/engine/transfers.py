@@ -19,7 +19,8 @@ A retried request (same request id) gets its remembered step result with a
 plan made again, from the state at the retry.
 
 Sources are checked before the step, so a bad one changes nothing: the pool
-must exist and be the caller's (NOT_FOUND, PERMISSION_DENIED), another pool
+must exist and be the caller's (``SOURCE_POOL_NOT_FOUND``, a NOT_FOUND of its
+own, naming the op; PERMISSION_DENIED), another pool
 than the allocating one, of the same tenant (block hashes fold the tenant in:
 tenants never share blocks) and of the same geometry (block size, layers, KV
 heads, head size, dtype), else INVALID_ARGUMENT.
@@ -32,14 +33,24 @@ from dataclasses import replace
 
 from blockd.core import ExtraKeys, Op, Pool, PoolConfig, StepResult
 from blockd.core.blocks import HOST
-from blockd.core.errors import InvalidArgument, shown
+from blockd.core.errors import InvalidArgument, NotFound, shown
 from blockd.core.types import Allocate, TransferPlan
+from blockd.core.validate import check_name
 from blockd.engine.state import State
 from blockd.engine.tenancy import owner_of
 from blockd.engine.worker_registry import WorkerRegistry
 
 #: what two pools must agree on for one's blocks to hold the other's KV
 GEOMETRY = ("block_size", "num_layers", "num_kv_heads", "head_dim", "dtype")
+
+
+class SourcePoolNotFound(NotFound):
+    """An ``Allocate``'s ``source_pool`` names no pool of this daemon: one deleted
+    (or never made) since the caller chose it, or another group's pool in a
+    cluster. A reason of its own, so a caller tells it from its own pool gone
+    (the scheduler steps on without the source and computes the tokens)."""
+
+    reason = "SOURCE_POOL_NOT_FOUND"
 
 
 def _sources(ops: Sequence[Op]) -> list[tuple[int, Allocate]]:
@@ -60,6 +71,12 @@ def check_sources(state: State, config: PoolConfig, ops: Sequence[Op]) -> None:
         if name == config.name:
             raise InvalidArgument(f"op {i}: source_pool {name!r} is the allocating pool itself; name another "
                                   f"pool, or leave it empty")
+        if name not in state.pools:
+            check_name(name, "pool")  # a name no pool can have is the caller's mistake (INVALID_ARGUMENT)
+            raise SourcePoolNotFound(
+                f"op {i}: source_pool {shown(name)} names no pool of this daemon (deleted or never created, or "
+                f"served by another group of the cluster); nothing was applied: send the allocation without it "
+                f"(its prompt is then computed), or name a pool of this daemon", op_index=i)
         source = state.entry(name).pool.config
         if owner_of(source) != owner_of(config):
             raise InvalidArgument(f"op {i}: pool {name!r} belongs to another tenant than {config.name!r}; "

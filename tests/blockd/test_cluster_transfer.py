@@ -99,8 +99,9 @@ def test_bad_sources_are_refused_and_change_nothing(cluster):
     with BlockdClient(cluster.blockd_address) as client:
         before = client.get_pool("m-1")
         prompt = list(range(3 * BLOCK))
-        with pytest.raises(NotFoundError, match="no pool named 'nope'"):
+        with pytest.raises(NotFoundError, match="source_pool 'nope' names no pool of this daemon") as gone:
             client.step("m-1", [Allocate("x", prompt, source_pool="nope")])
+        assert gone.value.reason == "SOURCE_POOL_NOT_FOUND" and gone.value.op_index == 0
         with pytest.raises(InvalidArgumentError, match="is the allocating pool itself"):
             client.step("m-1", [Allocate("x", prompt, source_pool="m-1")])
         other = dataclasses.replace(cluster.pool_config, name="other-geometry",

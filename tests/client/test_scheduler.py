@@ -233,3 +233,45 @@ def test_a_pool_recreated_underneath_fails_its_requests_clearly(client):
     later = GenerationRequest("later", (4, 5, 6), 3)
     sched.add_request(later)
     check_outputs(sched.run(), [later])  # the new pool serves new requests
+
+
+def test_a_source_pool_gone_turns_sharing_off_for_a_while_and_the_prompts_are_computed(client, caplog):
+    """``SOURCE_POOL_NOT_FOUND`` (nothing applied) is not the scheduler's own pool
+    gone: it steps on naming no source for SOURCE_RETRY_S, then names it again."""
+    import dataclasses
+
+    from blockd.core.types import Allocate
+    from client.faults import SOURCE_RETRY_S
+
+    now = [0.0]
+    client.create_pool(PoolConfig("src", 60, BLOCK))
+    sched, model = make(client, 60, SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=12, source_pool="src"),
+                        clock=lambda: now[0])
+    named: list[str] = []
+    stepped = model.step
+
+    def recording(pool, ops, **kwargs):
+        named.extend(op.source_pool for op in ops if isinstance(op, Allocate))
+        return stepped(pool, ops, **kwargs)
+
+    model.step = recording
+    first = workload(6, 3)
+    for req in first:
+        sched.add_request(req)
+    sched.step()
+    assert named and set(named) == {"src"}  # the source named while it exists
+    client.delete_pool("src")
+    later = [dataclasses.replace(req, request_id=f"later-{req.request_id}") for req in workload(7, 4)]
+    for req in later:
+        sched.add_request(req)
+    named.clear()
+    check_outputs(sched.run(), first + later)  # every request served right: the prompts were computed
+    assert named[0] == "src" and set(named[1:]) == {""}, named  # refused once, then no source
+    assert any("admissions name no source pool" in r.getMessage() and "'src'" in r.getMessage()
+               for r in caplog.records)
+    now[0] += SOURCE_RETRY_S + 1  # then the source is tried again
+    again = GenerationRequest("again", (4, 5, 6, 7), 2)
+    sched.add_request(again)
+    named.clear()
+    check_outputs(sched.run(), [again])
+    assert named[0] == "src"  # named again (and, gone still, off again)

@@ -90,8 +90,10 @@ def test_bad_sources_are_refused_and_change_nothing():
     engine.create_pool(PoolConfig("c", 8, 2 * B))
     before = engine.get_pool("b")
     prompt = list(range(2 * B + 1))
-    with pytest.raises(NotFound, match="no pool named 'nope'"):
-        engine.step("b", [Allocate("x", prompt, source_pool="nope")])
+    with pytest.raises(NotFound, match="op 1: source_pool 'nope' names no pool of this daemon") as gone:
+        engine.step("b", [Allocate("ok", prompt), Allocate("x", prompt, source_pool="nope")])
+    # its own reason and the op: a caller tells a source gone from its own pool gone
+    assert gone.value.reason == "SOURCE_POOL_NOT_FOUND" and gone.value.op_index == 1
     with pytest.raises(InvalidArgument, match="is the allocating pool itself"):
         engine.step("b", [Allocate("x", prompt, source_pool="b")])
     with pytest.raises(InvalidArgument, match="block_size 8 != 4"):
