@@ -141,6 +141,19 @@ class WrongGroup(WrongState):
         self.metadata = {"owner_group": group, "owner_address": address, "epoch": str(epoch)}
 
 
+class SourceInOtherGroup(WrongState):
+    """An ``Allocate``'s ``source_pool`` belongs to another daemon group of the
+    cluster: pools share prefixes only within one group. Not ``WRONG_GROUP``
+    (the call's own pool is served here: re-routing it would not help); the
+    metadata names the source's group and its address."""
+
+    reason = "SOURCE_IN_OTHER_GROUP"
+
+    def __init__(self, message: str, *, op_index: int, group: str, address: str) -> None:
+        super().__init__(message, op_index=op_index)
+        self.metadata = {"source_group": group, "source_address": address}
+
+
 class ExistsOnOtherGroup(AlreadyExists):
     """CreatePool of a name another group of the cluster owns (metadata as :class:`WrongGroup`'s)."""
 

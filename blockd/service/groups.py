@@ -15,16 +15,17 @@ call names:
   FAILED_PRECONDITION, reason ``WRONG_GROUP``, naming the owner's group,
   address and epoch, so a caller routes there (CreatePool of such a name:
   ALREADY_EXISTS, reason ``EXISTS_ON_OTHER_GROUP``); a pool in no entry: the
-  engine answers (NOT_FOUND);
+  engine answers (NOT_FOUND); a step whose Allocate names another group's
+  source pool: FAILED_PRECONDITION ``SOURCE_IN_OTHER_GROUP``
+  (:mod:`blockd.service.sources`);
 * CreatePool claims the name in etcd ("put if absent") before the engine
   builds the pool, and gives the claim back if the engine refuses;
   DeletePool releases the entry once the engine deleted the pool.
 
-A refusal replaces the request (a :class:`~blockd.core.errors.BlockdError`
-in its place is what every servicer wrapper of :mod:`blockd.rpc.errors`
-answers with the one error mapping), so it leaves exactly as an engine
-refusal does, in band on a StepStream. ListPools and a LookupPrefix that
-names no pool answer for this group's pools only. Without ``--cluster`` none of this is built or imported.
+A refusal replaces the request (a :class:`~blockd.core.errors.BlockdError` in its place is what every
+servicer wrapper of :mod:`blockd.rpc.errors` answers with the one error mapping), so it leaves exactly as
+an engine refusal does, in band on a StepStream. ListPools and a LookupPrefix that names no pool answer
+for this group's pools only. Without ``--cluster`` none of this is built or imported.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from blockd.ha.directory import Directory, GroupEntry, PoolEntry
 from blockd.ha.etcd import EtcdClient, EtcdUnavailable
 from blockd.ha.keys import BadValue, check_name
 from blockd.rpc import convert
+from blockd.service.sources import source_refusal
 from blockd.v1 import blockd_pb2 as pb
 
 log = logging.getLogger("blockd.groups")
@@ -72,8 +74,7 @@ class GroupMember:
         self.directory = Directory(EtcdClient(etcd_endpoints), cluster)
         self.group = check_name("group name", group)
         self.lease_ttl_s = lease_ttl_s
-        #: a replica of a replicated group announces the group only while it leads
-        #: (:meth:`announce`); a single daemon is its group's leader from the start
+        #: a replica announces the group only while it leads (:meth:`announce`); a single daemon: from the start
         self._leading = not replicated
         self._announced = False
         self._wake = threading.Event()
@@ -272,12 +273,10 @@ class PoolGate(grpc.ServerInterceptor):
 
     def __init__(self, member: GroupMember, quotas: Callable[[str], Quota] | None = None) -> None:
         self.member = member
-        #: each tenant's quota (the identities file's), or None: no quotas
-        self.quotas = quotas
+        self.quotas = quotas  # each tenant's quota (the identities file's), or None: no quotas
         self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
         self._changed = threading.Condition(threading.Lock())
-        #: pool -> calls admitted and not yet answered
-        self._busy: dict[str, int] = {}
+        self._busy: dict[str, int] = {}  # pool -> calls admitted and not yet answered
         #: pools being moved away: new calls are refused with POOL_MOVING
         self._frozen: set[str] = set()
 
@@ -299,6 +298,11 @@ class PoolGate(grpc.ServerInterceptor):
         """``(request or the refusal to answer it with, the pools it holds busy)``;
         the caller hands those pools to :meth:`done` once answered."""
         pools = _pools_named(method, request)
+        # a source pool another group serves (checked once the call's own pool is ours: else WRONG_GROUP)
+        if method in ("Step", "StepStream") and pools and pools[0] in self.member.owned:
+            refusal = source_refusal(self.member, request)
+            if refusal is not None:
+                return refusal, []
         for _ in range(2):  # a pool learnt from the directory is admitted on the second pass
             with self._changed:
                 owned = self.member.owned

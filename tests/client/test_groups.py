@@ -193,3 +193,29 @@ def test_a_group_restarted_on_its_data_dir_serves_its_pools_again(etcd_server, t
             assert client.get_pool("a").version == version and client.group_of("a") == "g1"
     finally:
         daemon.kill()
+
+
+def test_a_source_pool_in_another_group_is_refused_in_words_and_a_scheduler_computes_instead(two_groups) -> None:
+    from client.scheduler import SchedulerConfig
+    from client.serving import GenerationRequest
+    from tests.support.slot_model import check_outputs, make
+
+    client, (g1, _) = two_groups
+    client.create_pool(PoolConfig("a", num_blocks=16, block_size=4))  # g1
+    client.create_pool(PoolConfig("b", num_blocks=16, block_size=4))  # g2
+    client.create_pool(PoolConfig("c", num_blocks=16, block_size=4))  # g1: a source in the same group
+    assert [client.group_of(p) for p in "abc"] == ["g1", "g2", "g1"]
+    client.step("a", [Allocate("s", list(range(10)))])
+    with pytest.raises(FailedPreconditionError, match="source_pool 'a' is served by group g1, not group g2") as err:
+        client.step("b", [Allocate("x", list(range(10))), Allocate("t", list(range(10)), source_pool="a")])
+    assert err.value.reason == "SOURCE_IN_OTHER_GROUP" and err.value.op_index == 1
+    assert err.value.metadata["source_group"] == "g1" and err.value.metadata["source_address"] == g1.address
+    assert client.get_pool("b").version == 0  # nothing applied, and the call was not re-routed
+    assert client.step("c", [Allocate("t", list(range(10)), source_pool="a")]).version == 1  # one group: shared
+    # a scheduler of b sharing from a steps on without the source: every token as the reference
+    requests = [GenerationRequest(f"r{i}", tuple(range(i, i + 7)), 3) for i in range(3)]
+    sched, _ = make(client, 24, SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=4, source_pool="a"))
+    assert client.group_of("p") == "g2"  # the fewest pools: a's group is the other one
+    for req in requests:
+        sched.add_request(req)
+    check_outputs(sched.run(), requests)
