@@ -20,7 +20,7 @@ from tests.conftest import ROOT
 def _args(**changes):
     args = {"first_tokens": (40, 64), "question_tokens": (8, 16), "output_tokens": 8, "turns": 3,
             "device_blocks": 24, "max_seqs": 2, "max_batched_tokens": 128, "conversations": 3, "seed": 0,
-            "vllm_python": None, "model": "tiny-llama"}
+            "vllm_python": None, "model": "tiny-llama", "arrivals": "closed"}
     args.update(changes)
     return SimpleNamespace(**args)
 
@@ -40,6 +40,8 @@ def test_the_workload_survives_json_and_holds_the_conversations():
     assert work["vllm_num_blocks"] * work["vllm_block_size"] == 24 * 16
     assert work["max_model_len"] >= 64 + 8 + 2 * (16 + 8) and work["max_model_len"] % 16 == 0
     assert work["kv_offloading_gib"] == 16 * 24 * 1024 / (1 << 30)
+    # the same arrivals as blockd's rows: at most --max-seqs in flight, or the round at once
+    assert work["in_flight"] == 2 and _work(arrivals="backlog")[0]["in_flight"] == 0
     with pytest.raises(SystemExit, match="blocks of 32"):
         _work(device_blocks=25)
 
