@@ -81,6 +81,39 @@ def test_steps_follow_a_moved_pool_and_a_resent_change_is_answered_not_applied_a
     assert sync.get_sequence("m", "s").num_tokens == 6  # every change once
 
 
+def test_workers_and_watches_follow_their_pool_to_its_new_group(two_groups) -> None:
+    """A worker registers and heartbeats through the asyncio cluster client (a
+    heartbeat names no pool: it goes to its pool's owner), and a Watch opened
+    after a move, on a stale route, is opened again at the new owner."""
+    from blockd.core.types import WorkerInfo
+
+    sync, _ = two_groups
+    sync.create_pool(PoolConfig("m", num_blocks=16, block_size=4, num_layers=1, num_kv_heads=2, head_dim=4))
+
+    async def scenario() -> tuple:
+        async with AsyncClusterClient(sync.target, timeout_s=10) as client:
+            info = WorkerInfo("w0", "m", "127.0.0.1:1", 0, 1, 0, 2, incarnation="life-1")
+            registered = await client.register_worker(info)
+            beat = await client.heartbeat("w0", 0)
+            with pytest.raises(NotFoundError, match="did not register through this client"):
+                await client.heartbeat("w9", 0)
+            await client.step("m", [Allocate("s", [1, 2, 3])])
+            await asyncio.to_thread(sync.move_pool, "m", "g2")  # this client's route to m is now stale
+            watch = client.watch("m", 0, timeout_s=5)
+            first = await watch.__anext__()
+            await watch.aclose()
+            # registrations are each daemon's: a worker registers again at the new owner (blockd-worker
+            # does when its heartbeat is refused there), and its heartbeats follow
+            await client.register_worker(info)
+            await client.heartbeat("w0", first.version)
+            workers = await client.list_workers("m")
+            return registered, beat, first, workers, await client.group_of("m")
+
+    registered, beat, first, workers, group = asyncio.run(scenario())
+    assert registered.info.worker_id == "w0" and beat.info.worker_id == "w0" and group == "g2"
+    assert first.version >= 1 and [w.info.worker_id for w in workers] == ["w0"]
+
+
 def test_a_dead_groups_pools_are_unavailable_while_the_others_serve(two_groups) -> None:
     sync, (_, g2) = two_groups
     sync.create_pool(PoolConfig("a", num_blocks=16, block_size=4))
