@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import threading
 import time
 
@@ -260,5 +261,8 @@ def test_a_model_worker_serves_its_pool_right_while_the_pool_moves(two_groups) -
         assert client.get_pool("w").version > moved[0].version  # steps ran at the new owner after the move
         assert ContiguousReference("tiny-llama").mismatches(requests, outputs) == []
         assert [w.info.worker_id for w in client.list_workers("w")] == ["w0"]  # registered at the new owner
+        # the worker said what its start cost, phase by phase (issue 31)
+        assert re.search(r"worker w0 ready in [0-9.]+ s: model [0-9.]+ s \(load\), KV pool [0-9.]+ s, model "
+                         r"runner [0-9.]+ s", worker.output()), worker.output()[-2000:]
     finally:
         worker.kill()
