@@ -11,7 +11,7 @@ permission         RPCs
                    the hash spec and a pool's block size and tenant)
 ``tables.read``    GetTables, GetSequence, Watch (block tables)
 ``cache.read``     Events, LookupPrefix (block hashes and token ids: prompts)
-``step``           Step, StepStream (allocate/append/commit/fork/free), PinPrefix, UnpinPrefix,
+``step``           Step, StepStream, GetStepLane (allocate/append/commit/fork/free), PinPrefix, UnpinPrefix,
                    SetPrefixPriority (what is cached, and kept)
 ``worker.join``    RegisterWorker, Heartbeat
 ``kv.stats``       KVShardService.GetWorkerStats
@@ -80,7 +80,7 @@ _BLOCKD = {
     },
     "blockd.v1.BlockService": {
         "Step": STEP, "StepStream": STEP, "GetTables": TABLES_READ, "GetSequence": TABLES_READ, "Watch": TABLES_READ,
-        "Events": CACHE_READ, "LookupPrefix": CACHE_READ, "GetHashSpec": POOL_READ,
+        "Events": CACHE_READ, "LookupPrefix": CACHE_READ, "GetHashSpec": POOL_READ, "GetStepLane": STEP,
     },
     "blockd.v1.WorkerService": {
         "RegisterWorker": WORKER_JOIN, "Heartbeat": WORKER_JOIN, "ListWorkers": POOL_READ,

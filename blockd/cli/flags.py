@@ -165,6 +165,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-workers", type=config_env.positive_int, default=128,
                        help="most RPC threads; each open Watch/Events/StepStream stream holds one while open "
                             "(step streams at most half: the SDK steps by unary Step beyond that)")
+    serve.add_argument("--step-lane-port", type=config_env.port, default=None,
+                       help="also serve StepStream as the step lane on this port of the --listen host (0: a free "
+                            "one): the same steps, checks and answers for a fraction of gRPC's CPU per step; "
+                            "TLS with the same files when gRPC has them. The SDK finds it by itself and falls "
+                            "back to the gRPC stream when it cannot reach it. Default: no lane")
     serve.add_argument("--worker-timeout-s", type=config_env.positive_float, default=10.0,
                        help="a worker whose last heartbeat is older is reported down")
     serve.add_argument("--grace-s", type=config_env.non_negative_float, default=5.0,

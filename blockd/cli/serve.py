@@ -241,7 +241,7 @@ def serve(args: argparse.Namespace) -> int:
                               interceptors=[*server_interceptors(),
                                             *([metrics.interceptor()] if metrics is not None else []),
                                             *security.interceptors, *gate],
-                              credentials=security.credentials,
+                              credentials=security.credentials, step_lane_port=args.step_lane_port, lane_tls=tls,
                               extra_services=[*([replica.servicer()] if replica is not None else []),
                                               *_group_service(engine, gate, member, args, tls)])
         advertise = _advertise_address(args.advertise_address, server.address)
@@ -283,6 +283,8 @@ def serve(args: argparse.Namespace) -> int:
         if metrics is not None:
             _register_replication_metrics(metrics, replica)
     print(f"blockd listening on {server.address}", flush=True)
+    if server.lane is not None:
+        print(f"blockd step lane on {server.lane.address}", flush=True)
     print(f"blockd advertising {advertise}", flush=True)
     # wait in short slices so the signal handler runs promptly
     while not stop.wait(0.2):

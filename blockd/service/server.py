@@ -23,10 +23,14 @@ from typing import Any
 
 import grpc
 
+from blockd.auth.config import TlsConfig
 from blockd.engine.machine import Engine
 from blockd.engine.retention.pins import PinExpiry
+from blockd.rpc.addresses import split_listen
 from blockd.rpc.endpoint import GrpcEndpoint
-from blockd.service.servicer import BlockServicer, PoolServicer, WorkerServicer
+from blockd.rpc.errors import method_handlers
+from blockd.service.lane import StepLane
+from blockd.service.servicer import BlockServicer, PoolServicer, StepStreamsFull, WorkerServicer
 from blockd.v1 import blockd_pb2 as pb
 
 log = logging.getLogger("blockd.server")
@@ -47,7 +51,9 @@ class BlockdServer:
     :mod:`blockd.auth`'s interceptor); ``credentials`` (from
     :func:`blockd.auth.server_security`) serve TLS instead of plain text.
     ``extra_services``: more ``(servicer, service descriptor)`` pairs to serve (a
-    replica's ``ReplicationService``).
+    replica's ``ReplicationService``). ``step_lane_port``: serve the step lane
+    (:mod:`blockd.service.lane`) on that port of the listen host (0: a free
+    one; None: no lane), TLS with ``lane_tls`` (the gRPC port's files) when given.
     """
 
     def __init__(self, engine: Engine, listen: str = "127.0.0.1:0", *,
@@ -55,15 +61,16 @@ class BlockdServer:
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
                  interceptors: Sequence[grpc.ServerInterceptor] = (),
                  credentials: grpc.ServerCredentials | None = None,
-                 extra_services: Sequence[tuple[object, Any]] = ()) -> None:
+                 extra_services: Sequence[tuple[object, Any]] = (), step_lane_port: int | None = None,
+                 lane_tls: TlsConfig | None = None) -> None:
         self.engine = engine
         self.grace_s = grace_s
         self._shutdown = threading.Event()
         self._stopped = False
         extra, services = list(extra_services), pb.DESCRIPTOR.services_by_name
+        blocks = BlockServicer(engine, self._shutdown, max(1, max_workers // 2))
         self._endpoint = GrpcEndpoint(
-            [(PoolServicer(engine), services["PoolService"]),
-             (BlockServicer(engine, self._shutdown, max(1, max_workers // 2)), services["BlockService"]),
+            [(PoolServicer(engine), services["PoolService"]), (blocks, services["BlockService"]),
              (WorkerServicer(engine), services["WorkerService"]), *extra],
             listen, max_workers=max_workers, max_message_bytes=max_message_bytes,
             thread_name_prefix="blockd-rpc", interceptors=interceptors,
@@ -74,9 +81,25 @@ class BlockdServer:
         self.health = self._endpoint.health
         self.port = self._endpoint.port
         self.address = self._endpoint.address
+        self.lane: StepLane | None = None
+        if step_lane_port is not None:
+            if credentials is not None and lane_tls is None:
+                raise ValueError("a TLS server's step lane needs its TLS files (lane_tls): it never serves "
+                                 "in plain text what the gRPC port serves over TLS")
+            host, _ = split_listen(listen)
+            self.lane = StepLane(
+                method_handlers(blocks, services["BlockService"])["StepStream"], interceptors, host, step_lane_port,
+                tls=lane_tls, max_bytes=max_message_bytes, max_connections=blocks.max_step_streams + 16,
+                shutdown=self._shutdown, refused=blocks.refused,
+                full=lambda: StepStreamsFull("blockd's step lane has no room for another connection: step by "
+                                             "unary Step (the SDK does), or raise --max-workers"))
+            blocks.step_lane = (self.lane.port, self.lane.tls)
 
     def start(self) -> None:
         self._endpoint.start()
+        if self.lane is not None:
+            self.lane.start()
+            log.info("serving the step lane on %s%s", self.lane.address, " (TLS)" if self.lane.tls else "")
         self._pin_expiry.start()
         log.info("serving %s on %s", ", ".join(self._endpoint.service_names), self.address)
 
@@ -95,6 +118,8 @@ class BlockdServer:
         log.info("shutting down: %.1fs grace for in-flight calls", grace)
         self.health.enter_graceful_shutdown()
         self._shutdown.set()
+        if self.lane is not None:
+            self.lane.stop()
         self._endpoint.stop(grace)
         self._pin_expiry.stop()
         self.engine.close()

@@ -135,6 +135,8 @@ class BlockServicer(pb_grpc.BlockServiceServicer):
         self._shutdown = shutdown
         self.max_step_streams = max_step_streams
         self._stream_slots = threading.BoundedSemaphore(max_step_streams)
+        #: (port, tls) of the step lane (blockd.service.lane), set by the server that serves one
+        self.step_lane: tuple[int, bool] = (0, False)
         #: read by blockd.rpc.errors.method_handlers: an oversized Step is refused before it is parsed whole
         self.request_parsers = {"Step": step_parser(engine.config.guardrails),
                                 "StepStream": step_stream_parser(engine.config.guardrails)}
@@ -217,6 +219,12 @@ class BlockServicer(pb_grpc.BlockServiceServicer):
         config = self._engine.pool_config(pool) if pool else None  # NOT_FOUND for an unknown pool
         spec = hash_spec(config.block_size, owner_of(config)) if config is not None else hash_spec()
         return hash_spec_to_proto(spec)
+
+
+    @unary
+    def GetStepLane(self, request: pb.GetStepLaneRequest, context) -> pb.GetStepLaneResponse:
+        port, tls = self.step_lane
+        return pb.GetStepLaneResponse(port=port, tls=tls)
 
 
 class WorkerServicer(pb_grpc.WorkerServiceServicer):

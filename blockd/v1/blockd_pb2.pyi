@@ -1494,6 +1494,102 @@ class StepStreamResponse(_message.Message):
 Global___StepStreamResponse: _TypeAlias = StepStreamResponse  # noqa: Y015
 
 @_typing.final
+class GetStepLaneRequest(_message.Message):
+    """Asks where the step lane is; names nothing."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetStepLaneRequest: _TypeAlias = GetStepLaneRequest  # noqa: Y015
+
+@_typing.final
+class GetStepLaneResponse(_message.Message):
+    """Where the step lane is (GetStepLane)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PORT_FIELD_NUMBER: _builtins.int
+    TLS_FIELD_NUMBER: _builtins.int
+    port: _builtins.int
+    """On the host the caller dialled; 0: this daemon serves no step lane."""
+    tls: _builtins.bool
+    """Whether the lane speaks TLS (it does whenever the gRPC port does, with
+    the same certificates and the same client-certificate rule).
+    """
+    def __init__(
+        self,
+        *,
+        port: _builtins.int = ...,
+        tls: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["port", b"port", "tls", b"tls"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetStepLaneResponse: _TypeAlias = GetStepLaneResponse  # noqa: Y015
+
+@_typing.final
+class StepLaneHello(_message.Message):
+    """The step lane's first frame from the caller: the call's metadata, as gRPC
+    would carry it in headers (authorization, traceparent). Then each frame
+    from the caller is a StepStreamRequest and each frame back the
+    StepStreamResponse at the same place; a frame is a 4-byte big-endian
+    length and that many bytes.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    METADATA_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def metadata(self) -> _containers.RepeatedCompositeFieldContainer[Global___StepLaneMetadata]: ...
+    def __init__(
+        self,
+        *,
+        metadata: _abc.Iterable[Global___StepLaneMetadata] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["metadata", b"metadata"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StepLaneHello: _TypeAlias = StepLaneHello  # noqa: Y015
+
+@_typing.final
+class StepLaneMetadata(_message.Message):
+    """One metadata entry of a StepLaneHello."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KEY_FIELD_NUMBER: _builtins.int
+    VALUE_FIELD_NUMBER: _builtins.int
+    key: _builtins.str
+    value: _builtins.str
+    def __init__(
+        self,
+        *,
+        key: _builtins.str = ...,
+        value: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StepLaneMetadata: _TypeAlias = StepLaneMetadata  # noqa: Y015
+
+@_typing.final
 class BlockTable(_message.Message):
     """One sequence's block table."""
 

@@ -516,6 +516,11 @@ class BlockServiceStub:
                 request_serializer=blockd_dot_v1_dot_blockd__pb2.GetHashSpecRequest.SerializeToString,
                 response_deserializer=blockd_dot_v1_dot_blockd__pb2.GetHashSpecResponse.FromString,
                 _registered_method=True)
+        self.GetStepLane = channel.unary_unary(
+                '/blockd.v1.BlockService/GetStepLane',
+                request_serializer=blockd_dot_v1_dot_blockd__pb2.GetStepLaneRequest.SerializeToString,
+                response_deserializer=blockd_dot_v1_dot_blockd__pb2.GetStepLaneResponse.FromString,
+                _registered_method=True)
 
 
 class BlockServiceServicer:
@@ -588,6 +593,15 @@ class BlockServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetStepLane(self, request, context):
+        """Where this daemon serves its step lane (docs/protocol.md, Step lane): a
+        StepStream's messages over a TCP (or TLS) connection of its own, framed
+        by length, for a fraction of gRPC's CPU per step. Port 0: no lane.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_BlockServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -630,6 +644,11 @@ def add_BlockServiceServicer_to_server(servicer, server):
                     servicer.GetHashSpec,
                     request_deserializer=blockd_dot_v1_dot_blockd__pb2.GetHashSpecRequest.FromString,
                     response_serializer=blockd_dot_v1_dot_blockd__pb2.GetHashSpecResponse.SerializeToString,
+            ),
+            'GetStepLane': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetStepLane,
+                    request_deserializer=blockd_dot_v1_dot_blockd__pb2.GetStepLaneRequest.FromString,
+                    response_serializer=blockd_dot_v1_dot_blockd__pb2.GetStepLaneResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -851,6 +870,33 @@ class BlockService:
             '/blockd.v1.BlockService/GetHashSpec',
             blockd_dot_v1_dot_blockd__pb2.GetHashSpecRequest.SerializeToString,
             blockd_dot_v1_dot_blockd__pb2.GetHashSpecResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetStepLane(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/blockd.v1.BlockService/GetStepLane',
+            blockd_dot_v1_dot_blockd__pb2.GetStepLaneRequest.SerializeToString,
+            blockd_dot_v1_dot_blockd__pb2.GetStepLaneResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -253,6 +253,11 @@ class BlockServiceStub:
     blockd can implement, with test vectors; with a pool, its block size and
     tenant (the inputs the pool's hashes take besides the prompt).
     """
+    GetStepLane: _grpc.UnaryUnaryMultiCallable[_blockd_pb2.GetStepLaneRequest, _blockd_pb2.GetStepLaneResponse]
+    """Where this daemon serves its step lane (docs/protocol.md, Step lane): a
+    StepStream's messages over a TCP (or TLS) connection of its own, framed
+    by length, for a fraction of gRPC's CPU per step. Port 0: no lane.
+    """
 
 @_typing.type_check_only
 class BlockServiceAsyncStub(BlockServiceStub):
@@ -289,6 +294,11 @@ class BlockServiceAsyncStub(BlockServiceStub):
     """The block-hash algorithm this daemon runs, as text a router outside
     blockd can implement, with test vectors; with a pool, its block size and
     tenant (the inputs the pool's hashes take besides the prompt).
+    """
+    GetStepLane: _aio.UnaryUnaryMultiCallable[_blockd_pb2.GetStepLaneRequest, _blockd_pb2.GetStepLaneResponse]  # type: ignore[assignment]
+    """Where this daemon serves its step lane (docs/protocol.md, Step lane): a
+    StepStream's messages over a TCP (or TLS) connection of its own, framed
+    by length, for a fraction of gRPC's CPU per step. Port 0: no lane.
     """
 
 class BlockServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -371,6 +381,17 @@ class BlockServiceServicer(metaclass=_abc_1.ABCMeta):
         """The block-hash algorithm this daemon runs, as text a router outside
         blockd can implement, with test vectors; with a pool, its block size and
         tenant (the inputs the pool's hashes take besides the prompt).
+        """
+
+    @_abc_1.abstractmethod
+    def GetStepLane(
+        self,
+        request: _blockd_pb2.GetStepLaneRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_blockd_pb2.GetStepLaneResponse, _abc.Awaitable[_blockd_pb2.GetStepLaneResponse]]:
+        """Where this daemon serves its step lane (docs/protocol.md, Step lane): a
+        StepStream's messages over a TCP (or TLS) connection of its own, framed
+        by length, for a fraction of gRPC's CPU per step. Port 0: no lane.
         """
 
 def add_BlockServiceServicer_to_server(servicer: BlockServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -85,6 +85,7 @@ REQUESTS: dict[str, tuple[Callable[[], Message], Code]] = {
     "/blockd.v1.BlockService/Events": (lambda: pb.EventsRequest(pool="p"), Code.OK),
     "/blockd.v1.BlockService/LookupPrefix": (lambda: pb.LookupPrefixRequest(token_ids=PROMPT, pools=["p"]), Code.OK),
     "/blockd.v1.BlockService/GetHashSpec": (lambda: pb.GetHashSpecRequest(pool="p"), Code.OK),
+    "/blockd.v1.BlockService/GetStepLane": (pb.GetStepLaneRequest, Code.OK),
     "/blockd.v1.WorkerService/RegisterWorker": (lambda: pb.RegisterWorkerRequest(info=convert.worker_info_to_proto(
         WorkerInfo("w2", "p", "127.0.0.1:9", 0, 1, 0, 1, incarnation="inc-2"))), Code.OK),
     "/blockd.v1.WorkerService/Heartbeat": (lambda: pb.HeartbeatRequest(worker_id="w1"), Code.OK),
@@ -103,6 +104,8 @@ REQUESTS: dict[str, tuple[Callable[[], Message], Code]] = {
 }
 #: RPCs that filter another tenant's pools out rather than refuse (the reply is checked empty)
 FILTERED = {"/blockd.v1.PoolService/ListPools"}
+#: calls that name no tenant's pool (where the step lane is): any tenant whose role has the permission may
+UNSCOPED = {"/blockd.v1.BlockService/GetStepLane"}
 
 
 def test_every_served_rpc_has_a_request_here() -> None:
@@ -182,7 +185,7 @@ def _expected(case: str, method: str) -> Code:
     if permission == AUTHENTICATED or case == "allowed":
         return allowed
     if case == "wrong-tenant":
-        return allowed if method in FILTERED else Code.PERMISSION_DENIED
+        return allowed if method in FILTERED | UNSCOPED else Code.PERMISSION_DENIED
     lacking = [r for r in ("reader", "worker", "scheduler") if permission not in ROLE_PERMISSIONS[r]]
     return Code.PERMISSION_DENIED if lacking else allowed
 

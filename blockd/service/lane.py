@@ -1,0 +1,335 @@
+"""The daemon's step lane: ``StepStream`` served over framed TCP (or TLS).
+
+:class:`StepLane` listens on a port of its own beside the gRPC server
+(``blockd serve --step-lane-port``) and serves each connection on a thread
+of its own, exactly as a gRPC ``StepStream`` call: the very handler the gRPC
+server registers for ``/blockd.v1.BlockService/StepStream``, run through the
+very interceptors, in the same order, once per connection (gRPC runs them
+once per call). So authentication (the hello's ``authorization``, or the
+client certificate), permissions, tenants, the group gate, the stream slots
+(``STEP_STREAMS_FULL``), idempotency and every refusal are the same code,
+and a step's answer over the lane is byte for byte what the stream gives.
+The interceptors see a :class:`_LaneContext`, which answers the parts of
+``grpc.ServicerContext`` they use; an ``abort`` becomes the connection's last
+answer (its ``error_status``) and the connection is closed.
+
+What a lane connection costs the daemon: a blocking read of the next frame,
+the handler, one ``sendall``; gRPC's per-message machinery (its completion
+queue, HTTP/2 framing, the Python call objects) is what it saves
+(``bench/rpc.py --part daemon_cost``, transport ``lane``).
+
+Bounds, so that no caller stalls the others: at most ``max_connections``
+connections (more are answered ``STEP_STREAMS_FULL`` and closed), a hello
+within :data:`~blockd.rpc.lane.CONNECT_TIMEOUT_S` of connecting, the TLS
+handshake on the connection's thread (never the accepting one), frames up to
+the server's message limit. TLS uses the gRPC port's files, re-read when they
+change (as :mod:`blockd.auth.tls` does for gRPC); mutual TLS when a CA is set.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import ssl
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NoReturn
+
+import grpc
+from google.rpc import status_pb2
+
+from blockd.auth.config import TlsConfig
+from blockd.auth.tls import files_fingerprint
+from blockd.rpc.addresses import join
+from blockd.rpc.lane import (
+    CONNECT_TIMEOUT_S,
+    FrameTooLarge,
+    Metadatum,
+    auth_context_of,
+    frame,
+    read_frame,
+    read_hello,
+)
+from blockd.v1 import blockd_pb2 as pb
+
+log = logging.getLogger("blockd.lane")
+
+METHOD = "/blockd.v1.BlockService/StepStream"
+
+
+class _CallDetails(grpc.HandlerCallDetails):
+    def __init__(self, method: str, invocation_metadata: tuple[Metadatum, ...]) -> None:
+        self.method, self.invocation_metadata = method, invocation_metadata
+
+
+class _Aborted(Exception):
+    """An interceptor or handler aborted the call: ``status`` is the refusal's bytes."""
+
+    def __init__(self, status: bytes) -> None:
+        super().__init__("aborted")
+        self.status = status
+
+
+def _status_of(code: grpc.StatusCode, details: str, trailing: Sequence = ()) -> bytes:
+    for key, value in trailing or ():
+        if key == "grpc-status-details-bin" and isinstance(value, bytes):
+            return value
+    return status_pb2.Status(code=code.value[0], message=details or "").SerializeToString()
+
+
+class _LaneContext(grpc.ServicerContext):
+    """The parts of ``grpc.ServicerContext`` blockd's interceptors and servicer use."""
+
+    def __init__(self, metadata: tuple[Metadatum, ...], auth: dict, peer: str, shutdown: threading.Event) -> None:
+        self._metadata, self._auth, self._peer, self._shutdown = metadata, auth, peer, shutdown
+        self.active = True
+        self._code: grpc.StatusCode | None = None
+        self._details = ""
+        self._trailing: Sequence = ()
+
+    def invocation_metadata(self):
+        return self._metadata
+
+    def auth_context(self):
+        return self._auth
+
+    def peer(self) -> str:
+        return self._peer
+
+    def peer_identities(self):
+        return self._auth.get("peer_uri") or self._auth.get("x509_common_name")
+
+    def peer_identity_key(self):
+        return None
+
+    def is_active(self) -> bool:
+        return self.active and not self._shutdown.is_set()
+
+    def time_remaining(self):
+        return None
+
+    def cancel(self) -> bool:
+        self.active = False
+        return True
+
+    def add_callback(self, callback) -> bool:
+        return False
+
+    def abort(self, code: grpc.StatusCode, details: str) -> NoReturn:
+        self._code, self._details = code, details
+        raise _Aborted(_status_of(code, details))
+
+    def abort_with_status(self, status) -> NoReturn:
+        self._code, self._details = status.code, status.details
+        raise _Aborted(_status_of(status.code, status.details, status.trailing_metadata))
+
+    def set_code(self, code) -> None:
+        self._code = code
+
+    def code(self):
+        return self._code
+
+    def set_details(self, details) -> None:
+        self._details = details
+
+    def details(self):
+        return self._details
+
+    def set_trailing_metadata(self, trailing_metadata) -> None:
+        self._trailing = trailing_metadata
+
+    def trailing_metadata(self):
+        return self._trailing
+
+    def send_initial_metadata(self, initial_metadata) -> None:
+        pass
+
+    def set_compression(self, compression) -> None:
+        pass
+
+    def disable_next_message_compression(self) -> None:
+        pass
+
+
+class _ServerTls:
+    """The lane's server-side TLS context, rebuilt when the files change."""
+
+    def __init__(self, tls: TlsConfig) -> None:
+        self.tls = tls
+        self._seen: tuple = ()
+        self._context: ssl.SSLContext | None = None
+        self._lock = threading.Lock()
+        self.context()  # bad files fail at start, not at the first connection
+
+    def context(self) -> ssl.SSLContext:
+        with self._lock:
+            seen = files_fingerprint(self.tls.files())
+            if self._context is None or seen != self._seen:
+                try:
+                    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+                    context.minimum_version = ssl.TLSVersion.TLSv1_2
+                    assert self.tls.cert is not None and self.tls.key is not None, "a TLS server has a certificate"
+                    context.load_cert_chain(self.tls.cert, self.tls.key)
+                    if self.tls.ca is not None:
+                        context.verify_mode = ssl.CERT_REQUIRED
+                        context.load_verify_locations(self.tls.ca)
+                except (OSError, ssl.SSLError) as err:
+                    if self._context is None:
+                        raise
+                    log.warning("the step lane keeps its TLS files: the new ones do not load (%s)", err)
+                    self._seen = seen
+                    return self._context
+                self._context, self._seen = context, seen
+            return self._context
+
+
+class StepLane:
+    """``handler`` (the gRPC server's StepStream handler) through ``interceptors``,
+    served on ``host:port`` (0: a free port); ``refused(err, rpc)``: the
+    servicer's StepStream answer for a refusal (its ``STEP_STREAMS_FULL``)."""
+
+    def __init__(self, handler: grpc.RpcMethodHandler, interceptors: Sequence[grpc.ServerInterceptor], host: str,
+                 port: int, *, tls: TlsConfig | None, max_bytes: int, max_connections: int,
+                 shutdown: threading.Event, refused: Callable[[BaseException, str], pb.StepStreamResponse],
+                 full: Callable[[], BaseException]) -> None:
+        self._handler, self._interceptors = handler, list(interceptors)
+        self._tls = _ServerTls(tls) if tls is not None else None
+        self.tls = tls is not None
+        self._max_bytes, self._shutdown = max_bytes, shutdown
+        self._refused, self._full = refused, full
+        self._slots = threading.BoundedSemaphore(max_connections)
+        self._open: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._listener = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            self._listener.bind((host.strip("[]"), port))
+            self._listener.listen(128)
+        except OSError:
+            self._listener.close()
+            raise
+        self.port = self._listener.getsockname()[1]
+        self.address = join(host, self.port)
+        self._thread = threading.Thread(target=self._accept, name="blockd-lane-accept", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop accepting and end every connection (their threads see the socket close)."""
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)
+        self._listener.close()
+        with self._lock:
+            conns = list(self._open)
+        for conn in conns:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+        self._thread.join(timeout=5)
+
+    # --- per connection -------------------------------------------------------------------
+    def _accept(self) -> None:
+        while not self._shutdown.is_set():
+            try:
+                conn, addr = self._listener.accept()
+            except OSError:
+                return  # the listener closed: stop()
+            peer = f"ipv6:[{addr[0]}]:{addr[1]}" if conn.family == socket.AF_INET6 else f"ipv4:{addr[0]}:{addr[1]}"
+            if not self._slots.acquire(blocking=False):
+                # answered without reading: a caller past the limit learns why, and steps by unary Step
+                threading.Thread(target=self._turn_away, args=(conn,), name="blockd-lane-full", daemon=True).start()
+                continue
+            threading.Thread(target=self._serve, args=(conn, peer), name="blockd-lane", daemon=True).start()
+
+    def _turn_away(self, conn: socket.socket) -> None:
+        try:
+            conn.settimeout(CONNECT_TIMEOUT_S)
+            if self._tls is None:  # a TLS caller could not read a plain answer: it just sees the close
+                conn.sendall(frame(self._refused(self._full(), "StepStream").SerializeToString()))
+        except OSError:
+            pass
+        finally:
+            conn.close()
+
+    def _serve(self, conn: socket.socket, peer: str) -> None:
+        sock: socket.socket = conn
+        reader = None
+        with self._lock:
+            self._open.add(conn)
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+            sock.settimeout(CONNECT_TIMEOUT_S)
+            if self._tls is not None:
+                sock = self._tls.context().wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
+                sock.do_handshake()
+            reader = sock.makefile("rb")
+            try:
+                metadata = read_hello(reader)
+            except ValueError as err:
+                self._send_refusal(sock, grpc.StatusCode.INVALID_ARGUMENT, str(err))
+                return
+            sock.settimeout(None)  # a scheduler may idle between steps as long as it likes
+            self._converse(sock, reader, _LaneContext(metadata, auth_context_of(sock), peer, self._shutdown))
+        except (OSError, EOFError, ssl.SSLError) as err:
+            log.debug("step lane connection from %s ended: %s", peer, err)
+        except Exception:  # a fault of ours: logged, the connection closed, the daemon serves on
+            log.exception("step lane connection from %s failed", peer)
+        finally:
+            with self._lock:
+                self._open.discard(conn)
+            try:
+                if reader is not None:  # the socket's file holds its descriptor open until closed too
+                    reader.close()
+                sock.close()
+            except OSError:
+                pass
+            finally:
+                self._slots.release()
+
+    def _converse(self, sock: socket.socket, reader, context: _LaneContext) -> None:
+        handler = self._chain(_CallDetails(METHOD, context.invocation_metadata()))
+        assert handler is not None and handler.stream_stream is not None, "StepStream is a stream-stream handler"
+        parse, serialize = handler.request_deserializer, handler.response_serializer
+        assert parse is not None and serialize is not None, "blockd's handlers name both (method_handlers)"
+        cut: list[BaseException] = []
+
+        def requests() -> Iterator[Any]:
+            while True:
+                try:
+                    payload = read_frame(reader, self._max_bytes)
+                except FrameTooLarge as err:
+                    cut.append(err)
+                    return
+                except (OSError, EOFError):
+                    context.active = False
+                    return
+                if payload is None:
+                    return
+                yield parse(payload)
+
+        send = sock.sendall
+        try:
+            for answer in handler.stream_stream(requests(), context):
+                send(frame(serialize(answer)))
+        except _Aborted as aborted:
+            send(frame(pb.StepStreamResponse(error_status=aborted.status).SerializeToString()))
+            return
+        if cut:  # gRPC's answer to a message over its limit, and the connection cannot go on
+            self._send_refusal(sock, grpc.StatusCode.RESOURCE_EXHAUSTED, f"{cut[0]}; nothing of it was applied")
+
+    def _chain(self, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
+        """The handler as the gRPC server would run it: the first interceptor outermost."""
+        interceptors, handler = self._interceptors, self._handler
+
+        def at(index: int) -> Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None]:
+            if index == len(interceptors):
+                return lambda _details: handler
+            return lambda d: interceptors[index].intercept_service(at(index + 1), d)
+
+        return at(0)(details)
+
+    @staticmethod
+    def _send_refusal(sock: socket.socket, code: grpc.StatusCode, message: str) -> None:
+        sock.sendall(frame(pb.StepStreamResponse(error_status=_status_of(code, message)).SerializeToString()))
