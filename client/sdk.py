@@ -65,7 +65,7 @@ from client import messages
 from client.channel import DEFAULT_MAX_ATTEMPTS, DEFAULT_TARGET, DEFAULT_TIMEOUT_S, dial
 from client.errors import BlockdClientError, from_rpc_error
 from client.leader import ReplicaStubs
-from client.step_stream import StepStream
+from client.step_stream import StepLanes, StepStream
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -78,7 +78,8 @@ class BlockdClient:
 
     def __init__(self, target: str = DEFAULT_TARGET, *, timeout_s: float = DEFAULT_TIMEOUT_S,
                  max_attempts: int = DEFAULT_MAX_ATTEMPTS, tls: TlsConfig | None = None,
-                 token: str | None = None, follow_leader: bool = True, stream_steps: bool = False) -> None:
+                 token: str | None = None, follow_leader: bool = True, stream_steps: bool = False,
+                 step_lane: bool = True) -> None:
         """``tls``: verify the server (and present a client certificate for
         mutual TLS); ``token``: a bearer token for every call. Neither: plain
         text (loopback only for a token). See :func:`client.channel.dial`.
@@ -88,7 +89,9 @@ class BlockdClient:
         ``stream_steps``: :meth:`step` (and the one-op helpers) go over a
         ``StepStream`` per calling thread (:meth:`step_stream`), the same
         answers for less of the daemon's CPU; a scheduler given this client
-        steps that way unchanged. Closed with the client."""
+        steps that way unchanged. Closed with the client. ``step_lane``: a
+        step stream opens on the daemon's step lane when it serves one
+        (:mod:`client.step_stream`); False: always over gRPC."""
         self.target = target
         self.timeout_s = timeout_s
         self.tls, self.token = tls, token
@@ -97,6 +100,7 @@ class BlockdClient:
         #: stream_steps: each thread's StepStream, and all of them (closed with the client)
         self._streams: threading.local | None = threading.local() if stream_steps else None
         self._all_streams: list[StepStream] = []
+        self._lanes = StepLanes(self, step_lane)
         self._replicas = ReplicaStubs(target, lambda address: dial(address, tls=tls, token=token,
                                                                    max_attempts=max_attempts))
 

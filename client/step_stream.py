@@ -30,6 +30,16 @@ holds one of its threads); beyond that it answers the first step with
 Credentials are checked when a stream opens (as for ``Watch``); a revoked
 token keeps a stream it already opened until the stream ends.
 
+The step lane: when the daemon serves one (``blockd serve
+--step-lane-port``; ``GetStepLane`` says where), a stream opens as a lane
+connection instead (:mod:`blockd.rpc.lane`: the same messages, framed over
+TCP or TLS with the client's own TLS files and token), for a fraction of
+the daemon's CPU per step; everything above holds the same. A lane that
+cannot be reached (a firewall, a port not exposed) costs one connect of at
+most 2 s, logged once, and the client steps over the gRPC stream for
+:data:`LANE_RETRY_S` before it tries the lane again. ``BlockdClient(...,
+step_lane=False)`` never tries it.
+
 One step at a time: a stream is one ordered conversation, so a second thread
 waits for the first's answer (the lock) rather than interleave.
 """
@@ -37,7 +47,9 @@ waits for the first's answer (the lock) rather than interleave.
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
+import ssl
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -46,8 +58,10 @@ from typing import Any
 import grpc
 import grpc.aio
 
+from blockd.auth.config import target_host
 from blockd.core.types import DecodeAppend, Op, OpResult, StepResult
 from blockd.rpc import convert
+from blockd.rpc.lane import FrameTooLarge, LaneConnection
 from blockd.rpc.tracing import traceparent
 from blockd.v1 import blockd_pb2 as pb
 from client import messages
@@ -59,7 +73,13 @@ from client.errors import (
     from_status_bytes,
 )
 
+log = logging.getLogger("blockd.client")
+
 _END = object()
+#: how long a client that could not reach a daemon's step lane steps over the gRPC stream before trying it again
+LANE_RETRY_S = 30.0
+#: the deadline of the one GetStepLane call a client makes per replica
+LANE_ASK_TIMEOUT_S = 2.0
 #: the daemon's refusal of a stream beyond its slots (blockd.service.servicer.StepStreamsFull)
 STREAMS_FULL = "STEP_STREAMS_FULL"
 #: how long a StepStream refused a slot steps by unary Step before it tries a stream again
@@ -86,9 +106,102 @@ class _Call:
         self.answers = method(iter(self.requests.get, _END))
         self.timed_out = False
 
+    def exchange(self, request: pb.StepStreamRequest) -> pb.StepStreamResponse:
+        self.requests.put(request)
+        return next(self.answers)
+
+    def cancel(self) -> None:
+        self.answers.cancel()
+
     def close(self) -> None:
         self.requests.put(_END)
         self.answers.cancel()
+
+
+class _LaneCall:
+    """One open lane connection, read and written as a :class:`_Call`; ``method``:
+    the gRPC StepStream of the same replica (where a failure is followed from)."""
+
+    def __init__(self, method: Callable[..., Any], connection: LaneConnection, where: str) -> None:
+        self.method, self.connection, self.where = method, connection, where
+        self.timed_out = False
+
+    def exchange(self, request: pb.StepStreamRequest) -> pb.StepStreamResponse:
+        try:
+            answer = pb.StepStreamResponse.FromString(self.connection.exchange(request.SerializeToString()))
+        except (OSError, EOFError, FrameTooLarge) as err:
+            raise UnavailableError(f"the step lane to {self.where} broke ({err}); the step may or may not have "
+                                   "been applied: resend it with its request id (the SDK does)",
+                                   code=grpc.StatusCode.UNAVAILABLE) from None
+        return answer
+
+    def cancel(self) -> None:
+        self.connection.cancel()
+
+    def close(self) -> None:
+        self.connection.close()
+
+
+class StepLanes:
+    """Where each replica of one client serves its step lane (one ``GetStepLane``
+    per replica), how to connect to it, and which lanes are off for now."""
+
+    def __init__(self, client: Any, enabled: bool) -> None:
+        self._client, self.enabled = client, enabled
+        self._where: dict[str, tuple[int, bool]] = {}
+        self._off_until: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def open(self) -> _LaneCall | None:
+        """A lane connection to the replica calls go to now; None: step over gRPC."""
+        client = self._client
+        address = client._replicas.targets.current
+        if not self.enabled or time.monotonic() < self._off_until.get(address, 0.0):
+            return None
+        try:
+            # a lane learnt before may be gone with its daemon (a restart picks a new free port): ask again once
+            for asked in (False, True) if address in self._where else (True,):
+                if asked:
+                    reply = client._blocks.GetStepLane(pb.GetStepLaneRequest(), timeout=LANE_ASK_TIMEOUT_S)
+                    self._where[address] = (reply.port, reply.tls)
+                port, tls = self._where[address]
+                if not port:
+                    return None
+                try:
+                    return self._connect(address, port, tls)
+                except OSError:
+                    if asked:
+                        raise
+            return None  # not reached: the last try returns or raises
+        except grpc.RpcError as err:
+            if err.code() == grpc.StatusCode.UNIMPLEMENTED:  # a daemon older than the lane
+                self._where[address] = (0, False)
+            # else the daemon is down, or refuses this caller: the gRPC stream raises what it says
+            return None
+        except (OSError, ssl.SSLError, ValueError) as err:
+            reason = f"cannot connect: {err}"
+        with self._lock:
+            self._off_until[address] = time.monotonic() + LANE_RETRY_S
+        log.warning("the step lane of %s is out of reach (%s); stepping over the gRPC stream for %g s",
+                    address, reason, LANE_RETRY_S)
+        return None
+
+    def _connect(self, address: str, port: int, tls: bool) -> _LaneCall:
+        client = self._client
+        host = target_host(address)
+        metadata = [("authorization", f"Bearer {client.token}")] if client.token else []
+        connection = LaneConnection(host, port, metadata, tls=self._tls_context() if tls else None,
+                                    server_name=client.tls.server_name if client.tls is not None else None)
+        return _LaneCall(client._blocks.StepStream, connection, f"{host}:{port}")
+
+    def _tls_context(self) -> ssl.SSLContext:
+        tls = self._client.tls
+        if tls is None:
+            raise ValueError("the daemon's step lane speaks TLS and this client has no TLS settings")
+        context = ssl.create_default_context(cafile=tls.ca)
+        if tls.cert is not None and tls.key is not None:
+            context.load_cert_chain(tls.cert, tls.key)
+        return context
 
 
 class StepStream:
@@ -101,7 +214,7 @@ class StepStream:
         # imported here, so the SDK module and this one form no import cycle)
         self._client = client
         self.timeout_s = timeout_s
-        self._call: _Call | None = None
+        self._call: _Call | _LaneCall | None = None
         self._lock = threading.Lock()
         self._closed = False
         # the watchdog: the deadline of the step in flight (None: none), and
@@ -161,6 +274,8 @@ class StepStream:
                 if answer.HasField("response"):
                     return answer.response
                 error = from_status_bytes(answer.error_status)
+                if isinstance(call, _LaneCall):  # it may be the connection's last answer: the next step reconnects
+                    self._drop(call)
                 if error.reason == STREAMS_FULL:  # nothing applied; the daemon has no stream slot for us
                     self._drop(call)
                     self._unary_until = time.monotonic() + UNARY_AFTER_FULL_S
@@ -171,22 +286,23 @@ class StepStream:
             self._drop(call)
             time.sleep(step[1])
             attempt += 1
-            self._call = _Call(step[0])
+            # where the next call goes (the replica followed to): its lane, else step[0], its gRPC stream
+            self._call = self._client._lanes.open() or _Call(step[0])
 
     def _unary(self, request: pb.StepStreamRequest, deadline: float) -> pb.StepResponse:
         return self._client._unary(self._client._blocks.Step, request.step, max(0.001, deadline - time.monotonic()))
 
-    def _open(self) -> _Call:
+    def _open(self) -> _Call | _LaneCall:
         if self._call is None:
-            self._call = _Call(self._client._blocks.StepStream)
+            self._call = self._client._lanes.open() or _Call(self._client._blocks.StepStream)
         return self._call
 
-    def _drop(self, call: _Call) -> None:
+    def _drop(self, call: _Call | _LaneCall) -> None:
         if self._call is call:
             self._call = None
         call.close()
 
-    def _exchange(self, call: _Call, request: pb.StepStreamRequest, deadline: float,
+    def _exchange(self, call: _Call | _LaneCall, request: pb.StepStreamRequest, deadline: float,
                   timeout_s: float) -> pb.StepStreamResponse:
         """Send one request and read its answer, under the watchdog's deadline."""
         with self._cond:
@@ -194,13 +310,17 @@ class StepStream:
             if self._idle:
                 self._cond.notify()
         try:
-            call.requests.put(request)
-            answer = next(call.answers)
+            answer = call.exchange(request)
         except grpc.RpcError as err:
             self._drop(call)
             if call.timed_out:
                 raise _late(timeout_s) from None
             raise from_rpc_error(err) from None
+        except BlockdClientError:  # the lane broke (_LaneCall)
+            self._drop(call)
+            if call.timed_out:
+                raise _late(timeout_s) from None
+            raise
         except StopIteration:
             self._drop(call)
             raise _ended() from None
@@ -227,7 +347,7 @@ class StepStream:
                 call = self._call
                 if call is not None:
                     call.timed_out = True
-                    call.answers.cancel()
+                    call.cancel()
 
 
 class AsyncStepStream:

@@ -1,4 +1,5 @@
-"""A whole cluster as local child processes on loopback: ``blockd serve``, one
+"""A whole cluster as local child processes on loopback: ``blockd serve`` (with
+its step lane, ``--step-lane-port 0``), one
 pool sized for a model, and ``blockd-worker --model`` processes (one holding
 the whole model, or a tensor-parallel group each holding its share of the KV
 heads). For demos, benchmarks and integration tests.
@@ -214,8 +215,9 @@ class LocalCluster:
         from worker.model import pool_config_for
 
         spec = self.spec
+        # the step lane on: everything here is on loopback, so the scheduler's steps take the cheaper path
         self.blockd = ChildProcess("blockd", ["-m", "blockd.cli", "serve", "--listen", "127.0.0.1:0",
-                                              "--fsync", "never"], "blockd listening on")
+                                              "--fsync", "never", "--step-lane-port", "0"], "blockd listening on")
         self.blockd.wait_ready(time.monotonic() + START_TIMEOUT_S)
         config = pool_config_for(model_config(spec.model), spec.pool, spec.num_blocks, spec.block_size,
                                  dtype="float32", watermark_blocks=spec.watermark_blocks)

@@ -27,6 +27,7 @@ from client.errors import (
 )
 from client.groups import ClusterClient
 from client.sdk import BlockdClient
+from client.step_stream import _LaneCall
 from tests.support.cli import run
 from tests.support.procs import start_blockd, start_worker
 
@@ -53,6 +54,12 @@ def test_pools_are_placed_on_the_fewest_loaded_group_and_stepped_at_their_owner(
     assert client.lookup_prefix(list(range(10)), pools=["b"]) == {"b": 8}
     with pytest.raises(NotFoundError, match="in no group of cluster"):
         client.step("nope", [Allocate("s", [1])])
+    # streamed steps: over gRPC to g1, over g2's step lane to g2 (tests.support.groups), each answered alike
+    with client.step_stream() as streams:
+        slots = {name: streams.decode_append(name, ["s"], [8]).slot_mapping for name in ("a", "b", "c")}
+        assert slots == {"a": (11,), "b": (11,), "c": (11,)}
+        lanes = {target: isinstance(s._call, _LaneCall) for target, s in streams._streams.items()}
+        assert sorted(lanes.values()) == [False, True]
 
 
 def test_a_group_refuses_another_groups_pool_naming_the_owner_and_changes_nothing(two_groups) -> None:

@@ -3,7 +3,12 @@ results and the same refusals (raised as the same exceptions, with nothing
 changed and the stream still open), the same idempotency by request id across
 streams and across unary calls, a per-step deadline, and a stream cut by a
 daemon killed and restarted (real ``blockd serve`` processes) that the next
-step reopens, its resent request id answered as it first was."""
+step reopens, its resent request id answered as it first was.
+
+Each test runs twice (``transport``): over the gRPC stream, and over the step
+lane of a daemon that serves one (``--step-lane-port``), where the SDK opens
+its streams on the lane (checked: the stream in use is a lane connection).
+The lane's own faults and bad input are in ``tests/blockd/service/test_lane.py``."""
 
 from __future__ import annotations
 
@@ -22,10 +27,39 @@ from blockd.service.server import BlockdServer
 from client.errors import BlockdClientError, DeadlineExceededError, InvalidArgumentError, UnavailableError
 from client.scheduler import SchedulerConfig
 from client.sdk import BlockdClient
-from client.step_stream import StepStream
+from client.step_stream import StepStream, _LaneCall
 from tests.support.procs import free_port, start_blockd
 
 pytest_plugins = ["tests.support.grpc_fixtures"]
+
+
+@pytest.fixture(params=["grpc", "lane"])
+def transport(request) -> str:
+    return request.param
+
+
+def lane_port(transport: str) -> int | None:
+    """BlockdServer's ``step_lane_port`` for ``transport``."""
+    return 0 if transport == "lane" else None
+
+
+def lane_flags(transport: str) -> tuple[str, ...]:
+    return ("--step-lane-port", "0") if transport == "lane" else ()
+
+
+def on(stream: StepStream, transport: str) -> bool:
+    """Whether ``stream``'s open connection is the one ``transport`` says."""
+    return isinstance(stream._call, _LaneCall) is (transport == "lane")
+
+
+@pytest.fixture
+def blockd_server(transport):
+    server = BlockdServer(Engine(), "127.0.0.1:0", max_workers=16, grace_s=2.0, step_lane_port=lane_port(transport))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop(0.5)
 
 #: a scheduler's life in steps, refusals included (an unknown sequence, a fork onto a live id, a bad op)
 SCRIPT = [
@@ -51,7 +85,7 @@ def _outcome(do) -> tuple:
     return ("ok", result.version, result.results, result.copy_ops, result.tier_ops)
 
 
-def test_the_stream_answers_each_step_as_step_does_and_a_refusal_changes_nothing(blockd_server, client):
+def test_the_stream_answers_each_step_as_step_does_and_a_refusal_changes_nothing(blockd_server, client, transport):
     for pool in ("p", "other"):
         client.create_pool(PoolConfig(pool, num_blocks=32, block_size=4))
     engine = blockd_server.engine
@@ -75,6 +109,7 @@ def test_the_stream_answers_each_step_as_step_does_and_a_refusal_changes_nothing
         assert refused.value.reason == client_reason(client, "p", [Free("c")], "u0")
         # still open, still in order
         streamed_slots = stream.decode_append("other", ["c"], [3]).slot_mapping
+        assert on(stream, transport)
         assert streamed_slots == client.decode_append("p", ["c"], [3]).slot_mapping
 
 
@@ -85,9 +120,9 @@ def client_reason(client: BlockdClient, pool: str, ops, request_id: str) -> str:
     return refused.value.reason
 
 
-def test_an_oversized_batch_is_refused_unread_and_the_stream_reads_on():
+def test_an_oversized_batch_is_refused_unread_and_the_stream_reads_on(transport):
     engine = Engine(EngineConfig(guardrails=Guardrails(max_ops_per_step=100)))
-    server = BlockdServer(engine, "127.0.0.1:0", max_workers=4)
+    server = BlockdServer(engine, "127.0.0.1:0", max_workers=4, step_lane_port=lane_port(transport))
     server.start()
     try:
         with BlockdClient(server.address, timeout_s=5) as client, client.step_stream() as stream:
@@ -99,14 +134,16 @@ def test_an_oversized_batch_is_refused_unread_and_the_stream_reads_on():
                 stream.step("p", ops)
             assert engine.capture() == before
             assert stream.step("p", [Allocate("a", [1, 2, 3])]).results[0].num_tokens == 3
+            assert on(stream, transport)
     finally:
         server.stop(0.5)
 
 
-def test_a_request_id_retried_on_a_new_stream_or_by_step_gets_the_first_answer(client):
+def test_a_request_id_retried_on_a_new_stream_or_by_step_gets_the_first_answer(client, transport):
     client.create_pool(PoolConfig("p", num_blocks=16, block_size=4))
     with client.step_stream() as first:
         answer = first.step("p", [Allocate("a", [1, 2, 3, 4, 5])], request_id="r-1")
+        assert on(first, transport)
     with client.step_stream() as second:
         again = second.step("p", [Allocate("a", [1, 2, 3, 4, 5])], request_id="r-1")
         assert again == answer
@@ -116,12 +153,13 @@ def test_a_request_id_retried_on_a_new_stream_or_by_step_gets_the_first_answer(c
     assert client.get_pool("p").num_seqs == 1
 
 
-def test_a_late_answer_is_a_deadline_and_the_next_step_opens_a_new_stream():
-    proc = start_blockd()
+def test_a_late_answer_is_a_deadline_and_the_next_step_opens_a_new_stream(transport):
+    proc = start_blockd(*lane_flags(transport))
     try:
         with BlockdClient(proc.address, timeout_s=10) as client, client.step_stream(timeout_s=0.5) as stream:
             client.create_pool(PoolConfig("p", num_blocks=16, block_size=4))
             stream.step("p", [Allocate("a", [1, 2, 3])])
+            assert on(stream, transport)
             os.kill(proc.pid, signal.SIGSTOP)  # the daemon answers nothing, its socket stays open
             try:
                 began = time.monotonic()
@@ -133,19 +171,23 @@ def test_a_late_answer_is_a_deadline_and_the_next_step_opens_a_new_stream():
             # the step may have been applied once the daemon ran again: its request id says so
             retried = stream.step("p", [Append("a", [4])], request_id="late-1")
             assert retried.results[0].slot_mapping == (3,)
+            assert on(stream, transport)
             assert client.get_sequence("p", "a").num_tokens == 4
     finally:
         proc.kill()
 
 
-def test_a_stream_cut_by_a_daemon_killed_and_restarted(tmp_path):
+def test_a_stream_cut_by_a_daemon_killed_and_restarted(tmp_path, transport):
     port = free_port()
-    flags = ("--listen", f"127.0.0.1:{port}", "--data-dir", str(tmp_path), "--fsync", "always")
+    # the restarted daemon's lane is on another free port: the client asks again where it is
+    flags = ("--listen", f"127.0.0.1:{port}", "--data-dir", str(tmp_path), "--fsync", "always",
+             *lane_flags(transport))
     procs = [start_blockd(*flags)]
     try:
         with BlockdClient(f"127.0.0.1:{port}", timeout_s=10) as client, client.step_stream(timeout_s=10) as stream:
             client.create_pool(PoolConfig("p", num_blocks=16, block_size=4))
             answer = stream.step("p", [Allocate("a", [1, 2, 3, 4, 5])], request_id="r-1")
+            assert on(stream, transport)
             procs[0].kill()  # kill -9: the stream is cut
             with pytest.raises(UnavailableError):
                 stream.step("p", [Append("a", [6])], request_id="r-2")
@@ -153,6 +195,7 @@ def test_a_stream_cut_by_a_daemon_killed_and_restarted(tmp_path):
             # the acknowledged step survived, and its request id answers as it first did
             assert stream.step("p", [Allocate("a", [1, 2, 3, 4, 5])], request_id="r-1") == answer
             assert stream.step("p", [Append("a", [6])], request_id="r-2").results[0].slot_mapping == (5,)
+            assert on(stream, transport)
             assert client.get_sequence("p", "a").num_tokens == 6
     finally:
         for proc in procs:
@@ -247,13 +290,13 @@ def test_a_wrapper_that_overrides_step_keeps_it_unless_it_offers_its_own_stream(
         assert streamed("w", [Allocate("a", [1, 2, 3])]).results[0].num_cached_tokens == 0
 
 
-def test_streams_beyond_the_daemons_slots_step_by_unary_and_never_stall_others():
+def test_streams_beyond_the_daemons_slots_step_by_unary_and_never_stall_others(transport):
     """Each open StepStream holds one of the daemon's RPC threads, so at most half
     of ``max_workers`` may be open: with 4 threads, a third stream's step is refused
     in band (STEP_STREAMS_FULL, nothing applied) and the SDK sends it by unary Step,
     applied once; unary calls keep being answered; a closed stream frees its slot."""
     engine = Engine()
-    server = BlockdServer(engine, "127.0.0.1:0", max_workers=4)
+    server = BlockdServer(engine, "127.0.0.1:0", max_workers=4, step_lane_port=lane_port(transport))
     server.start()
     try:
         with BlockdClient(server.address, timeout_s=5) as client:
@@ -261,6 +304,7 @@ def test_streams_beyond_the_daemons_slots_step_by_unary_and_never_stall_others()
             held = [client.step_stream() for _ in range(2)]
             for n, stream in enumerate(held):
                 stream.step("p", [Allocate(f"held-{n}", [1, 2, 3])])
+                assert on(stream, transport)
             third = client.step_stream()
             result = third.step("p", [Allocate("third", [4, 5, 6])], request_id="third-1")
             assert third._unary_until > time.monotonic() and third._call is None  # refused a slot: unary

@@ -3,6 +3,8 @@
 Load with ``pytest_plugins = ["tests.support.etcd", "tests.support.groups"]``:
 ``two_groups`` is ``(a ClusterClient of the cluster, [the daemon of g1, the
 daemon of g2])``, one cluster per test (named after it and its id), killed at its end.
+g2 also serves the step lane (``--step-lane-port 0``), so a ClusterClient's
+streams step over gRPC to g1 and over the lane to g2.
 """
 
 from __future__ import annotations
@@ -16,7 +18,10 @@ from tests.support.procs import start_blockd
 
 
 def _group(etcd_url: str, cluster: str, group: str):
-    return start_blockd("--cluster", cluster, "--group", group, "--cluster-etcd", etcd_url, "--lease-ttl-s", "2")
+    # g2 serves the step lane and g1 does not: a pool moved between them moves its stream from one to the other
+    lane = ("--step-lane-port", "0") if group == "g2" else ()
+    return start_blockd("--cluster", cluster, "--group", group, "--cluster-etcd", etcd_url, "--lease-ttl-s", "2",
+                        *lane)
 
 
 @pytest.fixture

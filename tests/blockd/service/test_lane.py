@@ -1,0 +1,240 @@
+"""The step lane (blockd.service.lane, blockd.rpc.lane) on its own: bad bytes
+are refused with a clear status and change nothing, the daemon serves on
+after any of them; the lane authenticates and authorizes exactly as the gRPC
+stream does (mutual TLS, tokens, tenants); a lane the client cannot reach
+costs it nothing but a fallback to the gRPC stream; ``blockd serve
+--step-lane-port`` serves one and says where.
+
+That every step's answer over the lane equals the gRPC stream's and unary
+Step's (refusals, idempotency, deadlines, a killed daemon, the stream slots)
+is ``tests/client/test_step_stream.py``, run over both."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import ssl
+import struct
+
+import pytest
+from google.rpc import status_pb2
+
+from blockd.auth import server_security, tokens
+from blockd.core import Allocate, PoolConfig
+from blockd.core.types import DecodeAppend
+from blockd.engine.config import EngineConfig
+from blockd.engine.machine import Engine
+from blockd.rpc.lane import LaneConnection, frame, hello_frame
+from blockd.service.server import BlockdServer
+from blockd.v1 import blockd_pb2 as pb
+from client import messages
+from client.errors import PermissionDeniedError, UnauthenticatedError
+from client.sdk import BlockdClient
+from client.step_stream import _LaneCall
+from tests.support.procs import start_blockd
+
+pytest_plugins = ["tests.support.auth_fixtures", "tests.support.grpc_fixtures"]
+
+
+@pytest.fixture
+def lane_server():
+    engine = Engine()
+    engine.create_pool(PoolConfig("p", num_blocks=64, block_size=4))
+    engine.step("p", [Allocate("a", [1, 2, 3])])
+    server = BlockdServer(engine, "127.0.0.1:0", max_workers=8, grace_s=0.5, step_lane_port=0)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop(0.2)
+
+
+def _step_bytes(pool: str = "p", seq: str = "a", token: int = 9) -> bytes:
+    return pb.StepStreamRequest(step=messages.step_request(pool, [DecodeAppend([seq], [token])], None)
+                                ).SerializeToString()
+
+
+def _raw(server: BlockdServer) -> socket.socket:
+    assert server.lane is not None
+    return socket.create_connection(("127.0.0.1", server.lane.port), timeout=5)
+
+
+def _answers(sock: socket.socket) -> list[pb.StepStreamResponse]:
+    """Every answer until the daemon closes the connection."""
+    reader, found = sock.makefile("rb"), []
+    while True:
+        head = reader.read(4)
+        if len(head) < 4:
+            return found
+        found.append(pb.StepStreamResponse.FromString(reader.read(struct.unpack(">I", head)[0])))
+
+
+def _refusal(answer: pb.StepStreamResponse) -> status_pb2.Status:
+    assert answer.WhichOneof("outcome") == "error_status"
+    return status_pb2.Status.FromString(answer.error_status)
+
+
+def test_bad_bytes_are_refused_with_a_clear_status_change_nothing_and_the_lane_serves_on(lane_server):
+    engine = lane_server.engine
+    before = engine.capture()
+    # not a hello: an HTTP request sent to the lane's port by mistake
+    with _raw(lane_server) as sock:
+        sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        (answer,) = _answers(sock)
+        assert _refusal(answer).code == 3 and "StepLaneHello" in _refusal(answer).message  # INVALID_ARGUMENT
+    # a frame longer than the daemon's message limit: refused unread, the connection closed
+    with _raw(lane_server) as sock:
+        sock.sendall(hello_frame([]) + struct.pack(">I", (64 << 20) + 1) + b"x" * 100)
+        (answer,) = _answers(sock)
+        status = _refusal(answer)
+        assert status.code == 8 and "over this end's limit" in status.message  # RESOURCE_EXHAUSTED
+    # a request that does not parse is refused in band, and the connection reads on
+    with _raw(lane_server) as sock:
+        sock.sendall(hello_frame([]) + frame(b"\xff\xff\xff") + frame(_step_bytes(seq="nobody")))
+        sock.shutdown(socket.SHUT_WR)
+        first, second = _answers(sock)
+        assert _refusal(first).code == 3
+        assert _refusal(second).code == 5 and "nobody" in _refusal(second).message  # NOT_FOUND
+    # a connection that ends inside a frame, and one that never says hello
+    with _raw(lane_server) as sock:
+        sock.sendall(hello_frame([]) + struct.pack(">I", 500) + b"half")
+    with _raw(lane_server) as sock:
+        sock.sendall(b"\x00\x00")
+    assert engine.capture() == before
+    # the lane still serves, and its answer is the step's
+    connection = LaneConnection("127.0.0.1", lane_server.lane.port, [])
+    try:
+        answer = pb.StepStreamResponse.FromString(connection.exchange(_step_bytes()))
+        assert answer.response.results[0].slot_mapping == [3]
+    finally:
+        connection.close()
+    assert engine.sequence_info("p", "a").num_tokens == 4
+
+
+def test_the_lane_checks_callers_as_the_grpc_port_does(pki, tmp_path):
+    """Mutual TLS with an identities file: a client certificate, a token, a
+    token of another tenant, and no credentials at all; a plain-text caller
+    at a TLS lane gets nothing."""
+    ids = str(tmp_path / "ids.json")
+    acme = tokens.add_token(ids, "sched", "acme", ["scheduler"])
+    globex = tokens.add_token(ids, "other", "globex", ["scheduler"])
+    admin = tokens.add_token(ids, "adm", "acme", ["admin"])
+    security = server_security("127.0.0.1:0", pki.server_tls(mutual=False), ids)
+    engine = Engine(EngineConfig(quotas=security.quota_source()))
+    server = BlockdServer(engine, "127.0.0.1:0", max_workers=8, grace_s=0.5, interceptors=security.interceptors,
+                          credentials=security.credentials, step_lane_port=0, lane_tls=pki.server_tls(mutual=False))
+    server.start()
+    try:
+        assert server.lane is not None and server.lane.tls
+        with BlockdClient(server.address, tls=pki.tls(), token=admin) as client:
+            client.create_pool(PoolConfig("p", num_blocks=16, block_size=4))
+        with BlockdClient(server.address, tls=pki.tls(), token=acme) as client, client.step_stream() as stream:
+            assert stream.step("p", [Allocate("a", [1, 2, 3])]).results[0].num_tokens == 3
+            assert isinstance(stream._call, _LaneCall)
+        before = engine.capture()
+        with BlockdClient(server.address, tls=pki.tls(), token=globex) as client, client.step_stream() as stream, \
+                pytest.raises(PermissionDeniedError, match="globex"):
+            stream.step("p", [Allocate("b", [1, 2, 3])])
+        # no token and no certificate: the lane's answer is gRPC's, UNAUTHENTICATED, and nothing is applied
+        connection = LaneConnection("127.0.0.1", server.lane.port, [], tls=ssl.create_default_context(cafile=pki.ca))
+        try:
+            status = _refusal(pb.StepStreamResponse.FromString(connection.exchange(_step_bytes())))
+            assert status.code == 16 and "no credentials" in status.message
+        finally:
+            connection.close()
+        # plain text at a TLS lane: the handshake fails, nothing is read as a step
+        with _raw(server) as sock:
+            sock.sendall(hello_frame([("authorization", f"Bearer {acme}")]) + frame(_step_bytes()))
+            with contextlib.suppress(ConnectionResetError):  # closed with the caller's bytes unread: a reset
+                assert _answers(sock) == []
+        assert engine.capture() == before
+    finally:
+        server.stop(0.2)
+    # mutual TLS: the client certificate says who calls, as on the gRPC port
+    security = server_security("127.0.0.1:0", pki.server_tls(mutual=True), None)
+    server = BlockdServer(Engine(), "127.0.0.1:0", max_workers=8, grace_s=0.5, interceptors=security.interceptors,
+                          credentials=security.credentials, step_lane_port=0, lane_tls=pki.server_tls(mutual=True))
+    server.start()
+    try:
+        with BlockdClient(server.address, tls=pki.tls("admin")) as admin_client:
+            admin_client.create_pool(PoolConfig("p", num_blocks=16, block_size=4))
+        with BlockdClient(server.address, tls=pki.tls("scheduler")) as client, client.step_stream() as stream:
+            assert stream.step("p", [Allocate("a", [1, 2])]).results[0].num_tokens == 2
+            assert isinstance(stream._call, _LaneCall)
+        with BlockdClient(server.address, tls=pki.tls("reader")) as client, client.step_stream() as stream, \
+                pytest.raises(PermissionDeniedError, match="step"):
+            stream.step("p", [Allocate("r", [1, 2])])
+    finally:
+        server.stop(0.2)
+
+
+def test_a_lane_out_of_reach_costs_a_fallback_to_the_grpc_stream(lane_server, caplog):
+    assert lane_server.lane is not None
+    lane_server.lane.stop()  # the port is gone: as a firewall or an unexposed port would leave it
+    with caplog.at_level(logging.WARNING, "blockd.client"), BlockdClient(lane_server.address, timeout_s=5) as client:
+        with client.step_stream() as stream:
+            assert stream.decode_append("p", ["a"], [5]).slot_mapping == (3,)
+            assert stream._call is not None and not isinstance(stream._call, _LaneCall)
+            assert stream.decode_append("p", ["a"], [6]).slot_mapping == (4,)
+        with client.step_stream() as again:  # within LANE_RETRY_S: no second connect, no second warning
+            assert again.decode_append("p", ["a"], [7]).slot_mapping == (5,)
+    assert sum("out of reach" in r.getMessage() for r in caplog.records) == 1
+    with BlockdClient(lane_server.address, timeout_s=5, step_lane=False) as client, client.step_stream() as stream:
+        assert stream.decode_append("p", ["a"], [8]).slot_mapping == (6,)
+        assert not isinstance(stream._call, _LaneCall)
+
+
+def test_a_client_without_tls_settings_at_a_tls_lane_is_told_and_uses_grpc(pki):
+    """A lane that speaks TLS to a client given no TLS files cannot happen through
+    gRPC (that client could not call at all); the lane refuses it in words."""
+    with pytest.raises(ValueError, match="TLS files"):
+        BlockdServer(Engine(), "127.0.0.1:0", credentials=server_security(
+            "127.0.0.1:0", pki.server_tls(mutual=False), None).credentials, step_lane_port=0)
+
+
+def test_blockd_serve_serves_a_lane_when_asked_and_refuses_a_bad_port(run_module):
+    proc = start_blockd("--step-lane-port", "0")
+    try:
+        with BlockdClient(proc.address, timeout_s=5) as client, client.step_stream() as stream:
+            client.create_pool(PoolConfig("p", num_blocks=16, block_size=4))
+            assert stream.step("p", [Allocate("a", [1, 2, 3])]).results[0].num_tokens == 3
+            assert isinstance(stream._call, _LaneCall)
+            port = client._blocks.GetStepLane(pb.GetStepLaneRequest()).port
+        assert f"blockd step lane on 127.0.0.1:{port}" in proc.output()
+    finally:
+        proc.kill()
+    done = run_module("blockd.cli", "serve", "--listen", "127.0.0.1:0", "--step-lane-port", "70000")
+    assert done.returncode == 2 and "--step-lane-port: must be a port number" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_a_plain_daemon_says_it_has_no_lane_and_the_sdk_streams_over_grpc():
+    server = BlockdServer(Engine(), "127.0.0.1:0", max_workers=8)
+    server.start()
+    try:
+        with BlockdClient(server.address, timeout_s=5) as client, client.step_stream() as stream:
+            assert client._blocks.GetStepLane(pb.GetStepLaneRequest()).port == 0
+            client.create_pool(PoolConfig("p", num_blocks=16, block_size=4))
+            stream.step("p", [Allocate("a", [1, 2, 3])])
+            assert not isinstance(stream._call, _LaneCall)
+    finally:
+        server.stop(0.2)
+
+
+def test_unauthenticated_lane_answer_is_raised_as_grpc_would(pki, tmp_path):
+    """Server-auth TLS and a token file: a client with no token steps over the lane
+    and is refused UNAUTHENTICATED, exactly as its gRPC stream would be."""
+    ids = str(tmp_path / "ids.json")
+    tokens.add_token(ids, "sched", "acme", ["scheduler"])
+    security = server_security("127.0.0.1:0", pki.server_tls(mutual=False), ids)
+    server = BlockdServer(Engine(), "127.0.0.1:0", max_workers=8, interceptors=security.interceptors,
+                          credentials=security.credentials, step_lane_port=0, lane_tls=pki.server_tls(mutual=False))
+    server.start()
+    try:
+        for lane in (True, False):
+            with BlockdClient(server.address, tls=pki.tls(), step_lane=lane) as client, \
+                    client.step_stream() as stream, pytest.raises(UnauthenticatedError, match="credentials"):
+                stream.step("p", [Allocate("a", [1])])
+    finally:
+        server.stop(0.2)
