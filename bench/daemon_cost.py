@@ -18,9 +18,11 @@ processes, each on its own pool, driving one of two steps through the sync SDK:
 Axes: ``schedulers`` 1 or 4, ``durability`` ``memory`` or ``fsync_always``
 (``--data-dir`` and ``--fsync always``), ``security`` ``plain`` or
 ``mtls_token`` (mutual TLS and a bearer token, the auth interceptor on every
-call), ``transport`` ``unary`` (one ``Step`` call per step) or ``stream``
+call), ``transport`` ``unary`` (one ``Step`` call per step), ``stream``
 (:meth:`client.sdk.BlockdClient.step_stream`: the steps of a scheduler over
-one ``StepStream`` call). Fields of each row:
+one ``StepStream`` call) or ``lane`` (the same stream object, on a daemon
+started with ``--step-lane-port 0``: the steps go over the step lane,
+:mod:`blockd.service.lane`). Fields of each row:
 
 * ``daemon_cpu_us_per_step``: the daemon's CPU over the timed window divided
   by the steps all schedulers completed in it;
@@ -33,7 +35,7 @@ one ``StepStream`` call). Fields of each row:
 * ``core_cpu_us_per_step``: the same step on an in-process
   :class:`blockd.core.Pool` (CPU time, the baseline: the allocator's work with
   nothing around it) and ``ratio_vs_core``;
-* ``ratio_vs_unary``, ``ratio_vs_plain`` (CPU per step against the same
+* ``ratio_vs_unary``, ``ratio_vs_stream`` (a lane row), ``ratio_vs_plain`` (CPU per step against the same
   configuration by unary calls / without security) and
   ``steps_per_s_vs_one_scheduler`` (4 schedulers against 1), all measured
   in the same run.
@@ -75,6 +77,8 @@ PREFILL_TOKENS = 2048
 PREFILL_BLOCKS = 4096
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
 WARMUP_STEPS = 50
+#: unary Step calls, the gRPC StepStream, the step lane (blockd serve --step-lane-port)
+TRANSPORTS = ("unary", "stream", "lane")
 
 
 def process_cpu_s(pid: int) -> float:
@@ -90,7 +94,7 @@ class _Steps:
 
     def __init__(self, client: BlockdClient, pool: str, kind: str, transport: str) -> None:
         self.client, self.pool, self.kind, self.n = client, pool, kind, 0
-        self.steps = client.step_stream() if transport == "stream" else client
+        self.steps = client.step_stream() if transport in ("stream", "lane") else client
         if kind == "decode":
             client.create_pool(PoolConfig(pool, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE))
             self.ids = [f"{pool}-{i}" for i in range(NUM_SEQS)]
@@ -158,6 +162,8 @@ def measure(kind: str, schedulers: int, durability: str, security: str, transpor
     data_dir = tempfile.mkdtemp(prefix="blockd-bench-cost-", dir=directory)
     if durability == "fsync_always":
         flags = [*flags, "--data-dir", data_dir, "--fsync", "always"]
+    if transport == "lane":
+        flags = [*flags, "--step-lane-port", "0"]
     proc, address = start_daemon(*flags)
     ctx = multiprocessing.get_context("spawn")
     barrier, results = ctx.Barrier(schedulers + 1), ctx.Queue()
@@ -208,6 +214,8 @@ PARTS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("metrics", ("prometheus_client/", "blockd/service/metrics", "blockd/rpc/metrics_http")),
     ("allocator_core", ("blockd/core/",)),
     ("engine", ("blockd/engine/",)),
+    # the step lane's framing and socket calls (its TLS too: ssl.py)
+    ("lane", ("blockd/service/lane", "blockd/rpc/lane", "socket.py", "ssl.py")),
     ("rpc_convert", ("blockd/rpc/",)),
     ("service", ("blockd/service/",)),
     ("protobuf", ("google/protobuf/", "_pb2")),
@@ -291,15 +299,16 @@ def _has_py_spy() -> str:
 
 def daemon_cost(seconds: float, quick: bool, profile: bool) -> Iterator[dict]:
     """The rows (see the module docstring); ``quick``: the decode step, 1 scheduler, both
-    durabilities and transports, plain."""
+    durabilities, every transport, plain."""
     core = {kind: core_cpu_us(kind, 200 if quick else 2000) for kind in ("decode", "prefill")}
     with tempfile.TemporaryDirectory(prefix="blockd-bench-cost-") as directory:
         variants = security_variants(directory)
         grid = [(k, s, d, sec, t) for k in ("decode", "prefill") for s in (1, 4)
-                for d in ("memory", "fsync_always") for sec in ("plain", "mtls_token") for t in ("unary", "stream")]
+                for d in ("memory", "fsync_always") for sec in ("plain", "mtls_token") for t in TRANSPORTS]
         if quick:
-            grid = [("decode", 1, d, "plain", t) for d in ("memory", "fsync_always") for t in ("unary", "stream")]
+            grid = [("decode", 1, d, "plain", t) for d in ("memory", "fsync_always") for t in TRANSPORTS]
         unary: dict[tuple, float] = {}
+        stream: dict[tuple, float] = {}
         plain: dict[tuple, float] = {}
         one: dict[tuple, float] = {}
         for kind, schedulers, durability, security, transport in grid:
@@ -308,10 +317,13 @@ def daemon_cost(seconds: float, quick: bool, profile: bool) -> Iterator[dict]:
             row["core_cpu_us_per_step"] = round(core[kind], 1)
             row["ratio_vs_core"] = round(cost / core[kind], 2)
             # each ratio against the same configuration but one axis, measured earlier in this run
-            if transport == "unary":
-                unary[kind, schedulers, durability, security] = cost
-            elif (kind, schedulers, durability, security) in unary:
-                row["ratio_vs_unary"] = round(cost / unary[kind, schedulers, durability, security], 3)
+            key = (kind, schedulers, durability, security)
+            if transport in ("unary", "stream"):
+                (unary if transport == "unary" else stream)[key] = cost
+            if transport != "unary" and key in unary:
+                row["ratio_vs_unary"] = round(cost / unary[key], 3)
+            if transport == "lane" and key in stream:
+                row["ratio_vs_stream"] = round(cost / stream[key], 3)
             if security == "plain":
                 plain[kind, schedulers, durability, transport] = cost
             elif (kind, schedulers, durability, transport) in plain:
@@ -324,7 +336,8 @@ def daemon_cost(seconds: float, quick: bool, profile: bool) -> Iterator[dict]:
             yield row
         if profile:
             missing = _has_py_spy()
-            for durability, transport in (("memory", "unary"), ("memory", "stream"), ("fsync_always", "stream")):
+            for durability, transport in (("memory", "unary"), ("memory", "stream"), ("memory", "lane"),
+                                          ("fsync_always", "stream"), ("fsync_always", "lane")):
                 if missing:
                     yield {"name": "daemon_profile", "durability": durability, "error": missing}
                     continue
