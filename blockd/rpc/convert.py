@@ -282,10 +282,16 @@ def tier_ops_from_proto(msgs, field: str = "tier_ops") -> tuple[TierOp, ...]:
     return tuple(out)
 
 
-def step_result_to_proto(result: StepResult) -> pb.StepResponse:
-    response = pb.StepResponse(version=result.version, copy_ops=_copies_to_proto(result.copy_ops),
-                               pool_incarnation=result.incarnation, term=result.term,
-                               tier_ops=tier_ops_to_proto(result.tier_ops))
+def step_result_to_proto(result: StepResult, response: pb.StepResponse | None = None) -> pb.StepResponse:
+    """``result`` as a StepResponse; written into ``response`` when given (a
+    StepStream answer's, so that the answer is not built and then copied)."""
+    if response is None:
+        response = pb.StepResponse()
+    response.version, response.pool_incarnation, response.term = result.version, result.incarnation, result.term
+    if result.copy_ops:
+        response.copy_ops.extend(_copies_to_proto(result.copy_ops))
+    if result.tier_ops:
+        response.tier_ops.extend(tier_ops_to_proto(result.tier_ops))
     add = response.results.add  # built in place: no copy of the slot arrays
     for r in result.results:
         add(seq_id=r.seq_id, num_tokens=r.num_tokens, num_cached_tokens=r.num_cached_tokens,

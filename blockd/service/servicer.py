@@ -152,7 +152,7 @@ class BlockServicer(pb_grpc.BlockServiceServicer):
         # traceparent is how a streamed step joins its caller's trace (gRPC has no metadata per message)
         answer = pb.StepStreamResponse()
         with server_span("blockd.v1.BlockService/StepStream", request.traceparent):
-            answer.response.CopyFrom(self._step(request))
+            self._step(request, answer.response)
         return answer
 
     @staticmethod
@@ -160,7 +160,8 @@ class BlockServicer(pb_grpc.BlockServiceServicer):
         """A StepStream request's refusal, as its answer (:func:`blockd.rpc.errors.answer_each`)."""
         return pb.StepStreamResponse(error_status=status_bytes(err, rpc))
 
-    def _step(self, request: pb.StepRequest) -> pb.StepResponse:
+    def _step(self, request: pb.StepRequest, out: pb.StepResponse | None = None) -> pb.StepResponse:
+        """Serve one step; the answer is written into ``out`` when given (a StepStream answer's)."""
         pool = require_id(request.pool, "pool")
         request_id = optional_id(request.request_id, "request_id")
         incarnation = optional_id(request.pool_incarnation, "pool_incarnation")
@@ -169,7 +170,7 @@ class BlockServicer(pb_grpc.BlockServiceServicer):
         self._engine.config.guardrails.check_num_ops(len(request.ops))
         result = self._engine.step(pool, convert.ops_from_proto(request.ops), request_id, dry_run=request.dry_run,
                                    incarnation=incarnation, previous_term=request.previous_term)
-        return convert.step_result_to_proto(result)
+        return convert.step_result_to_proto(result, out)
 
     @unary
     def GetTables(self, request: pb.GetTablesRequest, context) -> pb.GetTablesResponse:

@@ -74,12 +74,16 @@ def step_stream_parser(guardrails: Guardrails) -> Callable[[bytes], Message | Bl
     """A deserializer of StepStreamRequest that hands the servicer the
     StepRequest inside, checked as :func:`step_parser` checks one."""
     parse_step = step_parser(guardrails)
+    parse_whole = lenient_parser(pb.StepStreamRequest)
 
     def parser(data: bytes) -> Message | BlockdError:
+        if len(data) <= SKIM_BYTES:  # a scheduler's usual step: one parse, no skim
+            whole = parse_whole(data)
+            return whole if isinstance(whole, BlockdError) else whole.step  # type: ignore[attr-defined]
         try:
             step = _StreamSkim.FromString(data).step  # type: ignore[attr-defined]
         except Exception:  # noqa: BLE001 - bytes that do not parse: the full parse says how
-            return lenient_parser(pb.StepStreamRequest)(data)
+            return parse_whole(data)
         return parse_step(step)
 
     return parser
