@@ -69,6 +69,17 @@ def log_level(text: str) -> str:
     return text.upper()
 
 
+def cpu_list(text: str) -> frozenset[int]:
+    """A flag type: CPU numbers as ``taskset -c`` takes them (``0``, ``0-3``, ``0,2-3``)."""
+    cpus: set[int] = set()
+    for part in text.replace(" ", "").split(","):
+        low, dash, high = part.partition("-")
+        if not low.isdigit() or (dash and not high.isdigit()) or (dash and int(high) < int(low)):
+            raise argparse.ArgumentTypeError(f"must be CPU numbers such as 0, 0-3 or 0,2-3; {part!r} is not one")
+        cpus.update(range(int(low), int(high if dash else low) + 1))
+    return frozenset(cpus)
+
+
 def port(text: str) -> int:
     """A flag type: a TCP port number, 0 included (0: off, or any free port)."""
     if not text.strip().isdigit() or int(text) > 65535:

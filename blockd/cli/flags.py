@@ -165,6 +165,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-workers", type=config_env.positive_int, default=128,
                        help="most RPC threads; each open Watch/Events/StepStream stream holds one while open "
                             "(step streams at most half: the SDK steps by unary Step beyond that)")
+    serve.add_argument("--cpus", type=config_env.cpu_list, default=None,
+                       help="run the daemon on these CPUs only (as taskset -c: 0, 0-3, 0,2-3): a central daemon "
+                            "on cores of its own keeps its caches warm between steps, where schedulers or "
+                            "workers sharing its cores would slow each step. Default: any CPU")
     serve.add_argument("--step-lane-port", type=config_env.port, default=None,
                        help="also serve StepStream as the step lane on this port of the --listen host (0: a free "
                             "one): the same steps, checks and answers for a fraction of gRPC's CPU per step; "

@@ -10,6 +10,7 @@ file, answering ``blockd reload`` through the pid file's neighbour,
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import importlib
 import importlib.util
@@ -183,7 +184,27 @@ def _member(args: argparse.Namespace):
     return GroupMember(args.cluster_etcd, args.cluster, args.group, args.lease_ttl_s, replicated=bool(args.etcd))
 
 
+def _pin_cpus(cpus: frozenset[int] | None) -> str:
+    """Run this process on ``cpus`` (``--cpus``): every thread it has now, and
+    so every thread it starts; "" when done or not asked, else why not."""
+    if cpus is None:
+        return ""
+    allowed = os.sched_getaffinity(0)
+    if not cpus <= allowed:
+        return (f"--cpus names CPU {', '.join(map(str, sorted(cpus - allowed)))}, which this process may not use "
+                f"(it may use {', '.join(map(str, sorted(allowed)))})")
+    for tid in os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else ["0"]:
+        with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+            os.sched_setaffinity(int(tid), cpus)
+    log.info("running on CPU %s", ", ".join(map(str, sorted(cpus))))
+    return ""
+
+
 def serve(args: argparse.Namespace) -> int:
+    refused = _pin_cpus(args.cpus)  # before any thread of grpc's or ours starts: they inherit it
+    if refused:
+        log.error("cannot serve: %s", refused)
+        return 2
     # imported here so `blockd --help` stays fast and grpc-free
     from blockd.auth import server_security
     from blockd.auth.config import server_tls

@@ -8,6 +8,7 @@ import importlib.metadata
 import io
 import json
 import logging
+import os
 import platform
 import re
 import time
@@ -136,3 +137,30 @@ def test_a_worker_logs_json_too(daemon) -> None:
     finally:
         worker.kill()
     assert any(r["logger"] == "blockd.worker" and "holds layers" in r["message"] for r in records), records
+
+
+def _allowed_cpus(status_file: str) -> str:
+    with open(status_file) as f:
+        return re.search(r"^Cpus_allowed_list:\s*(\S+)$", f.read(), re.M).group(1)
+
+
+def test_cpus_runs_every_thread_of_the_daemon_on_those_cpus(daemon) -> None:
+    first = min(os.sched_getaffinity(0))
+    d = daemon("--cpus", str(first), "--step-lane-port", "0")
+    with BlockdClient(d.address) as client, client.step_stream() as steps:
+        client.create_pool(PoolConfig("pinned", num_blocks=16, block_size=4))
+        steps.step("pinned", [])  # a lane connection's thread is started after the pinning too
+        tasks = f"/proc/{d.proc.pid}/task"
+        cpus = {_allowed_cpus(f"{tasks}/{tid}/status") for tid in os.listdir(tasks)}
+    assert cpus == {str(first)}, cpus
+
+
+@pytest.mark.parametrize(("cpus", "says"), [
+    ("4096", "blockd: cannot serve: --cpus names CPU 4096, which this process may not use (it may use "),
+    ("1-0", "blockd serve: error: argument --cpus: must be CPU numbers such as 0, 0-3 or 0,2-3; '1-0' is not one"),
+    ("zero", "blockd serve: error: argument --cpus: must be CPU numbers such as 0, 0-3 or 0,2-3; 'zero' is not one"),
+])
+def test_cpus_it_cannot_use_are_refused_in_one_line(run_module, cpus, says) -> None:
+    proc = run_module("blockd.cli", "serve", "--listen", "127.0.0.1:0", "--cpus", cpus)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert says in _last_line(proc.stderr), proc.stderr
