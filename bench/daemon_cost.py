@@ -34,7 +34,12 @@ started with ``--step-lane-port 0``: the steps go over the step lane,
   client side: building the request, the SDK, gRPC);
 * ``core_cpu_us_per_step``: the same step on an in-process
   :class:`blockd.core.Pool` (CPU time, the baseline: the allocator's work with
-  nothing around it) and ``ratio_vs_core``;
+  nothing around it) and ``ratio_vs_core``; ``core_cold_cpu_us_per_step``
+  and ``ratio_vs_core_cold``: the same with one L2 cache's worth of other data
+  copied before each step (not timed). The daemon sleeps between steps while
+  the scheduler and the network stack run, so its steps start with cold
+  caches: on the 2-core VM the hot core's 135 us become about 190-220, and the
+  in-process handler chain (request bytes to answer bytes) 225 -> about 310 us;
 * ``ratio_vs_unary``, ``ratio_vs_stream`` (a lane row), ``ratio_vs_plain`` (CPU per step against the same
   configuration by unary calls / without security) and
   ``steps_per_s_vs_one_scheduler`` (4 schedulers against 1), all measured
@@ -51,7 +56,14 @@ the same window, and the rest is gRPC's C core (polling, HTTP/2, TLS).
 Protobuf's upb runtime is C too: its parse and serialise time is charged to
 the Python frame that called it (``service`` or ``rpc_convert``).
 
-Run: ``python bench/rpc.py --part daemon_cost [--seconds 3] [--quick] [--profile]``.
+Placement (``--placement``): ``shared`` (default: the daemon and the
+schedulers on any CPU, as the issue measured) or ``own_core`` (the daemon
+started with ``blockd serve --cpus`` on the first CPU, the schedulers on the
+others; each row says which). On the 2-core VM a daemon sharing its core
+with schedulers runs each step with caches they emptied: 4 schedulers on
+the lane cost 510 us per decode step shared against 358 on a core of its own.
+
+Run: ``python bench/rpc.py --part daemon_cost [--seconds 3] [--quick] [--profile] [--placement own_core]``.
 """
 
 from __future__ import annotations
@@ -119,7 +131,9 @@ class _Steps:
 
 
 def _scheduler(address: str, kwargs: dict, pool: str, kind: str, transport: str, seconds: float, barrier,
-               results) -> None:
+               results, cpus: frozenset[int] | None = None) -> None:
+    if cpus:
+        os.sched_setaffinity(0, cpus)
     with BlockdClient(address, **kwargs) as client:
         step = _Steps(client, pool, kind, transport)
         for _ in range(WARMUP_STEPS):
@@ -133,32 +147,71 @@ def _scheduler(address: str, kwargs: dict, pool: str, kind: str, transport: str,
         results.put((done, time.process_time() - cpu0))
 
 
-def core_cpu_us(kind: str, reps: int) -> float:
-    """CPU microseconds per step of ``kind`` on an in-process core Pool."""
+def l2_bytes() -> int:
+    """One core's L2 cache, from sysfs (1 MiB when it does not say)."""
+    try:
+        with open("/sys/devices/system/cpu/cpu0/cache/index2/size") as f:
+            text = f.read().strip().upper()
+        scale = {"K": 1 << 10, "M": 1 << 20}.get(text[-1:], 1)
+        return int(text.rstrip("KM")) * scale
+    except (OSError, ValueError):
+        return 1 << 20
+
+
+def core_cpu_us(kind: str, reps: int, evict_bytes: int = 0) -> float:
+    """CPU microseconds per step of ``kind`` on an in-process core Pool.
+    ``evict_bytes`` > 0: a buffer that size is copied before each step (and
+    not timed), so each step starts with the core's L2 full of other data, as
+    the daemon's does: it sleeps between steps while the scheduler and the
+    network run. 0: steps back to back, caches hot."""
+    src, dst = bytearray(evict_bytes), bytearray(evict_bytes)
+    clock = time.process_time
+
+    def timed(step, *args) -> float:
+        if not evict_bytes:
+            began = clock()
+            step(*args)
+            return clock() - began
+        dst[:] = src
+        began = clock()
+        step(*args)
+        return clock() - began
+
     if kind == "decode":
         pool = Pool(PoolConfig("local", num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE))
         ids = [f"s{i}" for i in range(NUM_SEQS)]
         pool.step([Allocate(s, list(range(BLOCK_SIZE))) for s in ids])
         op = [DecodeAppend(ids, [7] * NUM_SEQS)]
         reps = min(reps, MAX_STEPS)
-        began = time.process_time()
-        for _ in range(reps):
-            pool.step(op)
-        return (time.process_time() - began) / reps * 1e6
+        return sum(timed(pool.step, op) for _ in range(reps)) / reps * 1e6
     pool = Pool(PoolConfig("local", num_blocks=PREFILL_BLOCKS, block_size=BLOCK_SIZE))
     prompts = [list(range(n * PREFILL_TOKENS, (n + 1) * PREFILL_TOKENS)) for n in range(reps + 1)]
     pool.step([Allocate("p0", prompts[0])])
-    began = time.process_time()
-    for n in range(1, reps + 1):
-        pool.step([Free(f"p{n - 1}"), Allocate(f"p{n}", prompts[n])])
-    return (time.process_time() - began) / reps * 1e6
+    return sum(timed(pool.step, [Free(f"p{n - 1}"), Allocate(f"p{n}", prompts[n])])
+               for n in range(1, reps + 1)) / reps * 1e6
+
+
+def placement_cpus(placement: str) -> tuple[frozenset[int], frozenset[int]] | None:
+    """``own_core``: (the daemon's CPU, the schedulers'): the first CPU this
+    process may use, and the others; ``shared`` (or one CPU only): None."""
+    allowed = sorted(os.sched_getaffinity(0))
+    if placement != "own_core" or len(allowed) < 2:
+        return None
+    return frozenset(allowed[:1]), frozenset(allowed[1:])
 
 
 def measure(kind: str, schedulers: int, durability: str, security: str, transport: str, seconds: float,
-            directory: str, variants: dict, profile_s: float = 0.0) -> tuple[dict, tuple | None]:
+            directory: str, variants: dict, profile_s: float = 0.0,
+            placement: str = "shared") -> tuple[dict, tuple | None]:
     """One configuration's row (and, with ``profile_s``, py-spy's stacks of the daemon);
-    ``variants``: :func:`bench.auth.security_variants`."""
+    ``variants``: :func:`bench.auth.security_variants`; ``placement``: ``shared``
+    (the daemon and the schedulers on any CPU) or ``own_core`` (:func:`placement_cpus`)."""
     flags, kwargs = variants[security]
+    cpus = placement_cpus(placement)
+    if placement == "own_core" and cpus is None:
+        raise ValueError("placement own_core needs two CPUs at least")
+    if cpus is not None:
+        flags = [*flags, "--cpus", ",".join(map(str, sorted(cpus[0])))]
     data_dir = tempfile.mkdtemp(prefix="blockd-bench-cost-", dir=directory)
     if durability == "fsync_always":
         flags = [*flags, "--data-dir", data_dir, "--fsync", "always"]
@@ -168,7 +221,7 @@ def measure(kind: str, schedulers: int, durability: str, security: str, transpor
     ctx = multiprocessing.get_context("spawn")
     barrier, results = ctx.Barrier(schedulers + 1), ctx.Queue()
     procs = [ctx.Process(target=_scheduler, args=(address, kwargs, f"{kind}-{i}", kind, transport, seconds, barrier,
-                                                         results))
+                                                         results, cpus[1] if cpus else None))
              for i in range(schedulers)]
     stacks = None
     try:
@@ -192,7 +245,8 @@ def measure(kind: str, schedulers: int, durability: str, security: str, transpor
     steps = sum(done for done, _ in runs)
     per_step = cpu / steps * 1e6
     row = {"name": "daemon_cost", "step": kind, "schedulers": schedulers, "durability": durability,
-           "security": security, "transport": transport, "steps": steps, "seconds": round(wall, 2),
+           "security": security, "transport": transport, "placement": placement, "steps": steps,
+           "seconds": round(wall, 2),
            "daemon_cpu_us_per_step": round(per_step, 1), "daemon_cores_busy": round(cpu / wall, 2),
            "steps_per_s": round(steps / wall, 1), "steps_per_daemon_core_s": round(1e6 / per_step, 1),
            "sdk_cpu_us_per_step": round(sum(c for _, c in runs) / steps * 1e6, 1),
@@ -297,10 +351,14 @@ def _has_py_spy() -> str:
     return "" if _py_spy_exe() else "py-spy is not installed (pip install py-spy; make setup installs it)"
 
 
-def daemon_cost(seconds: float, quick: bool, profile: bool) -> Iterator[dict]:
+def daemon_cost(seconds: float, quick: bool, profile: bool, placement: str = "shared") -> Iterator[dict]:
     """The rows (see the module docstring); ``quick``: the decode step, 1 scheduler, both
-    durabilities, every transport, plain."""
+    durabilities, every transport, plain; ``placement``: as :func:`measure`'s."""
+    if placement == "own_core" and placement_cpus(placement) is None:
+        yield {"name": "daemon_cost", "placement": placement, "error": "own_core needs two CPUs at least"}
+        return
     core = {kind: core_cpu_us(kind, 200 if quick else 2000) for kind in ("decode", "prefill")}
+    cold = {kind: core_cpu_us(kind, 200 if quick else 1000, l2_bytes()) for kind in ("decode", "prefill")}
     with tempfile.TemporaryDirectory(prefix="blockd-bench-cost-") as directory:
         variants = security_variants(directory)
         grid = [(k, s, d, sec, t) for k in ("decode", "prefill") for s in (1, 4)
@@ -312,10 +370,13 @@ def daemon_cost(seconds: float, quick: bool, profile: bool) -> Iterator[dict]:
         plain: dict[tuple, float] = {}
         one: dict[tuple, float] = {}
         for kind, schedulers, durability, security, transport in grid:
-            row, _ = measure(kind, schedulers, durability, security, transport, seconds, directory, variants)
+            row, _ = measure(kind, schedulers, durability, security, transport, seconds, directory, variants,
+                             placement=placement)
             cost = row["daemon_cpu_us_per_step"]
             row["core_cpu_us_per_step"] = round(core[kind], 1)
             row["ratio_vs_core"] = round(cost / core[kind], 2)
+            row["core_cold_cpu_us_per_step"] = round(cold[kind], 1)
+            row["ratio_vs_core_cold"] = round(cost / cold[kind], 2)
             # each ratio against the same configuration but one axis, measured earlier in this run
             key = (kind, schedulers, durability, security)
             if transport in ("unary", "stream"):
@@ -342,5 +403,5 @@ def daemon_cost(seconds: float, quick: bool, profile: bool) -> Iterator[dict]:
                     yield {"name": "daemon_profile", "durability": durability, "error": missing}
                     continue
                 row, stacks = measure("decode", 1, durability, "plain", transport, seconds, directory, variants,
-                                      profile_s=seconds)
+                                      profile_s=seconds, placement=placement)
                 yield profile_row(row, stacks or (Counter(), Counter()), seconds)

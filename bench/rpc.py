@@ -469,7 +469,7 @@ def security(args: argparse.Namespace) -> Iterator[dict]:
 
 def daemon_cost_part(args: argparse.Namespace) -> Iterator[dict]:
     """The daemon's CPU per step and its profile (:mod:`bench.daemon_cost`)."""
-    yield from daemon_cost(args.seconds, args.quick, args.profile)
+    yield from daemon_cost(args.seconds, args.quick, args.profile, args.placement)
 
 
 def groups(args: argparse.Namespace) -> Iterator[dict]:
@@ -504,6 +504,9 @@ def main(argv: list[str] | None = None) -> int:
                         "daemon_cost: the decode step, 1 scheduler)")
     parser.add_argument("--profile", action="store_true",
                         help="daemon_cost: also sample the daemon with py-spy (daemon_profile rows)")
+    parser.add_argument("--placement", choices=("shared", "own_core"), default="shared",
+                        help="daemon_cost: the daemon on any CPU (shared) or on a CPU of its own, the schedulers "
+                        "on the others (own_core: blockd serve --cpus)")
     args = parser.parse_args(argv)
     for name in args.part or list(PARTS):
         for line in PARTS[name](args):

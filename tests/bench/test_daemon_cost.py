@@ -5,6 +5,7 @@ profile when py-spy is installed."""
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -14,8 +15,6 @@ from bench.auth import security_variants
 
 
 def test_process_cpu_counts_this_process_work():
-    import os
-
     before = daemon_cost.process_cpu_s(os.getpid())
     end = time.process_time() + 0.15
     while time.process_time() < end:
@@ -50,6 +49,21 @@ def test_one_short_configuration_by_unary_calls_and_over_a_stream(tmp_path):
         assert 0 < row["daemon_cpu_us_per_step"] < 1e5 and 0 < row["daemon_cores_busy"] <= row["cpus"]
         assert row["sdk_cpu_us_per_step"] > 0
     assert daemon_cost.core_cpu_us("decode", 20) > 0 and daemon_cost.core_cpu_us("prefill", 5) > 0
+    # the cold-cache baseline: one L2's worth of other data copied before each (untimed) step
+    assert daemon_cost.l2_bytes() >= 1 << 16
+    assert daemon_cost.core_cpu_us("decode", 20, 1 << 20) > 0 and daemon_cost.core_cpu_us("prefill", 5, 1 << 20) > 0
+
+
+def test_the_daemon_on_a_core_of_its_own(tmp_path):
+    allowed = sorted(os.sched_getaffinity(0))
+    if len(allowed) < 2:
+        assert daemon_cost.placement_cpus("own_core") is None
+        pytest.skip("placement own_core needs two CPUs")
+    assert daemon_cost.placement_cpus("shared") is None
+    assert daemon_cost.placement_cpus("own_core") == (frozenset(allowed[:1]), frozenset(allowed[1:]))
+    row, _ = daemon_cost.measure("decode", 1, "memory", "plain", "lane", 1.0, str(tmp_path),
+                                 security_variants(str(tmp_path)), placement="own_core")
+    assert row["placement"] == "own_core" and row["steps"] > 50 and row["daemon_cpu_us_per_step"] > 0
 
 
 def test_the_profile_of_a_prefill_step(tmp_path):
