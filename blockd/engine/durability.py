@@ -31,7 +31,6 @@ calls outside it so that concurrent steps share one fsync (group commit).
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -42,6 +41,7 @@ from blockd.core import InvariantViolation
 from blockd.core.terms import TermHistory
 from blockd.engine.config import EngineConfig, LogObserver
 from blockd.engine.snapshots import Snapshots
+from blockd.storage import bodies
 from blockd.storage import cut as log_cut
 from blockd.storage.lock import DataDirLock
 from blockd.storage.reader import DataDirError, Reader, Record
@@ -154,7 +154,7 @@ class Durability:
         it: the engine waits there, outside its lock, so steps share an
         fsync); its LSN."""
         assert self._wal is not None and self._snapshots is not None, "log() before open()"
-        data = json.dumps(body, separators=(",", ":")).encode()
+        data = bodies.encode(body)
         observer = self._observer
         # followers get the record while this log fsyncs it: nothing is
         # acknowledged before both are durable (a step waits for this call,

@@ -23,7 +23,6 @@ one lock keeps the log in commit order).
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -49,6 +48,7 @@ from blockd.engine.tenancy import Tenancy, check_access, owner_of, visible, with
 from blockd.engine.transfers import check_sources, has_sources, located_tokens, plan_transfers
 from blockd.engine.watch import Watchers
 from blockd.engine.worker_registry import WorkerRegistry
+from blockd.storage import bodies
 from blockd.storage.reader import Reader
 
 log = logging.getLogger("blockd.engine.machine")
@@ -426,10 +426,10 @@ class Engine(CacheCalls, PoolMoves):  # the prefix cache's calls (retention.pins
             if frames and frames[0][0] != durability.last_lsn + 1:
                 raise WrongState(f"records from lsn {frames[0][0]} do not follow this log (at lsn "
                                  f"{durability.last_lsn})")
-            bodies = [json.loads(body) for _lsn, _term, body in frames]
+            decoded = [bodies.decode(body) for _lsn, _term, body in frames]
             last = durability.log_replicated(frames)
             persisted(last)
-            for body in bodies:
+            for body in decoded:
                 self.apply_record(body)
             self._watchers.notify()
             return last

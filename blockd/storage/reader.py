@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from blockd.core.terms import TermHistory
+from blockd.storage import bodies
 from blockd.storage.wal import (
     COMPACT_LOCK,
     FORMAT,
@@ -333,7 +334,7 @@ class Reader:
             raise DataDirError(self.data_dir, seg.name, "record checksum mismatch: the file is damaged", pos,
                                f"lsn {lsn}" if lsn else index)
         try:
-            record = json.loads(body)
+            record = bodies.decode(body)
         except (ValueError, UnicodeDecodeError) as err:
             raise DataDirError(self.data_dir, seg.name, f"record does not parse ({err})", pos,
                                f"lsn {lsn}" if lsn else index) from None
