@@ -75,7 +75,10 @@ def cpu_list(text: str) -> frozenset[int]:
     for part in text.replace(" ", "").split(","):
         low, dash, high = part.partition("-")
         if not low.isdigit() or (dash and not high.isdigit()) or (dash and int(high) < int(low)):
-            raise argparse.ArgumentTypeError(f"must be CPU numbers such as 0, 0-3 or 0,2-3; {part!r} is not one")
+            # the bad part is named only when it is not the whole text: a variable's
+            # error already ends with ", got <text>"
+            which = f"; {part!r} is not one" if part != text.strip() else ""
+            raise argparse.ArgumentTypeError(f"must be CPU numbers such as 0, 0-3 or 0,2-3{which}")
         cpus.update(range(int(low), int(high if dash else low) + 1))
     return frozenset(cpus)
 

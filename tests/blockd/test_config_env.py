@@ -89,6 +89,8 @@ def _sample(action: argparse.Action) -> tuple[str, object]:
         return "127.0.0.1:7", "127.0.0.1:7"
     if action.type is config_env.log_level:
         return "debug", "DEBUG"
+    if action.type is config_env.cpu_list:
+        return "0,2-3", frozenset({0, 2, 3})
     if action.type in (int, config_env.port, config_env.positive_int, config_env.non_negative_int):
         return "7", 7
     if action.type in (float, config_env.positive_float, config_env.non_negative_float):
@@ -158,6 +160,8 @@ def _all_parsers(p: argparse.ArgumentParser):
      "blockd: BLOCKD_FSYNC_INTERVAL_S must be a number > 0, got '-1'"),
     ("worker.main", ["--pool", "p"], {"BLOCKD_WORKER_HEARTBEAT_S": "0"},
      "blockd-worker: BLOCKD_WORKER_HEARTBEAT_S must be a number > 0, got '0'"),
+    ("blockd.cli", ["serve"], {"BLOCKD_CPUS": "all"},
+     "blockd: BLOCKD_CPUS must be CPU numbers such as 0, 0-3 or 0,2-3, got 'all'"),
     ("blockd.cli", ["serve"], {"BLOCKD_LOG_LEVEL": "loud"},
      "blockd: BLOCKD_LOG_LEVEL must be one of DEBUG, INFO, WARNING, ERROR, CRITICAL, got 'loud'"),
 ])
@@ -179,7 +183,7 @@ NUMERIC_TYPES = (config_env.positive_float, config_env.non_negative_float, confi
 def _numeric_flags(p: argparse.ArgumentParser) -> list[argparse.Action]:
     return [a for leaf in [p, *_all_parsers(p)] for a in leaf._actions
             if a.option_strings and a.type is not None
-            and a.type not in (str, config_env.log_level, listen_address, data_dir_path)]
+            and a.type not in (str, config_env.log_level, config_env.cpu_list, listen_address, data_dir_path)]
 
 
 @pytest.mark.parametrize("program", ["blockd", "blockd-worker"])
