@@ -50,7 +50,7 @@ MAX_MESSAGE_BYTES = 256 << 20
 
 class KVShardServicer:
     def __init__(self, runtime: WorkerRuntime, worker_id: str, device: str, runner=None,
-                 peers: transfer.Peers | None = None) -> None:
+                 peers: transfer.Peers | None = None, compute: ThreadPoolExecutor | None = None) -> None:
         self.runtime = runtime
         #: other pools' workers, for FetchBlocks
         self.peers = peers or transfer.Peers(runtime)
@@ -64,8 +64,10 @@ class KVShardServicer:
         # OMP_WAIT_POLICY=PASSIVE) a team's threads spin ~7 ms after a step,
         # so the next step, on another thread's team, found the cores taken:
         # bench/serve.py's row read 0.847x vLLM that way, 0.908x with this
-        # thread (one run each, 2-core AVX2 machine).
-        self.compute = ThreadPoolExecutor(1, thread_name_prefix="worker-model")
+        # thread (one run each, 2-core AVX2 machine). blockd-worker passes the
+        # one-thread executor its start-up ran on (worker/main.py), so that
+        # thread's team is the only one.
+        self.compute = compute or ThreadPoolExecutor(1, thread_name_prefix="worker-model")
 
     def _check_tenant(self) -> None:
         """Only the pool's tenant (or an admin) may use this worker: its KV is
@@ -245,8 +247,9 @@ class WorkerServer:
 
     def __init__(self, runtime: WorkerRuntime, worker_id: str, listen: str = "127.0.0.1:0",
                  max_workers: int = 8, runner=None, security: ServerSecurity | None = None,
-                 peers: transfer.Peers | None = None) -> None:
-        servicer = self._servicer = KVShardServicer(runtime, worker_id, str(runtime.device), runner, peers)
+                 peers: transfer.Peers | None = None, compute: ThreadPoolExecutor | None = None) -> None:
+        servicer = self._servicer = KVShardServicer(runtime, worker_id, str(runtime.device), runner, peers,
+                                                    compute)
         self._endpoint = GrpcEndpoint([(servicer, SERVICE)], listen, max_workers=max_workers,
                                       max_message_bytes=MAX_MESSAGE_BYTES, thread_name_prefix="worker-rpc",
                                       interceptors=[*server_interceptors(),

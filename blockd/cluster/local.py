@@ -36,21 +36,34 @@ if TYPE_CHECKING:
 #: the tree holding the blockd, worker and client packages (the repository, or site-packages):
 #: children start there with it on their path, so they import this very blockd
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-START_TIMEOUT_S = 120.0
+#: a worker with --compile auto compiles a graph per bucket before it is ready (~20 s each on two cores)
+START_TIMEOUT_S = 300.0
 STOP_TIMEOUT_S = 10.0
 
 
 def worker_env() -> dict[str, str]:
-    """What a worker child adds to :func:`child_env`: OpenMP threads that sleep
-    when idle (``OMP_WAIT_POLICY=PASSIVE`` unless the caller's environment
-    says otherwise). The workers' torch runs two OpenMP threads on these
-    2-core machines, beside blockd, the scheduler and whatever else runs;
-    libgomp's default spin-then-sleep made a standalone 64-row SmolLM2 forward
-    take 1.5-1.7 s (median) instead of 0.23-0.54 s with PASSIVE while another
-    process kept the cores busy. Quiet, spinning is faster (min 143-152 ms
-    against 188-233 ms standalone); inside the cluster the two measured the
-    same within noise (decode steps of 177-273 ms either way, load 1.5-3.6)."""
-    return {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
+    """What a worker child adds to :func:`child_env`: OpenMP threads that spin
+    briefly after a parallel region, then sleep (``GOMP_SPINCOUNT=30000``,
+    about a millisecond), unless the caller's environment sets
+    ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` itself.
+
+    The workers' torch runs two OpenMP threads on these 2-core machines,
+    beside blockd, the scheduler and whatever else runs. libgomp's default
+    spin (300,000 rounds) made a standalone 64-row SmolLM2 forward take
+    1.5-1.7 s instead of 0.23-0.54 s while another process kept the cores
+    busy, so workers once slept at once (``OMP_WAIT_POLICY=PASSIVE``). But a
+    forward opens hundreds of regions back to back, and with PASSIVE each one
+    first wakes a sleeping thread: ``bench/serve.py --profile`` (64-row decode
+    steps through the cluster) read 152 ms a step with PASSIVE, 129 with
+    30,000 rounds, 141-143 with 10,000; the compiled forward
+    (``--compile auto``) 143, 112 and 117."""
+    if "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:
+        return {}
+    return {"GOMP_SPINCOUNT": WORKER_SPIN_COUNT}
+
+
+#: libgomp's spin rounds before an idle worker thread sleeps (see worker_env)
+WORKER_SPIN_COUNT = "30000"
 
 
 def child_env(**extra: str) -> dict[str, str]:
