@@ -194,7 +194,7 @@ def compare_cold(args, python: str) -> dict:
         "workload": "serve_vs_vllm's (64 chat prompts, 64 greedy tokens each, all at t=0)",
         "settings": "both engines' defaults (blockd: SchedulerConfig(); vLLM: LLM() with the anchor's "
                     "block size and prefix caching), a fresh engine per round, no warm-up",
-        "rounds": args.cold_rounds, "loadavg_1m": round(os.getloadavg()[0], 2),
+        "rounds": args.cold_rounds, "blockd_compile": _compile(), "loadavg_1m": round(os.getloadavg()[0], 2),
         "blockd": {k: blockd[k] for k in keys}, "vllm": {k: vllm[k] for k in keys},
         "ratio_tokens_per_s_vs_vllm": round(blockd["tokens_per_s"] / vllm["tokens_per_s"], 3),
         "ratio_by_round": pairs, "outputs_identical_to_vllm": f"{same}/{len(prompts)}",
@@ -360,6 +360,7 @@ def compare_with_vllm(args, python: str) -> dict:
         "vllm_prompt_tokens_cached": f"{vllm['cached_prompt_tokens']}/{vllm['prompt_tokens']}",
         "blockd_prefix_block_size": "default (the pool's block size)" if config.prefix_block_size is None
         else config.prefix_block_size, "blockd_cpu_linear": _cpu_linear(),
+        "blockd_compile": _compile(),
         "loadavg_1m": round(os.getloadavg()[0], 2),
         "blockd": {k: blockd[k] for k in blockd_keys}, "vllm": {k: vllm[k] for k in keys},
         "ratio_tokens_per_s_vs_vllm": round(blockd["tokens_per_s"] / vllm["tokens_per_s"], 3),
@@ -371,6 +372,13 @@ def compare_with_vllm(args, python: str) -> dict:
         **verify(args.model, requests, outputs),
         "hardware": {"cpu_count": os.cpu_count(), "platform": platform.platform()},
     }
+
+
+def _compile() -> str:
+    """The workers' ``--compile`` and buckets (they inherit this environment)."""
+    mode = os.environ.get("BLOCKD_WORKER_COMPILE", "off")
+    buckets = os.environ.get("BLOCKD_WORKER_COMPILE_BUCKETS")
+    return f"{mode} ({buckets})" if mode == "auto" and buckets else mode
 
 
 def _cpu_linear() -> str:
@@ -460,7 +468,7 @@ def profile_decode(args) -> dict:
         "attention": attention, "write_kv": write_kv, "sampling": sampling,
     }
     return {"name": "serve_profile", "model": args.model, "precision": "float32", "decode_steps": steps,
-            "batch": len(requests), "block_size": VLLM_BLOCK_SIZE, "cpu_linear": _cpu_linear(),
+            "batch": len(requests), "block_size": VLLM_BLOCK_SIZE, "cpu_linear": _cpu_linear(), "compile": _compile(),
             "loadavg_1m": round(os.getloadavg()[0], 2), "step_ms": round(total / steps * 1e3, 2),
             "decode_tokens_per_s": round(tokens / total, 1),
             "per_step_ms": {k: round(v / steps * 1e3, 2) for k, v in phases.items()},

@@ -83,6 +83,17 @@ def cpu_list(text: str) -> frozenset[int]:
     return frozenset(cpus)
 
 
+def positive_int_list(text: str) -> tuple[int, ...]:
+    """A flag type: comma-separated integers >= 1 (``16,32,64``), sorted, each once."""
+    try:
+        values = {int(part) for part in text.split(",")}
+    except ValueError:
+        values = set()
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError("must be comma-separated integers >= 1, such as 16,32,64")
+    return tuple(sorted(values))
+
+
 def port(text: str) -> int:
     """A flag type: a TCP port number, 0 included (0: off, or any free port)."""
     if not text.strip().isdigit() or int(text) > 65535:

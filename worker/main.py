@@ -32,6 +32,7 @@ import socket
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from blockd import build_info, config_env, logs
 from blockd.auth.config import add_tls_flags, client_security, server_tls
@@ -48,6 +49,11 @@ from worker.service import WorkerServer
 from worker.transfer import Peers
 
 log = logging.getLogger("blockd.worker")
+
+
+#: --compile-buckets: powers of two, so a decode step is padded at most to twice its rows
+#: (worker/model/compiled.py; each costs a compile at start and a packed copy of the weights)
+COMPILE_BUCKETS = (16, 32, 64, 128, 256)
 
 
 def _range(text: str | None, total: int, what: str) -> tuple[int, int]:
@@ -99,6 +105,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cpu-linear", choices=("auto", "torch"), default="auto",
                    help="the model's linear layers: auto packs float32 CPU weights for oneDNN once "
                         "(faster; worker/model/linear.py), torch keeps nn.Linear (MKL)")
+    p.add_argument("--compile", choices=("off", "auto"), default="off",
+                   help="auto runs decode steps through Inductor graphs, one per --compile-buckets size, compiled "
+                        "and warmed before the worker serves (CPU, TP 1, fused layers; worker/model/compiled.py)")
+    p.add_argument("--compile-buckets", type=config_env.positive_int_list, default=COMPILE_BUCKETS,
+                   help="the decode batch sizes a graph is compiled for (default "
+                        f"{','.join(map(str, COMPILE_BUCKETS))}); a step is padded to the next, steps of fewer "
+                        "than half the smallest run eager")
     p.add_argument("--tp-rank", type=config_env.non_negative_int, default=0, help="this worker's tensor-parallel rank")
     p.add_argument("--tp-world-size", type=config_env.positive_int, default=1,
                    help="workers in the tensor-parallel group")
@@ -217,6 +230,38 @@ def _runtime(args: argparse.Namespace, config, shard: ShardSpec, metrics) -> Wor
     return runtime
 
 
+def _start_model(args: argparse.Namespace, config, shard: ShardSpec, metrics):
+    """Each phase's end time after the first mark, the TP group, the KV pool and
+    the runner (None without --model); on the thread that runs the model's steps."""
+    marks = [time.monotonic()]  # start-up's phases, said once serving: model, KV pool, runner
+    model, tp = _load_model(args, config)
+    marks.append(time.monotonic())
+    runtime = _runtime(args, config, shard, metrics)
+    marks.append(time.monotonic())
+    if metrics is not None:
+        metrics.set_pool_bytes(runtime.pool_bytes)
+        metrics.set_host_pool_bytes(runtime.host_pool_bytes)
+    runner = None
+    if model is not None:
+        import torch
+
+        from worker.model import ModelRunner
+
+        try:
+            runner = ModelRunner(model, runtime, tp, linear=args.cpu_linear,
+                                 compile_buckets=args.compile_buckets if args.compile == "auto" else None)
+        except ValueError as err:
+            raise SystemExit(f"cannot run model {args.model!r} on this shard: {err}") from None
+        if runner.compiled is not None:  # before serving: the first request pays no compile
+            log.info("compiled decode forward warmed in %.2f s", runner.compiled.warm())
+        elif args.compile == "auto":
+            log.info("decode steps run eager: %s", runner.not_compiled)
+        log.info("running model %s (TP rank %d of %d, %d linear layers packed for oneDNN, %d torch threads)",
+                 args.model, args.tp_rank, args.tp_world_size, runner.packed_linears, torch.get_num_threads())
+    marks.append(time.monotonic())
+    return marks, tp, runtime, runner
+
+
 def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     args = parse_args(argv)
@@ -230,30 +275,17 @@ def main(argv: list[str] | None = None) -> int:
         return int(EXIT_CODES.get(err.code, Exit.FAILED))
     layers = _range(args.layers, config.num_layers, "layers")
     heads = _kv_heads(args, config)
-    marks = [time.monotonic()]  # start-up's phases, said once serving: model, KV pool, runner
-    model, tp = _load_model(args, config)
-    marks.append(time.monotonic())
+    # Start-up's torch work (model load, packing, the KV pool, compiling) runs on the
+    # one thread that will run every model step: an OpenMP team belongs to the
+    # thread that opens its regions, and a second team (the main thread's) makes
+    # libgomp count more threads than cores and cut every team's spin to 100
+    # rounds, which cost the compiled forward 88 -> 113 ms a 64-row step.
+    compute = ThreadPoolExecutor(1, thread_name_prefix="worker-model")
     metrics = _metrics(config.name, args.metrics_port)
-    runtime = _runtime(args, config, ShardSpec(*layers, *heads), metrics)
-    marks.append(time.monotonic())
-    if metrics is not None:
-        metrics.set_pool_bytes(runtime.pool_bytes)
-        metrics.set_host_pool_bytes(runtime.host_pool_bytes)
-    runner = None
-    if model is not None:
-        import torch
-
-        from worker.model import ModelRunner
-
-        try:
-            runner = ModelRunner(model, runtime, tp, linear=args.cpu_linear)
-        except ValueError as err:
-            raise SystemExit(f"cannot run model {args.model!r} on this shard: {err}") from None
-        log.info("running model %s (TP rank %d of %d, %d linear layers packed for oneDNN, %d torch threads)",
-                 args.model, args.tp_rank, args.tp_world_size, runner.packed_linears, torch.get_num_threads())
-    marks.append(time.monotonic())
+    shard = ShardSpec(*layers, *heads)
+    marks, tp, runtime, runner = compute.submit(_start_model, args, config, shard, metrics).result()
     server = WorkerServer(runtime, args.worker_id, args.listen, runner=runner, security=security,
-                          peers=Peers(runtime, *credentials))
+                          peers=Peers(runtime, *credentials), compute=compute)
     info = WorkerInfo(args.worker_id, config.name, advertised_address(args, server.address), *layers, *heads,
                       pool_bytes=runtime.pool_bytes, device=str(runtime.device), incarnation=runtime.incarnation)
     follower = Attachment(client, runtime, info, args.heartbeat_s, metrics)

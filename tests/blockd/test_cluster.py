@@ -24,7 +24,7 @@ import time
 
 import pytest
 
-from blockd.cluster.local import ROOT, ClusterSpec, LocalCluster, live_pids
+from blockd.cluster.local import ROOT, WORKER_SPIN_COUNT, ClusterSpec, LocalCluster, live_pids
 from client.model_group import WorkerGroup
 from client.scheduler import Scheduler, SchedulerConfig
 from client.sdk import BlockdClient
@@ -48,18 +48,27 @@ def workload(seed: int) -> list[GenerationRequest]:
     return requests
 
 
-@pytest.mark.parametrize(("model", "tp_size"), [("tiny-llama", 1), ("tiny-qwen2", 2)])
-def test_paged_cluster_generates_what_the_contiguous_reference_does(model, tp_size):
-    """The TP pair also shares prompt prefixes within a burst (prefix_block_size)."""
+@pytest.mark.parametrize(("model", "tp_size", "compiled"),
+                         [("tiny-llama", 1, False), ("tiny-qwen2", 2, False), ("tiny-llama", 1, True)])
+def test_paged_cluster_generates_what_the_contiguous_reference_does(model, tp_size, compiled, monkeypatch,
+                                                                      tmp_path):
+    """The TP pair also shares prompt prefixes within a burst (prefix_block_size).
+    With ``--compile auto`` the worker compiles its buckets before it is ready and
+    its decode steps (padded to 4, 8 or 16 rows) give the same tokens."""
+    if compiled:
+        monkeypatch.setenv("BLOCKD_WORKER_COMPILE", "auto")
+        monkeypatch.setenv("BLOCKD_WORKER_COMPILE_BUCKETS", "4,8,16")
+        monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     requests = workload(tp_size)
     spec = ClusterSpec(model, tp_size, "m", num_blocks=26, block_size=8, watermark_blocks=1)
     with LocalCluster(spec) as cluster, BlockdClient(cluster.blockd_address) as client, \
             WorkerGroup("m", cluster.worker_addresses) as group:
         assert len(cluster.worker_addresses) == tp_size
-        for worker in cluster.workers:  # idle OpenMP threads sleep (blockd.cluster.local.worker_env)
+        for worker in cluster.workers:  # idle OpenMP threads spin briefly, then sleep (local.worker_env)
             with open(f"/proc/{worker.pid}/environ", "rb") as f:
-                assert f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'PASSIVE')}".encode() \
-                    in f.read().split(b"\0")
+                environ = f.read().split(b"\0")
+            if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
+                assert f"GOMP_SPINCOUNT={WORKER_SPIN_COUNT}".encode() in environ
         config = SchedulerConfig(max_num_batched_tokens=48, max_num_seqs=16,
                                  prefix_block_size=spec.block_size if tp_size == 2 else 0)
         sched = Scheduler(client, "m", group, config)
@@ -69,6 +78,8 @@ def test_paged_cluster_generates_what_the_contiguous_reference_does(model, tp_si
         stats = client.get_pool("m")
         workers = client.list_workers("m")
     assert ContiguousReference(model).mismatches(requests, outputs) == []
+    warmed = [line for worker in cluster.workers for line in worker.lines if "compiled decode forward warmed" in line]
+    assert len(warmed) == (1 if compiled else 0), warmed
     by_id = {out.request_id: out for out in outputs}
     sampled = [by_id[req.request_id].output_token_ids for req in requests if req.n > 1 and not req.sampling.is_greedy]
     assert sampled and all(len(set(samples)) == len(samples) for samples in sampled), "samples differ"

@@ -91,6 +91,8 @@ def _sample(action: argparse.Action) -> tuple[str, object]:
         return "debug", "DEBUG"
     if action.type is config_env.cpu_list:
         return "0,2-3", frozenset({0, 2, 3})
+    if action.type is config_env.positive_int_list:
+        return "8,4", (4, 8)
     if action.type in (int, config_env.port, config_env.positive_int, config_env.non_negative_int):
         return "7", 7
     if action.type in (float, config_env.positive_float, config_env.non_negative_float):
@@ -183,7 +185,8 @@ NUMERIC_TYPES = (config_env.positive_float, config_env.non_negative_float, confi
 def _numeric_flags(p: argparse.ArgumentParser) -> list[argparse.Action]:
     return [a for leaf in [p, *_all_parsers(p)] for a in leaf._actions
             if a.option_strings and a.type is not None
-            and a.type not in (str, config_env.log_level, config_env.cpu_list, listen_address, data_dir_path)]
+            and a.type not in (str, config_env.log_level, config_env.cpu_list, config_env.positive_int_list,
+                                   listen_address, data_dir_path)]
 
 
 @pytest.mark.parametrize("program", ["blockd", "blockd-worker"])

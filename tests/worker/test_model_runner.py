@@ -126,13 +126,13 @@ class Scenario:
 class Local:
     """A core Pool and one runtime following its deltas, with a model runner."""
 
-    def __init__(self, spec: str, model=None, linear: str = "auto", device: str = "cpu") -> None:
+    def __init__(self, spec: str, model=None, linear: str = "auto", device: str = "cpu", **runner) -> None:
         model = model if model is not None else build_model(spec, seed=0)
         self.config = pool_config_for(model.config, "m", num_blocks=64, block_size=BLOCK_SIZE)
         self.pool = Pool(self.config)
         self.runtime = WorkerRuntime(self.config, device=device, version_timeout_s=0.2,
                                      latest_committed=lambda: self.pool.version)
-        self.runner = ModelRunner(model, self.runtime, linear=linear)
+        self.runner = ModelRunner(model, self.runtime, linear=linear, **runner)
 
     def step(self, ops):
         result = self.pool.step(ops)
@@ -153,6 +153,37 @@ def test_runner_matches_hf_logits_and_greedy_generate(spec, linear):
     scenario = Scenario(local.step, local.runner.step, reference(spec))
     scenario.drive()
     assert scenario.max_diff < TOL
+
+
+@pytest.mark.parametrize("spec", ["tiny-llama", "tiny-qwen2"])
+def test_compiled_decode_matches_hf_logits_and_greedy_generate(spec, tmp_path, monkeypatch):
+    """Decode steps through the Inductor graph (worker.model.compiled), prefill
+    eager: the same scenario, the same tolerance; the graph is warmed before the
+    first step (every bucket: 4 and 8 rows) and then serves steps of 2 to 8 sequences, padded to
+    a bucket, without a recompile."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    local = Local(spec, compile_buckets=(4, 8))
+    compiled = local.runner.compiled
+    assert compiled is not None and local.runner.not_compiled is None
+    assert compiled.warm() > 0
+    forward, used = compiled.forward, []
+    compiled.forward = lambda *args: (used.append(len(args[0].seq_ids)), forward(*args))[1]
+    from torch._dynamo.utils import counters
+
+    frames = counters["stats"]["unique_graphs"]
+    scenario = Scenario(local.step, local.runner.step, reference(spec))
+    scenario.drive()
+    assert scenario.max_diff < TOL
+    assert set(used) - {4, 8}, f"decode steps padded to a bucket ran compiled: {used}"
+    assert counters["stats"]["unique_graphs"] == frames, "no step compiled a graph of its own"
+
+
+def test_the_compiled_decode_says_why_it_does_not_apply():
+    why = Local("tiny-gpt2", compile_buckets=(4,)).runner.not_compiled
+    assert why == "GPT2LMHeadModel is not one of LlamaForCausalLM, Qwen2ForCausalLM"
+    assert Local("tiny-llama", linear="torch", compile_buckets=(4,)).runner.not_compiled.startswith(
+        "not every decoder layer is fused")
+    assert Local("tiny-llama").runner.compiled is None
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA path: needs a GPU, torch.cuda.is_available() is False")

@@ -59,7 +59,14 @@ def test_model_specs_resolve_to_one_cached_conversion(tmp_path):
             source.model_dir(spec)
 
 
-def test_chat_prompts_through_blockd_and_a_worker_match_transformers():
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_chat_prompts_through_blockd_and_a_worker_match_transformers(compiled, monkeypatch, tmp_path):
+    """Also with ``--compile auto``: the decode steps of the 8 sequences run on the
+    8-row graph (issue 31: greedy exactness kept by the compiled forward)."""
+    if compiled:
+        monkeypatch.setenv("BLOCKD_WORKER_COMPILE", "auto")
+        monkeypatch.setenv("BLOCKD_WORKER_COMPILE_BUCKETS", "8")
+        monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     tokenizer, eos = load_tokenizer(MODEL), eos_token_ids(MODEL)
     assert eos, "the model's generation config names its EOS"
     chats = chat_prompts(tokenizer, 5, random.Random(3))
@@ -83,6 +90,8 @@ def test_chat_prompts_through_blockd_and_a_worker_match_transformers():
         streamed = list(stream)  # steps the scheduler for every request
         outputs = [*sched.run(), stream.result()]
         stats = client.get_pool("m")
+        warmed = [line for line in cluster.workers[0].lines if "compiled decode forward warmed" in line]
+    assert len(warmed) == int(compiled), warmed
     reference = ContiguousReference(MODEL, eos_token_ids=eos)
     assert reference.mismatches([*greedy, sampled], outputs) == []
     by_id = {out.request_id: out for out in outputs}

@@ -34,6 +34,7 @@ from transformers import PreTrainedModel
 from blockd.core import arith
 from blockd.core.errors import BlockdError, InvalidArgument, shown
 from worker.model.build import check_pool, model_geometry
+from worker.model.compiled import CompiledDecode, compilable
 from worker.model.fused import fuse_layers
 from worker.model.linear import LINEAR_KERNELS, pack_linears, packing_available
 from worker.model.paged import PagedBatch
@@ -81,7 +82,8 @@ class ModelRunner:
     applies (CPU, float32; :mod:`worker.model.linear`), changing ``model`` in
     place; ``torch`` keeps ``nn.Linear``."""
 
-    def __init__(self, model: PreTrainedModel, runtime: WorkerRuntime, tp=None, *, linear: str = "auto") -> None:
+    def __init__(self, model: PreTrainedModel, runtime: WorkerRuntime, tp=None, *, linear: str = "auto",
+                 compile_buckets: tuple[int, ...] | None = None) -> None:
         if linear not in LINEAR_KERNELS:
             raise ValueError(f"linear must be one of {', '.join(LINEAR_KERNELS)}, got {linear!r}")
         check_pool(model, runtime.config)
@@ -100,6 +102,9 @@ class ModelRunner:
         self.fused_layers = fuse_layers(self.model) if self.packed_linears else 0
         self.runtime = runtime
         self.tp = tp
+        # decode steps through one Inductor graph where the model allows (worker.model.compiled)
+        self.not_compiled = "not asked for" if compile_buckets is None else compilable(self.model, tp)
+        self.compiled = CompiledDecode(self.model, compile_buckets) if self.not_compiled is None else None
         self.vocab_size = model.config.vocab_size
         self.max_positions = getattr(model.config, "max_position_embeddings", None)
         # One step at a time: the runtime keeps one plan, and TP ranks must issue
@@ -193,6 +198,10 @@ class ModelRunner:
         last = torch.tensor(batch.query_lens).cumsum(0) - 1
         paged = PagedBatch(self.runtime, batch.version, batch.seq_ids, batch.query_lens, batch.context_lens,
                            batch.slot_mapping, batch.pool_incarnation, prepared)
+        if self.compiled is not None and self.compiled.applies(batch.query_lens):
+            logits = self.compiled.forward(paged, batch.token_ids, positions)
+            self.runtime.finish_step(prepared)
+            return logits.float()
         with torch.inference_mode():
             out = self.model(input_ids=batch.token_ids.to(device).unsqueeze(0),
                              position_ids=positions.to(device).unsqueeze(0), use_cache=False,
