@@ -107,7 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(faster; worker/model/linear.py), torch keeps nn.Linear (MKL)")
     p.add_argument("--compile", choices=("off", "auto"), default="off",
                    help="auto runs decode steps through Inductor graphs, one per --compile-buckets size, compiled "
-                        "and warmed before the worker serves (CPU, TP 1, fused layers; worker/model/compiled.py)")
+                        "and warmed before the worker serves (CPU, TP 1, fused layers; worker/model/compiled.py); "
+                        "each bucket holds a copy of the weights packed for it")
     p.add_argument("--compile-buckets", type=config_env.positive_int_list, default=COMPILE_BUCKETS,
                    help="the decode batch sizes a graph is compiled for (default "
                         f"{','.join(map(str, COMPILE_BUCKETS))}); a step is padded to the next, steps of fewer "

@@ -36,8 +36,7 @@ if TYPE_CHECKING:
 #: the tree holding the blockd, worker and client packages (the repository, or site-packages):
 #: children start there with it on their path, so they import this very blockd
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-#: a worker with --compile auto compiles a graph per bucket before it is ready (~20 s each on two cores)
-START_TIMEOUT_S = 300.0
+START_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 10.0
 
 

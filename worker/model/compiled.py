@@ -1,39 +1,41 @@
-"""A decode step's forward as compiled graphs (Inductor), one per batch-size
-bucket, on the CPU.
+"""A decode step's forward through compiled code (Inductor), one graph per
+batch-size bucket, on the CPU.
 
 Why: blockd's fused eager layers (:mod:`worker.model.fused`) pay a fixed cost
-per op (dispatch, oneDNN primitive creation), run their elementwise work as
-separate passes, and use a oneDNN kernel that serves any row count. A graph
-compiled for one row count with its weights frozen lets Inductor fuse the
-elementwise work and pick MKL's GEMM packed for exactly that count.
-``bench/forward_compile.py`` (SmolLM2-135M's layer math) measured 0.67x of the
-fused eager layers' time at 64 rows and 0.74-0.84x at 4-256; the real model's
-whole decode forward at 64 rows 74-85 ms against 107-114 eager. One graph
-with a symbolic row count (``dynamic=True``) was measured too and not kept:
-0.82-0.88x from 16 to 256 rows and 0.95x on the real model, because its
-GEMMs must serve any count.
+per op, run their elementwise work as separate passes, and use oneDNN's
+kernel, which serves any row count. MKL's GEMM with the weight packed for
+exactly the row count is faster (0.17 ms for SmolLM2's 64x576 by 576x960
+q/k/v projection where oneDNN takes 0.29), and Inductor fuses the rest.
+``bench/forward_compile.py`` measured a graph per row count at 0.67x of the
+fused eager layers' time at 64 rows (0.74-0.84x at 4-256); a single graph
+with a symbolic row count, which must keep a shape-generic GEMM, 0.82-0.88x
+and 1.06x at 4 rows, so it was not kept.
 
 So a decode step (one new token per sequence) of ``n`` sequences, ``min_rows
-<= n <= max(buckets)``, runs on the smallest bucket that holds it, its rows
+<= n <= max(buckets)``, runs at the smallest bucket that holds it, its rows
 padded (token 0 at position 0; their logits are dropped and their K/V never
-written). Each bucket's graph holds its own packed weights (SmolLM2-135M in
-float32: about 0.6 GB a bucket) and costs about 20 s to compile on two cores,
-all of it at :meth:`CompiledDecode.warm`, before the worker serves; no step
-compiles. Prefill and mixed steps run eager.
+written). Prefill and mixed steps run eager.
 
-What is compiled: the decoder layers, the final norm and the LM head, in the
-fused layers' own torch math (:func:`worker.model.fused.rms_norm_torch` and
-the rest), with the projections as plain ``nn.Linear`` over the same weights
-(no copy until Inductor packs them). The embedding lookup and the rotary
-tables stay eager: a gather and a few small ops.
+What is compiled: one decoder layer (:func:`_layer`, the fused layers' own
+torch math), with its weights as arguments, so the 30 layers of a model
+share one graph per bucket: compiling every layer as one frozen graph took
+about 20 s a bucket on two cores, this about 1 s, for the same step time
+(SmolLM2-135M, 64 rows: 74-85 ms against 83-84, eager 101-114). The
+projections are :func:`packed_linear`, MKL's GEMM on a weight packed per
+bucket (:meth:`CompiledDecode._pack`; SmolLM2-135M in float32: about 0.55 GB
+a bucket), opaque to the compiler. The embedding lookup, the rotary tables,
+the final norm and the LM head (the same packed GEMM) run eager around it.
+:meth:`CompiledDecode.warm` packs and compiles every bucket before the
+worker serves, so no step compiles.
 
 Paged attention, with its ``write_kv``, is one opaque op, ``blockd::paged_attend``
 (:func:`torch.library.custom_op`): the compiler fuses around it and never
-looks inside. Its arguments are tensors and constants only, so the step's
-batch (a :class:`~worker.model.paged.PagedBatch` of Python objects) reaches it
-through :data:`_BATCHES`, keyed by the runner, set for the one forward the
-runner's lock lets run at a time. It declares no mutated arguments: the KV
-pool it writes is not an argument, and each layer reads only what it has just
+looks inside. Its arguments are tensors and constants only (the layer index
+a 0-d tensor, so that layers share the graph), so the step's batch (a
+:class:`~worker.model.paged.PagedBatch` of Python objects) reaches it through
+:data:`_BATCHES`, keyed by the runner, set for the one forward the runner's
+lock lets run at a time. It declares no mutated arguments: the KV pool it
+writes is not an argument, and each layer reads only what it has just
 written, after its own inputs, so data dependencies order it. Imports torch
 and :mod:`worker.model.fused`, :mod:`worker.model.paged`.
 """
@@ -63,20 +65,22 @@ _KEYS_LOCK = threading.Lock()
 
 
 @torch.library.custom_op("blockd::paged_attend", mutates_args=())
-def paged_attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scale: float,
+def paged_attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: torch.Tensor, scale: float,
                  runner: int) -> torch.Tensor:
     """One layer's ``write_kv`` and paged attention over the running batch of ``runner``
-    (``query`` ``[T, Hq, D]``, ``key``, ``value`` ``[T, Hkv, D]``); returns ``[T, Hq, D]``."""
+    (``query`` ``[T, Hq, D]``, ``key``, ``value`` ``[T, Hkv, D]``; ``layer``: a 0-d
+    tensor, so that every layer shares one graph); returns ``[T, Hq, D]``."""
     batch = _BATCHES.get(runner)
     if batch is WARMING:  # the graph's shapes, no pool touched
         return torch.zeros_like(query)
     if not isinstance(batch, PagedBatch):
         raise RuntimeError("blockd::paged_attend runs only inside CompiledDecode.forward")
-    rows = len(batch.seq_ids)  # a decode step: one row per sequence; the rest is the bucket's padding
+    rows, index = len(batch.seq_ids), int(layer)  # a decode step: a row per sequence; the rest is padding
     if rows == query.shape[0]:
-        return attend(batch, layer, query, key, value, scale)
+        return attend(batch, index, query, key, value, scale)
     out = query.new_zeros(query.shape)
-    out[:rows] = attend(batch, layer, query[:rows], key[:rows], value[:rows], scale)
+    out[:rows] = attend(batch, index, query[:rows].contiguous(), key[:rows].contiguous(), value[:rows].contiguous(),
+                        scale)
     return out
 
 
@@ -85,62 +89,49 @@ def _paged_attend_shape(query, key, value, layer, scale, runner):
     return torch.empty_like(query)
 
 
+@torch.library.custom_op("blockd::packed_linear", mutates_args=())
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor,
+                  bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ weight.T + bias`` by MKL's GEMM on ``packed`` (``weight`` packed for
+    exactly ``x``'s row count: at any other count MKL falls back to plain sgemm).
+    Opaque to the compiler: Inductor lowers ``mkl._mkl_linear`` only for packed
+    weights that are graph constants, and here they are inputs."""
+    return torch.ops.mkl._mkl_linear(x, packed, weight, bias, x.shape[0])
+
+
+@packed_linear.register_fake
+def _packed_linear_shape(x, packed, weight, bias):
+    return x.new_empty((x.shape[0], weight.shape[0]))
+
+
 def compilable(model: nn.Module, tp) -> str | None:
-    """Why ``model`` cannot run compiled here (None: it can): the CPU, no tensor
-    parallelism (its all-reduce hooks run eager), every decoder layer fused."""
+    """Why ``model`` cannot run compiled here (None: it can): the CPU with MKL, no
+    tensor parallelism (its all-reduce hooks run eager), every decoder layer fused."""
     if tp is not None:
         return "tensor parallelism runs eager"
     if type(model).__name__ not in _MODELS:
         return f"{type(model).__name__} is not one of {', '.join(_MODELS)}"
     if next(model.parameters()).device.type != "cpu":
         return "the compiled forward is the CPU path (CUDA graphs are not built yet)"
+    if not torch._C.has_mkl:
+        return "this torch has no MKL (its packed GEMM is what the compiled forward runs)"
     layers = model.model.layers
     if not all(isinstance(layer, FusedLayer) for layer in layers) or not isinstance(model.model.norm, FusedNorm):
         return "not every decoder layer is fused (packed linears, --cpu-linear auto)"
     return None
 
 
-def _linear(source: nn.Linear) -> nn.Linear:
-    """A plain ``nn.Linear`` over ``source``'s own parameters (no copy)."""
-    plain = nn.Linear(source.in_features, source.out_features, bias=source.bias is not None, device="meta")
-    plain.weight = source.weight
-    plain.bias = source.bias
-    return plain
-
-
-class _Stack(nn.Module):
-    """The decoder layers, final norm and LM head of a fused Llama/Qwen2 model, as plain torch."""
-
-    def __init__(self, model: nn.Module, runner: int) -> None:
-        super().__init__()
-        self.runner = runner
-        self.qkv, self.o, self.gate_up, self.down = (nn.ModuleList() for _ in range(4))
-        self.norms: list[tuple[float, float]] = []
-        self.attention: list[tuple[int, float]] = []
-        for i, layer in enumerate(model.model.layers):
-            self.qkv.append(_linear(layer._qkv))
-            self.o.append(_linear(layer.self_attn.o_proj))
-            self.gate_up.append(_linear(layer._gate_up))
-            self.down.append(_linear(layer.mlp.down_proj))
-            self.register_buffer(f"norm1_{i}", layer.input_layernorm.weight.detach(), persistent=False)
-            self.register_buffer(f"norm2_{i}", layer.post_attention_layernorm.weight.detach(), persistent=False)
-            self.norms.append((layer.input_layernorm.variance_epsilon, layer.post_attention_layernorm.variance_epsilon))
-            self.attention.append((layer.self_attn.layer_idx, float(layer.self_attn.scaling)))
-        self.heads = model.model.layers[0]._heads
-        self.register_buffer("final_norm", model.model.norm.weight.detach(), persistent=False)
-        self.final_eps = model.model.norm.variance_epsilon
-        self.lm_head = _linear(model.lm_head)
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        for i in range(len(self.qkv)):
-            eps1, eps2 = self.norms[i]
-            layer_idx, scale = self.attention[i]
-            h = rms_norm_torch(x, getattr(self, f"norm1_{i}"), eps1)
-            q, k, v = rotary_torch(self.qkv[i](h), cos, sin, *self.heads)
-            out = paged_attend(q, k, v, layer_idx, scale, self.runner)
-            x, h = add_rms_norm_torch(self.o[i](out.reshape(x.shape[0], -1)), x, getattr(self, f"norm2_{i}"), eps2)
-            x = x + self.down[i](silu_mul_torch(self.gate_up[i](h)))
-        return self.lm_head(rms_norm_torch(x, self.final_norm, self.final_eps))
+def _layer(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: torch.Tensor, norms: tuple,
+           linears: tuple, eps: tuple[float, float], heads: tuple[int, int], scale: float,
+           runner: int) -> torch.Tensor:
+    """One fused decoder layer in torch math (:mod:`worker.model.fused`'s ops), its
+    weights as arguments; ``linears``: (packed, weight, bias) of q/k/v, o, gate/up, down."""
+    qkv, o, gate_up, down = linears
+    h = rms_norm_torch(x, norms[0], eps[0])
+    q, k, v = rotary_torch(packed_linear(h, *qkv), cos, sin, *heads)
+    out = paged_attend(q, k, v, layer, scale, runner)
+    x, h = add_rms_norm_torch(packed_linear(out.reshape(x.shape[0], -1), *o), x, norms[1], eps[1])
+    return x + packed_linear(silu_mul_torch(packed_linear(h, *gate_up)), *down)
 
 
 class CompiledDecode:
@@ -148,13 +139,10 @@ class CompiledDecode:
 
     def __init__(self, model: nn.Module, buckets: tuple[int, ...]) -> None:
         import torch._dynamo.config as dynamo_config
-        import torch._inductor.config as inductor_config
 
         if not buckets or min(buckets) < 1:
             raise ValueError(f"compile buckets must be row counts >= 1, got {list(buckets)}")
-        # weights are constants of the graph, so Inductor may pack them for its GEMMs
-        inductor_config.freezing = True
-        # one graph per bucket of the same forward: past this limit dynamo would run it eager
+        # one graph per bucket of the same layer function: past this limit dynamo would run it eager
         dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, len(buckets) + 1)
         with _KEYS_LOCK:
             self.key = next(_KEYS)
@@ -162,8 +150,17 @@ class CompiledDecode:
         self.buckets = tuple(sorted(set(buckets)))
         # fewer rows than half the smallest bucket: eager (padding would cost more than the graph saves)
         self.min_rows = max(1, self.buckets[0] // 2)
-        self._stack = _Stack(model, self.key).eval()
-        self._compiled = torch.compile(self._stack, dynamic=False)
+        inner = model.model
+        first = inner.layers[0]
+        self._heads, self._scale = first._heads, float(first.self_attn.scaling)
+        self._layers = [(torch.tensor(layer.self_attn.layer_idx),
+                         (layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach()),
+                         (layer.input_layernorm.variance_epsilon, layer.post_attention_layernorm.variance_epsilon),
+                         (layer._qkv, layer.self_attn.o_proj, layer._gate_up, layer.mlp.down_proj))
+                        for layer in inner.layers]
+        #: bucket -> each layer's four (packed, weight, bias), and the LM head's
+        self._packed: dict[int, tuple[list[tuple], tuple]] = {}
+        self._compiled = torch.compile(_layer, dynamic=False)
         self.warm_s: float | None = None
 
     def applies(self, query_lens: list[int]) -> bool:
@@ -174,25 +171,42 @@ class CompiledDecode:
         """Logits ``[rows, vocab]`` of a decode step (one token per sequence)."""
         return self._run(batch, token_ids, positions)
 
+    def _pack(self, bucket: int) -> tuple[list[tuple], tuple]:
+        """Every projection's weight packed by MKL for ``bucket`` rows (once per bucket)."""
+        if bucket not in self._packed:
+            def pack(linear: nn.Linear) -> tuple:
+                weight = linear.weight.detach()
+                bias = None if linear.bias is None else linear.bias.detach()
+                return torch.ops.mkl._mkl_reorder_linear_weight(weight, bucket), weight, bias
+
+            with torch.inference_mode():
+                layers = [tuple(pack(linear) for linear in linears) for *_, linears in self._layers]
+                self._packed[bucket] = (layers, pack(self.model.lm_head))
+        return self._packed[bucket]
+
     def _run(self, batch: object, token_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         rows = token_ids.shape[0]
         bucket = next(b for b in self.buckets if b >= rows)
         if bucket > rows:  # padding rows: token 0 at position 0, their logits dropped below
             token_ids = torch.cat((token_ids, token_ids.new_zeros(bucket - rows)))
             positions = torch.cat((positions, positions.new_zeros(bucket - rows)))
+        packed, head = self._pack(bucket)
         inner = self.model.model
         with torch.inference_mode():
-            hidden = inner.embed_tokens(token_ids.unsqueeze(0))
-            cos, sin = inner.rotary_emb(hidden, positions.unsqueeze(0))
+            x = inner.embed_tokens(token_ids.unsqueeze(0))
+            cos, sin = (t[0].contiguous() for t in inner.rotary_emb(x, positions.unsqueeze(0)))
+            x = x[0]
             _BATCHES[self.key] = batch
             try:
-                return self._compiled(hidden[0], cos[0].contiguous(), sin[0].contiguous())[:rows]
+                for (layer, norms, eps, _), linears in zip(self._layers, packed):
+                    x = self._compiled(x, cos, sin, layer, norms, linears, eps, self._heads, self._scale, self.key)
             finally:
                 _BATCHES[self.key] = None
+            return packed_linear(inner.norm(x), *head)[:rows]
 
     def warm(self) -> float:
-        """Compile and run every bucket's graph over no pool (attention answers
-        zeros); returns the seconds it took."""
+        """Pack, compile and run every bucket's graph over no pool (attention
+        answers zeros); returns the seconds it took."""
         began = time.monotonic()
         for n in self.buckets:
             self._run(WARMING, torch.zeros(n, dtype=torch.int64), torch.arange(n, dtype=torch.int64))
