@@ -80,7 +80,10 @@ class ModelRunner:
 
     ``linear``: ``auto`` packs the model's linear weights for oneDNN where that
     applies (CPU, float32; :mod:`worker.model.linear`), changing ``model`` in
-    place; ``torch`` keeps ``nn.Linear``."""
+    place; ``torch`` keeps ``nn.Linear``. ``compile_buckets``: run decode steps
+    through compiled graphs for these batch sizes where the model allows
+    (:mod:`worker.model.compiled`; :attr:`not_compiled` says why not); call
+    ``compiled.warm()`` before serving, or the first step of each bucket compiles."""
 
     def __init__(self, model: PreTrainedModel, runtime: WorkerRuntime, tp=None, *, linear: str = "auto",
                  compile_buckets: tuple[int, ...] | None = None) -> None:
@@ -102,7 +105,7 @@ class ModelRunner:
         self.fused_layers = fuse_layers(self.model) if self.packed_linears else 0
         self.runtime = runtime
         self.tp = tp
-        # decode steps through one Inductor graph where the model allows (worker.model.compiled)
+        # decode steps through a compiled graph per bucket where the model allows (worker.model.compiled)
         self.not_compiled = "not asked for" if compile_buckets is None else compilable(self.model, tp)
         self.compiled = CompiledDecode(self.model, compile_buckets) if self.not_compiled is None else None
         self.vocab_size = model.config.vocab_size
