@@ -40,7 +40,7 @@ from dataclasses import dataclass, replace
 from bench import run_report
 from bench.sim.meter import Meter
 from bench.sim.workload import TimedRequest, TraceSpec, UniformDist, request_stream, system_prompts, with_bare
-from blockd.cluster.local import WORKER_SPIN_COUNT, ClusterSpec, LocalCluster, live_pids, model_config
+from blockd.cluster.local import ClusterSpec, LocalCluster, live_pids, model_config, worker_env
 from blockd.core.types import PoolStats
 from client.report.series import RunRecord, RunRecorder
 from client.scheduler import SchedulerCounters
@@ -257,8 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     # Several torch processes share few cores here: OpenMP threads spin only
     # briefly before they sleep (blockd.cluster.local.worker_env says why; the
     # workers inherit this).
-    if "OMP_WAIT_POLICY" not in os.environ:
-        os.environ.setdefault("GOMP_SPINCOUNT", WORKER_SPIN_COUNT)
+    os.environ.update(worker_env())
     signal.signal(signal.SIGTERM, _on_sigterm)
     print(f"blockd cluster demo: {cfg.num_requests} requests, model {cfg.model}, TP = {cfg.tp_size}, pool of "
           f"{cfg.num_blocks} blocks x {cfg.block_size} slots, seed {cfg.seed}", file=out, flush=True)

@@ -39,6 +39,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.linears import NUM_LAYERS, SHAPES
+from blockd import config_env
 
 MODES = ("blockd_fused", "torch_eager", "inductor", "inductor_dynamic")
 #: SmolLM2-135M's attention heads (query, key/value) and head dimension: SHAPES' q/k/v split
@@ -177,19 +178,10 @@ def _modes(text: str) -> tuple[str, ...]:
     return modes
 
 
-def _rows(text: str) -> tuple[int, ...]:
-    try:
-        rows = tuple(int(r) for r in text.split(","))
-    except ValueError:
-        rows = ()
-    if not rows or min(rows) < 1:
-        raise argparse.ArgumentTypeError("rows are a comma-separated list of row counts >= 1, such as 4,64")
-    return rows
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rows", type=_rows, default=(4, 64), help="decode batch sizes (default 4,64)")
+    parser.add_argument("--rows", type=config_env.positive_int_list, default=(4, 64),
+                        help="decode batch sizes (default 4,64)")
     parser.add_argument("--modes", type=_modes, default=MODES,
                         help=f"the first is the baseline of the ratios (default {','.join(MODES)})")
     parser.add_argument("--layers", type=int, default=NUM_LAYERS, help=f"decoder layers (default {NUM_LAYERS})")
