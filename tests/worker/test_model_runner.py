@@ -29,6 +29,7 @@ from client.sdk import BlockdClient
 from client.worker import WorkerClient
 from tests.support.procs import free_port, start_blockd, start_worker
 from worker.model import ModelRunner, build_model, pool_config_for
+from worker.model import compiled as compiled_module
 from worker.model.linear import PackedLinear, pack_linears
 from worker.runtime import WorkerRuntime
 from worker.service import WorkerServer
@@ -176,6 +177,41 @@ def test_compiled_decode_matches_hf_logits_and_greedy_generate(spec, tmp_path, m
     assert scenario.max_diff < TOL
     assert set(used) - {4, 8}, f"decode steps padded to a bucket ran compiled: {used}"
     assert counters["stats"]["unique_graphs"] == frames, "no step compiled a graph of its own"
+
+
+def test_a_refusal_inside_the_compiled_graph_reaches_the_caller_and_the_next_step_runs(tmp_path, monkeypatch):
+    """A layer's attention refusing mid-step (the pool's incarnation changed) ends
+    the compiled step with that error, never logits; the runner's batch slot is
+    cleared, and the same step then runs and matches the eager runner's logits."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    local = Local("tiny-llama", compile_buckets=(4,))
+    eager = Local("tiny-llama")
+    local.runner.compiled.warm()
+    prompts = {f"s{i}": [3 + i, 5, 7] for i in range(3)}
+    for runner_local in (local, eager):
+        r = runner_local.step([Allocate(s, p) for s, p in prompts.items()])
+        runner_local.runner.step(r.version, list(prompts), [3] * 3, [3] * 3, [t for p in prompts.values() for t in p],
+                                 [x for res in r.results for x in res.slot_mapping])
+    ops = [DecodeAppend(list(prompts), [9, 9, 9])]
+    r, r_eager = local.step(ops), eager.step(ops)
+    args = (list(prompts), [1] * 3, [4] * 3, [9] * 3)
+    real, calls = local.runtime.step_attention, []
+
+    def refuse_on_layer_1(step, layer, *rest):
+        calls.append(layer)
+        if layer == 1 and len(calls) < 3:
+            raise WrongState("the pool incarnation changed during the step; plan it again")
+        return real(step, layer, *rest)
+
+    monkeypatch.setattr(local.runtime, "step_attention", refuse_on_layer_1)
+    with pytest.raises(WrongState, match="incarnation changed"):
+        local.runner.step(r.version, *args, list(r.results[0].slot_mapping))
+    assert calls == [0, 1]
+    assert local.runner.compiled.key in compiled_module._BATCHES
+    assert compiled_module._BATCHES[local.runner.compiled.key] is None
+    logits = local.runner.step(r.version, *args, list(r.results[0].slot_mapping))
+    want = eager.runner.step(r_eager.version, *args, list(r_eager.results[0].slot_mapping))
+    assert calls[2:] == [0, 1] and (logits - want).abs().max() < TOL
 
 
 def test_the_compiled_decode_says_why_it_does_not_apply():
