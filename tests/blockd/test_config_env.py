@@ -163,8 +163,8 @@ def _all_parsers(p: argparse.ArgumentParser):
     ("worker.main", ["--pool", "p"], {"BLOCKD_WORKER_HEARTBEAT_S": "0"},
      "blockd-worker: BLOCKD_WORKER_HEARTBEAT_S must be a number > 0, got '0'"),
     ("worker.main", ["--pool", "p"], {"BLOCKD_WORKER_COMPILE_BUCKETS": "0,16"},
-     "blockd-worker: BLOCKD_WORKER_COMPILE_BUCKETS must be comma-separated integers >= 1, such as 16,32,64, "
-     "got '0,16'"),
+     ("blockd-worker: BLOCKD_WORKER_COMPILE_BUCKETS must be comma-separated integers >= 1, such as 16,32,64, "
+      "got '0,16'")),
     ("blockd.cli", ["serve"], {"BLOCKD_CPUS": "all"},
      "blockd: BLOCKD_CPUS must be CPU numbers such as 0, 0-3 or 0,2-3, got 'all'"),
     ("blockd.cli", ["serve"], {"BLOCKD_LOG_LEVEL": "loud"},
