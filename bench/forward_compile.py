@@ -20,7 +20,12 @@ largest difference from their output. Modes:
   count: the shape buckets a compiled worker would warm at start;
 * ``inductor_dynamic``: the same with the row count symbolic
   (``dynamic=True``): one compile meant to serve every batch size; its
-  ``first_call_s`` at the second row count says whether it really did.
+  ``first_call_s`` at the second row count says whether it really did;
+* ``inductor_onednn``: one layer compiled as ``--compile onednn`` runs it
+  (:mod:`worker.model.compiled`): blockd's oneDNN-packed weights as
+  arguments through the opaque ``blockd::onednn_linear``, shared by the
+  layers, one graph per row count. Where MKL's GEMM is slow (AMD's Zen),
+  this is the graph a worker's ``--compile auto`` can still keep.
 
 Attention is not timed: it is an opaque op in any compiled graph (a
 ``torch.library`` custom op), so each layer's stand-in is the same cheap
@@ -41,7 +46,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.linears import NUM_LAYERS, SHAPES
 from blockd import config_env
 
-MODES = ("blockd_fused", "torch_eager", "inductor", "inductor_dynamic")
+MODES = ("blockd_fused", "torch_eager", "inductor", "inductor_dynamic", "inductor_onednn")
 #: SmolLM2-135M's attention heads (query, key/value) and head dimension: SHAPES' q/k/v split
 HEADS, HEAD_DIM = (9, 3), 64
 EPS = 1e-5
@@ -90,8 +95,8 @@ def forwards(num_layers: int, modes: tuple[str, ...]) -> dict:
 
     layers = _layers(num_layers)
     found = {}
+    packed = [{**w, **{k: pack(copy.deepcopy(w[k])) for k in ("qkv", "o", "gate_up", "down")}} for w in layers]
     if "blockd_fused" in modes:
-        packed = [{**w, **{k: pack(copy.deepcopy(w[k])) for k in ("qkv", "o", "gate_up", "down")}} for w in layers]
         ops = layer_ops()
 
         def fused(x, cos, sin):
@@ -128,7 +133,32 @@ def forwards(num_layers: int, modes: tuple[str, ...]) -> dict:
         found["inductor"] = torch.compile(plain, dynamic=False)
     if "inductor_dynamic" in modes:
         found["inductor_dynamic"] = torch.compile(plain, dynamic=True)
+    if "inductor_onednn" in modes:
+        found["inductor_onednn"] = _onednn_graph(packed)
     return found
+
+
+def _onednn_graph(packed: list[dict]):
+    """The ``inductor_onednn`` forward: one compiled layer, the packed weights its arguments."""
+    import torch
+
+    from worker.model.compiled import onednn_linear
+    from worker.model.fused import _TorchOps
+
+    def one(x, cos, sin, norm1, norm2, linears):
+        def project(name, h):
+            return onednn_linear(h, *linears[name])
+        return _layer(x, cos, sin, {"norm1": norm1, "norm2": norm2}, _TorchOps, project)
+
+    graph = torch.compile(one, dynamic=False)
+    args = [(w["norm1"], w["norm2"], {k: (w[k]._packed, None, w[k].out_features)
+                                      for k in ("qkv", "o", "gate_up", "down")}) for w in packed]
+
+    def forward(x, cos, sin):
+        for norm1, norm2, linears in args:
+            x = graph(x, cos, sin, norm1, norm2, linears)
+        return x
+    return forward
 
 
 def measure(rows_list: tuple[int, ...], modes: tuple[str, ...], num_layers: int, threads: int,

@@ -376,7 +376,7 @@ def compare_with_vllm(args, python: str) -> dict:
 
 def _compile() -> str:
     """The workers' ``--compile`` and buckets (they inherit this environment)."""
-    mode = os.environ.get("BLOCKD_WORKER_COMPILE", "off")
+    mode = os.environ.get("BLOCKD_WORKER_COMPILE", "auto")
     buckets = os.environ.get("BLOCKD_WORKER_COMPILE_BUCKETS")
     return f"{mode} ({buckets})" if mode == "auto" and buckets else mode
 

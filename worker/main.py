@@ -51,9 +51,24 @@ from worker.transfer import Peers
 log = logging.getLogger("blockd.worker")
 
 
-#: --compile-buckets: powers of two, so a decode step is padded at most to twice its rows
-#: (worker/model/compiled.py; each costs a compile at start and a packed copy of the weights)
+#: --compile-buckets' default, cut to the pool (:func:`pool_buckets`): powers of two, so a decode
+#: step is padded at most to twice its rows (worker/model/compiled.py; each costs a compile and
+#: a few timed forwards at start, and a packed copy of the weights where MKL's GEMM is kept)
 COMPILE_BUCKETS = (16, 32, 64, 128, 256)
+#: --compile: off, or worker.model.compiled.KERNELS (not imported here: it imports torch)
+COMPILE_MODES = ("off", "auto", "onednn", "mkl")
+
+
+def pool_buckets(buckets: tuple[int, ...], num_blocks: int) -> tuple[int, ...]:
+    """The ``buckets`` a pool of ``num_blocks`` blocks can fill: a running sequence
+    holds a block, so no decode step has more rows than the pool has blocks, and a
+    bucket serves steps of more than half its rows and more than the bucket below."""
+    kept, below = [], 0
+    for bucket in sorted(buckets):
+        if max(below + 1, (bucket + 1) // 2) <= num_blocks:
+            kept.append(bucket)
+        below = bucket
+    return tuple(kept)
 
 
 def _range(text: str | None, total: int, what: str) -> tuple[int, int]:
@@ -105,14 +120,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cpu-linear", choices=("auto", "torch"), default="auto",
                    help="the model's linear layers: auto packs float32 CPU weights for oneDNN once "
                         "(faster; worker/model/linear.py), torch keeps nn.Linear (MKL)")
-    p.add_argument("--compile", choices=("off", "auto"), default="off",
-                   help="auto runs decode steps through Inductor graphs, one per --compile-buckets size, compiled "
-                        "and warmed before the worker serves (CPU, TP 1, fused layers; worker/model/compiled.py); "
-                        "each bucket holds a copy of the weights packed for it")
-    p.add_argument("--compile-buckets", type=config_env.positive_int_list, default=COMPILE_BUCKETS,
+    p.add_argument("--compile", choices=COMPILE_MODES, default="auto",
+                   help="decode steps through Inductor graphs, one per --compile-buckets size, compiled before the "
+                        "worker serves (CPU, TP 1, fused layers; worker/model/compiled.py). auto (the default) times "
+                        "eager and the graphs on oneDNN's and MKL's GEMM per bucket at start and keeps the fastest; "
+                        "onednn or mkl forces that graph; off: eager")
+    p.add_argument("--compile-buckets", type=config_env.positive_int_list, default=None,
                    help="the decode batch sizes a graph is compiled for (default "
-                        f"{','.join(map(str, COMPILE_BUCKETS))}); a step is padded to the next, steps of fewer "
-                        "than half the smallest run eager")
+                        f"{','.join(map(str, COMPILE_BUCKETS))}, less those the pool has too few blocks to fill); "
+                        "a step is padded to the next if that at most doubles its rows, else runs eager")
     p.add_argument("--tp-rank", type=config_env.non_negative_int, default=0, help="this worker's tensor-parallel rank")
     p.add_argument("--tp-world-size", type=config_env.positive_int, default=1,
                    help="workers in the tensor-parallel group")
@@ -249,14 +265,17 @@ def _start_model(args: argparse.Namespace, config, shard: ShardSpec, metrics):
         from worker.model import ModelRunner
 
         try:
+            buckets = args.compile_buckets or pool_buckets(COMPILE_BUCKETS, config.num_blocks)
             runner = ModelRunner(model, runtime, tp, linear=args.cpu_linear,
-                                 compile_buckets=args.compile_buckets if args.compile == "auto" else None)
+                                 compile_buckets=buckets if args.compile != "off" and buckets else None,
+                                 compile_kernel="auto" if args.compile == "off" else args.compile)
         except ValueError as err:
             raise SystemExit(f"cannot run model {args.model!r} on this shard: {err}") from None
         if runner.compiled is not None:  # before serving: the first request pays no compile
-            log.info("compiled decode forward warmed in %.2f s", runner.compiled.warm())
-        elif args.compile == "auto":
-            log.info("decode steps run eager: %s", runner.not_compiled)
+            log.info("compiled decode forward warmed in %.2f s: %s", runner.warm(), runner.compiled.describe())
+        elif args.compile != "off":
+            log.info("decode steps run eager: %s", runner.not_compiled if buckets else
+                     f"the pool's {config.num_blocks} blocks fill no compile bucket")
         log.info("running model %s (TP rank %d of %d, %d linear layers packed for oneDNN, %d torch threads)",
                  args.model, args.tp_rank, args.tp_world_size, runner.packed_linears, torch.get_num_threads())
     marks.append(time.monotonic())

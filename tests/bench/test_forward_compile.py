@@ -26,14 +26,15 @@ def test_every_mode_is_timed_at_each_row_count_and_computes_the_fused_layers_fun
     assert out.returncode == 0, out.stderr[-2000:]
     rows = [json.loads(line) for line in out.stdout.splitlines()]
     assert sorted((r["mode"], r["rows"]) for r in rows) == sorted(
-        (m, n) for m in ("blockd_fused", "torch_eager", "inductor", "inductor_dynamic") for n in (4, 7))
+        (m, n) for m in ("blockd_fused", "torch_eager", "inductor", "inductor_dynamic", "inductor_onednn")
+        for n in (4, 7))
     for row in rows:
         assert row["name"] == "forward_compile" and row["step_ms"] > 0 and row["layers"] == 2
         # the same function summed in another order: far below the outputs' own size
         assert row["max_abs_diff_vs_blockd_fused"] < 1e-4 * max(1.0, row["out_abs_max"]), row
         if row["mode"] == "blockd_fused":
             assert row["ratio_vs_blockd_fused"] == 1.0
-    for mode in ("inductor", "inductor_dynamic"):
+    for mode in ("inductor", "inductor_dynamic", "inductor_onednn"):
         first = next(r for r in rows if r["mode"] == mode and r["rows"] == 4)
         # tracing, Inductor's code generation and its C++ build: far more than a step
         assert first["first_call_s"] > 10 * first["step_ms"] / 1e3, first

@@ -49,14 +49,20 @@ def workload(seed: int) -> list[GenerationRequest]:
 
 
 @pytest.mark.parametrize(("model", "tp_size", "compiled"),
-                         [("tiny-llama", 1, False), ("tiny-qwen2", 2, False), ("tiny-llama", 1, True)])
+                         [("tiny-llama", 1, "off"), ("tiny-qwen2", 2, None), ("tiny-llama", 1, "mkl"),
+                          ("tiny-llama", 1, None)])
 def test_paged_cluster_generates_what_the_contiguous_reference_does(model, tp_size, compiled, monkeypatch,
                                                                       tmp_path):
-    """The TP pair also shares prompt prefixes within a burst (prefix_block_size).
-    With ``--compile auto`` the worker compiles its buckets before it is ready and
-    its decode steps (padded to 4, 8 or 16 rows) give the same tokens."""
-    if compiled:
-        monkeypatch.setenv("BLOCKD_WORKER_COMPILE", "auto")
+    """The TP pair also shares prompt prefixes within a burst (prefix_block_size),
+    and runs eager (the default ``--compile auto`` says why). With ``--compile
+    mkl`` the worker compiles its buckets before it is ready and its decode steps
+    (padded to 4, 8 or 16 rows) give the same tokens; with the default it times
+    and chooses the code of the buckets its 26-block pool can fill (16, 32)."""
+    if compiled is not None:
+        monkeypatch.setenv("BLOCKD_WORKER_COMPILE", compiled)
+    else:
+        monkeypatch.delenv("BLOCKD_WORKER_COMPILE", raising=False)
+    if compiled == "mkl":
         monkeypatch.setenv("BLOCKD_WORKER_COMPILE_BUCKETS", "4,8,16")
         monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     requests = workload(tp_size)
@@ -79,7 +85,14 @@ def test_paged_cluster_generates_what_the_contiguous_reference_does(model, tp_si
         workers = client.list_workers("m")
     assert ContiguousReference(model).mismatches(requests, outputs) == []
     warmed = [line for worker in cluster.workers for line in worker.lines if "compiled decode forward warmed" in line]
-    assert len(warmed) == (1 if compiled else 0), warmed
+    assert len(warmed) == (0 if compiled == "off" or tp_size > 1 else 1), warmed
+    if compiled == "mkl":
+        assert "4 rows: mkl; 8 rows: mkl; 16 rows: mkl" in warmed[0]
+    elif compiled is None and tp_size == 1:
+        assert re.search(r"16 rows: (eager|onednn|mkl) \(eager [\d.]+ ms, onednn [\d.]+ ms.*32 rows:", warmed[0])
+    eager_why = [line for worker in cluster.workers for line in worker.lines if "decode steps run eager" in line]
+    assert len(eager_why) == (tp_size if tp_size > 1 else 0), eager_why
+    assert all("tensor parallelism runs eager" in line for line in eager_why)
     by_id = {out.request_id: out for out in outputs}
     sampled = [by_id[req.request_id].output_token_ids for req in requests if req.n > 1 and not req.sampling.is_greedy]
     assert sampled and all(len(set(samples)) == len(samples) for samples in sampled), "samples differ"

@@ -156,17 +156,20 @@ def test_runner_matches_hf_logits_and_greedy_generate(spec, linear):
     assert scenario.max_diff < TOL
 
 
-@pytest.mark.parametrize("spec", ["tiny-llama", "tiny-qwen2"])
-def test_compiled_decode_matches_hf_logits_and_greedy_generate(spec, tmp_path, monkeypatch):
-    """Decode steps through the Inductor graph (worker.model.compiled), prefill
-    eager: the same scenario, the same tolerance; the graph is warmed before the
-    first step (every bucket: 4 and 8 rows) and then serves steps of 2 to 8 sequences, padded to
-    a bucket, without a recompile."""
+@pytest.mark.parametrize(("spec", "kernel"), [("tiny-llama", "mkl"), ("tiny-qwen2", "onednn")])
+def test_compiled_decode_matches_hf_logits_and_greedy_generate(spec, kernel, tmp_path, monkeypatch):
+    """Decode steps through the Inductor graph (worker.model.compiled), on MKL's
+    packed GEMM and on oneDNN's, prefill eager: the same scenario, the same
+    tolerance; the graph is warmed before the first step (every bucket: 4 and 8
+    rows) and then serves steps of 2 to 8 sequences, padded to a bucket, without
+    a recompile."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    local = Local(spec, compile_buckets=(4, 8))
+    local = Local(spec, compile_buckets=(4, 8), compile_kernel=kernel)
     compiled = local.runner.compiled
     assert compiled is not None and local.runner.not_compiled is None
-    assert compiled.warm() > 0
+    assert not compiled.applies([1] * 4), "before warm() every step runs eager"
+    assert local.runner.warm() > 0 and compiled.kernels == {4: kernel, 8: kernel}
+    assert set(compiled._packed) == ({4, 8} if kernel == "mkl" else set())
     forward, used = compiled.forward, []
     compiled.forward = lambda *args: (used.append(len(args[0].seq_ids)), forward(*args))[1]
     from torch._dynamo.utils import counters
@@ -179,14 +182,67 @@ def test_compiled_decode_matches_hf_logits_and_greedy_generate(spec, tmp_path, m
     assert counters["stats"]["unique_graphs"] == frames, "no step compiled a graph of its own"
 
 
+def test_auto_keeps_for_each_bucket_the_code_its_timings_favour(tmp_path, monkeypatch):
+    """``auto`` times eager and both graphs per bucket at warm-up and keeps the
+    fastest, a graph only when it beats eager by the margin; steps of a bucket
+    left eager run eager, and MKL's copies are dropped where not kept, never
+    packed where they would pass the memory share. (The times are scripted: real
+    ones on a tiny model are noise.)"""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    times = {("eager", 4): 10.0, ("onednn", 4): 9.9, ("mkl", 4): 20.0,  # within the margin: eager
+             ("eager", 8): 10.0, ("onednn", 8): 5.0, ("mkl", 8): 4.0,
+             ("eager", 16): 10.0, ("onednn", 16): 5.0, ("mkl", 16): 6.0}
+
+    def scripted(run):
+        run()  # compiles, as the real timing's untimed call does
+        kernel = run.args[4] if len(run.args) == 5 else "eager"
+        return times[(kernel, len(run.args[1 if kernel != "eager" else 0]))]
+
+    monkeypatch.setattr(compiled_module, "_median_ms", scripted)
+    monkeypatch.setattr(compiled_module.CompiledDecode, "_mkl_gemm_wins", lambda self, rows: True)
+    local = Local("tiny-llama", compile_buckets=(4, 8, 16))
+    compiled = local.runner.compiled
+    local.runner.warm()
+    assert compiled.kernels == {4: "eager", 8: "mkl", 16: "onednn"}
+    assert set(compiled._packed) == {8}, "MKL's copies kept only where MKL runs"
+    assert compiled.timings[8] == {"eager": 10.0, "onednn": 5.0, "mkl": 4.0}
+    assert "8 rows: mkl (eager 10.0 ms, onednn 5.0 ms, mkl 4.0 ms)" in compiled.describe()
+    assert [compiled.bucket(n) for n in (2, 3, 4, 5, 8, 9, 16, 17)] == [None, None, None, 8, 8, 16, 16, None]
+    forward, used = compiled.forward, []
+    compiled.forward = lambda *args: (used.append(len(args[0].seq_ids)), forward(*args))[1]
+    scenario = Scenario(local.step, local.runner.step, reference("tiny-llama"))
+    scenario.drive()
+    assert scenario.max_diff < TOL
+    assert used and set(used) <= set(range(5, 17)), used
+
+    # no memory to spare: MKL is never packed nor timed
+    monkeypatch.setattr(compiled_module, "available_memory", lambda: 0)
+    local = Local("tiny-llama", compile_buckets=(8,))
+    local.runner.warm()
+    assert local.runner.compiled.kernels == {8: "onednn"} and "mkl" not in local.runner.compiled.timings[8]
+    assert not local.runner.compiled._packed
+
+
+def test_the_default_buckets_are_those_the_pool_can_fill():
+    """A running sequence holds a block, so a pool of N blocks never sends a decode
+    step of more than N rows; a bucket serves steps above half its rows and above
+    the bucket below, and one no step can reach is not compiled."""
+    from worker.main import COMPILE_BUCKETS, pool_buckets
+
+    assert COMPILE_BUCKETS == (16, 32, 64, 128, 256)
+    assert [pool_buckets(COMPILE_BUCKETS, n) for n in (7, 8, 16, 17, 64, 65, 129)] == [
+        (), (16,), (16,), (16, 32), (16, 32, 64), (16, 32, 64, 128), COMPILE_BUCKETS]
+    assert pool_buckets((4, 6, 100), 5) == (4, 6)  # 6 serves 5 and 6 rows
+
+
 def test_a_refusal_inside_the_compiled_graph_reaches_the_caller_and_the_next_step_runs(tmp_path, monkeypatch):
     """A layer's attention refusing mid-step (the pool's incarnation changed) ends
     the compiled step with that error, never logits; the runner's batch slot is
     cleared, and the same step then runs and matches the eager runner's logits."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    local = Local("tiny-llama", compile_buckets=(4,))
+    local = Local("tiny-llama", compile_buckets=(4,), compile_kernel="mkl")
     eager = Local("tiny-llama")
-    local.runner.compiled.warm()
+    local.runner.warm()
     prompts = {f"s{i}": [3 + i, 5, 7] for i in range(3)}
     for runner_local in (local, eager):
         r = runner_local.step([Allocate(s, p) for s, p in prompts.items()])

@@ -59,12 +59,13 @@ def test_model_specs_resolve_to_one_cached_conversion(tmp_path):
             source.model_dir(spec)
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("compiled", ["off", "mkl", "onednn"])
 def test_chat_prompts_through_blockd_and_a_worker_match_transformers(compiled, monkeypatch, tmp_path):
-    """Also with ``--compile auto``: the decode steps of the 8 sequences run on the
-    8-row graph (issue 31: greedy exactness kept by the compiled forward)."""
-    if compiled:
-        monkeypatch.setenv("BLOCKD_WORKER_COMPILE", "auto")
+    """Also with the compiled forward on either GEMM (``--compile mkl``,
+    ``onednn``): the decode steps of the 8 sequences run on the 8-row graph
+    (issue 31: greedy exactness kept by the compiled forward)."""
+    monkeypatch.setenv("BLOCKD_WORKER_COMPILE", compiled)
+    if compiled != "off":
         monkeypatch.setenv("BLOCKD_WORKER_COMPILE_BUCKETS", "8")
         monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     tokenizer, eos = load_tokenizer(MODEL), eos_token_ids(MODEL)
@@ -91,7 +92,7 @@ def test_chat_prompts_through_blockd_and_a_worker_match_transformers(compiled, m
         outputs = [*sched.run(), stream.result()]
         stats = client.get_pool("m")
         warmed = [line for line in cluster.workers[0].lines if "compiled decode forward warmed" in line]
-    assert len(warmed) == int(compiled), warmed
+    assert len(warmed) == int(compiled != "off"), warmed
     reference = ContiguousReference(MODEL, eos_token_ids=eos)
     assert reference.mismatches([*greedy, sampled], outputs) == []
     by_id = {out.request_id: out for out in outputs}

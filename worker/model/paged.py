@@ -27,6 +27,10 @@ from transformers import AttentionInterface
 from worker.runtime import PreparedStep, WorkerRuntime
 
 ATTN_IMPLEMENTATION = "blockd_paged"
+#: a batch over no pool: attention answers zeros and writes no K/V. What
+#: :meth:`worker.model.compiled.CompiledDecode.warm` runs the forwards over, to
+#: compile them and to time them, before any sequence exists.
+NO_POOL = object()
 
 
 @dataclass(frozen=True)
@@ -76,11 +80,13 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     return out.unsqueeze(0), None
 
 
-def attend(batch: PagedBatch, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+def attend(batch: PagedBatch | object, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
            scaling: float | None) -> torch.Tensor:
     """Token-major paged attention of one layer: ``query`` ``[T, Hq_local, D]``,
     ``key``, ``value`` ``[T, Hkv_local, D]`` (after RoPE); returns ``[T, Hq_local, D]``.
     The fused decoder layers (:mod:`worker.model.fused`) call this directly."""
+    if batch is NO_POOL:
+        return torch.zeros_like(query)
     if batch.prepared is not None:
         return batch.runtime.step_attention(batch.prepared, layer_idx, query, key, value, scaling)
     return batch.runtime.attention(

@@ -37,7 +37,7 @@ from worker.model.build import check_pool, model_geometry
 from worker.model.compiled import CompiledDecode, compilable
 from worker.model.fused import fuse_layers
 from worker.model.linear import LINEAR_KERNELS, pack_linears, packing_available
-from worker.model.paged import PagedBatch
+from worker.model.paged import NO_POOL, PagedBatch
 from worker.runtime import PreparedStep, WorkerRuntime
 
 #: a batch larger than this is a caller's bug, not a workload
@@ -82,11 +82,12 @@ class ModelRunner:
     applies (CPU, float32; :mod:`worker.model.linear`), changing ``model`` in
     place; ``torch`` keeps ``nn.Linear``. ``compile_buckets``: run decode steps
     through compiled graphs for these batch sizes where the model allows
-    (:mod:`worker.model.compiled`; :attr:`not_compiled` says why not); call
-    ``compiled.warm()`` before serving, or the first step of each bucket compiles."""
+    (:mod:`worker.model.compiled`; :attr:`not_compiled` says why not), their
+    GEMM ``compile_kernel`` (``auto``: measured); call :meth:`warm` before
+    serving: until then every step runs eager."""
 
     def __init__(self, model: PreTrainedModel, runtime: WorkerRuntime, tp=None, *, linear: str = "auto",
-                 compile_buckets: tuple[int, ...] | None = None) -> None:
+                 compile_buckets: tuple[int, ...] | None = None, compile_kernel: str = "auto") -> None:
         if linear not in LINEAR_KERNELS:
             raise ValueError(f"linear must be one of {', '.join(LINEAR_KERNELS)}, got {linear!r}")
         check_pool(model, runtime.config)
@@ -107,7 +108,8 @@ class ModelRunner:
         self.tp = tp
         # decode steps through a compiled graph per bucket where the model allows (worker.model.compiled)
         self.not_compiled = "not asked for" if compile_buckets is None else compilable(self.model, tp)
-        self.compiled = CompiledDecode(self.model, compile_buckets) if self.not_compiled is None else None
+        self.compiled = CompiledDecode(self.model, compile_buckets, compile_kernel) \
+            if self.not_compiled is None else None
         self.vocab_size = model.config.vocab_size
         self.max_positions = getattr(model.config, "max_position_embeddings", None)
         # One step at a time: the runtime keeps one plan, and TP ranks must issue
@@ -196,7 +198,6 @@ class ModelRunner:
             row += q
 
     def _forward(self, batch: StepInput, prepared: PreparedStep) -> torch.Tensor:
-        device = self.runtime.device
         positions = torch.cat([torch.arange(n - q, n) for q, n in zip(batch.query_lens, batch.context_lens)])
         last = torch.tensor(batch.query_lens).cumsum(0) - 1
         paged = PagedBatch(self.runtime, batch.version, batch.seq_ids, batch.query_lens, batch.context_lens,
@@ -205,9 +206,24 @@ class ModelRunner:
             logits = self.compiled.forward(paged, batch.token_ids, positions)
             self.runtime.finish_step(prepared)
             return logits.float()
+        logits = self._eager(paged, batch.token_ids, positions, last)
+        self.runtime.finish_step(prepared)
+        return logits.float().cpu()
+
+    def _eager(self, paged: PagedBatch | object, token_ids: torch.Tensor, positions: torch.Tensor,
+               last: torch.Tensor) -> torch.Tensor:
+        """The model's eager forward: logits of the tokens at ``last``."""
+        device = self.runtime.device
         with torch.inference_mode():
-            out = self.model(input_ids=batch.token_ids.to(device).unsqueeze(0),
+            out = self.model(input_ids=token_ids.to(device).unsqueeze(0),
                              position_ids=positions.to(device).unsqueeze(0), use_cache=False,
                              logits_to_keep=last.to(device), blockd_batch=paged)
-        self.runtime.finish_step(prepared)
-        return out.logits[0].float().cpu()
+        return out.logits[0]
+
+    def warm(self) -> float | None:
+        """Compile, time and choose the decode buckets' code (:meth:`CompiledDecode.warm`)
+        before serving; the seconds it took (None: nothing compiles)."""
+        if self.compiled is None:
+            return None
+        with self._lock:
+            return self.compiled.warm(lambda tokens, positions: self._eager(NO_POOL, tokens, positions, positions))
