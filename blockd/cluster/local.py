@@ -55,7 +55,7 @@ def worker_env() -> dict[str, str]:
     first wakes a sleeping thread: ``bench/serve.py --profile`` (64-row decode
     steps through the cluster) read 152 ms a step with PASSIVE, 129 with
     30,000 rounds, 141-143 with 10,000; the compiled forward
-    (``--compile auto``) 143, 112 and 117."""
+    on MKL's GEMM (``--compile mkl``) 143, 112 and 117."""
     if "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:
         return {}
     return {"GOMP_SPINCOUNT": WORKER_SPIN_COUNT}
