@@ -36,7 +36,7 @@ about 20 s a bucket on two cores, this about 1 s, for the same step time
 (SmolLM2-135M, 64 rows: 74-85 ms against 83-84, eager 101-114). The
 projections are opaque to the compiler: :func:`packed_linear`, MKL's GEMM
 on a weight packed per bucket (:meth:`CompiledDecode._pack`; SmolLM2-135M in
-float32: about 0.55 GB a bucket), or :func:`onednn_linear` on the eager
+float32: 0.56-0.71 GB a bucket), or :func:`onednn_linear` on the eager
 layers' own packed weights. The embedding lookup, the rotary tables,
 the final norm and the LM head (the same packed GEMM) run eager around it.
 :meth:`CompiledDecode.warm` packs and compiles every bucket before the
@@ -82,6 +82,10 @@ KERNELS = ("auto", "onednn", "mkl")
 MARGIN = 0.97
 #: MKL's packed copies (one per bucket) may take at most this share of the host's available memory
 MKL_MEMORY_SHARE = 0.25
+#: resident bytes of a bucket's MKL copies per byte of weights: MKL pads its packed panels
+#: (SmolLM2-135M, 0.54 GB of weights: the worker's RSS grew 0.71 GB a bucket on an AMD EPYC,
+#: 0.56 on an Intel VM)
+MKL_PACK_OVERHEAD = 1.35
 #: timed runs per candidate and bucket at warm-up (their median counts), after one untimed run
 TIMED_RUNS = 3
 
@@ -264,9 +268,10 @@ class CompiledDecode:
         return self._packed[bucket]
 
     def _mkl_bytes(self) -> int:
-        """What one bucket's MKL copies hold: about the projections' and the LM head's weights."""
+        """What one bucket's MKL copies hold: the projections' and the LM head's weights
+        times :data:`MKL_PACK_OVERHEAD`."""
         linears = [lin for *_, four in self._layers for lin in four] + [self.model.lm_head]
-        return sum(lin.weight.numel() * lin.weight.element_size() for lin in linears)
+        return int(MKL_PACK_OVERHEAD * sum(lin.weight.numel() * lin.weight.element_size() for lin in linears))
 
     def _mkl_gemm_wins(self, rows: int) -> bool:
         """Whether MKL's packed GEMM beats oneDNN's on the largest projection at ``rows``
