@@ -24,7 +24,9 @@ reservation run never queued a request) and ``ratio_tokens_per_s``
 ``outputs_match_reference`` (the first requests' tokens equal transformers'
 contiguous-cache ``generate``), and the set-up: model config, precision,
 library versions, the length distributions and their scaling, concurrency
-limits, hardware. TTFT counts from t = 0, so it includes the time queued.
+limits, hardware, and ``blockd_compile_warm``: what the worker chose at start
+for each decode bucket (``--compile auto``: eager or a graph, and the times it
+chose by), or why it runs eager. TTFT counts from t = 0, so it includes the time queued.
 
 Lengths: the ShareGPT fit of :data:`bench.sim.workload.SHAREGPT` (lognormal, mean
 input ~160, output ~340 tokens, max 2,048) scaled by 1/8 so that a CPU run
@@ -174,7 +176,7 @@ def compare_cold(args, python: str) -> dict:
     fixed = SamplingParams(ignore_eos=True)
     requests = [GenerationRequest(f"c{i}", p, VLLM_NEW_TOKENS, sampling=fixed) for i, p in enumerate(prompts)]
     spec = ClusterSpec(args.model, 1, "vs_vllm_cold", VLLM_NUM_BLOCKS, VLLM_BLOCK_SIZE, WATERMARK_BLOCKS)
-    vllm_rounds, blockd_rounds = [], []
+    vllm_rounds, blockd_rounds, warms = [], [], []
     for _ in range(args.cold_rounds):
         engine = VllmRounds(python, args.model, prompts, warm_up=False)
         try:
@@ -183,6 +185,7 @@ def compare_cold(args, python: str) -> dict:
             engine.close()
         with LocalCluster(spec) as cluster:
             blockd_rounds.append(run_scheme("paging", cluster, requests, SchedulerConfig()))
+            warms.append(_compile_warm(cluster))
     pairs = [round(b["tokens_per_s"] / v["tokens_per_s"], 3) for (b, _), v in zip(blockd_rounds, vllm_rounds)]
     vllm = max(vllm_rounds, key=lambda r: r["tokens_per_s"])
     blockd, outputs = max(blockd_rounds, key=lambda r: r[0]["tokens_per_s"])
@@ -194,7 +197,8 @@ def compare_cold(args, python: str) -> dict:
         "workload": "serve_vs_vllm's (64 chat prompts, 64 greedy tokens each, all at t=0)",
         "settings": "both engines' defaults (blockd: SchedulerConfig(); vLLM: LLM() with the anchor's "
                     "block size and prefix caching), a fresh engine per round, no warm-up",
-        "rounds": args.cold_rounds, "blockd_compile": _compile(), "loadavg_1m": round(os.getloadavg()[0], 2),
+        "rounds": args.cold_rounds, "blockd_compile": _compile(), "blockd_compile_warm_by_round": warms,
+        "loadavg_1m": round(os.getloadavg()[0], 2),
         "blockd": {k: blockd[k] for k in keys}, "vllm": {k: vllm[k] for k in keys},
         "ratio_tokens_per_s_vs_vllm": round(blockd["tokens_per_s"] / vllm["tokens_per_s"], 3),
         "ratio_by_round": pairs, "outputs_identical_to_vllm": f"{same}/{len(prompts)}",
@@ -331,6 +335,7 @@ def compare_with_vllm(args, python: str) -> dict:
     engine = VllmRounds(python, args.model, prompts)
     try:
         with LocalCluster(spec) as cluster:
+            warm = _compile_warm(cluster)
             run_scheme("paging", cluster, requests[:2], config)  # warm-up, as vLLM's run has one
             for _ in range(args.vllm_rounds):
                 vllm_rounds.append(engine.run())
@@ -360,7 +365,7 @@ def compare_with_vllm(args, python: str) -> dict:
         "vllm_prompt_tokens_cached": f"{vllm['cached_prompt_tokens']}/{vllm['prompt_tokens']}",
         "blockd_prefix_block_size": "default (the pool's block size)" if config.prefix_block_size is None
         else config.prefix_block_size, "blockd_cpu_linear": _cpu_linear(),
-        "blockd_compile": _compile(),
+        "blockd_compile": _compile(), "blockd_compile_warm": warm,
         "loadavg_1m": round(os.getloadavg()[0], 2),
         "blockd": {k: blockd[k] for k in blockd_keys}, "vllm": {k: vllm[k] for k in keys},
         "ratio_tokens_per_s_vs_vllm": round(blockd["tokens_per_s"] / vllm["tokens_per_s"], 3),
@@ -379,6 +384,14 @@ def _compile() -> str:
     mode = os.environ.get("BLOCKD_WORKER_COMPILE", "auto")
     buckets = os.environ.get("BLOCKD_WORKER_COMPILE_BUCKETS")
     return f"{mode} ({buckets})" if mode == "auto" and buckets else mode
+
+
+def _compile_warm(cluster: LocalCluster) -> str:
+    """What the workers said at start of their decode forward: each bucket's code
+    and the times it was chosen by (``--compile auto``), or why it runs eager."""
+    said = [line[line.index(mark):] for worker in cluster.workers for line in worker.lines
+            for mark in ("compiled decode forward warmed in ", "decode steps run eager: ") if mark in line]
+    return " | ".join(said) or "eager (--compile off)"
 
 
 def _cpu_linear() -> str:
@@ -435,6 +448,7 @@ def profile_decode(args) -> dict:
     spec = ClusterSpec(args.model, 1, "profile", VLLM_NUM_BLOCKS, VLLM_BLOCK_SIZE, WATERMARK_BLOCKS,
                        worker_metrics=True)
     with LocalCluster(spec) as cluster:
+        warm = _compile_warm(cluster)
         run_scheme("paging", cluster, requests[:2], config)  # warm-up
         url = cluster.worker_metrics_urls[0]
         with BlockdClient(cluster.blockd_address) as client, \
@@ -469,6 +483,7 @@ def profile_decode(args) -> dict:
     }
     return {"name": "serve_profile", "model": args.model, "precision": "float32", "decode_steps": steps,
             "batch": len(requests), "block_size": VLLM_BLOCK_SIZE, "cpu_linear": _cpu_linear(), "compile": _compile(),
+            "compile_warm": warm,
             "loadavg_1m": round(os.getloadavg()[0], 2), "step_ms": round(total / steps * 1e3, 2),
             "decode_tokens_per_s": round(tokens / total, 1),
             "per_step_ms": {k: round(v / steps * 1e3, 2) for k, v in phases.items()},
@@ -533,6 +548,7 @@ def serve_rows(args, num_requests: int) -> None:
     results: dict[str, dict] = {}
     records: list | None = [] if args.report else None
     with LocalCluster(spec) as cluster:
+        warm = _compile_warm(cluster)
         for scheme in ("paging", "max_reservation"):
             result, outputs = run_scheme(scheme, cluster, requests, records=records)
             result.update(verify(args.model, requests, outputs))
@@ -544,7 +560,8 @@ def serve_rows(args, num_requests: int) -> None:
               "ratio_concurrency_saturated": round(paging["mean_concurrency_saturated"]
                                                    / reserved["mean_concurrency_saturated"], 2)
               if reserved["mean_concurrency_saturated"] else None}
-    common = {"name": "serve", **setup_record(args, config, num_requests)}
+    common = {"name": "serve", **setup_record(args, config, num_requests), "blockd_compile": _compile(),
+              "blockd_compile_warm": warm}
     for result in results.values():
         print(json.dumps({**common, **result, **ratios}), flush=True)
     summary = (f"paging runs {ratios['ratio_concurrency']}x the concurrent requests of max-length "

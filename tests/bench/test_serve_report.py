@@ -7,6 +7,7 @@ the plots show, as a person sees them, is checked by tests/client/test_report.py
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -22,11 +23,17 @@ pytest.importorskip("matplotlib", reason="the report extra (pip install -e '.[re
 def test_serve_writes_a_report_of_both_schemes(tmp_path) -> None:
     directory = tmp_path / "serve-report"
     env = {**os.environ, "PYTHONPATH": ROOT}
+    env.pop("BLOCKD_WORKER_COMPILE", None)  # the workers' default: --compile auto
     done = subprocess.run([sys.executable, "bench/serve.py", "--model", "tiny-llama", "--requests", "12",
                            "--report", str(directory)], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"run report: {directory / 'report.html'}" in done.stderr
+    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    # each row says what the worker chose for its decode buckets, and on what times
+    assert len(rows) == 2 and all(row["blockd_compile"] == "auto" for row in rows)
+    assert re.match(r"compiled decode forward warmed in [\d.]+ s: 16 rows: (eager|onednn|mkl) \(eager [\d.]+ ms",
+                    rows[0]["blockd_compile_warm"]), rows[0]["blockd_compile_warm"]
     page = (directory / "report.html").read_text(encoding="utf-8")
     ids = re.findall(r"<img class='plot' id='plot-(\w+)'", page)
     assert ids[0] == "comparison" and ids[-1] == "advisor"
