@@ -311,7 +311,7 @@ class CompiledDecode:
         kernel is ``auto``; ``eager(token_ids, positions)``: the runner's eager
         forward over :data:`~worker.model.paged.NO_POOL`. Returns the seconds it took."""
         began = time.monotonic()
-        budget = MKL_MEMORY_SHARE * available_memory()
+        budget, mkl_bytes = MKL_MEMORY_SHARE * available_memory(), self._mkl_bytes()
         for n in reversed(self.buckets):  # the largest first: MKL's copies go where a step costs most
             tokens, positions = torch.zeros(n, dtype=torch.int64), torch.arange(n, dtype=torch.int64)
             if self.kernel != "auto":
@@ -322,13 +322,13 @@ class CompiledDecode:
                 raise ValueError("kernel 'auto' measures the eager forward: warm() needs it")
             candidates = {"eager": partial(eager, tokens, positions),
                           "onednn": partial(self._run, NO_POOL, tokens, positions, n, "onednn")}
-            if torch._C.has_mkl and self._mkl_bytes() <= budget and self._mkl_gemm_wins(n):
+            if torch._C.has_mkl and mkl_bytes <= budget and self._mkl_gemm_wins(n):
                 candidates["mkl"] = partial(self._run, NO_POOL, tokens, positions, n, "mkl")
             times = self.timings[n] = {name: _median_ms(run) for name, run in candidates.items()}
             best = min(("onednn", "mkl"), key=lambda k: times.get(k, float("inf")))
             self.kernels[n] = best if times[best] <= MARGIN * times["eager"] else "eager"
             if self.kernels[n] == "mkl":
-                budget -= self._mkl_bytes()
+                budget -= mkl_bytes
             else:
                 self._packed.pop(n, None)  # its MKL copies are not used: give the memory back
         self.warm_s = time.monotonic() - began
