@@ -383,7 +383,7 @@ def _compile() -> str:
     """The workers' ``--compile`` and buckets (they inherit this environment)."""
     mode = os.environ.get("BLOCKD_WORKER_COMPILE", "auto")
     buckets = os.environ.get("BLOCKD_WORKER_COMPILE_BUCKETS")
-    return f"{mode} ({buckets})" if mode == "auto" and buckets else mode
+    return f"{mode} ({buckets})" if mode != "off" and buckets else mode
 
 
 def _compile_warm(cluster: LocalCluster) -> str:
