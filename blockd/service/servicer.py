@@ -100,6 +100,24 @@ class PoolServicer(pb_grpc.PoolServiceServicer):
         return retention.prefix_priority_to_proto(done)
 
 
+#: how long a stream refused a slot may take to send the step it is refused for
+REFUSAL_WAIT_S = 5.0
+
+
+def _first_step_arrives(requests: Iterator, context: grpc.ServicerContext) -> bool:
+    """Wait for a stream's first request, at most :data:`REFUSAL_WAIT_S`
+    (then the call is cancelled): whether one came."""
+    timer = threading.Timer(REFUSAL_WAIT_S, context.cancel)
+    timer.daemon = True
+    timer.start()
+    try:
+        return next(iter(requests), None) is not None
+    except grpc.RpcError:  # cancelled: by the caller, or by the timer
+        return False
+    finally:
+        timer.cancel()
+
+
 class StepStreamsFull(Unavailable):
     """Every StepStream slot is taken: the caller steps by unary Step instead
     (:class:`client.step_stream.StepStream` does so by itself)."""
@@ -112,11 +130,19 @@ def _holding_a_slot(method: Callable) -> Callable:
     open; at most ``max_step_streams`` of them may, so open streams can never
     take every thread and stall the unary calls (and other streams) of everyone
     else. A stream beyond that answers its first step with STEP_STREAMS_FULL
-    (UNAVAILABLE, nothing applied) and ends."""
+    (UNAVAILABLE, nothing applied) and ends.
+
+    The refusal waits for that first step rather than answering the stream's
+    opening: a stream that ends before its caller writes loses the answer, since
+    an asyncio caller's write then fails and gRPC reports only "INTERNAL:
+    Internal error from Core". A caller that opens and never writes is cut
+    after :data:`REFUSAL_WAIT_S`, so refused streams cannot hold threads either."""
 
     @functools.wraps(method)
     def handler(self, requests, context):
         if not self._stream_slots.acquire(blocking=False):
+            if not _first_step_arrives(requests, context):
+                return  # nobody to answer: the caller went away or never wrote
             yield self.refused(StepStreamsFull(
                 f"blockd serves at most {self.max_step_streams} step streams at once (half of --max-workers) "
                 "and all are open: step by unary Step (the SDK does), or raise --max-workers"), "StepStream")

@@ -345,3 +345,55 @@ def _asyncio_step_beyond_the_slots(address: str) -> tuple[bool, int]:
             return unary, (await client.get_sequence("p", "async")).num_tokens
 
     return asyncio.run(scenario())
+
+
+def test_a_refused_stream_answers_its_first_step_however_late_it_comes(monkeypatch):
+    """The STEP_STREAMS_FULL refusal answers a stream's first step, not its
+    opening: an asyncio caller that writes only after the daemon has long run
+    the stream's handler still reads the refusal (a stream ended before the
+    write would fail it with gRPC's bare "INTERNAL: Internal error from Core"),
+    nothing is applied, and a refused stream that never writes is cut after
+    REFUSAL_WAIT_S instead of holding a daemon thread."""
+    import asyncio
+
+    import grpc
+
+    from blockd.service import servicer
+    from blockd.v1 import blockd_pb2 as pb
+    from client.aio import AsyncBlockdClient
+    from client.errors import NotFoundError, from_status_bytes
+    from client.messages import step_request
+
+    monkeypatch.setattr(servicer, "REFUSAL_WAIT_S", 1.0)
+    server = BlockdServer(Engine(), "127.0.0.1:0", max_workers=4)  # two stream slots
+    server.start()
+    try:
+        with BlockdClient(server.address, timeout_s=5) as client:
+            client.create_pool(PoolConfig("p", num_blocks=16, block_size=4))
+            held = [client.step_stream() for _ in range(2)]
+            for n, stream in enumerate(held):
+                stream.step("p", [Allocate(f"held-{n}", [1, 2, 3])])
+
+            async def scenario() -> tuple[str, float]:
+                async with AsyncBlockdClient(server.address, timeout_s=5) as aclient:
+                    late = aclient._blocks.StepStream()
+                    await asyncio.sleep(0.5)
+                    request = step_request("p", [Allocate("late", [4, 5, 6])], "late-1", False, "", 0)
+                    await late.write(pb.StepStreamRequest(step=request))
+                    answer = await asyncio.wait_for(late.read(), 5)
+                    silent, began = aclient._blocks.StepStream(), time.monotonic()
+                    with pytest.raises(grpc.RpcError) as cut:  # never answered: the daemon cancels it
+                        await asyncio.wait_for(silent.read(), 5)
+                    assert cut.value.code() == grpc.StatusCode.CANCELLED
+                    return from_status_bytes(answer.error_status).reason, time.monotonic() - began
+
+            reason, cut_after = asyncio.run(scenario())
+            assert reason == "STEP_STREAMS_FULL"
+            assert 0.9 <= cut_after < 4.0
+            with pytest.raises(NotFoundError):
+                client.get_sequence("p", "late")
+            assert [p.name for p in client.list_pools()] == ["p"]  # the daemon's threads answer on
+            for stream in held:
+                stream.close()
+    finally:
+        server.stop(0.5)
