@@ -1,12 +1,11 @@
 """Steps over one long-lived ``BlockService.StepStream`` call: :class:`StepStream`.
 
-A scheduler that steps every iteration pays, with unary ``Step``, for a new
-call each time: on the daemon that set-up (a call object, the handler's
-thread, the status and trailers) is part of every step's CPU
-(``bench/rpc.py --part daemon_cost`` measures how much). On a stream each step is one request message and one answer
-message, in order; blockd answers each as ``Step`` would (the same
-idempotency by request id, the same refusals, raised here as the same
-:mod:`client.errors` exceptions) and the stream stays open after a refusal.
+A scheduler that steps every iteration pays, with unary ``Step``, for a new call each time: on
+the daemon that set-up (a call object, the handler's thread, the status and trailers) is part of
+every step's CPU (``bench/rpc.py --part daemon_cost`` measures how much). On a stream each step is
+one request message and one answer message, in order; blockd answers each as ``Step`` would (the
+same idempotency by request id, the same refusals, raised here as the same :mod:`client.errors`
+exceptions) and the stream stays open after a refusal.
 
 What holds on a stream that unary calls give for free, kept here:
 
@@ -21,10 +20,9 @@ What holds on a stream that unary calls give for free, kept here:
   sent again on a stream to the next replica within the step's deadline,
   exactly as :meth:`client.sdk.BlockdClient.step` resends a unary call.
 
-A daemon serves at most half its ``--max-workers`` step streams at once (each
-holds one of its threads); beyond that it answers the first step with
-``STEP_STREAMS_FULL`` (nothing applied) and :class:`StepStream` (and
-:class:`AsyncStepStream`) sends that step, and the next ones for
+A daemon serves at most half its ``--max-workers`` step streams at once (each holds one of its
+threads); beyond that it answers the first step with ``STEP_STREAMS_FULL`` (nothing applied) and
+:class:`StepStream` (and :class:`AsyncStepStream`) sends that step, and the next ones for
 ``UNARY_AFTER_FULL_S``, by unary ``Step``.
 
 Credentials are checked when a stream opens (as for ``Watch``); a revoked
@@ -40,8 +38,8 @@ most 2 s, logged once, and the client steps over the gRPC stream for
 :data:`LANE_RETRY_S` before it tries the lane again. ``BlockdClient(...,
 step_lane=False)`` never tries it.
 
-One step at a time: a stream is one ordered conversation, so a second thread
-waits for the first's answer (the lock) rather than interleave.
+One step at a time: a stream is one ordered conversation, so a second thread waits for the
+first's answer (the lock) rather than interleave.
 """
 
 from __future__ import annotations
@@ -65,13 +63,7 @@ from blockd.rpc.lane import FrameTooLarge, LaneConnection
 from blockd.rpc.tracing import traceparent
 from blockd.v1 import blockd_pb2 as pb
 from client import messages
-from client.errors import (
-    BlockdClientError,
-    DeadlineExceededError,
-    UnavailableError,
-    from_rpc_error,
-    from_status_bytes,
-)
+from client.errors import BlockdClientError, DeadlineExceededError, UnavailableError, from_rpc_error, from_status_bytes
 
 log = logging.getLogger("blockd.client")
 
@@ -95,6 +87,17 @@ def _late(timeout_s: float) -> DeadlineExceededError:
 
 def _ended() -> UnavailableError:
     return UnavailableError("blockd ended the step stream without answering", code=grpc.StatusCode.UNAVAILABLE)
+
+
+def _unsent(err: grpc.RpcError | asyncio.InvalidStateError) -> BlockdClientError:
+    """An asyncio stream's failed write to a stream the daemon had ended (as an older daemon's refusal of a
+    slot did): the step never left, nothing was applied, it may go again. gRPC says "RPC already finished",
+    or a bare "INTERNAL: Internal error from Core" when the end came while the write was under way."""
+    if isinstance(err, asyncio.InvalidStateError) or (
+            err.code() == grpc.StatusCode.INTERNAL and err.details() == "Internal error from Core"):
+        return UnavailableError("blockd ended the step stream before this step was sent; nothing was applied",
+                                code=grpc.StatusCode.UNAVAILABLE)
+    return from_rpc_error(err)
 
 
 class _Call:
@@ -410,15 +413,17 @@ class AsyncStepStream:
         while True:
             if self._call is None:
                 self._method, self._call = method, method()
+            sent = False
             try:
                 await self._call.write(request)
+                sent = True
                 answer = await asyncio.wait_for(self._call.read(), max(0.001, deadline - time.monotonic()))
             except TimeoutError:
                 self._drop()
                 raise _late(timeout_s) from None
-            except grpc.RpcError as err:
+            except (grpc.RpcError, asyncio.InvalidStateError) as err:
                 self._drop()
-                error = from_rpc_error(err)
+                error = from_rpc_error(err) if sent and isinstance(err, grpc.RpcError) else _unsent(err)
             else:
                 if answer is grpc.aio.EOF:
                     self._drop()

@@ -397,3 +397,55 @@ def test_a_refused_stream_answers_its_first_step_however_late_it_comes(monkeypat
                 stream.close()
     finally:
         server.stop(0.5)
+
+
+def test_an_asyncio_step_on_a_stream_ended_before_it_was_sent_is_unavailable_and_unapplied():
+    """A daemon that ends a stream before its first step is written (as one
+    before the refusal waited for that step did; here a bare gRPC server
+    stands in for it, since today's daemon never does): gRPC fails the write
+    with a bare "INTERNAL: Internal error from Core", which the SDK raises as
+    what it is, UNAVAILABLE with nothing applied, the step never sent."""
+    import asyncio
+    from concurrent.futures import ThreadPoolExecutor
+
+    import grpc
+
+    from client.aio import AsyncBlockdClient
+
+    seen: list[object] = []
+
+    def ends_at_once(requests, context):
+        seen.append(context.peer())
+        return iter(())  # status OK, no answer, nothing read
+
+    server = grpc.server(ThreadPoolExecutor(2))
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+        "blockd.v1.BlockService", {"StepStream": grpc.stream_stream_rpc_method_handler(ends_at_once)}),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+
+    class LateWrites:  # the call as gRPC makes it; its first write only after the daemon ended it
+        def __init__(self, call):
+            self.call = call
+
+        async def write(self, request):
+            while not self.call.done():
+                await asyncio.sleep(0.01)
+            await self.call.write(request)
+
+        def __getattr__(self, name):
+            return getattr(self.call, name)
+
+    async def scenario():
+        async with AsyncBlockdClient(f"127.0.0.1:{port}", timeout_s=2) as client:
+            opened = client._blocks.StepStream
+            client._blocks.StepStream = lambda: LateWrites(opened())
+            async with client.step_stream() as stream:
+                with pytest.raises(UnavailableError, match="before this step was sent; nothing was applied"):
+                    await stream.step("p", [Allocate("a", [1, 2, 3])], request_id="r-1")
+
+    try:
+        asyncio.run(scenario())
+        assert seen, "the stream reached the server"
+    finally:
+        server.stop(0)
