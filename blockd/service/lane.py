@@ -33,6 +33,7 @@ import logging
 import socket
 import ssl
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NoReturn
 
@@ -54,6 +55,8 @@ from blockd.rpc.lane import (
 from blockd.v1 import blockd_pb2 as pb
 
 log = logging.getLogger("blockd.lane")
+#: connections past the limit answered and read to their close at once; more are closed after the answer
+LINGERING = 64
 
 METHOD = "/blockd.v1.BlockService/StepStream"
 
@@ -199,6 +202,7 @@ class StepLane:
         self._max_bytes, self._shutdown = max_bytes, shutdown
         self._refused, self._full = refused, full
         self._slots = threading.BoundedSemaphore(max_connections)
+        self._lingering = threading.BoundedSemaphore(LINGERING)
         self._open: set[socket.socket] = set()
         self._lock = threading.Lock()
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -243,14 +247,28 @@ class StepLane:
             threading.Thread(target=self._serve, args=(conn, peer), name="blockd-lane", daemon=True).start()
 
     def _turn_away(self, conn: socket.socket) -> None:
+        """Answer STEP_STREAMS_FULL and close, lingering: a socket closed with
+        the caller's hello and step unread is reset, and the reset can reach
+        the caller before it has read the answer (its write fails, "Broken
+        pipe", and it retries into the same refusal until its deadline). So
+        the daemon stops sending and reads to the caller's close first, for at
+        most CONNECT_TIMEOUT_S and at most LINGERING connections at once."""
+        linger = self._tls is None and self._lingering.acquire(blocking=False)
         try:
             conn.settimeout(CONNECT_TIMEOUT_S)
             if self._tls is None:  # a TLS caller could not read a plain answer: it just sees the close
                 conn.sendall(frame(self._refused(self._full(), "StepStream").SerializeToString()))
+            if linger:
+                conn.shutdown(socket.SHUT_WR)
+                until = time.monotonic() + CONNECT_TIMEOUT_S
+                while time.monotonic() < until and conn.recv(1 << 16):
+                    pass
         except OSError:
             pass
         finally:
             conn.close()
+            if linger:
+                self._lingering.release()
 
     def _serve(self, conn: socket.socket, peer: str) -> None:
         sock: socket.socket = conn

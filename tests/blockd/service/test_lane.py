@@ -238,3 +238,43 @@ def test_unauthenticated_lane_answer_is_raised_as_grpc_would(pki, tmp_path):
                 stream.step("p", [Allocate("a", [1])])
     finally:
         server.stop(0.2)
+
+
+def test_a_lane_past_its_connection_limit_answers_streams_full_and_the_sdk_steps_on():
+    """Past ``max_connections`` the lane answers STEP_STREAMS_FULL without
+    reading and closes, lingering until the caller closes: closed at once,
+    the caller's unread hello and step reset the connection, and the reset
+    beat the answer ("Broken pipe"), so the SDK retried into the same
+    refusal until its deadline instead of stepping by unary Step."""
+    import time
+
+    from blockd.core.types import Append
+    from blockd.rpc.lane import hello_frame
+    from blockd.service import lane
+
+    server = BlockdServer(Engine(), "127.0.0.1:0", max_workers=4, step_lane_port=0)  # 2 slots + 16 connections
+    server.start()
+    held: list[socket.socket] = []
+    try:
+        assert server.lane is not None
+        with BlockdClient(server.address, timeout_s=5) as client:
+            client.create_pool(PoolConfig("p", num_blocks=64, block_size=4))
+            for _ in range(18):
+                held.append(_raw(server))
+                held[-1].sendall(hello_frame([]))
+            time.sleep(0.2)  # every one accepted: the lane has no connection left
+            with client.step_stream() as stream:
+                stream.step("p", [Allocate("a", [1, 2, 3])])
+                for token in range(30):
+                    stream._unary_until = 0.0  # try the lane again each step: turned away each time
+                    stream.step("p", [Append("a", [token])])
+                    assert stream._call is None and stream._unary_until > time.monotonic()  # went by unary
+            assert client.get_sequence("p", "a").num_tokens == 33
+            deadline = time.monotonic() + 5
+            while server.lane._lingering._value != lane.LINGERING:  # every turned-away connection closed
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+    finally:
+        for sock in held:
+            sock.close()
+        server.stop(0.2)
