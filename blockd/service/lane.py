@@ -247,28 +247,36 @@ class StepLane:
             threading.Thread(target=self._serve, args=(conn, peer), name="blockd-lane", daemon=True).start()
 
     def _turn_away(self, conn: socket.socket) -> None:
-        """Answer STEP_STREAMS_FULL and close, lingering: a socket closed with
-        the caller's hello and step unread is reset, and the reset can reach
-        the caller before it has read the answer (its write fails, "Broken
-        pipe", and it retries into the same refusal until its deadline). So
-        the daemon stops sending and reads to the caller's close first, for at
-        most CONNECT_TIMEOUT_S and at most LINGERING connections at once."""
+        """Answer STEP_STREAMS_FULL and close, lingering (:meth:`_linger`) if
+        fewer than LINGERING turned-away connections do now."""
         linger = self._tls is None and self._lingering.acquire(blocking=False)
         try:
             conn.settimeout(CONNECT_TIMEOUT_S)
             if self._tls is None:  # a TLS caller could not read a plain answer: it just sees the close
                 conn.sendall(frame(self._refused(self._full(), "StepStream").SerializeToString()))
             if linger:
-                conn.shutdown(socket.SHUT_WR)
-                until = time.monotonic() + CONNECT_TIMEOUT_S
-                while time.monotonic() < until and conn.recv(1 << 16):
-                    pass
+                self._linger(conn)
         except OSError:
             pass
         finally:
             conn.close()
             if linger:
                 self._lingering.release()
+
+    def _linger(self, sock: socket.socket) -> None:
+        """Before a plain connection the daemon ends is closed: a socket closed
+        with the caller's frames unread (a step sent behind its hello) is
+        reset, and the reset can reach the caller before it has read the last
+        answer (a refusal), so its write fails ("Broken pipe") and it retries
+        into the same refusal until its deadline. So stop sending and read to
+        the caller's close, for at most CONNECT_TIMEOUT_S."""
+        if self._tls is not None:
+            return
+        sock.settimeout(CONNECT_TIMEOUT_S)
+        sock.shutdown(socket.SHUT_WR)
+        until = time.monotonic() + CONNECT_TIMEOUT_S
+        while time.monotonic() < until and sock.recv(1 << 16):
+            pass
 
     def _serve(self, conn: socket.socket, peer: str) -> None:
         sock: socket.socket = conn
@@ -300,6 +308,10 @@ class StepLane:
             try:
                 if reader is not None:  # the socket's file holds its descriptor open until closed too
                     reader.close()
+                self._linger(sock)
+            except OSError:
+                pass
+            try:
                 sock.close()
             except OSError:
                 pass
