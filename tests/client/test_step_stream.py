@@ -12,6 +12,7 @@ The lane's own faults and bad input are in ``tests/blockd/service/test_lane.py``
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -295,8 +296,36 @@ def test_streams_beyond_the_daemons_slots_step_by_unary_and_never_stall_others(t
     of ``max_workers`` may be open: with 4 threads, a third stream's step is refused
     in band (STEP_STREAMS_FULL, nothing applied) and the SDK sends it by unary Step,
     applied once; unary calls keep being answered; a closed stream frees its slot."""
-    engine = Engine()
-    server = BlockdServer(engine, "127.0.0.1:0", max_workers=4, step_lane_port=lane_port(transport))
+    with _every_slot_held(transport) as (server, client, held):
+        assert all(on(stream, transport) for stream in held)
+        third = client.step_stream()
+        result = third.step("p", [Allocate("third", [4, 5, 6])], request_id="third-1")
+        assert third._unary_until > time.monotonic() and third._call is None  # refused a slot: unary
+        assert result.results[0].seq_id == "third"
+        assert client.get_sequence("p", "third").num_tokens == 3
+        again = third.step("p", [Allocate("third", [4, 5, 6])], request_id="third-1")  # a resend
+        assert again.version == result.version  # the first answer: applied once
+        assert [p.name for p in client.list_pools()] == ["p"]  # unary calls are answered meanwhile
+        held.pop().close()
+        third._unary_until = 0.0
+        deadline = time.monotonic() + 10
+        while True:  # the daemon frees the slot once it sees the stream's cancellation
+            third.step("p", [Append("third", [7])])
+            if third._call is not None:
+                break
+            assert time.monotonic() < deadline, "the closed stream's slot was never freed"
+            third._unary_until = 0.0
+            time.sleep(0.05)
+        asyncio_third = _asyncio_step_beyond_the_slots(server.address)
+        assert asyncio_third == (True, 3)  # by unary Step, applied
+        third.close()
+
+
+@contextlib.contextmanager
+def _every_slot_held(transport: str = "grpc"):
+    """A daemon of 4 RPC threads (2 stream slots), pool ``p``, and both slots
+    held by open streams: ``(server, client, the two streams)``."""
+    server = BlockdServer(Engine(), "127.0.0.1:0", max_workers=4, step_lane_port=lane_port(transport))
     server.start()
     try:
         with BlockdClient(server.address, timeout_s=5) as client:
@@ -304,28 +333,8 @@ def test_streams_beyond_the_daemons_slots_step_by_unary_and_never_stall_others(t
             held = [client.step_stream() for _ in range(2)]
             for n, stream in enumerate(held):
                 stream.step("p", [Allocate(f"held-{n}", [1, 2, 3])])
-                assert on(stream, transport)
-            third = client.step_stream()
-            result = third.step("p", [Allocate("third", [4, 5, 6])], request_id="third-1")
-            assert third._unary_until > time.monotonic() and third._call is None  # refused a slot: unary
-            assert result.results[0].seq_id == "third"
-            assert client.get_sequence("p", "third").num_tokens == 3
-            again = third.step("p", [Allocate("third", [4, 5, 6])], request_id="third-1")  # a resend
-            assert again.version == result.version  # the first answer: applied once
-            assert [p.name for p in client.list_pools()] == ["p"]  # unary calls are answered meanwhile
-            held.pop().close()
-            third._unary_until = 0.0
-            deadline = time.monotonic() + 10
-            while True:  # the daemon frees the slot once it sees the stream's cancellation
-                third.step("p", [Append("third", [7])])
-                if third._call is not None:
-                    break
-                assert time.monotonic() < deadline, "the closed stream's slot was never freed"
-                third._unary_until = 0.0
-                time.sleep(0.05)
-            asyncio_third = _asyncio_step_beyond_the_slots(server.address)
-            assert asyncio_third == (True, 3)  # by unary Step, applied
-            for stream in (*held, third):
+            yield server, client, held
+            for stream in held:
                 stream.close()
     finally:
         server.stop(0.5)
@@ -365,38 +374,27 @@ def test_a_refused_stream_answers_its_first_step_however_late_it_comes(monkeypat
     from client.messages import step_request
 
     monkeypatch.setattr(servicer, "REFUSAL_WAIT_S", 1.0)
-    server = BlockdServer(Engine(), "127.0.0.1:0", max_workers=4)  # two stream slots
-    server.start()
-    try:
-        with BlockdClient(server.address, timeout_s=5) as client:
-            client.create_pool(PoolConfig("p", num_blocks=16, block_size=4))
-            held = [client.step_stream() for _ in range(2)]
-            for n, stream in enumerate(held):
-                stream.step("p", [Allocate(f"held-{n}", [1, 2, 3])])
+    with _every_slot_held() as (server, client, _held):
 
-            async def scenario() -> tuple[str, float]:
-                async with AsyncBlockdClient(server.address, timeout_s=5) as aclient:
-                    late = aclient._blocks.StepStream()
-                    await asyncio.sleep(0.5)
-                    request = step_request("p", [Allocate("late", [4, 5, 6])], "late-1", False, "", 0)
-                    await late.write(pb.StepStreamRequest(step=request))
-                    answer = await asyncio.wait_for(late.read(), 5)
-                    silent, began = aclient._blocks.StepStream(), time.monotonic()
-                    with pytest.raises(grpc.RpcError) as cut:  # never answered: the daemon cancels it
-                        await asyncio.wait_for(silent.read(), 5)
-                    assert cut.value.code() == grpc.StatusCode.CANCELLED
-                    return from_status_bytes(answer.error_status).reason, time.monotonic() - began
+        async def scenario() -> tuple[str, float]:
+            async with AsyncBlockdClient(server.address, timeout_s=5) as aclient:
+                late = aclient._blocks.StepStream()
+                await asyncio.sleep(0.5)
+                request = step_request("p", [Allocate("late", [4, 5, 6])], "late-1", False, "", 0)
+                await late.write(pb.StepStreamRequest(step=request))
+                answer = await asyncio.wait_for(late.read(), 5)
+                silent, began = aclient._blocks.StepStream(), time.monotonic()
+                with pytest.raises(grpc.RpcError) as cut:  # never answered: the daemon cancels it
+                    await asyncio.wait_for(silent.read(), 5)
+                assert cut.value.code() == grpc.StatusCode.CANCELLED
+                return from_status_bytes(answer.error_status).reason, time.monotonic() - began
 
-            reason, cut_after = asyncio.run(scenario())
-            assert reason == "STEP_STREAMS_FULL"
-            assert 0.9 <= cut_after < 4.0
-            with pytest.raises(NotFoundError):
-                client.get_sequence("p", "late")
-            assert [p.name for p in client.list_pools()] == ["p"]  # the daemon's threads answer on
-            for stream in held:
-                stream.close()
-    finally:
-        server.stop(0.5)
+        reason, cut_after = asyncio.run(scenario())
+        assert reason == "STEP_STREAMS_FULL"
+        assert 0.9 <= cut_after < 4.0
+        with pytest.raises(NotFoundError):
+            client.get_sequence("p", "late")
+        assert [p.name for p in client.list_pools()] == ["p"]  # the daemon's threads answer on
 
 
 def test_an_asyncio_step_on_a_stream_ended_before_it_was_sent_is_unavailable_and_unapplied():
