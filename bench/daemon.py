@@ -12,9 +12,11 @@ from blockd.cluster.local import ChildProcess
 
 NUM_SEQS = 256
 BLOCK_SIZE = 16
-# room for 8192 decode steps of 256 tokens without freeing anything
 NUM_BLOCKS = 1 << 17
-MAX_STEPS = NUM_BLOCKS * BLOCK_SIZE // NUM_SEQS - 2
+#: decode steps of NUM_SEQS tokens the pool holds without freeing anything, each
+#: sequence starting with one full block of prompt (its first block is taken by
+#: the prompt, not by a step: counting it let a long run fail RESOURCE_EXHAUSTED)
+MAX_STEPS = (NUM_BLOCKS // NUM_SEQS - 1) * BLOCK_SIZE - 2
 
 
 def start_daemon(*flags: str, timeout_s: float = 30.0) -> tuple[ChildProcess, str]:

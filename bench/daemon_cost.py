@@ -74,6 +74,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -134,17 +135,21 @@ def _scheduler(address: str, kwargs: dict, pool: str, kind: str, transport: str,
                results, cpus: frozenset[int] | None = None) -> None:
     if cpus:
         os.sched_setaffinity(0, cpus)
-    with BlockdClient(address, **kwargs) as client:
-        step = _Steps(client, pool, kind, transport)
-        for _ in range(WARMUP_STEPS):
-            step()
-        barrier.wait()
-        cpu0, done = time.process_time(), 0
-        end, limit = time.perf_counter() + seconds, step.limit()
-        while time.perf_counter() < end and done < limit:
-            step()
-            done += 1
-        results.put((done, time.process_time() - cpu0))
+    try:
+        with BlockdClient(address, **kwargs) as client:
+            step = _Steps(client, pool, kind, transport)
+            for _ in range(WARMUP_STEPS):
+                step()
+            barrier.wait()
+            cpu0, done = time.process_time(), 0
+            end, limit = time.perf_counter() + seconds, step.limit()
+            while time.perf_counter() < end and done < limit:
+                step()
+                done += 1
+            results.put((done, time.process_time() - cpu0))
+    except Exception as e:  # noqa: BLE001 - said to the parent, which would otherwise wait for a result
+        barrier.abort()
+        results.put((f"scheduler {pool}: {e}", 0.0))
 
 
 def l2_bytes() -> int:
@@ -227,10 +232,17 @@ def measure(kind: str, schedulers: int, durability: str, security: str, transpor
     try:
         for p in procs:
             p.start()
-        barrier.wait(timeout=120)
+        try:
+            barrier.wait(timeout=120)
+        except threading.BrokenBarrierError:
+            said = results.get(timeout=30)[0]
+            raise RuntimeError(said if isinstance(said, str) else "a scheduler did not start") from None
         cpu0, wall0 = process_cpu_s(proc.pid), time.perf_counter()
         spy = _start_py_spy(proc.pid, profile_s, directory) if profile_s else None
         runs = [results.get(timeout=seconds + 120) for _ in procs]
+        failed = [done for done, _ in runs if isinstance(done, str)]
+        if failed:
+            raise RuntimeError("; ".join(failed))
         cpu, wall = process_cpu_s(proc.pid) - cpu0, time.perf_counter() - wall0
         if spy is not None:
             stacks = _stop_py_spy(*spy)

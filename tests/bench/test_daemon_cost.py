@@ -77,3 +77,19 @@ def test_the_profile_of_a_prefill_step(tmp_path):
     assert abs(sum(profile["share"].values()) - 1.0) < 0.01
     # a prefill step hashes 128 blocks: the allocator core is a visible part of it
     assert profile["share"].get("allocator_core", 0) > 0.05
+
+
+def test_a_scheduler_that_fails_is_named_at_once(tmp_path):
+    # a pool name blockd refuses: the scheduler fails before the barrier, and the
+    # run says why in seconds instead of waiting two minutes for its result
+    began = time.monotonic()
+    with pytest.raises(RuntimeError, match="scheduler bad name!-0: INVALID_ARGUMENT: pool name"):
+        daemon_cost.measure("bad name!", 1, "memory", "plain", "unary", 1.0, str(tmp_path), {"plain": ([], {})})
+    assert time.monotonic() - began < 60
+
+
+def test_the_decode_pool_holds_every_step_a_run_may_take():
+    from bench.daemon import BLOCK_SIZE, MAX_STEPS, NUM_BLOCKS, NUM_SEQS
+    # each sequence starts with one full block; every BLOCK_SIZE steps take one more
+    blocks_each = 1 + -(-(MAX_STEPS) // BLOCK_SIZE)
+    assert blocks_each * NUM_SEQS <= NUM_BLOCKS
