@@ -8,7 +8,10 @@ One JSON line per kernel and row count (``name: linears``): the time of one
 decode step's projections of SmolLM2-135M in float32 (each layer's q/k/v as
 one, o, gate/up as one and down, times the layers, plus the LM head), the best
 of three timed loops on the same random tensors, and the ratio against
-blockd's own kernel. Kernels:
+blockd's own kernel. ``model_step_ms`` is the same step as a model runs it:
+every layer with weights of its own, one layer after the other, so the weights
+come from memory rather than the cache a single layer's loop keeps them in
+(``--quick`` leaves it out). Kernels:
 
 * ``blockd_packed``: :class:`worker.model.linear.PackedLinear` (oneDNN, the
   weight reordered once; ``--cpu-linear auto``, the default);
@@ -83,9 +86,9 @@ def kernels(vllm: bool) -> dict:
     return found
 
 
-def measure(threads: int, vllm: bool = False, reps: int = 200) -> list[dict]:
+def measure(threads: int, vllm: bool = False, reps: int = 200, model_step: bool = True) -> list[dict]:
     """Each kernel's step time at each row count of :data:`ROWS` (``reps`` calls a timed
-    loop; a tenth of them for the LM head)."""
+    loop; a tenth of them for the LM head), and with ``model_step`` its ``model_step_ms``."""
     import torch
 
     torch.set_num_threads(threads)
@@ -103,15 +106,34 @@ def measure(threads: int, vllm: bool = False, reps: int = 200) -> list[dict]:
                 loops = max(1, reps // 10) if name == "lm_head" else reps
                 parts[name] = _best_us(lambda forward=forward, x=x: forward(x), loops)
             layers_us = sum(parts[name] for name in SHAPES) * NUM_LAYERS
-            rows_out.append({"name": "linears", "kernel": kernel, "rows": rows, "threads": threads,
-                             "step_ms": round((layers_us + parts["lm_head"]) / 1e3, 2),
-                             "layers_ms": round(layers_us / 1e3, 2), "lm_head_ms": round(parts["lm_head"] / 1e3, 2),
-                             "us_per_call": {k: round(v, 1) for k, v in parts.items()},
-                             "max_abs_diff_vs_torch": diff, "torch": torch.__version__})
+            row = {"name": "linears", "kernel": kernel, "rows": rows, "threads": threads,
+                   "step_ms": round((layers_us + parts["lm_head"]) / 1e3, 2),
+                   "layers_ms": round(layers_us / 1e3, 2), "lm_head_ms": round(parts["lm_head"] / 1e3, 2),
+                   "us_per_call": {k: round(v, 1) for k, v in parts.items()},
+                   "max_abs_diff_vs_torch": diff, "torch": torch.__version__}
+            if model_step:
+                row["model_step_ms"] = round(_model_step_us(make, weights, inputs, rows) / 1e3, 2)
+            rows_out.append(row)
     for row in rows_out:
         base = next(r for r in rows_out if r["rows"] == row["rows"] and r["kernel"] == "blockd_packed")
         row["ratio_vs_blockd_packed"] = round(row["step_ms"] / base["step_ms"], 3)
+        if model_step:
+            row["model_step_ratio_vs_blockd_packed"] = round(row["model_step_ms"] / base["model_step_ms"], 3)
     return rows_out
+
+
+def _model_step_us(make, weights: dict, inputs: dict, rows: int, loops: int = 10) -> float:
+    """One decode step's projections as a model runs them: NUM_LAYERS layers, each
+    with weights of its own (copies of ``weights``' scaled apart), then the LM head."""
+    steps = [make(weights[name] * (1 + layer / NUM_LAYERS), rows)
+             for layer in range(NUM_LAYERS) for name in SHAPES]
+    steps.append(make(weights["lm_head"], rows))
+    xs = [inputs[name] for _ in range(NUM_LAYERS) for name in SHAPES] + [inputs["lm_head"]]
+
+    def step() -> None:
+        for forward, x in zip(steps, xs):
+            forward(x)
+    return _best_us(step, loops)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -137,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         print("\n".join(lines), flush=True)
         return 0
-    for row in measure(args.threads, vllm=args.in_vllm, reps=10 if args.quick else 200):
+    for row in measure(args.threads, vllm=args.in_vllm, reps=10 if args.quick else 200, model_step=not args.quick):
         print(json.dumps(row), flush=True)
     return 0
 

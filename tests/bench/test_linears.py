@@ -50,3 +50,24 @@ def test_bad_arguments_are_a_usage_error():
     out = subprocess.run([sys.executable, "bench/linears.py", "--vllm-python", "/nonexistent/python"], cwd=ROOT,
                          capture_output=True, text=True, timeout=60, check=False)
     assert out.returncode == 1 and "Traceback" not in out.stderr and "/nonexistent/python" in out.stderr
+
+
+def test_the_model_step_runs_every_layer_on_weights_of_its_own():
+    import torch
+
+    made, calls = [], []
+
+    def make(weight, rows):
+        made.append(weight)
+        return lambda x, i=len(made) - 1: calls.append((i, tuple(x.shape)))
+
+    weights = {name: torch.ones(out, k) for name, (k, out) in {**linears.SHAPES, "lm_head": linears.LM_HEAD}.items()}
+    inputs = {name: torch.zeros(4, w.shape[1]) for name, w in weights.items()}
+    assert linears._model_step_us(make, weights, inputs, 4, loops=1) > 0
+    per_step = len(linears.SHAPES) * linears.NUM_LAYERS + 1
+    assert len(made) == per_step
+    # no two layers share a weight tensor (or its values): each comes from memory once a step
+    firsts = [float(w[0, 0]) for w in made[:-1:len(linears.SHAPES)]]
+    assert len(set(firsts)) == linears.NUM_LAYERS
+    assert calls[:per_step] == [(i, (4, made[i].shape[1])) for i in range(per_step)]
+    assert len(calls) % per_step == 0
