@@ -59,7 +59,8 @@ def test_the_model_step_runs_every_layer_on_weights_of_its_own():
 
     def make(weight, rows):
         made.append(weight)
-        return lambda x, i=len(made) - 1: calls.append((i, tuple(x.shape)))
+        index = len(made) - 1
+        return lambda x: calls.append((index, tuple(x.shape)))
 
     weights = {name: torch.ones(out, k) for name, (k, out) in {**linears.SHAPES, "lm_head": linears.LM_HEAD}.items()}
     inputs = {name: torch.zeros(4, w.shape[1]) for name, w in weights.items()}
