@@ -508,9 +508,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="daemon_cost: the daemon on any CPU (shared) or on a CPU of its own, the schedulers "
                         "on the others (own_core: blockd serve --cpus)")
     args = parser.parse_args(argv)
-    for name in args.part or list(PARTS):
-        for line in PARTS[name](args):
-            print(json.dumps(line), flush=True)
+    try:
+        for name in args.part or list(PARTS):
+            for line in PARTS[name](args):
+                print(json.dumps(line), flush=True)
+    except RuntimeError as err:  # a daemon or scheduler process that failed: said, not a traceback
+        print(f"bench/rpc.py: {err}", file=sys.stderr)
+        return 1
     return 0
 
 
