@@ -70,6 +70,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import queue
 import shutil
 import subprocess
 import sys
@@ -147,9 +148,11 @@ def _scheduler(address: str, kwargs: dict, pool: str, kind: str, transport: str,
                 step()
                 done += 1
             results.put((done, time.process_time() - cpu0))
+    except threading.BrokenBarrierError:
+        return  # another scheduler failed first and says why
     except Exception as e:  # noqa: BLE001 - said to the parent, which would otherwise wait for a result
+        results.put((f"scheduler {pool}: {e}", 0.0))  # before the abort: the parent reads it on waking
         barrier.abort()
-        results.put((f"scheduler {pool}: {e}", 0.0))
 
 
 def l2_bytes() -> int:
@@ -235,8 +238,11 @@ def measure(kind: str, schedulers: int, durability: str, security: str, transpor
         try:
             barrier.wait(timeout=120)
         except threading.BrokenBarrierError:
-            said = results.get(timeout=30)[0]
-            raise RuntimeError(said if isinstance(said, str) else "a scheduler did not start") from None
+            try:
+                said = results.get(timeout=30)[0]
+            except queue.Empty:
+                said = "no scheduler reached its first timed step within 120 s"
+            raise RuntimeError(said) from None
         cpu0, wall0 = process_cpu_s(proc.pid), time.perf_counter()
         spy = _start_py_spy(proc.pid, profile_s, directory) if profile_s else None
         runs = [results.get(timeout=seconds + 120) for _ in procs]
