@@ -66,6 +66,7 @@ def apply_decode(batch: Batch, op: DecodeAppend) -> OpResult:
     copies: list[tuple[int, int]] = []
     grown: list[int] = []  # blocks that gain the token in a slot they already had
     grow = grown.append
+    update = batch.updates.append  # Batch.record_update, inline: every sequence crossing a block calls it
     try:
         for seq_id, token in zip(op.seq_ids, op.token_ids):
             seq = seqs.get(seq_id) if type(seq_id) is str else None
@@ -90,7 +91,7 @@ def apply_decode(batch: Batch, op: DecodeAppend) -> OpResult:
                     copy = batch.copy_on_write(seq, offset)
                     copies.append(copy)
                     last = copy[1]
-                    batch.record_update(TableUpdate(seq_id=seq_id, keep=len(table) - 1, block_ids=(last,)))
+                    update(TableUpdate(seq_id, len(table) - 1, (last,)))
                 grow(last)
             else:
                 if not blocks.num_available:
@@ -98,7 +99,7 @@ def apply_decode(batch: Batch, op: DecodeAppend) -> OpResult:
                 last = take(1)
                 table.append(last)
                 added.append(last)
-                batch.record_update(TableUpdate(seq_id=seq_id, keep=len(table) - 1, block_ids=(last,)))
+                update(TableUpdate(seq_id, len(table) - 1, (last,)))  # positional: keywords cost 0.4 us more
             tokens.append(token)
             slot(last * b + offset)  # arith.slot_at, inlined: a call per sequence was 5% of the step
     finally:
