@@ -10,6 +10,13 @@ Prints one JSON object per line:
   with 256 prompts that share nothing.
 * ``pool_scaling``: the 256-sequence decode step on pools of 1k and 1M
   blocks; ``ratio_vs_1k`` shows the cost does not grow with the pool.
+* ``decode_step_build``: the 256-sequence decode step of the core as this
+  install built it (``blockd.core.BUILD``: compiled with mypyc by
+  ``setup.py``, or Python) against the same core run from its sources
+  (``BLOCKD_PURE_PYTHON=1``), each in child processes that take turns;
+  ``ratio_vs_python`` is the geometric mean over rounds of the build's CPU
+  time per step over the sources' (< 1 is faster; 1.0 where nothing is
+  compiled). The rows above run the build too; each row names it in ``build``.
 * ``decode_step_vs_rev`` (only with ``--against REV``): the 256-sequence
   decode step of this tree's core and of the core at git revision ``REV``,
   both imported into this process and stepped alternately, so load from
@@ -49,7 +56,10 @@ BLOCK = 16
 
 
 def emit(name: str, **fields) -> None:
-    print(json.dumps({"name": name, **fields, "python": platform.python_version()}), flush=True)
+    import blockd.core
+
+    print(json.dumps({"name": name, **fields, "build": blockd.core.BUILD, "python": platform.python_version()}),
+          flush=True)
 
 
 def running_pool(num_seqs: int, num_blocks: int, prompt_len: int) -> tuple[Pool, list[str]]:
@@ -121,6 +131,47 @@ def bench_pool_scaling(steps: int) -> None:
     for num_blocks, us in ((1_000, small), (1_000_000, large)):
         emit("pool_scaling", num_blocks=num_blocks, num_seqs=256, block_size=BLOCK, us_per_step=round(us, 1),
              ratio_vs_1k=round(us / small, 3))
+
+
+def cpu_us_per_decode_step(steps: int, num_seqs: int = 256, prompt_len: int = 31) -> float:
+    """This process's CPU µs per step of :func:`time_decode`'s workload (its
+    untimed restarts excluded): what ``--cpu-per-step`` prints for the parent."""
+    pool, ids = running_pool(num_seqs, 200_000, prompt_len)
+    tokens = [7] * num_seqs
+    cpu = 0
+    gc.collect()
+    for done in range(-2 * BLOCK, steps):  # two blocks' worth of steps warm up, untimed
+        if done % BLOCK == 0:
+            pool.step([Free(s) for s in ids])
+            pool.step([Allocate(s, [i % 30000] * prompt_len) for i, s in enumerate(ids)])
+        start = time.process_time_ns()
+        pool.step([DecodeAppend(ids, tokens)])
+        if done >= 0:
+            cpu += time.process_time_ns() - start
+    return cpu / steps / 1e3
+
+
+def bench_build(steps: int, rounds: int) -> None:
+    import blockd.core
+
+    def child(pure: bool) -> float:
+        env = {**os.environ, "BLOCKD_PURE_PYTHON": "1" if pure else "0"}
+        out = subprocess.run([sys.executable, __file__, "--cpu-per-step", str(steps)], env=env, check=True,
+                             capture_output=True, text=True).stdout
+        return float(out.split()[-1])
+
+    built: list[float] = []
+    sources: list[float] = []
+    for round_no in range(rounds + rounds % 2):
+        first_pure = bool(round_no % 2)  # which child runs first alternates, so drift hits both alike
+        a, b = child(first_pure), child(not first_pure)
+        built.append(b if first_pure else a)
+        sources.append(a if first_pure else b)
+    emit("decode_step_build", num_seqs=256, block_size=BLOCK, steps=steps, rounds=len(built),
+         cpu_us_per_step=round(statistics.median(built), 1),
+         python_cpu_us_per_step=round(statistics.median(sources), 1),
+         ratio_vs_python=round(statistics.geometric_mean(a / b for a, b in zip(built, sources)), 3),
+         compiled_modules=list(blockd.core.COMPILED) if blockd.core.BUILD == "compiled" else [])
 
 
 def core_at(rev: str, into: str) -> ModuleType:
@@ -195,7 +246,12 @@ def main() -> None:
     parser.add_argument("--against", metavar="REV",
                         help="only compare the decode step with the core at this git revision (e.g. HEAD~1)")
     parser.add_argument("--rounds", type=int, default=8, help="rounds of --against, made even (default 8)")
+    # decode_step_build's children
+    parser.add_argument("--cpu-per-step", type=int, metavar="STEPS", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.cpu_per_step:
+        print(round(cpu_us_per_decode_step(args.cpu_per_step), 2))
+        return
     steps = 64 if args.quick else 512
     if args.against:
         bench_against(args.against, steps, args.rounds)
@@ -203,6 +259,7 @@ def main() -> None:
     bench_decode(steps)
     bench_prefill(2 if args.quick else 7)
     bench_pool_scaling(steps)
+    bench_build(steps, 2 if args.quick else 6)
 
 
 if __name__ == "__main__":

@@ -70,6 +70,7 @@ from collections.abc import Callable, Iterator
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+import blockd.core
 from bench.auth import interceptor, step_security
 from bench.daemon import BLOCK_SIZE, MAX_STEPS, NUM_BLOCKS, NUM_SEQS, percentile, start_daemon, stop_daemon
 from bench.daemon_cost import daemon_cost
@@ -510,8 +511,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         for name in args.part or list(PARTS):
-            for line in PARTS[name](args):
-                print(json.dumps(line), flush=True)
+            for line in PARTS[name](args):  # the daemons run this checkout's install: its core build
+                print(json.dumps({**line, "core_build": blockd.core.BUILD}), flush=True)
     except RuntimeError as err:  # a daemon or scheduler process that failed: said, not a traceback
         print(f"bench/rpc.py: {err}", file=sys.stderr)
         return 1

@@ -20,6 +20,7 @@ import signal
 import threading
 import time
 
+from blockd import core
 from blockd.cli.reload import remove_status, write_status
 from blockd.core.errors import BlockdError
 from blockd.engine.guardrails import Guardrails
@@ -229,7 +230,8 @@ def serve(args: argparse.Namespace) -> int:
     except ValueError as err:
         log.error("cannot serve: %s", err)
         return 2
-    log.info("data dir: %s; fsync: %s", args.data_dir or "none (in memory)", args.fsync)
+    log.info("data dir: %s; fsync: %s; allocator core: %s", args.data_dir or "none (in memory)", args.fsync,
+             core.BUILD)
     try:
         limits = IdempotencyLimits(args.max_request_ids, args.max_request_bytes, args.request_ttl_s)
         guardrails = Guardrails(args.max_ops_per_step, args.max_tokens_per_step, args.max_blocks_per_pool,
