@@ -224,9 +224,9 @@ class Pool:
     def _emit(self, kind: str, *, block_hash: bytes = b"", parent_hash: bytes = b"", block_id: int = -1,
               token_ids: tuple[int, ...] = (), medium: str = DEVICE) -> None:
         self.last_event_seq_no += 1
-        self._events.append(KVEvent(seq_no=self.last_event_seq_no, kind=kind, block_hash=block_hash,
-                                    parent_hash=parent_hash, block_id=block_id, token_ids=token_ids,
-                                    medium=medium))
+        # positional: a step whose sequences fill blocks emits one per block, and keywords cost a third more
+        self._events.append(KVEvent(self.last_event_seq_no, kind, block_hash, parent_hash, block_id, token_ids,
+                                    medium))
 
     def get_seq(self, seq_id: str) -> Sequence:
         seq = self.seqs.get(seq_id) if type(seq_id) is str else None
