@@ -16,7 +16,8 @@ Prints one JSON object per line:
   (``BLOCKD_PURE_PYTHON=1``), each in child processes that take turns;
   ``ratio_vs_python`` is the geometric mean over rounds of the build's CPU
   time per step over the sources' (< 1 is faster; 1.0 where nothing is
-  compiled). The rows above run the build too; each row names it in ``build``.
+  compiled; ``child_builds`` is what each child says it ran). The rows above
+  run the build too; each row names it in ``build``.
 * ``decode_step_vs_rev`` (only with ``--against REV``): the 256-sequence
   decode step of this tree's core and of the core at git revision ``REV``,
   both imported into this process and stepped alternately, so load from
@@ -154,11 +155,15 @@ def cpu_us_per_decode_step(steps: int, num_seqs: int = 256, prompt_len: int = 31
 def bench_build(steps: int, rounds: int) -> None:
     import blockd.core
 
+    builds = {}
+
     def child(pure: bool) -> float:
-        env = {**os.environ, "BLOCKD_PURE_PYTHON": "1" if pure else "0"}
+        env = {**os.environ, "BLOCKD_PURE_PYTHON": "1"} if pure else None  # else: the build this process runs
         out = subprocess.run([sys.executable, __file__, "--cpu-per-step", str(steps)], env=env, check=True,
                              capture_output=True, text=True).stdout
-        return float(out.split()[-1])
+        build, _, cpu = out.strip().rpartition(" ")
+        builds[pure] = build  # what the child ran, as it says: the row shows both
+        return float(cpu)
 
     built: list[float] = []
     sources: list[float] = []
@@ -171,6 +176,7 @@ def bench_build(steps: int, rounds: int) -> None:
          cpu_us_per_step=round(statistics.median(built), 1),
          python_cpu_us_per_step=round(statistics.median(sources), 1),
          ratio_vs_python=round(statistics.geometric_mean(a / b for a, b in zip(built, sources)), 3),
+         child_builds=[builds[False], builds[True]],
          compiled_modules=list(blockd.core.COMPILED) if blockd.core.BUILD == "compiled" else [])
 
 
@@ -250,7 +256,9 @@ def main() -> None:
     parser.add_argument("--cpu-per-step", type=int, metavar="STEPS", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.cpu_per_step:
-        print(round(cpu_us_per_decode_step(args.cpu_per_step), 2))
+        import blockd.core
+
+        print(blockd.core.BUILD, round(cpu_us_per_decode_step(args.cpu_per_step), 2))
         return
     steps = 64 if args.quick else 512
     if args.against:
