@@ -25,7 +25,10 @@ Prints one JSON object per line:
   round, and the rounds are made even, so that bias cancels);
   ``ratio_vs_rev`` is the geometric mean over rounds of this tree's median
   step time over the revision's (< 1 is faster). Use it to check a change to
-  the core against the commit before it.
+  the core against the commit before it. Both run from source: the
+  revision's core is imported from its ``.py`` files, so a compiled install
+  re-runs this benchmark with ``BLOCKD_PURE_PYTHON=1`` (its ``build`` says
+  so) rather than set compiled code against sources.
 
 Absolute times drift ±20% on shared machines; compare ratios within one run.
 """
@@ -262,6 +265,11 @@ def main() -> None:
         return
     steps = 64 if args.quick else 512
     if args.against:
+        import blockd.core
+
+        if blockd.core.BUILD == "compiled":  # like against like: the revision's core runs from source
+            os.execve(sys.executable, [sys.executable, os.path.abspath(__file__), *sys.argv[1:]],
+                      {**os.environ, "BLOCKD_PURE_PYTHON": "1"})
         bench_against(args.against, steps, args.rounds)
         return
     bench_decode(steps)

@@ -22,6 +22,7 @@ def test_decode_step_against_a_revision():
     result = lines[0]
     assert result["rev"] == "HEAD" and result["us_per_step"] > 0 and result["rev_us_per_step"] > 0
     assert result["ratio_vs_rev"] > 0 and len(result["ratios"]) == 2  # rounds are made even
+    assert result["build"].startswith("python")  # the revision runs from source, so this tree does too
 
 
 def test_the_build_row_times_the_install_against_its_sources():
