@@ -7,7 +7,8 @@ their own ``CollectorRegistry`` (so tests can run several in one process),
 and :func:`register_standard_metrics` gives such a registry what the
 process-global one would have had: ``process_*`` (CPU, memory, open file
 descriptors, start time), ``python_info`` and ``blockd_build_info`` (value 1,
-the build in its labels, for joins and version dashboards).
+the build in its labels, for joins and version dashboards: the version, the
+Python, and ``core``, whether the allocator core runs compiled).
 
 Standard library only at import time (``--version`` and ``--help`` stay
 fast); prometheus_client is imported by :func:`register_standard_metrics`.
@@ -35,9 +36,17 @@ def python_version() -> str:
     return platform.python_version()
 
 
+def core_build() -> str:
+    """``compiled`` or ``python``: the build of the allocator core this process
+    runs (:data:`blockd.core.BUILD` without its reason, a bounded label)."""
+    from blockd.core import BUILD  # standard library only, like this module
+
+    return "compiled" if BUILD == "compiled" else "python"
+
+
 def describe(program: str) -> str:
-    """``--version``'s line: ``blockd 0.1.0 (Python 3.11.7)``."""
-    return f"{program} {version()} (Python {python_version()})"
+    """``--version``'s line: ``blockd 0.1.0 (Python 3.11.7, compiled core)``."""
+    return f"{program} {version()} (Python {python_version()}, {core_build()} core)"
 
 
 def register_standard_metrics(registry: Any) -> None:
@@ -48,9 +57,9 @@ def register_standard_metrics(registry: Any) -> None:
     if registry is not REGISTRY:
         ProcessCollector(registry=registry)
         PlatformCollector(registry=registry)
-    info = Gauge("blockd_build_info", "The build serving these metrics (value 1): its version and Python.",
-                 ("version", "python_version"), registry=registry)
-    info.labels(version(), python_version()).set(1)
+    info = Gauge("blockd_build_info", "The build serving these metrics (value 1): its version, Python and "
+                 "whether its allocator core is compiled.", ("version", "python_version", "core"), registry=registry)
+    info.labels(version(), python_version(), core_build()).set(1)
 
 
-__all__ = ["DISTRIBUTION", "describe", "python_version", "register_standard_metrics", "version"]
+__all__ = ["DISTRIBUTION", "core_build", "describe", "python_version", "register_standard_metrics", "version"]

@@ -23,6 +23,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
+import blockd.core
 from blockd.core.errors import InvalidArgument, NoRoom, NotFound
 from blockd.core.types import Allocate, Append, Commit, DecodeAppend, Fork, Free, PoolConfig, WorkerInfo
 from blockd.engine.config import EngineConfig
@@ -36,7 +37,7 @@ needs_promtool = pytest.mark.skipif(
     PROMTOOL is None, reason="promtool not found: apt-get install prometheus (Debian) to run this check")
 ALLOWED_LABELS = {"pool", "state", "kind", "outcome", "method", "code", "kernel", "le", "reason", "result",
                   # the build's, constant for a process: blockd_build_info and the standard python_info
-                  "version", "python_version", "implementation", "major", "minor", "patchlevel"}
+                  "version", "python_version", "core", "implementation", "major", "minor", "patchlevel"}
 
 
 class FakeClock:
@@ -338,7 +339,8 @@ def test_build_info_and_the_standard_process_metrics(program):
     (info,) = families["blockd_build_info"].samples
     assert info.value == 1
     assert info.labels == {"version": importlib.metadata.version("blockd"),
-                           "python_version": platform.python_version()}
+                           "python_version": platform.python_version(),
+                           "core": "compiled" if blockd.core.BUILD == "compiled" else "python"}
     for name in ("process_cpu_seconds", "process_resident_memory_bytes", "process_open_fds",
                  "process_start_time_seconds", "python_info"):
         assert name in families, name

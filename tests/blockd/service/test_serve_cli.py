@@ -15,6 +15,7 @@ import time
 
 import pytest
 
+import blockd.core
 from blockd.auth import tokens
 from blockd.core import PoolConfig
 from blockd.logs import JSON_KEYS, JsonFormatter
@@ -64,7 +65,9 @@ def test_a_data_dir_that_is_a_file_is_named_a_file(run_module, tmp_path) -> None
 def test_version(run_module, module) -> None:
     proc = run_module(module, "--version")
     assert proc.returncode == 0 and proc.stderr == ""
-    assert proc.stdout == f"blockd {importlib.metadata.version('blockd')} (Python {platform.python_version()})\n"
+    core = "compiled" if blockd.core.BUILD == "compiled" else "python"
+    assert proc.stdout == (f"blockd {importlib.metadata.version('blockd')} (Python {platform.python_version()}, "
+                           f"{core} core)\n")
 
 
 def test_python_dash_m_blockd_is_the_cli(run_module) -> None:
