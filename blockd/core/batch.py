@@ -20,8 +20,8 @@ A sequence is journaled as a *mark*, ``(seq, num_tokens, num_committed,
 last block)``, taken before an operation changes it; undoing a mark cuts its
 tokens, table and hashes back to those lengths (the lengths follow from the
 token and committed counts, see :mod:`blockd.core.sequence`), restores its
-last table entry (undoing a copy-on-write) and that block's fill. Marks are
-columnar: one :class:`SeqMarks` entry holds the marks of a whole decode step.
+last table entry (undoing a copy-on-write) and that block's fill. A decode
+step journals its sequences in one columnar :class:`DecodeMarks` entry.
 
 Imports only the standard library.
 """
@@ -122,20 +122,19 @@ class Batch:
 
     def mark(self, seq: Sequence) -> None:
         """Journal ``seq`` before an operation changes its tokens or table
-        (the decode loop builds the same tuple inline)."""
+        (a decode step journals its sequences as one :class:`DecodeMarks` instead)."""
         table = seq.table
         mark = (seq, len(seq.token_ids), seq.num_committed, table[-1] if table else -1)
         self.journal.append(SeqMarks(self.blocks, [mark]))
 
-    def add_marks(self, marks: list[Mark]) -> None:
-        """Journal the marks a decode step took, once, after its changes.
-
-        After, not before: a sequence listed twice may be marked on a block
-        the step itself took. Undone before the step's block entries, such a
-        mark's fill is overwritten by the take's own undo; every other mark
-        restores a block the step did not take.
-        """
-        self.journal.append(SeqMarks(self.blocks, marks))
+    def add_decode_marks(self, seqs: list[Sequence], committed: list[int], appended: int,
+                         cows: list[tuple[Sequence, int]]) -> None:
+        """Journal a decode step's sequences, once, after its changes:
+        ``seqs`` in the order it reached them, each one's ``num_committed``
+        before it, how many of them gained their token (all, or all but the
+        last when the step stopped on it) and ``(sequence, shared last
+        block)`` for each copy on write (:class:`DecodeMarks`)."""
+        self.journal.append(DecodeMarks(self.blocks, seqs, committed, appended, cows))
 
     def add_seq(self, seq: Sequence) -> None:
         """A new sequence (allocated or forked); its id is no longer 'freed'."""
@@ -230,6 +229,41 @@ class SeqMarks(Undo):
             del seq.token_ids[num_tokens:]
             seq.num_committed = committed
             del seq.hashes[committed // b :]
+
+
+class DecodeMarks(Undo):
+    """A decode step's sequences as they were before it (columnar, see
+    :meth:`Batch.add_decode_marks`). Each named sequence holds its one new
+    token (but the last when ``appended`` says so), so its token count before
+    the step follows, and from it its table length and last block's fill
+    (:mod:`blockd.core.sequence`); a copy on write is the only change to an
+    existing table entry, undone first. A decode op names each sequence once
+    (:mod:`blockd.core.decode` refuses a repeat), so no sequence is listed twice.
+    """
+
+    __slots__ = ("appended", "committed", "cows", "seqs", "space")
+
+    def __init__(self, space: BlockSpace, seqs: list[Sequence], committed: list[int], appended: int,
+                 cows: list[tuple[Sequence, int]]) -> None:
+        self.space, self.seqs, self.committed, self.appended, self.cows = space, seqs, committed, appended, cows
+
+    def undo(self) -> None:
+        fill, b = self.space.fill, self.space.block_size
+        for seq, last in reversed(self.cows):
+            seq.table[-1] = last
+        seqs, committed, appended = self.seqs, self.committed, self.appended
+        for i in range(len(seqs) - 1, -1, -1):
+            seq = seqs[i]
+            tokens = seq.token_ids
+            num_tokens = len(tokens) - 1 if i < appended else len(tokens)
+            num_blocks = num_blocks_for(num_tokens, b)
+            table = seq.table
+            del table[num_blocks:]
+            if num_blocks:
+                fill[table[-1]] = num_tokens - (num_blocks - 1) * b
+            del tokens[num_tokens:]
+            seq.num_committed = committed[i]
+            del seq.hashes[committed[i] // b :]
 
 
 class _SeqAdded(Undo):

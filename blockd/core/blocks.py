@@ -253,7 +253,8 @@ class BlockSpace:
         """``count`` more slots of a used, unshared block now hold tokens.
 
         Not journaled: only a sequence's own last block grows, and the
-        sequence's mark (:class:`blockd.core.batch.SeqMarks`) restores that
+        sequence's mark (:class:`blockd.core.batch.SeqMarks`, or a decode step's
+        :class:`~blockd.core.batch.DecodeMarks`) restores that
         block's fill from the sequence's old length.
         """
         self.fill[block] += count

@@ -10,8 +10,10 @@ write by the same :meth:`~blockd.core.batch.Batch.copy_on_write` that
 ``set`` of the ids costs about 2% of the step.
 
 The step journals one columnar entry for all its sequences (a
-:class:`~blockd.core.batch.SeqMarks` of plain tuples built inline), because an
-undo object per sequence costs about as much as the rest of the loop; and it
+:class:`~blockd.core.batch.DecodeMarks`: the sequences and their committed
+counts in two lists, the rest follows from the step itself), because an undo
+object per sequence costs about as much as the rest of the loop, and a tuple
+per sequence cost 7% of a compiled step (parsed to answered, in one process); and it
 grows block fills in one :meth:`~blockd.core.blocks.BlockSpace.add_fill_each`
 call after the loop, because an ``add_fill`` call per sequence costs about 8%
 of the step (``bench/core.py --against``). Fills grow only once the whole step
@@ -23,9 +25,10 @@ standard library.
 
 from __future__ import annotations
 
-from blockd.core.batch import Batch, Mark
+from blockd.core.batch import Batch
 from blockd.core.errors import InvalidArgument, NotFound, shown
 from blockd.core.hashing import check_token_ids
+from blockd.core.sequence import Sequence
 from blockd.core.types import DecodeAppend, OpResult, TableUpdate
 
 MAX_DECODE_BATCH = 1 << 20
@@ -58,8 +61,9 @@ def apply_decode(batch: Batch, op: DecodeAppend) -> OpResult:
     _check(op)
     b, blocks, seqs = batch.block_size, batch.blocks, batch.seqs
     ref, take = blocks.ref, blocks.take
-    marks: list[Mark] = []
-    mark = marks.append
+    marked: list[Sequence] = []  # every sequence the step reached, in order
+    committed_before: list[int] = []  # and its num_committed before the step
+    cows: list[tuple[Sequence, int]] = []  # (sequence, its shared last block) for each copy on write
     slots: list[int] = []
     slot = slots.append
     added: list[int] = []
@@ -76,7 +80,8 @@ def apply_decode(batch: Batch, op: DecodeAppend) -> OpResult:
                                seq_id=seq_id)
             tokens, table = seq.token_ids, seq.table
             num_tokens, committed = len(tokens), seq.num_committed
-            mark((seq, num_tokens, committed, table[-1] if table else -1))  # as Batch.mark
+            marked.append(seq)
+            committed_before.append(committed)
             if committed < num_tokens:  # appending implies the earlier KV is written
                 if num_tokens // b > len(seq.hashes):
                     batch.commit_tokens(seq, num_tokens)
@@ -88,6 +93,7 @@ def apply_decode(batch: Batch, op: DecodeAppend) -> OpResult:
                 if ref[last] > 1:  # shared and partly filled
                     if not blocks.num_available:
                         raise batch.no_room(f"copy-on-write for {shown(seq_id)} needs a block", watermark=False)
+                    cows.append((seq, last))
                     copy = batch.copy_on_write(seq, offset)
                     copies.append(copy)
                     last = copy[1]
@@ -103,7 +109,7 @@ def apply_decode(batch: Batch, op: DecodeAppend) -> OpResult:
             tokens.append(token)
             slot(last * b + offset)  # arith.slot_at, inlined: a call per sequence was 5% of the step
     finally:
-        batch.add_marks(marks)
+        batch.add_decode_marks(marked, committed_before, len(slots), cows)
     blocks.add_fill_each(grown)
     batch.num_tokens += len(slots)
     return OpResult(seq_id="", num_tokens=len(slots), new_block_ids=tuple(added), copy_ops=tuple(copies),

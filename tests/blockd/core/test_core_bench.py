@@ -36,7 +36,6 @@ def test_the_build_row_times_the_install_against_its_sources():
     assert {r["build"] for r in rows} == {blockd.core.BUILD}
     build = rows[-1]
     # each child says which build it ran: the install's, and the sources
-    assert build["child_builds"] == [blockd.core.BUILD, "python (BLOCKD_PURE_PYTHON=1)" if
-                                     blockd.core.BUILD == "compiled" else blockd.core.BUILD]
+    assert build["child_builds"][0] == blockd.core.BUILD and build["child_builds"][1].startswith("python")
     assert build["cpu_us_per_step"] > 0 and build["python_cpu_us_per_step"] > 0 and build["rounds"] == 2
     assert build["compiled_modules"] == (list(blockd.core.COMPILED) if blockd.core.BUILD == "compiled" else [])

@@ -359,6 +359,29 @@ def test_failed_decode_restores_fills_when_a_sequence_repeats_across_a_block():
     check_invariants(pool)
 
 
+def test_a_decode_that_runs_out_of_blocks_midway_changes_nothing():
+    """The step stops on a sequence after others crossed a block, copied a
+    shared block on write and committed a full one: every one of them, and
+    the one it stopped on (whose earlier tokens it had committed), comes back
+    exactly, block fills and hashes included (decode's columnar undo)."""
+    from blockd.core.state import dump_pool
+
+    pool = make_pool(num_blocks=5)  # block size 4
+    pool.step([Allocate("full", [1, 2, 3, 4]), Allocate("shared", [5, 6]), Fork("shared", "twin"),
+               Allocate("last", [9, 9, 9, 8])])  # 3 blocks used, 2 free; no block committed yet
+    before = dump_pool(pool)
+    # full commits and crosses (takes a block), shared copies on write (takes the other),
+    # last commits its full block, then finds none to cross into
+    with pytest.raises(NoRoom) as err:
+        pool.step([DecodeAppend(["full", "shared", "last"], [7, 8, 10])])
+    assert err.value.op_index == 0 and "last" in str(err.value)
+    assert dump_pool(pool) == before
+    check_invariants(pool)
+    result = pool.step([DecodeAppend(["full", "shared"], [7, 8])])  # and the same step without it works
+    assert len(result.copy_ops) == 1 and len(result.results[0].new_block_ids) == 1
+    check_invariants(pool)
+
+
 def test_copy_on_write_is_the_same_for_append_and_decode():
     a, b = make_pool(), make_pool()
     for pool in (a, b):
