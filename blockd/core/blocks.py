@@ -252,10 +252,9 @@ class BlockSpace:
     def add_fill(self, block: int, count: int) -> None:
         """``count`` more slots of a used, unshared block now hold tokens.
 
-        Not journaled: only a sequence's own last block grows, and the
-        sequence's mark (:class:`blockd.core.batch.SeqMarks`, or a decode step's
-        :class:`~blockd.core.batch.DecodeMarks`) restores that
-        block's fill from the sequence's old length.
+        Not journaled: only a sequence's own last block grows, and its mark
+        (:class:`blockd.core.batch.SeqMarks`, a decode step's ``DecodeMarks``)
+        restores that block's fill from the sequence's old length.
         """
         self.fill[block] += count
         self.filled_slots += count
