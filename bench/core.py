@@ -53,6 +53,7 @@ from types import ModuleType
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+import blockd.core
 from blockd.core import Allocate, Append, Commit, Free, Pool, PoolConfig
 from blockd.core.types import DecodeAppend
 
@@ -60,8 +61,6 @@ BLOCK = 16
 
 
 def emit(name: str, **fields) -> None:
-    import blockd.core
-
     print(json.dumps({"name": name, **fields, "build": blockd.core.BUILD, "python": platform.python_version()}),
           flush=True)
 
@@ -156,8 +155,6 @@ def cpu_us_per_decode_step(steps: int, num_seqs: int = 256, prompt_len: int = 31
 
 
 def bench_build(steps: int, rounds: int) -> None:
-    import blockd.core
-
     builds = {}
 
     def child(pure: bool) -> float:
@@ -231,8 +228,6 @@ def time_decode_paired(cores: list[ModuleType], steps: int, num_seqs: int = 256,
 
 
 def bench_against(rev: str, steps: int, rounds: int) -> None:
-    import blockd.core
-
     ours: list[float] = []
     theirs: list[float] = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -259,14 +254,10 @@ def main() -> None:
     parser.add_argument("--cpu-per-step", type=int, metavar="STEPS", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.cpu_per_step:
-        import blockd.core
-
         print(blockd.core.BUILD, round(cpu_us_per_decode_step(args.cpu_per_step), 2))
         return
     steps = 64 if args.quick else 512
     if args.against:
-        import blockd.core
-
         if blockd.core.BUILD == "compiled":  # like against like: the revision's core runs from source
             os.execve(sys.executable, [sys.executable, os.path.abspath(__file__), *sys.argv[1:]],
                       {**os.environ, "BLOCKD_PURE_PYTHON": "1"})
