@@ -29,7 +29,7 @@ from client.errors import BlockdClientError, DeadlineExceededError, InvalidArgum
 from client.scheduler import SchedulerConfig
 from client.sdk import BlockdClient
 from client.step_stream import StepStream, _LaneCall
-from tests.support.procs import free_port, start_blockd
+from tests.support.procs import free_port, pause, start_blockd
 
 pytest_plugins = ["tests.support.grpc_fixtures"]
 
@@ -161,7 +161,7 @@ def test_a_late_answer_is_a_deadline_and_the_next_step_opens_a_new_stream(transp
             client.create_pool(PoolConfig("p", num_blocks=16, block_size=4))
             stream.step("p", [Allocate("a", [1, 2, 3])])
             assert on(stream, transport)
-            os.kill(proc.pid, signal.SIGSTOP)  # the daemon answers nothing, its socket stays open
+            pause(proc.pid)  # the daemon answers nothing, its socket stays open
             try:
                 began = time.monotonic()
                 with pytest.raises(DeadlineExceededError, match="request id"):

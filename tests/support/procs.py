@@ -8,6 +8,8 @@ test never leaves a process behind. Loopback addresses only.
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import time
 from contextlib import contextmanager
@@ -43,6 +45,30 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def pause(pid: int, timeout_s: float = 10.0) -> None:
+    """SIGSTOP ``pid`` and return once every one of its threads has stopped.
+
+    kill() returns as soon as the signal is queued. One thread takes it and
+    only then stops the others, so on a busy machine another thread can still
+    answer a request sent right after kill() returned.
+    """
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        states = []
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    states.append(f.read().rsplit(")", 1)[1].split()[0])
+            except FileNotFoundError:
+                pass  # a thread that ended meanwhile
+        if states and all(state in "tT" for state in states):
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"process {pid} did not stop within {timeout_s} s: thread states {states}")
+        time.sleep(0.005)
 
 
 def start_blockd(*extra: str, env: dict | None = None) -> Proc:

@@ -14,7 +14,7 @@ from blockd.core import Allocate, Append, Fork, Free, PoolConfig
 from blockd.core.types import WorkerInfo
 from client.errors import BlockdClientError, UnavailableError
 from client.sdk import BlockdClient
-from tests.support.procs import free_port, start_blockd
+from tests.support.procs import free_port, pause, start_blockd
 from worker.attachment import Attachment
 from worker.runtime import WorkerRuntime
 
@@ -103,7 +103,7 @@ def test_a_quiet_stream_stays_open_and_a_paused_daemon_is_given_up(tmp_path):
         assert items.empty(), f"the quiet stream ended: {items.get()!r}"
         client.step("m", [Allocate("b", [2])])
         assert items.get(timeout=5).version == 2
-        os.kill(proc.pid, signal.SIGSTOP)
+        pause(proc.pid)
         try:
             start = time.monotonic()
             err = items.get(timeout=20)  # keepalive: 2 s to the next ping, 4 s without its answer
