@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+import sys
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -42,6 +43,10 @@ MAX_TOKEN_ID = 2**32 - 1
 _DOMAIN = b"blockd.block.v1"
 _EXTRA_PERSON = b"blockd.extra"
 _TENANT_PERSON = b"blockd.tenant"
+_ROOT = b"\0" * HASH_BYTES
+#: a block's token ids as array("I") bytes: 0.6x the time of struct.pack(*ids), the same bytes where
+#: its "I" is a little-endian uint32 (elsewhere struct packs them)
+_ARRAY_IS_LE_U32 = array("I").itemsize == 4 and sys.byteorder == "little"
 #: the tenant of pools nobody assigned one (no authentication, or data from before tenants)
 DEFAULT_TENANT = "default"
 
@@ -91,9 +96,9 @@ def tenant_digest(extra_digest: bytes, tenant: str) -> bytes:
 def hash_block(parent: bytes | None, token_ids: Sequence[int], extra_digest: bytes) -> bytes:
     """Hash of one full block, chained on its parent's hash (``None`` for the first)."""
     h = hashlib.blake2b(_DOMAIN, digest_size=HASH_BYTES)
-    h.update(parent if parent is not None else b"\0" * HASH_BYTES)
+    h.update(parent if parent is not None else _ROOT)
     h.update(extra_digest)
-    h.update(struct.pack(f"<{len(token_ids)}I", *token_ids))
+    h.update(array("I", token_ids) if _ARRAY_IS_LE_U32 else struct.pack(f"<{len(token_ids)}I", *token_ids))
     return h.digest()
 
 

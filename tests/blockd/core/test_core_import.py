@@ -40,6 +40,18 @@ def test_block_hashes_are_stable_across_processes():
     assert len(here) == 2 and len(set(here)) == 2
 
 
+def test_a_block_hashes_the_same_where_array_is_not_a_little_endian_uint32(monkeypatch):
+    """hash_block packs token ids with array("I") where that is a little-endian
+    uint32 and with struct elsewhere: both give the same hashes (the served
+    spec's vectors check the array path against an independent struct one)."""
+    from blockd.core import hashing
+
+    tokens, extra = list(range(2**32 - 16, 2**32)), hashing.ExtraKeys(model_id="m").digest()
+    fast = [hashing.hash_block(parent, tokens, extra) for parent in (None, b"p" * 16)]
+    monkeypatch.setattr(hashing, "_ARRAY_IS_LE_U32", False)
+    assert [hashing.hash_block(parent, tokens, extra) for parent in (None, b"p" * 16)] == fast
+
+
 #: the core's modules, lowest first; a module imports only from layers below its own
 CORE_LAYERS = [
     {"errors", "arith", "lru", "terms"},
