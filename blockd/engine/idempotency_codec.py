@@ -331,7 +331,7 @@ def _incarnation(text: str) -> bytes:
     uuid4's 32 hex digits as 16 bytes, anything else as its text."""
     if not text:
         return b""
-    if len(text) == 32 and all(c in "0123456789abcdef" for c in text):
+    if len(text) == 32 and not text.strip("0123456789abcdef"):  # all hex digits, in C rather than a genexpr
         return b"\x01" + bytes.fromhex(text)
     return b"\x02" + _text(text)
 
