@@ -44,13 +44,16 @@ def _choose_build() -> str:
     else:
         try:
             recorded = dict(line.split()[::-1] for line in (here / "compiled_from.sha256").read_text().splitlines())
-        except (OSError, ValueError):
-            recorded = {}
-        edited = [name for name in COMPILED if recorded.get(f"{name}.py")
+        except (OSError, ValueError):  # missing, or not "<sha256>  <name>.py" lines
+            recorded = None
+        edited = [name for name in COMPILED if (recorded or {}).get(f"{name}.py")
                   != _hashlib.sha256((here / f"{name}.py").read_bytes()).hexdigest()]
-        if edited:
-            why = (f"{', '.join(f'{name}.py' for name in edited)} changed since it was compiled; "
-                   "`make setup` compiles it again")
+        if recorded is None:
+            why = "compiled_from.sha256 is missing or damaged, so the build cannot be matched to its sources"
+        elif edited:
+            why = f"{', '.join(f'{name}.py' for name in edited)} changed since it was compiled"
+        if why:
+            why += "; `make setup` compiles it again"
             _logging.getLogger("blockd.core").warning("the compiled core is stale (%s): running it from source", why)
     if not why:
         return "compiled"

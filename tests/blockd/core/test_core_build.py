@@ -83,3 +83,16 @@ def test_an_edited_source_runs_from_source_and_says_so(tmp_path):
     shutil.copy(ROOT / "blockd" / "core" / "decode.py", tmp_path / "blockd" / "core" / "decode.py")
     assert run("import blockd.core; print(blockd.core.BUILD)", tmp_path, PYTHONPATH=str(tmp_path)).stdout == \
         "compiled\n"
+    # a build whose record of its sources is damaged or gone cannot be vouched for: it runs from source
+    record = tmp_path / "blockd" / "core" / "compiled_from.sha256"
+    for damage in ("not a record\n", b"\xff\xfe", None):
+        if damage is None:
+            record.unlink()
+        elif isinstance(damage, bytes):
+            record.write_bytes(damage)
+        else:
+            record.write_text(damage)
+        out = run("import blockd.core; print(blockd.core.BUILD)", tmp_path, PYTHONPATH=str(tmp_path))
+        assert out.stdout == ("python (compiled_from.sha256 is missing or damaged, so the build cannot be matched "
+                              "to its sources; `make setup` compiles it again)\n"), (damage, out.stdout)
+        assert "compiled core is stale" in out.stderr
