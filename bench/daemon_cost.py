@@ -40,6 +40,12 @@ started with ``--step-lane-port 0``: the steps go over the step lane,
   the scheduler and the network stack run, so its steps start with cold
   caches: on the 2-core VM the hot core's 135 us become about 190-220, and the
   in-process handler chain (request bytes to answer bytes) 225 -> about 310 us;
+* ``chain_cpu_us_per_step`` (decode rows): that handler chain in this
+  process (:func:`chain_cpu_us`: the servicer's parser, its step, the
+  answer's bytes; no transport, no interceptors), steps back to back, and
+  ``chain_after_idle_cpu_us_per_step`` with a 200 us sleep before each
+  (:data:`IDLE_S`), as the daemon waits between steps; ``ratio_vs_chain_after_idle``:
+  what the transport and the daemon process add to the step's own work;
 * ``ratio_vs_unary``, ``ratio_vs_stream`` (a lane row), ``ratio_vs_plain`` (CPU per step against the same
   configuration by unary calls / without security) and
   ``steps_per_s_vs_one_scheduler`` (4 schedulers against 1), all measured
@@ -84,6 +90,11 @@ from bench.auth import security_variants
 from bench.daemon import BLOCK_SIZE, MAX_STEPS, NUM_BLOCKS, NUM_SEQS, start_daemon, stop_daemon
 from blockd.core import Allocate, Pool, PoolConfig
 from blockd.core.types import DecodeAppend, Free
+from blockd.engine.config import EngineConfig
+from blockd.engine.machine import Engine
+from blockd.service.servicer import BlockServicer
+from blockd.v1 import blockd_pb2 as pb
+from client import messages
 from client.sdk import BlockdClient
 
 PREFILL_TOKENS = 2048
@@ -91,6 +102,8 @@ PREFILL_TOKENS = 2048
 PREFILL_BLOCKS = 4096
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
 WARMUP_STEPS = 50
+#: the idle gap before each step of the ``chain_after_idle`` baseline: about what a lane daemon waits per step
+IDLE_S = 0.0002
 #: unary Step calls, the gRPC StepStream, the step lane (blockd serve --step-lane-port)
 TRANSPORTS = ("unary", "stream", "lane")
 
@@ -197,6 +210,41 @@ def core_cpu_us(kind: str, reps: int, evict_bytes: int = 0) -> float:
     pool.step([Allocate("p0", prompts[0])])
     return sum(timed(pool.step, [Free(f"p{n - 1}"), Allocate(f"p{n}", prompts[n])])
                for n in range(1, reps + 1)) / reps * 1e6
+
+
+def chain_cpu_us(reps: int, idle_s: float = 0.0) -> float:
+    """CPU microseconds per decode step (as ``decode``'s) through the daemon's
+    own StepStream path in this process, with no transport: the servicer's
+    parser from the request's bytes, ``BlockServicer._step`` (conversion,
+    ``Engine.step`` with a request id, the answer) and the answer's bytes.
+    ``idle_s`` > 0: the process sleeps that long before each step (untimed),
+    as the daemon waits for the next request. On the 2-core VM (2026-12-06,
+    eight alternating pairs) a step took 176-259 us back to back and 217-385
+    after a 200 us sleep, dearer in every pair, while a harness that spun
+    through the 200 us instead paid 5-10% more: the price is the CPU going
+    idle (to the hypervisor), not the time."""
+    engine = Engine(EngineConfig())
+    try:
+        servicer = BlockServicer(engine, threading.Event())
+        parse = servicer.request_parsers["StepStream"]
+        engine.create_pool(PoolConfig("chain", num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE))
+        ids = [f"chain-{i}" for i in range(NUM_SEQS)]
+        engine.step("chain", [Allocate(s, list(range(BLOCK_SIZE))) for s in ids])
+        total = 0.0
+        for n in range(min(reps, MAX_STEPS)):
+            # each request's bytes new, as a daemon reads each into a fresh buffer (untimed)
+            data = pb.StepStreamRequest(step=messages.step_request(
+                "chain", [DecodeAppend(ids, [7] * NUM_SEQS)], f"r{n}", False, "", 0)).SerializeToString()
+            if idle_s:
+                time.sleep(idle_s)
+            began = time.process_time()
+            answer = pb.StepStreamResponse()
+            servicer._step(parse(data), answer.response)
+            answer.SerializeToString()
+            total += time.process_time() - began
+        return total / min(reps, MAX_STEPS) * 1e6
+    finally:
+        engine.close()
 
 
 def placement_cpus(placement: str) -> tuple[frozenset[int], frozenset[int]] | None:
@@ -377,6 +425,7 @@ def daemon_cost(seconds: float, quick: bool, profile: bool, placement: str = "sh
         return
     core = {kind: core_cpu_us(kind, 200 if quick else 2000) for kind in ("decode", "prefill")}
     cold = {kind: core_cpu_us(kind, 200 if quick else 1000, l2_bytes()) for kind in ("decode", "prefill")}
+    chain = (chain_cpu_us(300 if quick else 1000), chain_cpu_us(300 if quick else 1000, IDLE_S))
     with tempfile.TemporaryDirectory(prefix="blockd-bench-cost-") as directory:
         variants = security_variants(directory)
         grid = [(k, s, d, sec, t) for k in ("decode", "prefill") for s in (1, 4)
@@ -395,6 +444,9 @@ def daemon_cost(seconds: float, quick: bool, profile: bool, placement: str = "sh
             row["ratio_vs_core"] = round(cost / core[kind], 2)
             row["core_cold_cpu_us_per_step"] = round(cold[kind], 1)
             row["ratio_vs_core_cold"] = round(cost / cold[kind], 2)
+            if kind == "decode":
+                row["chain_cpu_us_per_step"], row["chain_after_idle_cpu_us_per_step"] = (round(c, 1) for c in chain)
+                row["ratio_vs_chain_after_idle"] = round(cost / chain[1], 2)
             # each ratio against the same configuration but one axis, measured earlier in this run
             key = (kind, schedulers, durability, security)
             if transport in ("unary", "stream"):

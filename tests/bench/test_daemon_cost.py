@@ -52,6 +52,11 @@ def test_one_short_configuration_by_unary_calls_and_over_a_stream(tmp_path):
     # the cold-cache baseline: one L2's worth of other data copied before each (untimed) step
     assert daemon_cost.l2_bytes() >= 1 << 16
     assert daemon_cost.core_cpu_us("decode", 20, 1 << 20) > 0 and daemon_cost.core_cpu_us("prefill", 5, 1 << 20) > 0
+    # the daemon's own step path in process, back to back and after an (untimed) sleep before each step
+    assert daemon_cost.chain_cpu_us(5) > 0
+    began = time.perf_counter()
+    assert 0 < daemon_cost.chain_cpu_us(5, idle_s=0.05) < 50_000
+    assert time.perf_counter() - began >= 5 * 0.05
 
 
 def test_the_daemon_on_a_core_of_its_own(tmp_path):
