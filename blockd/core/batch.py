@@ -9,15 +9,15 @@ batch while it is open. So the journal holds one typed
 :class:`~blockd.core.blocks.Undo` entry per mutation, and :meth:`Batch.rollback`
 undoes them newest first::
 
-    journal   [Counters | TookFresh 7 | SeqAdded 'a' | SeqMarks [b, c] | Indexed 3 ...]
-    rollback  <--------------------------------------------------------- newest first
+    journal   [Counters | TookFresh 7 | SeqAdded 'a' | SeqMark b | DecodeMarks [c, d] | Indexed 3 ...]
+    rollback  <------------------------------------------------------------------------ newest first
 
 What only matters once the batch has succeeded is not journaled but kept
 here and published by the pool on commit: table updates, copy ops, stored
 hashes, tombstone changes and the changes to the pool's counters.
 
-A sequence is journaled as a *mark*, ``(seq, num_tokens, num_committed,
-last block)``, taken before an operation changes it; undoing a mark cuts its
+A sequence is journaled as a :class:`SeqMark` (its token and committed
+counts and last block) before an operation changes it; undoing it cuts its
 tokens, table and hashes back to those lengths (the lengths follow from the
 token and committed counts, see :mod:`blockd.core.sequence`), restores its
 last table entry (undoing a copy-on-write) and that block's fill. A decode
@@ -39,8 +39,6 @@ from blockd.core.sequence import Sequence, find_seq
 from blockd.core.types import PoolConfig, TableUpdate
 from blockd.core.validate import check_name
 
-#: a sequence before an operation: (seq, num_tokens, num_committed, last block or -1)
-Mark = tuple[Sequence, int, int, int]
 #: a block that entered the prefix index: (evictions queued before it, block,
 #: hash, parent hash or b"", tokens, its sequence, its logical index); the
 #: first field orders the events, the last two find its tokens-only hash
@@ -124,8 +122,8 @@ class Batch:
         """Journal ``seq`` before an operation changes its tokens or table
         (a decode step journals its sequences as one :class:`DecodeMarks` instead)."""
         table = seq.table
-        mark = (seq, len(seq.token_ids), seq.num_committed, table[-1] if table else -1)
-        self.journal.append(SeqMarks(self.blocks, [mark]))
+        self.journal.append(SeqMark(self.blocks, seq, len(seq.token_ids), seq.num_committed,
+                                    table[-1] if table else -1))
 
     def add_decode_marks(self, seqs: list[Sequence], committed: list[int], appended: int,
                          cows: list[tuple[Sequence, int]]) -> None:
@@ -209,26 +207,26 @@ def no_room_message(cfg: PoolConfig, blocks: BlockSpace, what: str, *, watermark
 # --- undo entries for sequences ----------------------------------------------
 
 
-class SeqMarks(Undo):
-    """Sequences as they were before an operation changed them (columnar)."""
+class SeqMark(Undo):
+    """A sequence as it was before an operation changed it: its token and
+    committed counts and its last block (-1: none)."""
 
-    __slots__ = ("marks", "space")
+    __slots__ = ("committed", "last", "num_tokens", "seq", "space")
 
-    def __init__(self, space: BlockSpace, marks: list[Mark]) -> None:
-        self.space, self.marks = space, marks
+    def __init__(self, space: BlockSpace, seq: Sequence, num_tokens: int, committed: int, last: int) -> None:
+        self.space, self.seq, self.num_tokens, self.committed, self.last = space, seq, num_tokens, committed, last
 
     def undo(self) -> None:
-        fill, b = self.space.fill, self.space.block_size
-        for seq, num_tokens, committed, last in reversed(self.marks):
-            num_blocks = num_blocks_for(num_tokens, b)
-            table = seq.table
-            del table[num_blocks:]
-            if num_blocks:
-                table[-1] = last
-                fill[last] = num_tokens - (num_blocks - 1) * b
-            del seq.token_ids[num_tokens:]
-            seq.num_committed = committed
-            del seq.hashes[committed // b :]
+        b, seq, num_tokens = self.space.block_size, self.seq, self.num_tokens
+        num_blocks = num_blocks_for(num_tokens, b)
+        table = seq.table
+        del table[num_blocks:]
+        if num_blocks:
+            table[-1] = self.last
+            self.space.fill[self.last] = num_tokens - (num_blocks - 1) * b
+        del seq.token_ids[num_tokens:]
+        seq.num_committed = self.committed
+        del seq.hashes[self.committed // b :]
 
 
 class DecodeMarks(Undo):

@@ -253,7 +253,7 @@ class BlockSpace:
         """``count`` more slots of a used, unshared block now hold tokens.
 
         Not journaled: only a sequence's own last block grows, and its mark
-        (:class:`blockd.core.batch.SeqMarks`, a decode step's ``DecodeMarks``)
+        (:class:`blockd.core.batch.SeqMark`, a decode step's ``DecodeMarks``)
         restores that block's fill from the sequence's old length.
         """
         self.fill[block] += count
