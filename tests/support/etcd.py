@@ -30,6 +30,7 @@ from collections.abc import Iterator
 import pytest
 
 from blockd.cluster.local import free_port
+from tests.support.procs import pause
 
 START_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 10.0
@@ -94,7 +95,7 @@ class EtcdServer:
 
     def pause(self) -> None:
         """SIGSTOP: etcd stops answering (and stops expiring leases) until :meth:`resume`."""
-        os.kill(self.popen.pid, signal.SIGSTOP)
+        pause(self.popen.pid)
 
     def resume(self) -> None:
         os.kill(self.popen.pid, signal.SIGCONT)
