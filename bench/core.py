@@ -54,7 +54,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import blockd.core
-from blockd.core import Allocate, Append, Commit, Free, Pool, PoolConfig
+from blockd.core import Allocate, Append, Commit, Pool, PoolConfig
 from blockd.core.types import DecodeAppend
 
 BLOCK = 16
@@ -68,8 +68,16 @@ def emit(name: str, **fields) -> None:
 def running_pool(num_seqs: int, num_blocks: int, prompt_len: int) -> tuple[Pool, list[str]]:
     pool = Pool(PoolConfig("bench", num_blocks=num_blocks, block_size=BLOCK))
     ids = [f"seq-{i}" for i in range(num_seqs)]
-    pool.step([Allocate(s, [i % 30000] * prompt_len) for i, s in enumerate(ids)])
+    restart(pool, ids, prompt_len, free=False)
     return pool, ids
+
+
+def restart(pool, ids: list[str], prompt_len: int, *, core: ModuleType = blockd.core, free: bool = True) -> None:
+    """(Re)start every sequence of the decode workload with its prompt, untimed
+    (``core``: the module ``pool`` comes from, for ``--against``)."""
+    if free:
+        pool.step([core.Free(s) for s in ids])
+    pool.step([core.Allocate(s, [i % 30000] * prompt_len) for i, s in enumerate(ids)])
 
 
 def time_decode(num_seqs: int, num_blocks: int, steps: int, columnar: bool, prompt_len: int = 31) -> float:
@@ -81,8 +89,7 @@ def time_decode(num_seqs: int, num_blocks: int, steps: int, columnar: bool, prom
     gc.collect()
     for done in range(steps):
         if done and done % BLOCK == 0:
-            pool.step([Free(s) for s in ids])
-            pool.step([Allocate(s, [i % 30000] * prompt_len) for i, s in enumerate(ids)])
+            restart(pool, ids, prompt_len)
         start = time.perf_counter()
         if columnar:
             pool.step([DecodeAppend(ids, tokens)])
@@ -145,8 +152,7 @@ def cpu_us_per_decode_step(steps: int, num_seqs: int = 256, prompt_len: int = 31
     gc.collect()
     for done in range(-2 * BLOCK, steps):  # two blocks' worth of steps warm up, untimed
         if done % BLOCK == 0:
-            pool.step([Free(s) for s in ids])
-            pool.step([Allocate(s, [i % 30000] * prompt_len) for i, s in enumerate(ids)])
+            restart(pool, ids, prompt_len)
         start = time.process_time_ns()
         pool.step([DecodeAppend(ids, tokens)])
         if done >= 0:
@@ -214,9 +220,7 @@ def time_decode_paired(cores: list[ModuleType], steps: int, num_seqs: int = 256,
     for done in range(steps):
         if done % BLOCK == 0:  # (re)start every sequence, untimed
             for core, pool, ids in setups:
-                if done:
-                    pool.step([core.Free(s) for s in ids])
-                pool.step([core.Allocate(s, [i % 30000] * prompt_len) for i, s in enumerate(ids)])
+                restart(pool, ids, prompt_len, core=core, free=bool(done))
         order = range(len(setups)) if done % 2 else reversed(range(len(setups)))
         for k in order:
             core, pool, ids = setups[k]
