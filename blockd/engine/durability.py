@@ -27,6 +27,12 @@ re-reads the directory into a fresh state after the log was cut
 a copy of what it removes. Not thread-safe: the engine calls it under its lock,
 except :meth:`Durability.durable` (the wait for a record's fsync), which it
 calls outside it so that concurrent steps share one fsync (group commit).
+
+:class:`Acknowledgements` is the engine's last stage, the wait before an
+answer leaves: for one record at a time, or for a batch of them that one
+thread held back (:meth:`Acknowledgements.holding`: the step lane's loop,
+:mod:`blockd.service.lane`, serves every lane connection on one thread and
+acknowledges what one round of them changed with one fsync).
 """
 
 from __future__ import annotations
@@ -34,12 +40,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Protocol
 
 from blockd.core import InvariantViolation
 from blockd.core.terms import TermHistory
-from blockd.engine.config import EngineConfig, LogObserver
+from blockd.engine.config import EngineConfig, LogObserver, Replication
 from blockd.engine.snapshots import Snapshots
 from blockd.storage import bodies
 from blockd.storage import cut as log_cut
@@ -48,6 +55,61 @@ from blockd.storage.reader import DataDirError, Reader, Record
 from blockd.storage.wal import WriteAheadLog
 
 log = logging.getLogger("blockd.engine.machine")
+
+
+class Held(threading.local):
+    """Per thread: the highest LSN its held-back answers depend on (None: it holds none back)."""
+
+    def __init__(self) -> None:
+        self.lsn: int | None = None
+
+
+class Acknowledgements:
+    """The engine's wait before an answer leaves (a mixin of
+    :class:`blockd.engine.machine.Engine`, which sets the three fields)."""
+
+    _durability: Durability | None
+    _gate: Replication | None
+    _held: Held
+
+    def _committed(self, lsn: int) -> int:
+        """Return once ``lsn`` is fsynced here (group commit) and committed, with the leader
+        term it is acknowledged in (0 without replication): every answer and Watch delta waits here.
+        While this thread holds its answers back (:meth:`holding`), only remembers ``lsn``."""
+        held = self._held
+        if held.lsn is not None:
+            held.lsn = max(held.lsn, lsn)
+            return 0
+        if self._durability is not None and lsn:
+            self._durability.durable(lsn)
+        if self._gate is not None:
+            return self._gate.committed(lsn)
+        return 0
+
+    @contextmanager
+    def holding(self) -> Iterator[Held]:
+        """Within: this thread's changes are answered at once, without the wait
+        (their answers say term 0), and nothing they answer may leave until
+        :meth:`acknowledge` of the ``Held`` this yields has returned."""
+        held = self._held
+        assert held.lsn is None, "holding() does not nest"
+        held.lsn = 0
+        try:
+            yield held
+        finally:
+            held.lsn = None
+
+    def waits(self, lsn: int) -> bool:
+        """Whether :meth:`acknowledge` of ``lsn`` may wait (an fsync, a replication ack) or raise."""
+        durability = self._durability
+        return self._gate is not None or (durability is not None and lsn > 0 and not durability.is_durable(lsn))
+
+    def acknowledge(self, lsn: int) -> int:
+        """The wait :meth:`_committed` skipped for a held batch whose last LSN is ``lsn``:
+        the term its answers are acknowledged in (0 without replication). Raises as
+        :meth:`_committed` does (a failed fsync, NOT_LEADER), and then none of them may leave."""
+        assert self._held.lsn is None, "acknowledge() after holding() has ended"
+        return self._committed(lsn)
 
 
 class Replayable(Protocol):
@@ -188,6 +250,11 @@ class Durability:
                 self._observer.record(lsn, term, body)
             self._snapshots.logged()
         return last
+
+    def is_durable(self, lsn: int) -> bool:
+        """Whether record ``lsn`` is already as durable as the policy makes it (:meth:`durable` returns at once)."""
+        wal = self._wal
+        return not self.broken and (wal is None or wal.fsync != "always" or wal.durable_lsn >= lsn)
 
     def durable(self, lsn: int) -> None:
         """Return once record ``lsn`` is as durable as the fsync policy makes it

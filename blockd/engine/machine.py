@@ -38,7 +38,7 @@ from blockd.core.types import SequenceInfo, Snapshot, VersionDelta, WorkerInfo, 
 from blockd.core.validate import check_config, check_name
 from blockd.engine import records
 from blockd.engine.config import EngineConfig
-from blockd.engine.durability import Durability, recover
+from blockd.engine.durability import Acknowledgements, Durability, Held, recover
 from blockd.engine.idempotency import MISSING, IdempotencyTable, IdempotencyUsage
 from blockd.engine.pools import PoolEntry, PoolMoves
 from blockd.engine.retention.pins import CacheCalls
@@ -56,11 +56,12 @@ log = logging.getLogger("blockd.engine.machine")
 T = TypeVar("T")
 
 
-class Engine(CacheCalls, PoolMoves):  # the prefix cache's calls (retention.pins); a pool's move (pools)
+# the prefix cache's calls (retention.pins); a pool's move (pools); the wait before an answer (durability)
+class Engine(CacheCalls, PoolMoves, Acknowledgements):
     def __init__(self, config: EngineConfig | None = None) -> None:
         self.config = config = config if config is not None else EngineConfig()
         self._lock = threading.RLock()
-        self._gate = config.replication
+        self._gate, self._held = config.replication, Held()
         self._watchers = Watchers(self._lock, self._log_position, self._committed)
         self.workers = WorkerRegistry(config.clock, config.worker_timeout_s)
         self._state = State(IdempotencyTable(config.idempotency, config.wall_clock), self.workers)
@@ -165,15 +166,6 @@ class Engine(CacheCalls, PoolMoves):  # the prefix cache's calls (retention.pins
     def _log_position(self) -> int:
         """The LSN of the last record logged (0 without a data dir)."""
         return self._durability.last_lsn if self._durability is not None else 0
-
-    def _committed(self, lsn: int) -> int:
-        """Return once ``lsn`` is fsynced here (group commit) and committed, with the leader
-        term it is acknowledged in (0 without replication): every answer and Watch delta waits here."""
-        if self._durability is not None and lsn:
-            self._durability.durable(lsn)
-        if self._gate is not None:
-            return self._gate.committed(lsn)
-        return 0
 
     def term(self) -> int:
         """The leader term this replica serves in now (0: not replicated, or not leading)."""
