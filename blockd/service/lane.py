@@ -1,8 +1,9 @@
 """The daemon's step lane: ``StepStream`` served over framed TCP (or TLS).
 
 :class:`StepLane` listens on a port of its own beside the gRPC server
-(``blockd serve --step-lane-port``) and serves each connection on a thread
-of its own, exactly as a gRPC ``StepStream`` call: the very handler the gRPC
+(``blockd serve --step-lane-port``) and serves every connection on one
+thread (:mod:`blockd.service.lane_loop`), each exactly as a gRPC
+``StepStream`` call: the very handler the gRPC
 server registers for ``/blockd.v1.BlockService/StepStream``, run through the
 very interceptors, in the same order, once per connection (gRPC runs them
 once per call). So authentication (the hello's ``authorization``, or the
@@ -13,15 +14,16 @@ The interceptors see a :class:`_LaneContext`, which answers the parts of
 ``grpc.ServicerContext`` they use; an ``abort`` becomes the connection's last
 answer (its ``error_status``) and the connection is closed.
 
-What a lane connection costs the daemon: a blocking read of the next frame,
-the handler, one ``sendall``; gRPC's per-message machinery (its completion
-queue, HTTP/2 framing, the Python call objects) is what it saves
+What a lane step costs the daemon: its share of one ``epoll_wait``, a
+``recv``, the handler, a ``send``; gRPC's per-message machinery (its
+completion queue, HTTP/2 framing, the Python call objects) is what it saves
 (``bench/rpc.py --part daemon_cost``, transport ``lane``).
 
 Bounds, so that no caller stalls the others: at most ``max_connections``
 connections (more are answered ``STEP_STREAMS_FULL`` and closed), a hello
 within :data:`~blockd.rpc.lane.CONNECT_TIMEOUT_S` of connecting, the TLS
-handshake on the connection's thread (never the accepting one), frames up to
+handshake and the hello on a thread of the connection's own (never the
+accepting one, never the loop), the loop's bounds, frames up to
 the server's message limit. TLS uses the gRPC port's files, re-read when they
 change (as :mod:`blockd.auth.tls` does for gRPC); mutual TLS when a CA is set.
 """
@@ -38,20 +40,19 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NoReturn
 
 import grpc
-from google.rpc import status_pb2
 
 from blockd.auth.config import TlsConfig
 from blockd.auth.tls import files_fingerprint
+from blockd.engine.durability import Held
 from blockd.rpc.addresses import join
 from blockd.rpc.lane import (
     CONNECT_TIMEOUT_S,
-    FrameTooLarge,
     Metadatum,
     auth_context_of,
     frame,
-    read_frame,
     read_hello,
 )
+from blockd.service.lane_loop import Aborted, Conn, LaneLoop, status_of
 from blockd.v1 import blockd_pb2 as pb
 
 log = logging.getLogger("blockd.lane")
@@ -64,21 +65,6 @@ METHOD = "/blockd.v1.BlockService/StepStream"
 class _CallDetails(grpc.HandlerCallDetails):
     def __init__(self, method: str, invocation_metadata: tuple[Metadatum, ...]) -> None:
         self.method, self.invocation_metadata = method, invocation_metadata
-
-
-class _Aborted(Exception):
-    """An interceptor or handler aborted the call: ``status`` is the refusal's bytes."""
-
-    def __init__(self, status: bytes) -> None:
-        super().__init__("aborted")
-        self.status = status
-
-
-def _status_of(code: grpc.StatusCode, details: str, trailing: Sequence = ()) -> bytes:
-    for key, value in trailing or ():
-        if key == "grpc-status-details-bin" and isinstance(value, bytes):
-            return value
-    return status_pb2.Status(code=code.value[0], message=details or "").SerializeToString()
 
 
 class _LaneContext(grpc.ServicerContext):
@@ -121,11 +107,11 @@ class _LaneContext(grpc.ServicerContext):
 
     def abort(self, code: grpc.StatusCode, details: str) -> NoReturn:
         self._code, self._details = code, details
-        raise _Aborted(_status_of(code, details))
+        raise Aborted(status_of(code, details))
 
     def abort_with_status(self, status) -> NoReturn:
         self._code, self._details = status.code, status.details
-        raise _Aborted(_status_of(status.code, status.details, status.trailing_metadata))
+        raise Aborted(status_of(status.code, status.details, status.trailing_metadata))
 
     def set_code(self, code) -> None:
         self._code = code
@@ -190,12 +176,16 @@ class _ServerTls:
 class StepLane:
     """``handler`` (the gRPC server's StepStream handler) through ``interceptors``,
     served on ``host:port`` (0: a free port); ``refused(err, rpc)``: the
-    servicer's StepStream answer for a refusal (its ``STEP_STREAMS_FULL``)."""
+    servicer's StepStream answer for a refusal (its ``STEP_STREAMS_FULL``);
+    ``hold``, ``waits`` and ``acknowledge``: the engine's
+    (:class:`blockd.engine.durability.Acknowledgements`), so that a round of
+    the loop waits once for what it changed."""
 
     def __init__(self, handler: grpc.RpcMethodHandler, interceptors: Sequence[grpc.ServerInterceptor], host: str,
                  port: int, *, tls: TlsConfig | None, max_bytes: int, max_connections: int,
                  shutdown: threading.Event, refused: Callable[[BaseException, str], pb.StepStreamResponse],
-                 full: Callable[[], BaseException]) -> None:
+                 full: Callable[[], BaseException], hold: Callable[[], contextlib.AbstractContextManager[Held]],
+                 waits: Callable[[int], bool], acknowledge: Callable[[int], int]) -> None:
         self._handler, self._interceptors = handler, list(interceptors)
         self._tls = _ServerTls(tls) if tls is not None else None
         self.tls = tls is not None
@@ -216,18 +206,24 @@ class StepLane:
         self.port = self._listener.getsockname()[1]
         self.address = join(host, self.port)
         self._thread = threading.Thread(target=self._accept, name="blockd-lane-accept", daemon=True)
+        serialize = handler.response_serializer
+        assert serialize is not None, "blockd's handlers name both (method_handlers)"
+        self._loop = LaneLoop(hold, waits, acknowledge, lambda err: refused(err, "StepStream"), serialize,
+                              self._released)
 
     def start(self) -> None:
+        self._loop.start()
         self._thread.start()
 
     def stop(self) -> None:
-        """Stop accepting and end every connection (their threads see the socket close)."""
+        """Stop accepting and end every connection."""
         with contextlib.suppress(OSError):
             self._listener.shutdown(socket.SHUT_RDWR)
         self._listener.close()
+        self._loop.stop()
         with self._lock:
             conns = list(self._open)
-        for conn in conns:
+        for conn in conns:  # those still in their set-up, and any the loop's end has not closed
             with contextlib.suppress(OSError):
                 conn.shutdown(socket.SHUT_RDWR)
         self._thread.join(timeout=5)
@@ -279,8 +275,9 @@ class StepLane:
             pass
 
     def _serve(self, conn: socket.socket, peer: str) -> None:
+        """A new connection's TLS handshake and hello (bounded by CONNECT_TIMEOUT_S), on a
+        thread of its own; then the loop serves it."""
         sock: socket.socket = conn
-        reader = None
         with self._lock:
             self._open.add(conn)
         try:
@@ -290,64 +287,57 @@ class StepLane:
             if self._tls is not None:
                 sock = self._tls.context().wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
                 sock.do_handshake()
-            reader = sock.makefile("rb")
             try:
-                metadata = read_hello(reader)
+                # exact reads: what the caller sent behind its hello stays in the socket for the loop
+                metadata = read_hello(_ExactReader(sock))
             except ValueError as err:
-                self._send_refusal(sock, grpc.StatusCode.INVALID_ARGUMENT, str(err))
+                self._end(Conn(sock, conn, peer, None, _no_call, bytes, 0), status_of(
+                    grpc.StatusCode.INVALID_ARGUMENT, str(err)))
                 return
-            sock.settimeout(None)  # a scheduler may idle between steps as long as it likes
-            self._converse(sock, reader, _LaneContext(metadata, auth_context_of(sock), peer, self._shutdown))
+            context = _LaneContext(metadata, auth_context_of(sock), peer, self._shutdown)
+            handler = self._chain(_CallDetails(METHOD, context.invocation_metadata()))
+            assert handler is not None and handler.stream_stream is not None, "StepStream is a stream-stream handler"
+            parse, stream = handler.request_deserializer, handler.stream_stream
+            assert parse is not None, "blockd's handlers name both (method_handlers)"
+            self._loop.adopt(Conn(sock, conn, peer, context, lambda requests: stream(requests, context), parse,
+                                  self._max_bytes))
         except (OSError, EOFError, ssl.SSLError) as err:
             log.debug("step lane connection from %s ended: %s", peer, err)
+            self._close(sock, conn)
         except Exception:  # a fault of ours: logged, the connection closed, the daemon serves on
             log.exception("step lane connection from %s failed", peer)
-        finally:
-            with self._lock:
-                self._open.discard(conn)
-            try:
-                if reader is not None:  # the socket's file holds its descriptor open until closed too
-                    reader.close()
-                self._linger(sock)
-            except OSError:
-                pass
-            try:
-                sock.close()
-            except OSError:
-                pass
-            finally:
-                self._slots.release()
+            self._close(sock, conn)
 
-    def _converse(self, sock: socket.socket, reader, context: _LaneContext) -> None:
-        handler = self._chain(_CallDetails(METHOD, context.invocation_metadata()))
-        assert handler is not None and handler.stream_stream is not None, "StepStream is a stream-stream handler"
-        parse, serialize = handler.request_deserializer, handler.response_serializer
-        assert parse is not None and serialize is not None, "blockd's handlers name both (method_handlers)"
-        cut: list[BaseException] = []
-
-        def requests() -> Iterator[Any]:
-            while True:
-                try:
-                    payload = read_frame(reader, self._max_bytes)
-                except FrameTooLarge as err:
-                    cut.append(err)
-                    return
-                except (OSError, EOFError):
-                    context.active = False
-                    return
-                if payload is None:
-                    return
-                yield parse(payload)
-
-        send = sock.sendall
+    def _end(self, conn: Conn, refusal: bytes = b"") -> None:
+        """A connection's end, on a thread that may block: the answers the loop
+        could not write yet, a refusal, the linger, the close."""
         try:
-            for answer in handler.stream_stream(requests(), context):
-                send(frame(serialize(answer)))
-        except _Aborted as aborted:
-            send(frame(pb.StepStreamResponse(error_status=aborted.status).SerializeToString()))
+            conn.sock.settimeout(CONNECT_TIMEOUT_S)
+            rest = bytes(conn.out) + (frame(pb.StepStreamResponse(error_status=refusal).SerializeToString())
+                                      if refusal else b"")
+            if rest:
+                conn.sock.sendall(rest)
+            self._linger(conn.sock)
+        except OSError:
+            pass
+        self._close(conn.sock, conn.raw)
+
+    def _close(self, sock: socket.socket, raw: socket.socket) -> None:
+        with self._lock:
+            self._open.discard(raw)
+        try:
+            sock.close()
+        except OSError:
+            pass
+        finally:
+            self._slots.release()
+
+    def _released(self, conn: Conn) -> None:
+        """The loop is done with ``conn``: its end, off the loop's thread."""
+        if self._shutdown.is_set() or (not conn.out and (self._tls is not None or conn.eof)):
+            self._close(conn.sock, conn.raw)  # nothing to write, nothing to linger for
             return
-        if cut:  # gRPC's answer to a message over its limit, and the connection cannot go on
-            self._send_refusal(sock, grpc.StatusCode.RESOURCE_EXHAUSTED, f"{cut[0]}; nothing of it was applied")
+        threading.Thread(target=self._end, args=(conn,), name="blockd-lane-end", daemon=True).start()
 
     def _chain(self, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
         """The handler as the gRPC server would run it: the first interceptor outermost."""
@@ -360,6 +350,23 @@ class StepLane:
 
         return at(0)(details)
 
-    @staticmethod
-    def _send_refusal(sock: socket.socket, code: grpc.StatusCode, message: str) -> None:
-        sock.sendall(frame(pb.StepStreamResponse(error_status=_status_of(code, message)).SerializeToString()))
+
+class _ExactReader:
+    """``read(n)`` of exactly ``n`` bytes (fewer at the end), never more from the socket."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+
+    def read(self, size: int) -> bytes:
+        parts, got = [], 0
+        while got < size:
+            part = self._sock.recv(size - got)
+            if not part:
+                break
+            parts.append(part)
+            got += len(part)
+        return b"".join(parts)
+
+
+def _no_call(requests: Iterator[Any]) -> Iterator[Any]:
+    return iter(())

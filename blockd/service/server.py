@@ -92,7 +92,8 @@ class BlockdServer:
                 tls=lane_tls, max_bytes=max_message_bytes, max_connections=blocks.max_step_streams + 16,
                 shutdown=self._shutdown, refused=blocks.refused,
                 full=lambda: StepStreamsFull("blockd's step lane has no room for another connection: step by "
-                                             "unary Step (the SDK does), or raise --max-workers"))
+                                             "unary Step (the SDK does), or raise --max-workers"),
+                hold=engine.holding, waits=engine.waits, acknowledge=engine.acknowledge)
             blocks.step_lane = (self.lane.port, self.lane.tls)
 
     def start(self) -> None:

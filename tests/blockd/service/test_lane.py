@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import socket
 import ssl
 import struct
@@ -276,5 +277,92 @@ def test_a_lane_past_its_connection_limit_answers_streams_full_and_the_sdk_steps
                 time.sleep(0.05)
     finally:
         for sock in held:
+            sock.close()
+        server.stop(0.2)
+
+
+def test_a_stalled_caller_never_stalls_the_others(lane_server):
+    """All lane connections share one thread (blockd.service.lane_loop): one
+    that sends half a frame, and one that sends steps and reads no answer,
+    cost the others nothing."""
+    engine = lane_server.engine
+    half, flood = _raw(lane_server), _raw(lane_server)
+    try:
+        half.sendall(hello_frame([]) + struct.pack(">I", 500) + b"half")
+        dry = pb.StepStreamRequest(step=messages.step_request("p", [DecodeAppend(["a"], [7])], None, dry_run=True))
+        flood.sendall(hello_frame([]) + frame(dry.SerializeToString()) * 2000)  # 2,000 answers nobody reads
+        connection = LaneConnection("127.0.0.1", lane_server.lane.port, [])
+        connection._sock.settimeout(5)  # a stall fails the test rather than hanging it
+        try:
+            for token in range(20):
+                answer = pb.StepStreamResponse.FromString(connection.exchange(_step_bytes(token=token)))
+                assert answer.WhichOneof("outcome") == "response", answer
+        finally:
+            connection.close()
+        assert engine.sequence_info("p", "a").num_tokens == 3 + 20  # the dry runs changed nothing
+    finally:
+        half.close()
+        flood.close()
+
+
+def _alloc_frame(seq: str) -> bytes:
+    return frame(pb.StepStreamRequest(step=messages.step_request("p", [Allocate(seq, [1, 2])], None))
+                 .SerializeToString())
+
+
+def _durable_lane(tmp_path, syncs: list) -> BlockdServer:
+    engine = Engine(EngineConfig(data_dir=str(tmp_path), fsync="always", observe_wal_sync=syncs.append))
+    engine.create_pool(PoolConfig("p", num_blocks=64, block_size=4))
+    server = BlockdServer(engine, "127.0.0.1:0", max_workers=8, grace_s=0.5, step_lane_port=0)
+    server.start()
+    return server
+
+
+def test_a_round_of_steps_shares_one_fsync_and_answers_after_it(tmp_path):
+    syncs: list[float] = []
+    server = _durable_lane(tmp_path, syncs)
+    try:
+        wal, before = server.engine._durability._wal, len(syncs)
+        with _raw(server) as sock:
+            # eight steps in one write: one round of the loop, so one fsync covers them
+            sock.sendall(hello_frame([]) + b"".join(_alloc_frame(f"s{i}") for i in range(8)))
+            sock.shutdown(socket.SHUT_WR)
+            answers = _answers(sock)
+        assert [a.WhichOneof("outcome") for a in answers] == ["response"] * 8
+        assert wal.durable_lsn == wal.lsn  # every answered record is on disk
+        assert len(syncs) - before < 8, f"{len(syncs) - before} fsyncs for 8 steps sent at once"
+    finally:
+        server.stop(0.2)
+
+
+@pytest.mark.parametrize("connections", [1, 3])
+def test_a_failed_fsync_refuses_every_held_answer(tmp_path, monkeypatch, connections):
+    """Whether the round's wait runs on the loop's thread (one connection) or
+    on its syncer (several), an fsync that fails answers no step OK."""
+    server = _durable_lane(tmp_path, [])
+    socks = [_raw(server) for _ in range(connections)]
+    try:
+        for sock in socks:
+            sock.sendall(hello_frame([]))
+        # the first connection's step is answered once the others are in the loop
+        first = LaneConnection("127.0.0.1", server.lane.port, [])
+        first.exchange(_alloc_frame("warm")[4:])
+        first.close()
+
+        def fails(fd: int) -> None:
+            raise OSError(5, "Input/output error")
+
+        monkeypatch.setattr(os, "fdatasync", fails)
+        for i, sock in enumerate(socks):
+            sock.sendall(_alloc_frame(f"s{i}"))
+            sock.shutdown(socket.SHUT_WR)
+        for sock in socks:
+            (answer,) = _answers(sock)
+            status = _refusal(answer)
+            # INTERNAL; or FAILED_PRECONDITION for a step of a later round, which finds the log broken
+            assert status.code in (13, 9) and "write-ahead log failed" in status.message
+        monkeypatch.undo()
+    finally:
+        for sock in socks:
             sock.close()
         server.stop(0.2)

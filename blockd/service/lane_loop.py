@@ -1,0 +1,425 @@
+"""The step lane's loop: every lane connection served on one thread, a round at a time.
+
+Why one thread: with a thread per connection, schedulers' steps handed the
+GIL to each other at every read and write (16 futex calls and 8 context
+switches per step with four schedulers, against one with one), and each
+durable step waited for an fsync of its own. The loop reads whatever every
+ready connection has sent, answers those steps one after the other (the
+engine lock and the GIL serialise them anyway), then waits once for what the
+round changed to be durable and committed (one fsync, one replication ack:
+:meth:`blockd.engine.durability.Acknowledgements.holding`), and only then
+writes the answers. So durable throughput grows with the schedulers, and a
+scheduler idle between steps costs nothing.
+
+What stays as it was: each connection runs the very StepStream handler, one
+request in and one answer out, in order; an answer never leaves before the
+records it depends on are durable and committed; a refusal of the round's
+wait (a failed fsync, NOT_LEADER) is every held answer's refusal.
+
+Bounds, so that no caller stalls the others: sockets are non-blocking (a
+caller that sends half a frame, or reads no answers, holds only its own
+buffers); at most :data:`ROUND_FRAMES` of one connection's requests per
+round; a connection whose unsent answers pass :data:`MAX_UNSENT_BYTES` is not
+read until they drain. Set-up (TLS handshake, hello) and the end of a
+connection (its last answers, the linger) happen on short-lived threads of
+:class:`blockd.service.lane.StepLane`, never here.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import os
+import selectors
+import socket
+import ssl
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import grpc
+from google.rpc import status_pb2
+
+from blockd.engine.durability import Held
+from blockd.rpc.lane import frame
+from blockd.v1 import blockd_pb2 as pb
+
+log = logging.getLogger("blockd.lane")
+
+#: a connection's requests answered in one round at most (the others wait for the next)
+ROUND_FRAMES = 8
+#: a connection's unsent answers past which it is not read until they drain
+MAX_UNSENT_BYTES = 8 << 20
+_CHUNK = 1 << 18
+_WOULD_BLOCK = (BlockingIOError, InterruptedError, ssl.SSLWantReadError, ssl.SSLWantWriteError)
+
+
+def status_of(code: grpc.StatusCode, details: str, trailing: Sequence = ()) -> bytes:
+    """A refusal's ``google.rpc.Status`` bytes (the details an interceptor attached, when it did)."""
+    for key, value in trailing or ():
+        if key == "grpc-status-details-bin" and isinstance(value, bytes):
+            return value
+    return status_pb2.Status(code=code.value[0], message=details or "").SerializeToString()
+
+
+class Aborted(Exception):
+    """An interceptor or handler aborted the call: ``status`` is the refusal's bytes."""
+
+    def __init__(self, status: bytes) -> None:
+        super().__init__("aborted")
+        self.status = status
+
+
+class Conn:
+    """One lane connection in the loop: its buffers and its call."""
+
+    def __init__(self, sock: socket.socket, raw: socket.socket, peer: str, context: Any,
+                 call: Callable[[Iterator[Any]], Iterator[Any]], parse: Callable[[bytes], Any],
+                 max_bytes: int) -> None:
+        self.sock, self.raw, self.peer, self.context = sock, raw, peer, context
+        self._call, self._parse, self.max_bytes = call, parse, max_bytes
+        self.tls = isinstance(sock, ssl.SSLSocket)
+        self.inbuf = bytearray()
+        self.out = bytearray()
+        self.payloads: collections.deque[bytes] = collections.deque()
+        self.answers: Iterator[Any] | None = None
+        self.ended = False  # no request will come any more (the caller's end, a cut, the lane's stop)
+        self.eof = False
+        self.cut: str = ""  # a frame over the limit: the refusal, once the answers before it are out
+        self.inflight = 0  # its answers in batches not delivered yet
+        self.last = False  # the call is over: write what is left, then hand the socket back
+        self.interest = 0
+
+    def requests(self) -> Iterator[Any]:
+        """The call's request stream: a request is asked for only after its
+        frame arrived (answer_each asks for one per answer)."""
+        while True:
+            if self.payloads:
+                yield self._parse(self.payloads.popleft())
+            elif self.ended:
+                return
+            else:
+                raise RuntimeError("the StepStream handler asked for a request before answering the last")
+
+    def receive(self) -> None:
+        """Read what the socket holds now into complete frames (``payloads``)."""
+        sock, buf = self.sock, self.inbuf
+        while True:
+            try:
+                data = sock.recv(_CHUNK)
+            except _WOULD_BLOCK:
+                break
+            except OSError as err:
+                log.debug("step lane connection from %s ended: %s", self.peer, err)
+                self.context.active = False
+                self.eof = True
+                break
+            if not data:
+                self.eof = True
+                break
+            buf += data
+            # a plain socket read short has nothing more; TLS may hold decrypted bytes
+            if len(data) < _CHUNK and not (isinstance(sock, ssl.SSLSocket) and sock.pending()):
+                break
+        pos, size = 0, len(buf)
+        while size - pos >= 4 and not self.cut:
+            length = int.from_bytes(buf[pos:pos + 4], "big")
+            if length > self.max_bytes:
+                self.cut = (f"a step lane frame of {length} bytes is over this end's limit of {self.max_bytes}; "
+                            "nothing of it was applied")
+                break
+            if size - pos - 4 < length:
+                break
+            self.payloads.append(bytes(buf[pos + 4:pos + 4 + length]))
+            pos += 4 + length
+        del buf[:pos]
+        if self.eof and buf and not self.cut:
+            log.debug("step lane connection from %s ended inside a frame", self.peer)
+
+    def next_answer(self) -> Any:
+        """The call's answer to the next request; StopIteration when the call is over."""
+        if self.answers is None:
+            self.answers = iter(self._call(self.requests()))
+        return next(self.answers)
+
+    def finish_call(self) -> None:
+        """Let the call end (its slot, its interceptors' bookkeeping) now that no request will come."""
+        self.ended = True
+        self.payloads.clear()
+        if self.answers is None:
+            return
+        try:
+            for _ in self.answers:  # a well-behaved handler answers nothing more
+                pass
+        except Aborted:
+            pass
+        except Exception:  # a fault of ours ending a call: logged, the loop serves on
+            log.exception("the step lane call from %s failed as it ended", self.peer)
+
+
+class _Batch:
+    """One round's answers, in order: ``(conn, answer, frame)``, an answer held for
+    the round's acknowledgement or a connection's last frame (an abort, a cut)."""
+
+    __slots__ = ("entries", "error", "lsn", "term")
+
+    def __init__(self, lsn: int, entries: list[tuple[Conn, Any, bytes]]) -> None:
+        self.lsn, self.entries = lsn, entries
+        self.term = 0
+        self.error: BaseException | None = None
+
+
+class LaneLoop:
+    """The thread that serves every adopted :class:`Conn`, and the one that
+    waits for durability for it. ``hold()``, ``waits(lsn)`` and
+    ``acknowledge(lsn)``: the engine's (:class:`blockd.engine.durability.Acknowledgements`);
+    ``refused(err)``: a StepStream refusal's answer; ``release(conn)``: the
+    connection's end (on another thread: it may block).
+
+    A round whose answers need a wait (an fsync, a replication ack) hands them
+    to the syncer thread and reads on: the next rounds are answered while the
+    disk writes, and the syncer's next fsync covers every round that came in
+    the meantime (group commit). Rounds are acknowledged in order, so a
+    connection's answers leave in order."""
+
+    def __init__(self, hold: Callable[[], contextlib.AbstractContextManager[Held]], waits: Callable[[int], bool],
+                 acknowledge: Callable[[int], int], refused: Callable[[BaseException], Any],
+                 serialize: Callable[[Any], bytes], release: Callable[[Conn], None]) -> None:
+        self._hold, self._waits, self._acknowledge = hold, waits, acknowledge
+        self._refused, self._serialize, self._release = refused, serialize, release
+        self._selector = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._selector.register(self._wake_r, selectors.EVENT_READ, None)
+        self._adopted: collections.deque[Conn] = collections.deque()
+        self._conns: set[Conn] = set()
+        self._again: list[Conn] = []  # connections to serve next round whatever the selector says
+        self._to_sync: collections.deque[_Batch] = collections.deque()
+        self._synced: collections.deque[_Batch] = collections.deque()
+        self._syncing = 0  # batches handed to the syncer and not delivered yet
+        self._sync_cv = threading.Condition()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="blockd-lane", daemon=True)
+        self._syncer = threading.Thread(target=self._sync, name="blockd-lane-sync", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+        self._syncer.start()
+
+    def adopt(self, conn: Conn) -> None:
+        """Serve ``conn`` from now on (from any thread)."""
+        conn.sock.setblocking(False)
+        self._adopted.append(conn)
+        self._wake()
+
+    def stop(self) -> None:
+        """End every connection and both threads."""
+        self._stopping = True
+        with self._sync_cv:
+            self._sync_cv.notify()
+        self._wake()
+        self._thread.join(timeout=5)
+        self._syncer.join(timeout=5)
+
+    def _wake(self) -> None:
+        with contextlib.suppress(BlockingIOError, OSError):  # full: it wakes anyway
+            os.write(self._wake_w, b"\0")
+
+    # --- the syncer --------------------------------------------------------------------------
+    def _sync(self) -> None:
+        cv, queue = self._sync_cv, self._to_sync
+        while True:
+            with cv:
+                while not queue and not self._stopping:
+                    cv.wait()
+                if self._stopping:
+                    return
+                batches = list(queue)
+                queue.clear()
+            last = max(batches, key=lambda batch: batch.lsn)
+            self._acknowledged(last)
+            for batch in batches:
+                batch.term, batch.error = last.term, last.error
+                self._synced.append(batch)
+            self._wake()
+
+    def _acknowledged(self, batch: _Batch) -> None:
+        """Wait until what ``batch`` answers is durable and committed (or say why not)."""
+        try:
+            if self._waits(batch.lsn):
+                batch.term = self._acknowledge(batch.lsn)
+        except Exception as err:  # noqa: BLE001 - the wait failed: every held answer is refused
+            batch.error = err
+
+    # --- the loop ----------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                self._round()
+        except Exception:  # a fault of ours: logged; the connections end, the daemon serves on
+            log.exception("the step lane's loop failed; its connections are closed (the SDK steps over gRPC)")
+        finally:
+            for conn in list(self._conns):
+                conn.context.active = False
+                conn.inflight = 0
+                self._drop(conn)
+            while self._adopted:
+                self._drop(self._adopted.popleft())
+            self._selector.close()
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+
+    def _round(self) -> None:
+        ready, self._again = self._again, []
+        for key, mask in self._selector.select(0 if ready else None):
+            conn = key.data
+            if conn is None:
+                with contextlib.suppress(BlockingIOError):
+                    os.read(self._wake_r, 4096)
+                while self._adopted:
+                    self._watch(self._adopted.popleft())
+                continue
+            if mask & selectors.EVENT_WRITE:
+                self._flush(conn)
+            if mask & selectors.EVENT_READ and conn not in ready:
+                ready.append(conn)
+        while self._synced:
+            self._syncing -= 1
+            self._deliver(self._synced.popleft())
+        ready = [conn for conn in ready if conn in self._conns]
+        for conn in ready:
+            conn.receive()
+        entries: list[tuple[Conn, Any, bytes]] = []
+        with self._hold() as hold:
+            for conn in ready:
+                self._answer(conn, entries)
+            lsn = hold.lsn or 0
+        if entries:
+            batch = _Batch(lsn, entries)
+            for conn, _, _ in entries:
+                conn.inflight += 1
+            if self._syncing or (len(self._conns) > 1 and self._waits(lsn)):
+                # behind batches in the syncer (in order), or others may send while the disk writes
+                self._syncing += 1
+                with self._sync_cv:
+                    self._to_sync.append(batch)
+                    self._sync_cv.notify()
+            else:  # one connection (it waits for this answer) or no wait: here costs no thread handoff
+                self._acknowledged(batch)
+                self._deliver(batch)
+        for conn in ready:
+            self._flush(conn)
+
+    def _deliver(self, batch: _Batch) -> None:
+        """Write a batch acknowledged (or refused) into its connections' buffers."""
+        serialize, refusal, term = self._serialize, None, batch.term
+        if batch.error is not None:
+            refusal = serialize(self._refused(batch.error))
+        touched: list[Conn] = []
+        for conn, answer, raw in batch.entries:
+            conn.inflight -= 1
+            if answer is None:
+                conn.out += raw
+            elif refusal is not None:
+                conn.out += frame(refusal)
+            else:
+                if term and answer.HasField("response"):
+                    answer.response.term = term
+                conn.out += frame(serialize(answer))
+            if not touched or touched[-1] is not conn:
+                touched.append(conn)
+        for conn in touched:
+            if conn in self._conns:
+                self._flush(conn)
+
+    def _answer(self, conn: Conn, entries: list[tuple[Conn, Any, bytes]]) -> None:
+        """Answer up to ROUND_FRAMES of ``conn``'s requests; end its call when it is over."""
+        if conn.last:
+            return
+        for _ in range(ROUND_FRAMES):
+            if not conn.payloads or len(conn.out) > MAX_UNSENT_BYTES:
+                break
+            try:
+                entries.append((conn, conn.next_answer(), b""))
+            except StopIteration:
+                conn.ended = conn.last = True
+                return
+            except Aborted as aborted:
+                entries.append((conn, None, frame(pb.StepStreamResponse(error_status=aborted.status)
+                                                  .SerializeToString())))
+                conn.last = True
+                conn.finish_call()
+                return
+            except Exception:  # a fault of ours: logged, the connection closed, the loop serves on
+                log.exception("step lane connection from %s failed", conn.peer)
+                conn.last = True
+                conn.finish_call()
+                return
+        if (conn.eof or conn.cut) and not conn.payloads:
+            conn.finish_call()
+            conn.last = True
+            if conn.cut:  # gRPC's answer to a message over its limit, and the connection cannot go on
+                entries.append((conn, None, frame(pb.StepStreamResponse(error_status=status_of(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED, conn.cut)).SerializeToString())))
+
+    def _flush(self, conn: Conn) -> None:
+        """Write what ``conn`` can take now; then watch it for what it needs next."""
+        out = conn.out
+        while out:
+            try:
+                sent = conn.sock.send(out)
+            except _WOULD_BLOCK:
+                break
+            except OSError as err:
+                log.debug("step lane connection from %s ended: %s", conn.peer, err)
+                conn.context.active = False
+                out.clear()
+                if not conn.last:
+                    conn.finish_call()
+                    conn.last = True
+                break
+            del out[:sent]
+        if conn.last:
+            if not conn.inflight:  # the rest is written, blocking, by the connection's end on a thread of its own
+                self._drop(conn)
+            else:
+                self._interest(conn, selectors.EVENT_WRITE if out else 0)
+            return
+        room = len(out) <= MAX_UNSENT_BYTES
+        self._interest(conn, (selectors.EVENT_WRITE if out else 0) | (selectors.EVENT_READ if room else 0))
+        if room and conn.payloads and conn not in self._again:
+            self._again.append(conn)  # requests left over from a full round: answered next round
+
+    def _watch(self, conn: Conn) -> None:
+        if self._stopping:
+            self._release(conn)
+            return
+        self._conns.add(conn)
+        self._interest(conn, selectors.EVENT_READ)
+        self._again.append(conn)  # bytes that came behind the hello are read already (TLS: decrypted)
+
+    def _interest(self, conn: Conn, want: int) -> None:
+        if want == conn.interest:
+            return
+        if conn.interest == 0:
+            self._selector.register(conn.sock, want, conn)
+        elif want == 0:
+            self._selector.unregister(conn.sock)
+        else:
+            self._selector.modify(conn.sock, want, conn)
+        conn.interest = want
+
+    def _drop(self, conn: Conn) -> None:
+        """``conn`` leaves the loop; its end (the rest of its answers, the linger) is the lane's."""
+        if conn not in self._conns and conn.interest == 0 and conn.ended:
+            return
+        if conn.interest:
+            with contextlib.suppress(KeyError, ValueError, OSError):
+                self._selector.unregister(conn.sock)
+            conn.interest = 0
+        self._conns.discard(conn)
+        if not conn.ended:
+            conn.finish_call()
+        self._release(conn)
