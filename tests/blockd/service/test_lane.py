@@ -17,6 +17,7 @@ import os
 import socket
 import ssl
 import struct
+import time
 
 import pytest
 from google.rpc import status_pb2
@@ -30,12 +31,12 @@ from blockd.rpc.lane import LaneConnection, frame, hello_frame
 from blockd.service.server import BlockdServer
 from blockd.v1 import blockd_pb2 as pb
 from client import messages
-from client.errors import PermissionDeniedError, UnauthenticatedError
+from client.errors import BlockdClientError, PermissionDeniedError, UnauthenticatedError
 from client.sdk import BlockdClient
 from client.step_stream import _LaneCall
 from tests.support.procs import start_blockd
 
-pytest_plugins = ["tests.support.auth_fixtures", "tests.support.grpc_fixtures"]
+pytest_plugins = ["tests.support.auth_fixtures", "tests.support.grpc_fixtures", "tests.support.etcd"]
 
 
 @pytest.fixture
@@ -366,3 +367,32 @@ def test_a_failed_fsync_refuses_every_held_answer(tmp_path, monkeypatch, connect
         for sock in socks:
             sock.close()
         server.stop(0.2)
+
+
+def test_a_replicated_leaders_lane_answers_in_its_term(etcd_server, tmp_path):
+    """The loop holds a round's answers for one replication ack; each answer
+    then says the term it was acknowledged in, as the gRPC stream's does."""
+    proc = start_blockd("--etcd", etcd_server.url, "--group", f"lane-{os.getpid()}", "--replica-id", "r0",
+                        "--data-dir", str(tmp_path / "r0"), "--replication", "sync", "--min-in-sync", "1",
+                        "--step-lane-port", "0")
+    try:
+        with BlockdClient(proc.address, timeout_s=10) as client:
+            deadline = time.monotonic() + 30
+            while True:  # until it leads
+                try:
+                    client.create_pool(PoolConfig("p", num_blocks=16, block_size=4))
+                    break
+                except BlockdClientError:
+                    assert time.monotonic() < deadline, "the replica never led"
+                    time.sleep(0.1)
+            term = client.step("p", [Allocate("a", [1])]).term
+            assert term > 0
+            port = client._blocks.GetStepLane(pb.GetStepLaneRequest()).port
+        connection = LaneConnection("127.0.0.1", port, [])
+        try:
+            answer = pb.StepStreamResponse.FromString(connection.exchange(_alloc_frame("b")[4:]))
+        finally:
+            connection.close()
+        assert answer.WhichOneof("outcome") == "response" and answer.response.term == term
+    finally:
+        proc.kill()
