@@ -31,7 +31,7 @@ import collections
 import contextlib
 import logging
 import os
-import selectors
+import select
 import socket
 import ssl
 import threading
@@ -52,6 +52,8 @@ ROUND_FRAMES = 8
 #: a connection's unsent answers past which it is not read until they drain
 MAX_UNSENT_BYTES = 8 << 20
 _CHUNK = 1 << 18
+#: what makes a connection worth reading: bytes, its end, an error (recv says which)
+_READABLE = select.EPOLLIN | select.EPOLLHUP | select.EPOLLERR | select.EPOLLRDHUP
 _WOULD_BLOCK = (BlockingIOError, InterruptedError, ssl.SSLWantReadError, ssl.SSLWantWriteError)
 
 
@@ -80,6 +82,7 @@ class Conn:
         self.sock, self.raw, self.peer, self.context = sock, raw, peer, context
         self._call, self._parse, self.max_bytes = call, parse, max_bytes
         self.tls = isinstance(sock, ssl.SSLSocket)
+        self.fd = sock.fileno()
         self.inbuf = bytearray()
         self.out = bytearray()
         self.payloads: collections.deque[bytes] = collections.deque()
@@ -188,11 +191,13 @@ class LaneLoop:
                  serialize: Callable[[Any], bytes], release: Callable[[Conn], None]) -> None:
         self._hold, self._waits, self._acknowledge = hold, waits, acknowledge
         self._refused, self._serialize, self._release = refused, serialize, release
-        self._selector = selectors.DefaultSelector()
+        # epoll itself, not the selectors module: its key objects cost a few us a round
+        self._poll = select.epoll()
+        self._fds: dict[int, Conn] = {}
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
-        self._selector.register(self._wake_r, selectors.EVENT_READ, None)
+        self._poll.register(self._wake_r, select.EPOLLIN)
         self._adopted: collections.deque[Conn] = collections.deque()
         self._conns: set[Conn] = set()
         self._again: list[Conn] = []  # connections to serve next round whatever the selector says
@@ -267,23 +272,23 @@ class LaneLoop:
                 self._drop(conn)
             while self._adopted:
                 self._drop(self._adopted.popleft())
-            self._selector.close()
+            self._poll.close()
             os.close(self._wake_r)
             os.close(self._wake_w)
 
     def _round(self) -> None:
         ready, self._again = self._again, []
-        for key, mask in self._selector.select(0 if ready else None):
-            conn = key.data
+        for fd, mask in self._poll.poll(0 if ready else -1):
+            conn = self._fds.get(fd)
             if conn is None:
                 with contextlib.suppress(BlockingIOError):
                     os.read(self._wake_r, 4096)
                 while self._adopted:
                     self._watch(self._adopted.popleft())
                 continue
-            if mask & selectors.EVENT_WRITE:
+            if mask & select.EPOLLOUT:
                 self._flush(conn)
-            if mask & selectors.EVENT_READ and conn not in ready:
+            if mask & _READABLE and conn not in ready:
                 ready.append(conn)
         while self._synced:
             self._syncing -= 1
@@ -308,12 +313,13 @@ class LaneLoop:
                     self._sync_cv.notify()
             else:  # one connection (it waits for this answer) or no wait: here costs no thread handoff
                 self._acknowledged(batch)
-                self._deliver(batch)
+                self._deliver(batch, flush=False)
         for conn in ready:
             self._flush(conn)
 
-    def _deliver(self, batch: _Batch) -> None:
-        """Write a batch acknowledged (or refused) into its connections' buffers."""
+    def _deliver(self, batch: _Batch, flush: bool = True) -> None:
+        """Write a batch acknowledged (or refused) into its connections' buffers;
+        ``flush``: and write them out (not when the round does next)."""
         serialize, refusal, term = self._serialize, None, batch.term
         if batch.error is not None:
             refusal = serialize(self._refused(batch.error))
@@ -328,7 +334,7 @@ class LaneLoop:
                 if term and answer.HasField("response"):
                     answer.response.term = term
                 conn.out += frame(serialize(answer))
-            if not touched or touched[-1] is not conn:
+            if flush and (not touched or touched[-1] is not conn):
                 touched.append(conn)
         for conn in touched:
             if conn in self._conns:
@@ -385,10 +391,10 @@ class LaneLoop:
             if not conn.inflight:  # the rest is written, blocking, by the connection's end on a thread of its own
                 self._drop(conn)
             else:
-                self._interest(conn, selectors.EVENT_WRITE if out else 0)
+                self._interest(conn, select.EPOLLOUT if out else 0)
             return
         room = len(out) <= MAX_UNSENT_BYTES
-        self._interest(conn, (selectors.EVENT_WRITE if out else 0) | (selectors.EVENT_READ if room else 0))
+        self._interest(conn, (select.EPOLLOUT if out else 0) | (select.EPOLLIN if room else 0))
         if room and conn.payloads and conn not in self._again:
             self._again.append(conn)  # requests left over from a full round: answered next round
 
@@ -397,18 +403,20 @@ class LaneLoop:
             self._release(conn)
             return
         self._conns.add(conn)
-        self._interest(conn, selectors.EVENT_READ)
+        self._interest(conn, select.EPOLLIN)
         self._again.append(conn)  # bytes that came behind the hello are read already (TLS: decrypted)
 
     def _interest(self, conn: Conn, want: int) -> None:
         if want == conn.interest:
             return
         if conn.interest == 0:
-            self._selector.register(conn.sock, want, conn)
+            self._poll.register(conn.fd, want)
+            self._fds[conn.fd] = conn
         elif want == 0:
-            self._selector.unregister(conn.sock)
+            self._poll.unregister(conn.fd)
+            del self._fds[conn.fd]
         else:
-            self._selector.modify(conn.sock, want, conn)
+            self._poll.modify(conn.fd, want)
         conn.interest = want
 
     def _drop(self, conn: Conn) -> None:
@@ -416,8 +424,9 @@ class LaneLoop:
         if conn not in self._conns and conn.interest == 0 and conn.ended:
             return
         if conn.interest:
+            self._fds.pop(conn.fd, None)
             with contextlib.suppress(KeyError, ValueError, OSError):
-                self._selector.unregister(conn.sock)
+                self._poll.unregister(conn.fd)
             conn.interest = 0
         self._conns.discard(conn)
         if not conn.ended:
