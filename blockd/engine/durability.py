@@ -30,7 +30,7 @@ calls outside it so that concurrent steps share one fsync (group commit).
 
 :class:`Acknowledgements` is the engine's last stage, the wait before an
 answer leaves: for one record at a time, or for a batch of them that one
-thread held back (:meth:`Acknowledgements.holding`: the step lane's loop,
+thread held back (:meth:`Acknowledgements.hold`: the step lane's loop,
 :mod:`blockd.service.lane`, serves every lane connection on one thread and
 acknowledges what one round of them changed with one fsync).
 """
@@ -40,8 +40,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Protocol
 
 from blockd.core import InvariantViolation
@@ -63,6 +62,11 @@ class Held(threading.local):
     def __init__(self) -> None:
         self.lsn: int | None = None
 
+    def release(self) -> int:
+        """Stop holding back; the highest LSN of what was answered meanwhile (0: none)."""
+        lsn, self.lsn = self.lsn, None
+        return lsn or 0
+
 
 class Acknowledgements:
     """The engine's wait before an answer leaves (a mixin of
@@ -75,7 +79,7 @@ class Acknowledgements:
     def _committed(self, lsn: int) -> int:
         """Return once ``lsn`` is fsynced here (group commit) and committed, with the leader
         term it is acknowledged in (0 without replication): every answer and Watch delta waits here.
-        While this thread holds its answers back (:meth:`holding`), only remembers ``lsn``."""
+        While this thread holds its answers back (:meth:`hold`), only remembers ``lsn``."""
         held = self._held
         if held.lsn is not None:
             held.lsn = max(held.lsn, lsn)
@@ -86,18 +90,17 @@ class Acknowledgements:
             return self._gate.committed(lsn)
         return 0
 
-    @contextmanager
-    def holding(self) -> Iterator[Held]:
-        """Within: this thread's changes are answered at once, without the wait
-        (their answers say term 0), and nothing they answer may leave until
-        :meth:`acknowledge` of the ``Held`` this yields has returned."""
+    def hold(self) -> Held | None:
+        """From now until :meth:`Held.release`, this thread's changes are answered
+        at once, without the wait (their answers say term 0), and nothing they
+        answer may leave until :meth:`acknowledge` of the LSN ``release`` returns.
+        None, and nothing held, where no answer ever waits (no log, no replication)."""
+        if self._durability is None and self._gate is None:
+            return None
         held = self._held
-        assert held.lsn is None, "holding() does not nest"
+        assert held.lsn is None, "hold() before the last one was released"
         held.lsn = 0
-        try:
-            yield held
-        finally:
-            held.lsn = None
+        return held
 
     def waits(self, lsn: int) -> bool:
         """Whether :meth:`acknowledge` of ``lsn`` may wait (an fsync, a replication ack) or raise."""
@@ -108,7 +111,7 @@ class Acknowledgements:
         """The wait :meth:`_committed` skipped for a held batch whose last LSN is ``lsn``:
         the term its answers are acknowledged in (0 without replication). Raises as
         :meth:`_committed` does (a failed fsync, NOT_LEADER), and then none of them may leave."""
-        assert self._held.lsn is None, "acknowledge() after holding() has ended"
+        assert self._held.lsn is None, "acknowledge() once the hold is released"
         return self._committed(lsn)
 
 

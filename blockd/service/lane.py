@@ -184,7 +184,7 @@ class StepLane:
     def __init__(self, handler: grpc.RpcMethodHandler, interceptors: Sequence[grpc.ServerInterceptor], host: str,
                  port: int, *, tls: TlsConfig | None, max_bytes: int, max_connections: int,
                  shutdown: threading.Event, refused: Callable[[BaseException, str], pb.StepStreamResponse],
-                 full: Callable[[], BaseException], hold: Callable[[], contextlib.AbstractContextManager[Held]],
+                 full: Callable[[], BaseException], hold: Callable[[], Held | None],
                  waits: Callable[[int], bool], acknowledge: Callable[[int], int]) -> None:
         self._handler, self._interceptors = handler, list(interceptors)
         self._tls = _ServerTls(tls) if tls is not None else None

@@ -7,7 +7,7 @@ durable step waited for an fsync of its own. The loop reads whatever every
 ready connection has sent, answers those steps one after the other (the
 engine lock and the GIL serialise them anyway), then waits once for what the
 round changed to be durable and committed (one fsync, one replication ack:
-:meth:`blockd.engine.durability.Acknowledgements.holding`), and only then
+:meth:`blockd.engine.durability.Acknowledgements.hold`), and only then
 writes the answers. So durable throughput grows with the schedulers, and a
 scheduler idle between steps costs nothing.
 
@@ -105,12 +105,13 @@ class Conn:
             else:
                 raise RuntimeError("the StepStream handler asked for a request before answering the last")
 
-    def receive(self) -> None:
-        """Read what the socket holds now into complete frames (``payloads``)."""
-        sock, buf = self.sock, self.inbuf
+    def receive(self, scratch: memoryview) -> None:
+        """Read what the socket holds now into complete frames (``payloads``);
+        ``scratch``: the loop's read buffer (a fresh one a read would cost an mmap)."""
+        sock, buf, room = self.sock, self.inbuf, len(scratch)
         while True:
             try:
-                data = sock.recv(_CHUNK)
+                got = sock.recv_into(scratch)
             except _WOULD_BLOCK:
                 break
             except OSError as err:
@@ -118,24 +119,25 @@ class Conn:
                 self.context.active = False
                 self.eof = True
                 break
-            if not data:
+            if not got:
                 self.eof = True
                 break
-            buf += data
+            buf += scratch[:got]
             # a plain socket read short has nothing more; TLS may hold decrypted bytes
-            if len(data) < _CHUNK and not (isinstance(sock, ssl.SSLSocket) and sock.pending()):
+            if got < room and not (isinstance(sock, ssl.SSLSocket) and sock.pending()):
                 break
         pos, size = 0, len(buf)
-        while size - pos >= 4 and not self.cut:
-            length = int.from_bytes(buf[pos:pos + 4], "big")
-            if length > self.max_bytes:
-                self.cut = (f"a step lane frame of {length} bytes is over this end's limit of {self.max_bytes}; "
-                            "nothing of it was applied")
-                break
-            if size - pos - 4 < length:
-                break
-            self.payloads.append(bytes(buf[pos + 4:pos + 4 + length]))
-            pos += 4 + length
+        with memoryview(buf) as view:
+            while size - pos >= 4 and not self.cut:
+                length = int.from_bytes(view[pos:pos + 4], "big")
+                if length > self.max_bytes:
+                    self.cut = (f"a step lane frame of {length} bytes is over this end's limit of "
+                                f"{self.max_bytes}; nothing of it was applied")
+                    break
+                if size - pos - 4 < length:
+                    break
+                self.payloads.append(view[pos + 4:pos + 4 + length].tobytes())
+                pos += 4 + length
         del buf[:pos]
         if self.eof and buf and not self.cut:
             log.debug("step lane connection from %s ended inside a frame", self.peer)
@@ -186,7 +188,7 @@ class LaneLoop:
     the meantime (group commit). Rounds are acknowledged in order, so a
     connection's answers leave in order."""
 
-    def __init__(self, hold: Callable[[], contextlib.AbstractContextManager[Held]], waits: Callable[[int], bool],
+    def __init__(self, hold: Callable[[], Held | None], waits: Callable[[int], bool],
                  acknowledge: Callable[[int], int], refused: Callable[[BaseException], Any],
                  serialize: Callable[[Any], bytes], release: Callable[[Conn], None]) -> None:
         self._hold, self._waits, self._acknowledge = hold, waits, acknowledge
@@ -201,6 +203,7 @@ class LaneLoop:
         self._adopted: collections.deque[Conn] = collections.deque()
         self._conns: set[Conn] = set()
         self._again: list[Conn] = []  # connections to serve next round whatever the selector says
+        self._scratch = memoryview(bytearray(_CHUNK))
         self._to_sync: collections.deque[_Batch] = collections.deque()
         self._synced: collections.deque[_Batch] = collections.deque()
         self._syncing = 0  # batches handed to the syncer and not delivered yet
@@ -294,17 +297,22 @@ class LaneLoop:
             self._syncing -= 1
             self._deliver(self._synced.popleft())
         ready = [conn for conn in ready if conn in self._conns]
+        scratch = self._scratch
         for conn in ready:
-            conn.receive()
+            conn.receive(scratch)
         entries: list[tuple[Conn, Any, bytes]] = []
-        with self._hold() as hold:
+        held = self._hold()
+        try:
             for conn in ready:
                 self._answer(conn, entries)
-            lsn = hold.lsn or 0
-        if entries:
+        finally:
+            lsn = held.release() if held is not None else 0
+        for conn, _, _ in entries:
+            conn.inflight += 1
+        if entries and held is None:  # nothing waits (no log, no replication): the answers leave now
+            self._deliver(_Batch(0, entries), flush=False)
+        elif entries:
             batch = _Batch(lsn, entries)
-            for conn, _, _ in entries:
-                conn.inflight += 1
             if self._syncing or (len(self._conns) > 1 and self._waits(lsn)):
                 # behind batches in the syncer (in order), or others may send while the disk writes
                 self._syncing += 1

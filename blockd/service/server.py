@@ -93,7 +93,7 @@ class BlockdServer:
                 shutdown=self._shutdown, refused=blocks.refused,
                 full=lambda: StepStreamsFull("blockd's step lane has no room for another connection: step by "
                                              "unary Step (the SDK does), or raise --max-workers"),
-                hold=engine.holding, waits=engine.waits, acknowledge=engine.acknowledge)
+                hold=engine.hold, waits=engine.waits, acknowledge=engine.acknowledge)
             blocks.step_lane = (self.lane.port, self.lane.tls)
 
     def start(self) -> None:

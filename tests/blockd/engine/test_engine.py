@@ -203,25 +203,28 @@ def test_all_tables_come_in_seq_id_order_as_the_protocol_says():
 
 
 def test_answers_held_back_wait_for_one_acknowledgement(tmp_path):
-    """Engine.holding (the step lane's rounds): steps answer at once without
+    """Engine.hold (the step lane's rounds): steps answer at once without
     their fsync, and acknowledge() makes every one of them durable together."""
+    assert Engine().hold() is None  # nothing to wait for: nothing held
     syncs: list[float] = []
     engine = Engine(EngineConfig(data_dir=str(tmp_path), observe_wal_sync=syncs.append))
     engine.create_pool(PoolConfig("p", num_blocks=8, block_size=4))
     wal, before = engine._durability._wal, len(syncs)
     durable = wal.durable_lsn
     assert not engine.waits(durable)
-    with engine.holding() as held:
+    held = engine.hold()
+    try:
         for seq in ("a", "b", "c"):
             assert engine.step("p", [Allocate(seq, [1, 2])]).term == 0
-        with pytest.raises(AssertionError, match="does not nest"), engine.holding():
-            pass
-        lsn = held.lsn
+        with pytest.raises(AssertionError, match="before the last one was released"):
+            engine.hold()
+    finally:
+        lsn = held.release()
     assert lsn == durable + 3 and wal.durable_lsn == durable and len(syncs) == before  # nothing fsynced yet
     assert engine.waits(lsn)
     assert engine.acknowledge(lsn) == 0
     assert wal.durable_lsn >= lsn and len(syncs) == before + 1  # one fsync for the three
     assert not engine.waits(lsn)
-    engine.step("p", [Allocate("d", [1])])  # outside holding(): its own fsync, as before
+    engine.step("p", [Allocate("d", [1])])  # not held: its own fsync, as before
     assert len(syncs) == before + 2 and wal.durable_lsn == lsn + 1
     engine.close()
