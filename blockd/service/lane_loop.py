@@ -293,37 +293,47 @@ class LaneLoop:
                 self._flush(conn)
             if mask & _READABLE and conn not in ready:
                 ready.append(conn)
-        while self._synced:
-            self._syncing -= 1
-            self._deliver(self._synced.popleft())
+        self._delivered()
         ready = [conn for conn in ready if conn in self._conns]
         scratch = self._scratch
         for conn in ready:
             conn.receive(scratch)
-        entries: list[tuple[Conn, Any, bytes]] = []
-        held = self._hold()
-        try:
-            for conn in ready:
+        for conn in ready:
+            # one connection's answers at a time: the syncer starts on its fsync while the
+            # next connection's steps run, and answers leave as soon as they are durable
+            entries: list[tuple[Conn, Any, bytes]] = []
+            held = self._hold()
+            try:
                 self._answer(conn, entries)
-        finally:
-            lsn = held.release() if held is not None else 0
-        for conn, _, _ in entries:
-            conn.inflight += 1
-        if entries and held is None:  # nothing waits (no log, no replication): the answers leave now
-            self._deliver(_Batch(0, entries), flush=False)
-        elif entries:
-            batch = _Batch(lsn, entries)
-            if self._syncing or (len(self._conns) > 1 and self._waits(lsn)):
-                # behind batches in the syncer (in order), or others may send while the disk writes
-                self._syncing += 1
-                with self._sync_cv:
-                    self._to_sync.append(batch)
-                    self._sync_cv.notify()
-            else:  # one connection (it waits for this answer) or no wait: here costs no thread handoff
-                self._acknowledged(batch)
-                self._deliver(batch, flush=False)
+            finally:
+                lsn = held.release() if held is not None else 0
+            if entries:
+                self._settle(_Batch(lsn, entries), held is not None)
+            self._delivered()
         for conn in ready:
             self._flush(conn)
+
+    def _delivered(self) -> None:
+        """Deliver what the syncer has acknowledged (or refused) since the last look."""
+        while self._synced:
+            self._syncing -= 1
+            self._deliver(self._synced.popleft())
+
+    def _settle(self, batch: _Batch, held: bool) -> None:
+        """Deliver ``batch`` now, after waiting here, or once the syncer has waited for it."""
+        for conn, _, _ in batch.entries:
+            conn.inflight += 1
+        if not held:  # nothing waits (no log, no replication): the answers leave now
+            self._deliver(batch, flush=False)
+        elif self._syncing or (len(self._conns) > 1 and self._waits(batch.lsn)):
+            # behind batches in the syncer (in order), or others may send while the disk writes
+            self._syncing += 1
+            with self._sync_cv:
+                self._to_sync.append(batch)
+                self._sync_cv.notify()
+        else:  # one connection (it waits for this answer) or no wait: here costs no thread handoff
+            self._acknowledged(batch)
+            self._deliver(batch, flush=False)
 
     def _deliver(self, batch: _Batch, flush: bool = True) -> None:
         """Write a batch acknowledged (or refused) into its connections' buffers;
