@@ -1,27 +1,28 @@
-"""The step lane's loop: every lane connection served on one thread, a round at a time.
+"""The step lane's loop: every lane connection served on one thread.
 
 Why one thread: with a thread per connection, schedulers' steps handed the
 GIL to each other at every read and write (16 futex calls and 8 context
-switches per step with four schedulers, against one with one), and each
-durable step waited for an fsync of its own. The loop reads whatever every
-ready connection has sent, answers those steps one after the other (the
-engine lock and the GIL serialise them anyway), then waits once for what the
-round changed to be durable and committed (one fsync, one replication ack:
-:meth:`blockd.engine.durability.Acknowledgements.hold`), and only then
-writes the answers. So durable throughput grows with the schedulers, and a
-scheduler idle between steps costs nothing.
+switches a step with four schedulers, against one with one). The loop waits
+for any connection (epoll), reads what each ready one has sent, and answers
+its steps one after the other (the engine lock and the GIL serialise them
+anyway). Their answers are held back from the wait for durability
+(:meth:`blockd.engine.durability.Acknowledgements.hold`) and waited for once
+per connection: here when this is the only connection (no thread handoff),
+else by the syncer thread while the loop answers the next ones; its next
+fsync covers whatever came meanwhile (group commit). Only then are they
+written. So durable throughput grows with the schedulers.
 
 What stays as it was: each connection runs the very StepStream handler, one
 request in and one answer out, in order; an answer never leaves before the
-records it depends on are durable and committed; a refusal of the round's
-wait (a failed fsync, NOT_LEADER) is every held answer's refusal.
+records it depends on are durable and committed; a refusal of that wait (a
+failed fsync, NOT_LEADER) is every held answer's refusal.
 
 Bounds, so that no caller stalls the others: sockets are non-blocking (a
 caller that sends half a frame, or reads no answers, holds only its own
-buffers); at most :data:`ROUND_FRAMES` of one connection's requests per
-round; a connection whose unsent answers pass :data:`MAX_UNSENT_BYTES` is not
-read until they drain. Set-up (TLS handshake, hello) and the end of a
-connection (its last answers, the linger) happen on short-lived threads of
+buffers); at most :data:`ROUND_FRAMES` of one connection's requests a round;
+a connection whose unsent answers pass :data:`MAX_UNSENT_BYTES` is not read
+until they drain. Set-up (TLS handshake, hello) and the end of a connection
+(its last answers, the linger) run on short-lived threads of
 :class:`blockd.service.lane.StepLane`, never here.
 """
 
@@ -164,8 +165,8 @@ class Conn:
 
 
 class _Batch:
-    """One round's answers, in order: ``(conn, answer, frame)``, an answer held for
-    the round's acknowledgement or a connection's last frame (an abort, a cut)."""
+    """One connection's answers of a round, in order: ``(conn, answer, frame)``, an answer
+    held for the batch's acknowledgement, or the connection's last frame (an abort, a cut)."""
 
     __slots__ = ("entries", "error", "lsn", "term")
 
@@ -176,17 +177,12 @@ class _Batch:
 
 
 class LaneLoop:
-    """The thread that serves every adopted :class:`Conn`, and the one that
+    """The thread that serves every adopted :class:`Conn`, and the syncer that
     waits for durability for it. ``hold()``, ``waits(lsn)`` and
     ``acknowledge(lsn)``: the engine's (:class:`blockd.engine.durability.Acknowledgements`);
     ``refused(err)``: a StepStream refusal's answer; ``release(conn)``: the
-    connection's end (on another thread: it may block).
-
-    A round whose answers need a wait (an fsync, a replication ack) hands them
-    to the syncer thread and reads on: the next rounds are answered while the
-    disk writes, and the syncer's next fsync covers every round that came in
-    the meantime (group commit). Rounds are acknowledged in order, so a
-    connection's answers leave in order."""
+    connection's end (on another thread: it may block). Batches are
+    acknowledged in order, so a connection's answers leave in order."""
 
     def __init__(self, hold: Callable[[], Held | None], waits: Callable[[int], bool],
                  acknowledge: Callable[[int], int], refused: Callable[[BaseException], Any],
@@ -280,6 +276,7 @@ class LaneLoop:
             os.close(self._wake_w)
 
     def _round(self) -> None:
+        """Wait for any connection (or the syncer, or a new connection); serve what is ready."""
         ready, self._again = self._again, []
         for fd, mask in self._poll.poll(0 if ready else -1):
             conn = self._fds.get(fd)
