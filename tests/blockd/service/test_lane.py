@@ -396,3 +396,42 @@ def test_a_replicated_leaders_lane_answers_in_its_term(etcd_server, tmp_path):
         assert answer.WhichOneof("outcome") == "response" and answer.response.term == term
     finally:
         proc.kill()
+
+
+def test_pipelined_and_split_frames_over_tls_are_answered_in_order(pki, tmp_path):
+    """Over TLS the loop reads what OpenSSL has decrypted already (frames
+    sent in one write, a frame split over two), never waiting on the socket for it."""
+    ids = str(tmp_path / "ids.json")
+    token = tokens.add_token(ids, "sched", "acme", ["admin"])
+    security = server_security("127.0.0.1:0", pki.server_tls(mutual=False), ids)
+    server = BlockdServer(Engine(EngineConfig(quotas=security.quota_source())), "127.0.0.1:0", max_workers=8,
+                          grace_s=0.5, interceptors=security.interceptors, credentials=security.credentials,
+                          step_lane_port=0, lane_tls=pki.server_tls(mutual=False))
+    server.start()
+    try:
+        with BlockdClient(server.address, tls=pki.tls(), token=token) as client:
+            client.create_pool(PoolConfig("p", num_blocks=64, block_size=4))
+        context = ssl.create_default_context(cafile=pki.ca)
+        with context.wrap_socket(_raw(server), server_hostname="localhost") as sock:
+            sock.settimeout(5)  # a frame the loop leaves unread fails the test rather than hanging it
+            sock.sendall(hello_frame([("authorization", f"Bearer {token}")])
+                         + b"".join(_alloc_frame(f"s{i}") for i in range(8)))
+            reader, answers = sock.makefile("rb"), []
+
+            def answer() -> pb.StepStreamResponse:
+                head = reader.read(4)
+                return pb.StepStreamResponse.FromString(reader.read(struct.unpack(">I", head)[0]))
+
+            # the steps came in the hello's TLS record: decrypted when the hello was read, nothing left on the socket
+            answers += [answer() for _ in range(8)]
+            last = _alloc_frame("s8")
+            sock.sendall(last[:7])  # a frame split over two TLS records
+            time.sleep(0.2)
+            sock.sendall(last[7:])
+            answers.append(answer())
+            reader.close()
+        assert [a.WhichOneof("outcome") for a in answers] == ["response"] * 9
+        assert [a.response.results[0].seq_id for a in answers] == [f"s{i}" for i in range(9)]
+        assert [a.response.version for a in answers] == list(range(1, 10))
+    finally:
+        server.stop(0.2)
