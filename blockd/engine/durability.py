@@ -257,7 +257,7 @@ class Durability:
     def is_durable(self, lsn: int) -> bool:
         """Whether record ``lsn`` is already as durable as the policy makes it (:meth:`durable` returns at once)."""
         wal = self._wal
-        return not self.broken and (wal is None or wal.fsync != "always" or wal.durable_lsn >= lsn)
+        return not self.broken and (wal is None or wal.synced(lsn))
 
     def durable(self, lsn: int) -> None:
         """Return once record ``lsn`` is as durable as the fsync policy makes it

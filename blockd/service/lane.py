@@ -36,8 +36,8 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any, NoReturn
+from collections.abc import Callable, Sequence
+from typing import NoReturn
 
 import grpc
 
@@ -291,8 +291,8 @@ class StepLane:
                 # exact reads: what the caller sent behind its hello stays in the socket for the loop
                 metadata = read_hello(_ExactReader(sock))
             except ValueError as err:
-                self._end(Conn(sock, conn, peer, None, _no_call, bytes, 0), status_of(
-                    grpc.StatusCode.INVALID_ARGUMENT, str(err)))
+                refusal = pb.StepStreamResponse(error_status=status_of(grpc.StatusCode.INVALID_ARGUMENT, str(err)))
+                self._end(sock, conn, frame(refusal.SerializeToString()))
                 return
             context = _LaneContext(metadata, auth_context_of(sock), peer, self._shutdown)
             handler = self._chain(_CallDetails(METHOD, context.invocation_metadata()))
@@ -308,19 +308,17 @@ class StepLane:
             log.exception("step lane connection from %s failed", peer)
             self._close(sock, conn)
 
-    def _end(self, conn: Conn, refusal: bytes = b"") -> None:
-        """A connection's end, on a thread that may block: the answers the loop
-        could not write yet, a refusal, the linger, the close."""
+    def _end(self, sock: socket.socket, raw: socket.socket, rest: bytes) -> None:
+        """A connection's end, on a thread that may block: ``rest`` (the answers
+        the loop could not write yet, or a refusal), the linger, the close."""
         try:
-            conn.sock.settimeout(CONNECT_TIMEOUT_S)
-            rest = bytes(conn.out) + (frame(pb.StepStreamResponse(error_status=refusal).SerializeToString())
-                                      if refusal else b"")
+            sock.settimeout(CONNECT_TIMEOUT_S)
             if rest:
-                conn.sock.sendall(rest)
-            self._linger(conn.sock)
+                sock.sendall(rest)
+            self._linger(sock)
         except OSError:
             pass
-        self._close(conn.sock, conn.raw)
+        self._close(sock, raw)
 
     def _close(self, sock: socket.socket, raw: socket.socket) -> None:
         with self._lock:
@@ -337,7 +335,8 @@ class StepLane:
         if self._shutdown.is_set() or (not conn.out and (self._tls is not None or conn.eof)):
             self._close(conn.sock, conn.raw)  # nothing to write, nothing to linger for
             return
-        threading.Thread(target=self._end, args=(conn,), name="blockd-lane-end", daemon=True).start()
+        threading.Thread(target=self._end, args=(conn.sock, conn.raw, bytes(conn.out)), name="blockd-lane-end",
+                         daemon=True).start()
 
     def _chain(self, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
         """The handler as the gRPC server would run it: the first interceptor outermost."""
@@ -367,6 +366,3 @@ class _ExactReader:
             got += len(part)
         return b"".join(parts)
 
-
-def _no_call(requests: Iterator[Any]) -> Iterator[Any]:
-    return iter(())

@@ -82,7 +82,6 @@ class Conn:
                  max_bytes: int) -> None:
         self.sock, self.raw, self.peer, self.context = sock, raw, peer, context
         self._call, self._parse, self.max_bytes = call, parse, max_bytes
-        self.tls = isinstance(sock, ssl.SSLSocket)
         self.fd = sock.fileno()
         self.inbuf = bytearray()
         self.out = bytearray()
@@ -92,6 +91,7 @@ class Conn:
         self.eof = False
         self.cut: str = ""  # a frame over the limit: the refusal, once the answers before it are out
         self.inflight = 0  # its answers in batches not delivered yet
+        self.released = False  # the loop is done with it (its end is the lane's)
         self.last = False  # the call is over: write what is left, then hand the socket back
         self.interest = 0
 
@@ -436,8 +436,9 @@ class LaneLoop:
 
     def _drop(self, conn: Conn) -> None:
         """``conn`` leaves the loop; its end (the rest of its answers, the linger) is the lane's."""
-        if conn not in self._conns and conn.interest == 0 and conn.ended:
+        if conn.released:
             return
+        conn.released = True
         if conn.interest:
             self._fds.pop(conn.fd, None)
             with contextlib.suppress(KeyError, ValueError, OSError):

@@ -273,6 +273,10 @@ class WriteAheadLog:
                 self._dirty = True
         return self.lsn
 
+    def synced(self, lsn: int) -> bool:
+        """Whether :meth:`sync_to` of ``lsn`` would return at once."""
+        return self.fsync != "always" or self.durable_lsn >= lsn
+
     def sync_to(self, lsn: int) -> None:
         """Return once record ``lsn`` is fsynced (under ``always``; the other
         policies promise no fsync, so at once). Group commit: one caller
@@ -280,7 +284,7 @@ class WriteAheadLog:
         ``_sync_cond``; when it is done all wake, and each finds its record
         covered or one of them fsyncs the next group. The fsync runs outside ``_io_lock``, so appends go on
         meanwhile. Raises the fsync's OSError (the caller fails stop)."""
-        if self.fsync != "always" or self.durable_lsn >= lsn:
+        if self.synced(lsn):
             return
         with self._sync_cond:
             # every waiter wakes when an fsync ends: those it covered return
