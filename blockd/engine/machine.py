@@ -154,12 +154,12 @@ class Engine(CacheCalls, PoolMoves, Acknowledgements):
             # fingerprinted only once applied: a batch that fails never pays for its hash
             state.requests.put(rid, state.fingerprint(record), now, result, state.block_size(record.pool),
                                state.scope(record.pool))
-            body = records.encode(record, rid, now)
-        else:
-            body = records.encode(record)
-        # fsynced in _committed, outside the lock, so concurrent steps share one fsync
-        term = self._gate.term if self._gate is not None else 0
-        lsn = self._durability.log(body, term, defer_sync=True) if self._durability is not None else 0
+        lsn = 0
+        if self._durability is not None:  # in memory the record's body is never built
+            body = records.encode(record, rid, now) if rid else records.encode(record)
+            term = self._gate.term if self._gate is not None else 0
+            # fsynced in _committed, outside the lock, so concurrent steps share one fsync
+            lsn = self._durability.log(body, term, defer_sync=True)
         self._watchers.notify()
         return result, lsn
 
