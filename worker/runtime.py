@@ -266,15 +266,18 @@ class WorkerRuntime:
         with self._lock:
             return self._advance(version, pool_incarnation)
 
-    def check_written(self, seq_ids: Sequence[str], tables: list[list[int]], lengths: Sequence[int]) -> None:
+    def check_written(self, seq_ids: Sequence[str], tables: list[list[int]], lengths: Sequence[int],
+                      writing: torch.Tensor | None = None) -> None:
         """Refuse (:class:`~blockd.core.incarnations.KVNotWritten`) unless the first
         ``lengths[i]`` tokens of each sequence are written in every layer of
         this shard in this incarnation (a model step checks its cached context
-        once, before the forward)."""
+        once, before the forward). ``writing``: the step's own slots (int64,
+        CPU), which count as written: :meth:`step_attention` writes every new
+        token's K/V of a layer before that layer's attention reads any."""
         context = ContextBlocks.of(_padded(tables), torch.tensor(list(lengths), dtype=torch.int64),
                                    self.config.block_size)
         with self._lock:
-            self.written.check(slice(None), context, seq_ids, lengths)
+            self.written.check(slice(None), context, seq_ids, lengths, writing)
 
     def prepare_step(self, version: int, seq_ids: Sequence[str], query_lens: Sequence[int],
                      context_lens: Sequence[int], slot_mapping: torch.Tensor,

@@ -116,14 +116,20 @@ class WrittenSlots:
         self.copy(torch.stack((host_blocks + self.num_blocks, device_blocks), 1))
 
     def check(self, layers: int | slice, context: ContextBlocks, seq_ids: Sequence[str],
-              lengths: Sequence[int] | torch.Tensor) -> None:
+              lengths: Sequence[int] | torch.Tensor, writing: torch.Tensor | None = None) -> None:
         """Raise :class:`KVNotWritten` unless every slot ``context`` reads is
-        written in ``layers`` (local indices)."""
+        written in ``layers`` (local indices); ``writing`` (int64 CPU slots, no
+        padding): slots the same step writes in every layer before any of its
+        attention reads (a prompt sharing blocks another prompt of the step computes)."""
         if not context.blocks.numel():
             return
         ok = self.lead[layers].index_select(-1, context.blocks) >= context.need
         if bool(ok.all()):
             return
+        if writing is not None and writing.numel():
+            ok = self._lead_after(layers, writing).index_select(-1, context.blocks) >= context.need
+            if bool(ok.all()):
+                return
         if ok.dim() == 2:  # several layers: an entry fails if it fails in any of them
             ok = ok.all(0)
         rows = torch.unique(context.rows[~ok]).tolist()
@@ -135,6 +141,16 @@ class WrittenSlots:
             f"(positions {missing} of its {int(lengths[rows[0]])} context tokens; the worker restarted, or "
             "the pool was re-created, since they were computed): recompute them (preempt with recompute)",
             metadata=listed(names))
+
+    def _lead_after(self, layers: int | slice, slots: torch.Tensor) -> torch.Tensor:
+        """``lead[layers]`` as it will be once ``slots`` are written too (nothing is recorded)."""
+        blocks = torch.div(slots, self.block_size, rounding_mode="floor")
+        touched = torch.unique(blocks)
+        bits = self.bits[layers].index_select(-2, touched)  # a copy: [..., touched, block_size]
+        bits[..., torch.searchsorted(touched, blocks), slots - blocks * self.block_size] = True
+        lead = self.lead[layers].clone()
+        lead[..., touched] = bits.to(torch.int32).cumprod(-1).sum(-1, dtype=torch.int32)
+        return lead
 
     def _missing(self, layers: int | slice, blocks: torch.Tensor, length: int) -> str:
         """The unwritten positions among a sequence's first ``length``, as ranges."""

@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from blockd.core import Allocate, Append, BlockdError, Fork, Free, NotFound, Pool, PoolConfig
+from blockd.core import Allocate, Append, BlockdError, Commit, Fork, Free, NotFound, Pool, PoolConfig
 from blockd.core.errors import InvalidArgument
 from blockd.core.incarnations import KVNotWritten, PoolIncarnationMismatch, PoolIncarnationUnavailable, TermNotSeen
 from tests.support.dense import dense_attention
@@ -219,6 +219,37 @@ def test_attention_over_slots_not_written_in_this_incarnation_is_refused():
     assert r.copy_ops
     kv = {"key": h.rand(1, HEADS, DIM), "value": h.rand(1, HEADS, DIM), "slot_mapping": list(r.results[1].slot_mapping)}
     h.runtime.attention(r.version, 0, ["c"], [1], [8], q, **kv)
+
+
+def test_a_prompt_reads_blocks_another_prompt_of_the_same_step_writes():
+    """Within-step prefix sharing (client.step_plan): ``a``'s first two blocks
+    are committed in the batch that allocates it, so ``b`` takes them from the
+    prefix cache and computes one token over them in the same model step. The
+    pre-forward check counts the step's own slots as written (no others), and
+    each layer writes every new token's K/V before its attention reads any:
+    ``b``'s answer is dense attention over the K/V ``a`` writes in that layer."""
+    h = Harness()
+    shared = list(range(8))  # two full blocks of 4
+    r = h.step([Allocate("a", [*shared, 50]), Commit("a", 8), Allocate("b", [*shared, 60])])
+    a, b = r.results[0], r.results[2]
+    assert b.num_cached_tokens == 8 and len(b.slot_mapping) == 1
+    slots = list(a.slot_mapping) + list(b.slot_mapping)
+    h.runtime.advance(r.version)
+    tables = h.runtime.mirror.tables_of(["a", "b"], r.version, h.runtime.mirror.incarnation)
+    with pytest.raises(KVNotWritten, match="sequence 'b'"):  # nothing written yet, and no step writes it
+        h.runtime.check_written(["a", "b"], tables, [0, 8])
+    with pytest.raises(KVNotWritten, match="sequence 'b'"):  # a step writing only a's first block
+        h.runtime.check_written(["a", "b"], tables, [0, 8], torch.tensor(slots[:4]))
+    h.runtime.check_written(["a", "b"], tables, [0, 8], torch.tensor(slots))
+    step = h.runtime.prepare_step(r.version, ["a", "b"], [9, 1], [9, 9], torch.tensor(slots))
+    for layer in range(2):
+        kv, query = h.rand(10, HEADS, 2, DIM), h.rand(10, Q_HEADS, DIM)
+        out = h.runtime.step_attention(step, layer, query, kv[:, :, 0].contiguous(), kv[:, :, 1].contiguous())
+        context = torch.cat([kv[:8], kv[9:]])  # a's first 8 tokens, then b's own
+        want = dense_attention(query[9:], context[:, :, 0], context[:, :, 1])
+        torch.testing.assert_close(out[9:].float(), want, atol=1e-4, rtol=1e-4)
+    h.runtime.finish_step(step)
+    h.runtime.check_written(["a", "b"], tables, [9, 9])
 
 
 def test_a_new_pool_incarnation_forgets_every_written_slot():

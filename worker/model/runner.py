@@ -175,7 +175,8 @@ class ModelRunner:
             tables = self.runtime.mirror.tables_of(batch.seq_ids, batch.version, incarnation)
             self._check_slots(batch, tables)
             self.runtime.check_written(batch.seq_ids, tables,
-                                       [n - q for q, n in zip(batch.query_lens, batch.context_lens)])
+                                       [n - q for q, n in zip(batch.query_lens, batch.context_lens)],
+                                       batch.slot_mapping)
             return self.runtime.prepare_step(batch.version, batch.seq_ids, batch.query_lens, batch.context_lens,
                                              batch.slot_mapping, batch.pool_incarnation)
         except BlockdError as err:
