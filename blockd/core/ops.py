@@ -128,22 +128,43 @@ def located(blocks: BlockSpace, token_ids: object, extra: ExtraKeys | None, firs
     return out
 
 
-def allocation_need(blocks: BlockSpace, watermark: int, token_ids: object,
-                    extra: ExtraKeys | None, tenant: str = "") -> tuple[list[int], list[bytes]] | None:
-    """``(hit blocks, hashes)`` if an allocation of this prompt is admitted now,
-    else None. At least the last prompt token is always left to compute. A
-    host-tier hit needs a device block like a miss."""
+def allocation_need(blocks: BlockSpace, watermark: int, token_ids: object, extra: ExtraKeys | None,
+                    tenant: str = "", share: Sequence | None = None,
+                    share_tokens: int = 0) -> tuple[list[int], list[bytes], list[int]] | None:
+    """``(hit blocks, hashes, blocks shared from share)`` if an allocation of
+    this prompt is admitted now, else None. At least the last prompt token is
+    always left to compute. A host-tier hit needs a device block like a miss."""
     num_tokens = len(token_ids) if isinstance(token_ids, (list, tuple)) else 0
     max_hit = (num_tokens - 1) // blocks.block_size if num_tokens else 0
     hits, hashes = cached_prefix(blocks, token_ids, extra, max_hit, tenant)
+    shared: list[int] = []
+    if share is not None:
+        digest = _digest(check_extra_keys(extra if extra is not None else NO_EXTRA_KEYS), tenant)
+        shared = shared_run(blocks.block_size, share, token_ids, digest, len(hits),
+                            min(max_hit, share_tokens // blocks.block_size))
     ref = blocks.ref
     in_host = hits.count(IN_HOST) if blocks.host is not None else 0
     revived = sum(1 for block in hits if block >= 0 and ref[block] == 0) if in_host else (
         sum(1 for block in hits if ref[block] == 0))
-    need = num_blocks_for(num_tokens, blocks.block_size) - len(hits) + in_host + revived
+    need = num_blocks_for(num_tokens, blocks.block_size) - len(hits) - len(shared) + in_host + revived
     if blocks.num_available - need < watermark:
         return None
-    return hits, hashes
+    return hits, hashes, shared
+
+
+def shared_run(b: int, other: Sequence, token_ids: object, digest: bytes, first: int, last: int) -> list[int]:
+    """The blocks of ``other`` that stand in for full blocks ``first .. last - 1``
+    of ``token_ids`` (``Allocate.share_seq_id``): a block's K/V depends on every
+    token before it, so the run goes as far as both prompts agree from their
+    first token, under the same extra keys and tenant, and ``other`` holds the block."""
+    if other.extra_digest != digest or not isinstance(token_ids, (list, tuple)):
+        return []
+    theirs = other.token_ids
+    last = min(last, len(theirs) // b, len(other.table))
+    k = 0
+    while k < last and list(token_ids[k * b : (k + 1) * b]) == theirs[k * b : (k + 1) * b]:
+        k += 1
+    return other.table[first:k] if k > first else []
 
 
 def append_need(blocks: BlockSpace, seq: Sequence, num_new: int) -> int:
@@ -165,26 +186,37 @@ def _apply_allocate(batch: Batch, op: Allocate) -> OpResult:
     tokens = _check_tokens(op.prompt_token_ids, "prompt_token_ids")
     priority = check_priority(op.priority)
     blocks = batch.blocks
-    need = allocation_need(blocks, batch.config.watermark_blocks, tokens, op.extra_keys, batch.config.tenant)
+    share = _share_source(batch, op)
+    need = allocation_need(blocks, batch.config.watermark_blocks, tokens, op.extra_keys, batch.config.tenant,
+                           share, op.share_tokens if share is not None else 0)
     if need is None:
         raise batch.no_room(f"admitting {len(tokens)} prompt tokens", watermark=True)
-    hits, hashes = need
+    hits, hashes, shared = need
     b = batch.block_size
     seq = Sequence(seq_id, op.extra_keys, _digest(op.extra_keys, batch.config.tenant), priority)
     # before this allocation's own takes evict anything: the cache as the prompt found it
-    miss = explain_misses(blocks, batch.misses, tokens, len(hits), hashes, seq.extra_digest)
+    served = hashes
+    if shared:  # the shared blocks are no misses: the ledger's chain runs on through them
+        served = list(hashes)
+        for i in range(len(hits), len(hits) + len(shared)):
+            served.append(hash_block(served[-1] if served else None, tokens[i * b : (i + 1) * b], seq.extra_digest))
+    miss = explain_misses(blocks, batch.misses, tokens, len(served), served, seq.extra_digest)
     num_restored = hits.count(IN_HOST) if blocks.host is not None else 0
     for block in hits:
         if block >= 0:
             blocks.acquire(block)
+    for block in shared:
+        blocks.acquire(block)
     if num_restored:
         _restore(batch, hits, hashes)
-    seq.table = list(hits)
-    for logical in range(len(hits), num_blocks_for(len(tokens), b)):
+    seq.table = hits + shared
+    for logical in range(len(seq.table), num_blocks_for(len(tokens), b)):
         seq.table.append(blocks.take(min(b, len(tokens) - logical * b)))
     seq.token_ids = list(tokens)
     seq.hashes = hashes
-    seq.num_committed = cached = len(hits) * b
+    # shared blocks are not committed: published only once a holder commits them
+    seq.num_committed = len(hits) * b
+    cached = (len(hits) + len(shared)) * b
     batch.add_seq(seq)
     batch.num_tokens += len(tokens)
     batch.prefix_queried_tokens += len(tokens)
@@ -194,10 +226,19 @@ def _apply_allocate(batch: Batch, op: Allocate) -> OpResult:
         totals[i] += count
     batch.record_update(TableUpdate(seq_id=seq_id, keep=0, block_ids=tuple(seq.table)))
     return OpResult(seq_id=seq_id, num_tokens=len(tokens), num_cached_tokens=cached,
-                    new_block_ids=tuple(seq.table[len(hits):]), slot_start=cached,
+                    new_block_ids=tuple(seq.table[len(hits) + len(shared):]), slot_start=cached,
                     slot_mapping=tuple(slot_mapping(seq.table, cached, len(tokens), b)),
                     num_restored_tokens=num_restored * b, miss_never_stored=miss[0], miss_evicted_device=miss[1],
                     miss_evicted_host=miss[2], miss_partial=miss[3], miss_other_extra_keys=miss[4])
+
+
+def _share_source(batch: Batch, op: Allocate) -> Sequence | None:
+    """The live sequence ``op.share_seq_id`` names (None: none named); a bad
+    ``share_tokens`` is INVALID_ARGUMENT, an unknown sequence NOT_FOUND."""
+    check_int(op.share_tokens, "share_tokens", 0, MAX_TOKENS_PER_SEQ)
+    if isinstance(op.share_seq_id, str) and not op.share_seq_id:
+        return None
+    return batch.get_seq(check_name(op.share_seq_id, "share_seq_id"))
 
 
 def explain_misses(blocks: BlockSpace, misses: MissLedger, tokens: list[int] | tuple[int, ...], num_hits: int,

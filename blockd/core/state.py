@@ -258,6 +258,9 @@ def op_to_json(op: object) -> list[Any]:
     if isinstance(op, Append):
         return ["P", op.seq_id, list(op.token_ids)]
     if isinstance(op, Allocate):
+        if op.share_seq_id:  # kind "a": a blockd that predates sharing refuses it by name, never misreads it
+            return ["a", op.seq_id, list(op.prompt_token_ids), extra_to_json(op.extra_keys), op.retain_ttl_s,
+                    op.priority, op.share_seq_id, op.share_tokens]
         data = ["A", op.seq_id, list(op.prompt_token_ids), extra_to_json(op.extra_keys)]
         if op.priority != DEFAULT_PRIORITY:  # absent before priorities, and for the default one
             return [*data, op.retain_ttl_s, op.priority]
@@ -280,6 +283,9 @@ def op_from_json(data: list[Any]) -> Op:
     if kind == "A":
         return Allocate(data[1], data[2], extra_from_json(data[3]), retain_ttl_s=data[4] if len(data) > 4 else 0.0,
                         priority=data[5] if len(data) > 5 else DEFAULT_PRIORITY)
+    if kind == "a":
+        return Allocate(data[1], data[2], extra_from_json(data[3]), retain_ttl_s=data[4], priority=data[5],
+                        share_seq_id=data[6], share_tokens=data[7])
     if kind == "C":
         return Commit(data[1], data[2])
     if kind == "K":

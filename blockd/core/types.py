@@ -79,6 +79,13 @@ class Allocate:
     #: the sequence's blocks enter the evictable LRU at it, or at the higher
     #: priority of another holder (docs/protocol.md, Priorities)
     priority: int = DEFAULT_PRIORITY
+    #: a live sequence of the pool (usually allocated earlier in the same batch)
+    #: whose blocks stand in for the prompt's full blocks past the cached ones, as
+    #: far as both prompts' tokens and extra keys agree, at most ``share_tokens``
+    #: tokens: the caller's model step writes that K/V before this sequence reads
+    #: it. Shared, not published: the blocks enter the prefix cache once committed.
+    share_seq_id: str = ""
+    share_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -92,6 +92,9 @@ def _op_parts(op: object) -> tuple[bytes, ...]:
         head: tuple = (op.seq_id, op.extra_keys, op.retain_ttl_s) if op.retain_ttl_s else (op.seq_id, op.extra_keys)
         if op.priority != DEFAULT_PRIORITY:
             head = (op.seq_id, op.extra_keys, op.retain_ttl_s, op.priority)
+        if op.share_seq_id:
+            head = (op.seq_id, op.extra_keys, op.retain_ttl_s, op.priority, "share", op.share_seq_id,
+                    op.share_tokens)
         return (*_chunk(b"A", _text(repr(head))), *_ints(op.prompt_token_ids))
     if type(op) is Append:
         return (*_chunk(b"P", _text(repr(op.seq_id))), *_ints(op.token_ids))

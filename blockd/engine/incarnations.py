@@ -54,6 +54,8 @@ def _named(op: Op) -> tuple[object, ...]:
         return tuple(op.seq_ids) if isinstance(op.seq_ids, (list, tuple)) else ()
     if type(op) is Fork:
         return (op.parent_seq_id,)
+    if type(op) is Allocate and op.share_seq_id:  # its blocks stand in for the prompt's
+        return (op.seq_id, op.share_seq_id)
     return (getattr(op, "seq_id", None),)
 
 

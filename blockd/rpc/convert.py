@@ -182,7 +182,8 @@ def op_from_proto(msg: pb.Op, index: int) -> Op:
                  else NO_EXTRA_KEYS)
         return Allocate(require_id(alloc.seq_id, f"{where}.seq_id", index), list(alloc.prompt_token_ids), extra,
                         alloc.source_pool, alloc.retain_ttl_s,
-                        alloc.priority if alloc.HasField("priority") else DEFAULT_PRIORITY)
+                        alloc.priority if alloc.HasField("priority") else DEFAULT_PRIORITY,
+                        optional_id(alloc.share_seq_id, f"{where}.share_seq_id", index), alloc.share_tokens)
     if kind == "append":
         return Append(require_id(msg.append.seq_id, f"{where}.seq_id", index), list(msg.append.token_ids))
     if kind == "commit":
@@ -218,6 +219,8 @@ def op_into_proto(op: Op, out: pb.Op) -> None:
             out.allocate.retain_ttl_s = op.retain_ttl_s
         if op.priority != DEFAULT_PRIORITY:
             out.allocate.priority = op.priority
+        if op.share_seq_id:
+            out.allocate.share_seq_id, out.allocate.share_tokens = op.share_seq_id, op.share_tokens
     elif isinstance(op, Append):
         out.append.SetInParent()
         out.append.seq_id = op.seq_id

@@ -898,6 +898,8 @@ class AllocateOp(_message.Message):
     SOURCE_POOL_FIELD_NUMBER: _builtins.int
     RETAIN_TTL_S_FIELD_NUMBER: _builtins.int
     PRIORITY_FIELD_NUMBER: _builtins.int
+    SHARE_SEQ_ID_FIELD_NUMBER: _builtins.int
+    SHARE_TOKENS_FIELD_NUMBER: _builtins.int
     seq_id: _builtins.str
     source_pool: _builtins.str
     """Another pool of the same tenant and geometry whose cached blocks may
@@ -914,6 +916,18 @@ class AllocateOp(_message.Message):
     [0, 7]: lower is evicted first (docs/protocol.md, Priorities). Unset: 4,
     the default; out of range is INVALID_ARGUMENT.
     """
+    share_seq_id: _builtins.str
+    """A sequence of the pool (usually allocated earlier in the same batch)
+    whose blocks stand in for the prompt's full blocks past its cached ones,
+    as far as the two prompts' tokens (and extra keys) agree and at most
+    share_tokens tokens: the caller's model step writes that sequence's K/V
+    for those tokens before it reads them for this one (a prompt sharing a
+    prefix with another prompt of the same step, as vLLM shares blocks within
+    a step). The blocks are shared, not published: they enter the prefix
+    cache when a sequence holding them commits them. Counted in
+    num_cached_tokens. Empty: none; an unknown sequence is NOT_FOUND.
+    """
+    share_tokens: _builtins.int
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
@@ -927,10 +941,12 @@ class AllocateOp(_message.Message):
         source_pool: _builtins.str = ...,
         retain_ttl_s: _builtins.float = ...,
         priority: _builtins.int | None = ...,
+        share_seq_id: _builtins.str = ...,
+        share_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_priority", b"_priority", "extra_keys", b"extra_keys", "priority", b"priority"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_priority", b"_priority", "extra_keys", b"extra_keys", "priority", b"priority", "prompt_token_ids", b"prompt_token_ids", "retain_ttl_s", b"retain_ttl_s", "seq_id", b"seq_id", "source_pool", b"source_pool"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_priority", b"_priority", "extra_keys", b"extra_keys", "priority", b"priority", "prompt_token_ids", b"prompt_token_ids", "retain_ttl_s", b"retain_ttl_s", "seq_id", b"seq_id", "share_seq_id", b"share_seq_id", "share_tokens", b"share_tokens", "source_pool", b"source_pool"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__priority: _TypeAlias = _typing.Literal["priority"]  # noqa: Y015
     _WhichOneofArgType__priority: _TypeAlias = _typing.Literal["_priority", b"_priority"]  # noqa: Y015

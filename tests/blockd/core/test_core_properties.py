@@ -83,8 +83,13 @@ class PoolMachine(RuleBasedStateMachine):
             assert snapshot(self.pool) == before
             return None
         for r in result.results:
-            for slot in r.slot_mapping:  # a written slot is never in a block another table reads
-                assert self.pool.blocks.ref[slot // self.block_size] == 1
+            # a written slot is never in a block another table reads, but for the tables
+            # of this batch's Allocates that take the writer's blocks (share_seq_id)
+            sharers = [self.pool.seqs[op.seq_id].table for op in ops
+                       if isinstance(op, Allocate) and op.share_seq_id == r.seq_id and r.seq_id]
+            for slot in r.slot_mapping:
+                block = slot // self.block_size
+                assert self.pool.blocks.ref[block] == 1 + sum(block in table for table in sharers)
         return result
 
     @rule(prefix=st.sampled_from(PREFIXES), suffix=tokens, extra=st.sampled_from(EXTRAS), priority=priorities)
@@ -110,6 +115,54 @@ class PoolMachine(RuleBasedStateMachine):
         left = [b for b in before if b not in revived]
         evicted = [b for b in left if b not in blocks.lru]
         assert evicted == left[: len(evicted)]
+
+    @rule(data=st.data(), suffix=tokens, share_tokens=st.integers(0, 14), same_batch=st.booleans(),
+          prefix=st.sampled_from(PREFIXES))
+    def allocate_sharing(self, data, suffix, share_tokens, same_batch, prefix):
+        """An Allocate taking another sequence's blocks (``share_seq_id``): of the
+        one allocated before it in the same batch, or of a live one. Past its
+        cache hits it holds that sequence's blocks as far as their prompts agree
+        from the first token, within ``share_tokens`` and all but its last
+        token; they stay uncommitted (not indexed by the share)."""
+        seq_id = self._new_id()
+        if same_batch or not self.model:
+            owner, owner_tokens = self._new_id(), prefix + data.draw(tokens)
+            ops = [Allocate(owner, owner_tokens)]
+        else:
+            owner = data.draw(st.sampled_from(sorted(self.model)))
+            owner_tokens, ops = list(self.model[owner]), []
+        prompt = owner_tokens[: data.draw(st.integers(0, len(owner_tokens)))] + suffix
+        hashed_before = list(self.pool.blocks.hash)
+        result = self._run([*ops, Allocate(seq_id, prompt, share_seq_id=owner, share_tokens=share_tokens)])
+        if result is None:
+            return
+        if ops:
+            self.model[owner], self.committed[owner] = list(owner_tokens), 0
+        self.model[seq_id], self.committed[seq_id] = list(prompt), 0
+        b, seq, theirs = self.block_size, self.pool.seqs[seq_id], self.pool.seqs[owner]
+        agree = 0
+        while (agree < min(len(prompt), len(owner_tokens)) // b
+               and prompt[agree * b : (agree + 1) * b] == owner_tokens[agree * b : (agree + 1) * b]):
+            agree += 1
+        hits = seq.num_committed // b
+        limit = min(agree, share_tokens // b, (len(prompt) - 1) // b if prompt else 0)
+        if theirs.extra_digest != seq.extra_digest:  # other extra keys: other K/V
+            limit = 0
+        shared = result.results[-1].num_cached_tokens // b - hits
+        assert shared == max(0, limit - hits), (shared, limit, hits)
+        assert seq.table[hits : hits + shared] == theirs.table[hits : hits + shared]
+        for block in seq.table[hits : hits + shared]:
+            assert self.pool.blocks.hash[block] == hashed_before[block]  # the share published nothing
+
+    @rule(data=st.data(), prompt=tokens, bad=st.sampled_from(["nope", "", -1, 1 << 30]))
+    def allocate_sharing_refused(self, data, prompt, bad):
+        """An unknown share_seq_id, or share_tokens out of range: refused, nothing changes."""
+        if isinstance(bad, str) and not bad:
+            return
+        owner = data.draw(st.sampled_from(sorted(self.model) or ["x"]))
+        op = (Allocate(self._new_id(), prompt, share_seq_id=bad) if isinstance(bad, str)
+              else Allocate(self._new_id(), prompt, share_seq_id=owner, share_tokens=bad))
+        assert self._run([op]) is None
 
     @precondition(lambda self: self.model)
     @rule(data=st.data(), new=tokens)

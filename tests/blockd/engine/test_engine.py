@@ -42,6 +42,13 @@ def drive(engine: Engine, rounds: int = 6) -> list:
         if r % 2:
             results.append(engine.step("a", [Free(f"s{r - 1}")], f"x{r}"))
         results.append(engine.step("b", [Allocate(f"b{r}", [r, r + 1, r + 2])], f"b{r}"))
+        # a prompt taking blocks of one allocated beside it (Allocate.share_seq_id), then both done
+        shared = [100 + r] * 8
+        results.append(engine.step("a", [Allocate(f"p{r}", [*shared, 1]),
+                                         Allocate(f"q{r}", [*shared, 2], share_seq_id=f"p{r}", share_tokens=8)],
+                                   f"sh{r}"))
+        assert results[-1].results[1].num_cached_tokens == 8
+        results.append(engine.step("a", [Commit(f"q{r}", 9), Free(f"p{r}"), Free(f"q{r}")], f"shf{r}"))
         if r == 3:
             engine.reset_prefix_cache("a", request_id="reset")
             engine.step("b", [Free("b0"), Free("b1")], "bfree")

@@ -81,7 +81,8 @@ def test_reused_request_id_with_different_ops_over_grpc(client) -> None:
 ids = st.sampled_from(["a", "b", "", "a\0b", "\0", "\u00e9", "ab"])
 token_lists = st.lists(st.sampled_from([0, 1, 7, 2**32 - 1, 2**32, -1]), max_size=4)
 ops = st.lists(st.one_of(
-    st.builds(Allocate, ids, token_lists, st.builds(ExtraKeys, model_id=st.sampled_from(["", "m"]))),
+    st.builds(Allocate, ids, token_lists, st.builds(ExtraKeys, model_id=st.sampled_from(["", "m"])),
+              share_seq_id=st.sampled_from(["", "", "a", "b"]), share_tokens=st.sampled_from([0, 4])),
     st.builds(Append, ids, token_lists),
     st.builds(DecodeAppend, st.lists(ids, max_size=3), token_lists),
     st.builds(Commit, ids, st.sampled_from([0, 3, 2**64])),
