@@ -324,9 +324,8 @@ def compare_with_vllm(args, python: str) -> dict:
     fixed = SamplingParams(ignore_eos=True)
     requests = [GenerationRequest(f"v{i}", p, VLLM_NEW_TOKENS, sampling=fixed) for i, p in enumerate(prompts)]
     # the scheduler's defaults (vLLM's offline CPU limits: 4096 batched tokens, 256 sequences), as a
-    # user gets them; 8192 batched tokens measured 3-5% slower here (2026-12-06). Prompts that share a
-    # block with one being computed wait a step and take it from the prefix cache (vLLM shares such
-    # blocks within its step)
+    # user gets them; 8192 batched tokens measured 3-5% slower here (2026-12-06). Prompts that share
+    # blocks with one admitted in the same step take them from the prefix cache in that step, as vLLM's do
     config = SchedulerConfig(prefix_block_size=0) if args.no_prefix_sharing else SchedulerConfig()
     spec = ClusterSpec(args.model, 1, "vs_vllm", VLLM_NUM_BLOCKS, VLLM_BLOCK_SIZE, WATERMARK_BLOCKS)
     # both engines stay loaded and take turns, round by round; each reports its best round,
@@ -505,7 +504,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cold-rounds", type=int, default=2,
                         help="serve_vs_vllm_cold: rounds, each on freshly started engines (default 2; 0: no row)")
     parser.add_argument("--no-prefix-sharing", action="store_true",
-                        help="serve_vs_vllm: admit every prompt at once (no waiting for a shared block's commit)")
+                        help="serve_vs_vllm: every prompt computes its own blocks (no prefix sharing)")
     parser.add_argument("--report", default="reports/serve", metavar="DIR",
                         help="the serve rows' run report (report.html and its PNGs) goes here; '' for none")
     parser.add_argument("--profile", action="store_true",

@@ -26,14 +26,16 @@ class SchedulerConfig:
     #: a sample that draws one ends, unless its request ignores EOS
     eos_token_ids: tuple[int, ...] = ()
     #: the pool's block size, to share prompt prefixes within a burst of requests: a
-    #: waiting request whose prompt has a full block in common with a prompt still
-    #: being computed (admitted in the same step, or a prefill not yet done) is
-    #: admitted only once that block is committed, usually the next step, and then
-    #: takes it from the prefix cache instead of computing it again (blockd
-    #: publishes only committed blocks; vLLM shares such blocks within a step).
-    #: Admission stays FCFS: the requests behind it wait too. 0: off. None (the
-    #: default): the pool's block size, which the scheduler asks blockd for before its
-    #: first step (off when its backend cannot say), so a user gets what the benchmarks use.
+    #: waiting request whose prompt has full blocks in common with a prompt admitted
+    #: in the same step, within that prompt's chunk, is admitted beside it and takes
+    #: them from that prompt (``Allocate.share_seq_id``; the worker writes each
+    #: layer's new K/V before its attention reads any), as vLLM shares blocks
+    #: within a step. One sharing a block that no step computes yet (a later chunk of
+    #: a long prompt) is admitted once that block is committed; admission stays FCFS,
+    #: so the requests behind it wait too. 0: off (every prompt computes its own).
+    #: None (the default): the pool's block size, which the scheduler asks blockd
+    #: for before its first step (off when its backend cannot say), so a user gets
+    #: what the benchmarks use.
     prefix_block_size: int | None = None
     #: another pool of the tenant (same model geometry) whose cached prefixes this
     #: scheduler's admissions may fetch instead of computing (``Allocate.source_pool``;

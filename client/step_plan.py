@@ -17,9 +17,12 @@ The order of a batch::
     Commit    prompt tokens the last step computed (chunked prefill)
     DecodeAppend the last token of every decoding sequence (forked ones included)
     Allocate  waiting requests, FCFS, while the token budget lasts; with
-              ``config.prefix_block_size``, not past a request whose prompt
-              shares a full block with a prompt still being computed: it
-              waits for that block's commit and takes it from the prefix cache
+              ``config.prefix_block_size``, a prompt sharing full blocks that
+              an admission of this step computes in it is admitted beside it
+              and takes them from it (``Allocate.share_seq_id``: computed
+              once, in this step, as vLLM shares blocks within a step);
+              admission stops at one sharing a block computed in no step
+              yet, or in a later chunk: it waits for that block's commit
 
 With nothing running, the requests at the head of the queue that could never
 start (more sequences than ``max_num_seqs``, or refused by the admission
@@ -130,6 +133,8 @@ def _plan_admissions(plan: StepPlan, config: SchedulerConfig, admission: PagingA
     num_seqs = sum(state.num_seqs_when_running for state in running)
     block_size = config.prefix_block_size
     in_flight, committed = _prompt_blocks(running, block_size) if block_size else (set(), set())
+    #: full blocks an admission of this step computes in it: hash -> (sequence, tokens through that block)
+    in_step: dict[bytes, tuple[str, int]] = {}
     for state in queue:
         if budget <= 0 or admit_limit == len(plan.admitted):
             return
@@ -137,31 +142,52 @@ def _plan_admissions(plan: StepPlan, config: SchedulerConfig, admission: PagingA
             return
         if not admission.can_admit(state, [admitted for admitted, _ in plan.admitted]):
             return
-        if block_size:
-            blocks = {h for seq in state.live for h in _full_blocks(state, seq, block_size)}
-            if not in_flight.isdisjoint(blocks):
-                return  # computed already in this or an earlier step: wait for its commit
-            in_flight |= blocks - committed
+        if block_size and not in_flight.isdisjoint(h for seq in state.live
+                                                   for h in _full_blocks(state, seq, block_size)):
+            return  # computed in an earlier step or past this step's chunk: wait for its commit
         allocations = []
         for seq in state.live:
             plan.admit_at[len(plan.ops)] = len(plan.admitted)
             chunk = min(budget, len(seq.token_ids))
             allocations.append((len(plan.ops), chunk))
+            share_seq_id, share_tokens = _shared_in_step(state, seq, block_size, in_step) if block_size else ("", 0)
             plan.ops.append(Allocate(seq.seq_id, list(seq.token_ids), state.request.extra_keys,
-                                     config.source_pool, priority=state.request.priority))
+                                     config.source_pool, priority=state.request.priority,
+                                     share_seq_id=share_seq_id, share_tokens=share_tokens))
             budget -= chunk
+            if block_size:
+                for i, h in enumerate(_full_blocks(state, seq, block_size)):
+                    if h in committed or h in in_step:
+                        continue
+                    if (i + 1) * block_size <= chunk:  # its tokens are cached or computed in this step
+                        in_step[h] = (seq.seq_id, (i + 1) * block_size)
+                    else:
+                        in_flight.add(h)
         plan.admitted.append((state, allocations))
         num_seqs += state.num_seqs_when_running
+
+
+def _shared_in_step(state: RequestState, seq: SeqState, block_size: int,
+                    in_step: dict[bytes, tuple[str, int]]) -> tuple[str, int]:
+    """``(share_seq_id, share_tokens)`` of ``seq``'s Allocate: the admission of
+    this step that computes the deepest of its full blocks, and how far. blockd
+    gives ``seq`` that sequence's blocks where their tokens agree (counted as
+    cached, not published until committed), and the worker writes each layer's
+    new K/V before that layer's attention reads any, so they are computed once,
+    in this step, as vLLM shares blocks within a step. ``("", 0)``: none."""
+    found = ("", 0)
+    for h in _full_blocks(state, seq, block_size):
+        owner = in_step.get(h)
+        if owner is not None and owner[0] != seq.seq_id:
+            found = owner
+    return found
 
 
 def _prompt_blocks(running: Sequence[RequestState], block_size: int) -> tuple[set[bytes], set[bytes]]:
     """Hashes of the running sequences' full blocks: those this step's batch
     does not commit (their prefill is not done: a waiting prompt sharing one
     would compute it again if admitted now), and those committed by the
-    end of the batch (an admitted prompt takes them from the prefix cache).
-    Blocks cached by sequences no longer running are not known here: a
-    prompt sharing them with one admitted in the same step waits a step
-    it need not."""
+    end of the batch (an admitted prompt takes them from the prefix cache)."""
     in_flight: set[bytes] = set()
     committed: set[bytes] = set()
     for state in running:

@@ -106,6 +106,32 @@ def test_paged_cluster_generates_what_the_contiguous_reference_does(model, tp_si
     assert all(out.ttft_s > 0 and out.tpot_s > 0 and out.tokens_per_s > 0 for out in outputs)
 
 
+def test_prompts_sharing_a_prefix_are_computed_in_one_step_sharing_its_blocks():
+    """A burst of prompts with a common 3-block prefix: the first step admits
+    them all, the first one computes the prefix and the others take its
+    blocks in that very step (``Allocate.share_seq_id``, as vLLM shares
+    blocks within a step), and every output equals the contiguous reference.
+    Without the worker counting the step's own slots as written, that step
+    is refused (KV_NOT_WRITTEN) and nothing is admitted in it."""
+    rng = random.Random(7)
+    prefix = tuple(rng.randrange(VOCAB) for _ in range(24))
+    requests = [GenerationRequest(f"s{i}", prefix + tuple(rng.randrange(VOCAB) for _ in range(3 + i)), 6)
+                for i in range(3)]
+    spec = ClusterSpec("tiny-llama", 1, "s", num_blocks=32, block_size=8, watermark_blocks=1)
+    with LocalCluster(spec) as cluster, BlockdClient(cluster.blockd_address) as client, \
+            WorkerGroup("s", cluster.worker_addresses) as group:
+        sched = Scheduler(client, "s", group, SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=8))
+        for req in requests:
+            sched.add_request(req)
+        sched.step()
+        assert len(sched.running) == 3 and not sched.waiting
+        assert sched.counters.num_cached_tokens == 2 * 24  # the second and third prompts' prefix
+        assert sched.counters.num_prefill_tokens == sum(len(r.prompt_token_ids) for r in requests) - 2 * 24
+        outputs = sched.run()
+        assert sched.counters.num_kv_loss_preemptions == 0
+    assert ContiguousReference("tiny-llama").mismatches(requests, outputs) == []
+
+
 def _demo(*args: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": ROOT, "PYTHONUNBUFFERED": "1"}
     return subprocess.Popen([sys.executable, "-m", "bench.demo", *args], cwd=ROOT, env=env,

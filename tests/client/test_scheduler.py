@@ -76,10 +76,10 @@ def test_chunked_prefill_respects_the_token_budget(client):
 def test_a_burst_sharing_a_prompt_prefix_computes_it_once(client, prefix_block_size):
     """Requests arriving together with one 9-token system prompt (two full
     blocks): with ``prefix_block_size`` the first computes it and the others,
-    held back one step (and FCFS: the unrelated request behind them too), take
-    both blocks from the prefix cache; without it all of them compute it. The
-    tokens are the same either way. None (the default) is the pool's block size,
-    asked of blockd before the first step."""
+    admitted in the same step, take both blocks from the prefix cache (the
+    batch commits them right after the first one's Allocate); without it all
+    of them compute it. The tokens are the same either way. None (the
+    default) is the pool's block size, asked of blockd before the first step."""
     system = tuple(range(100, 109))
     requests = [GenerationRequest("other", (7, 7, 7, 7, 7), 3)]
     requests += [GenerationRequest(f"r{i}", (*system, i + 1, i + 2), 3) for i in range(5)]
@@ -96,7 +96,7 @@ def test_a_burst_sharing_a_prompt_prefix_computes_it_once(client, prefix_block_s
     assert sched.config.prefix_block_size == (BLOCK if prefix_block_size is None else prefix_block_size)
     if prefix_block_size != 0:
         assert c.num_cached_tokens == 4 * 8 and c.num_prefill_tokens == 5 + 11 + 4 * 3 + 5
-        assert sizes[:2] == [5 + 11, 2 + 4 * 3 + 5], "the others join one step later, with their last 3 tokens"
+        assert sizes[0] == 5 + 11 + 4 * 3 + 5, "one step: the others compute only their last 3 tokens"
     else:
         assert c.num_cached_tokens == 0 and c.num_prefill_tokens == 5 + 5 * 11 + 5
         assert sizes[0] == 5 + 5 * 11 + 5

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import copy
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import grpc
 import pytest
@@ -78,7 +78,8 @@ def drew(rid: str, prompt_len: int, n: int) -> RequestState:
 # --- plans ---------------------------------------------------------------------------
 def describe(op: Op) -> str:
     if isinstance(op, Allocate):
-        return f"Allocate {op.seq_id} {len(op.prompt_token_ids)}"
+        shared = f" sharing {op.share_tokens} of {op.share_seq_id}" if op.share_seq_id else ""
+        return f"Allocate {op.seq_id} {len(op.prompt_token_ids)}{shared}"
     if isinstance(op, DecodeAppend):
         return "DecodeAppend " + " ".join(op.seq_ids)
     if isinstance(op, Commit):
@@ -174,10 +175,22 @@ CASES = [
          admission=ReservationAdmission(num_blocks=4, block_size=4, max_len=8),
          waiting=[waiting("a", 2, n=3), waiting("b", 2)], ops=["Allocate b.0 2"], admitted={"b": [(0, 2)]},
          rejected=[("a", "the max_reservation admission policy can never admit it")]),
-    Case("prefix sharing: a prompt sharing a block with one admitted in the same step waits, FCFS",
+    Case("prefix sharing: a prompt sharing blocks an admission computes in this step is admitted beside it "
+         "and takes them from it",
          config=PREFIX, waiting=[waiting("a", tokens=(*SHARED, 50)), waiting("b", tokens=(*SHARED, 60)),
                                  waiting("c", 3)],
-         ops=["Allocate a.0 9"], admitted={"a": [(0, 9)]}),
+         ops=["Allocate a.0 9", "Allocate b.0 9 sharing 8 of a.0"], admitted={"a": [(0, 9)], "b": [(1, 7)]}),
+    Case("prefix sharing: each prompt takes its deepest shared block's computing admission",
+         config=replace(PREFIX, max_num_batched_tokens=64),
+         waiting=[waiting("a", tokens=(*SHARED[:4], 50)), waiting("b", tokens=(*SHARED, 60)),
+                  waiting("c", tokens=(*SHARED, 70)), waiting("d", tokens=(*SHARED[:4], 80, 81, 82, 83, 84))],
+         ops=["Allocate a.0 5", "Allocate b.0 9 sharing 4 of a.0", "Allocate c.0 9 sharing 8 of b.0",
+              "Allocate d.0 9 sharing 4 of a.0"],
+         admitted={"a": [(0, 5)], "b": [(1, 9)], "c": [(2, 9)], "d": [(3, 9)]}),
+    Case("prefix sharing: a prompt sharing a block past an admission's chunk waits for its commit, FCFS",
+         config=PREFIX, waiting=[waiting("a", tokens=(*range(1, 21), 99)), waiting("b", tokens=(*range(1, 21), 77)),
+                                 waiting("c", 3)],
+         ops=["Allocate a.0 21"], admitted={"a": [(0, 16)]}),
     Case("prefix sharing: a prompt sharing a block a running prefill has not computed waits",
          config=PREFIX, running=[prefilling("p", tokens=(*SHARED, 9, 10), computed=4)],
          waiting=[waiting("b", tokens=(*SHARED, 70))],
