@@ -131,7 +131,7 @@ def _plan_admissions(plan: StepPlan, config: SchedulerConfig, admission: PagingA
     """FCFS: stop at the first request that does not fit, so a long prompt
     is not starved by short ones behind it."""
     num_seqs = sum(state.num_seqs_when_running for state in running)
-    block_size = config.prefix_block_size
+    block_size = config.prefix_block_size or 0  # None is resolved before the first plan; 0: off
     in_flight, committed = _prompt_blocks(running, block_size) if block_size else (set(), set())
     #: full blocks an admission of this step computes in it: hash -> (sequence, tokens through that block)
     in_step: dict[bytes, tuple[str, int]] = {}
@@ -142,33 +142,31 @@ def _plan_admissions(plan: StepPlan, config: SchedulerConfig, admission: PagingA
             return
         if not admission.can_admit(state, [admitted for admitted, _ in plan.admitted]):
             return
-        if block_size and not in_flight.isdisjoint(h for seq in state.live
-                                                   for h in _full_blocks(state, seq, block_size)):
+        hashes = [_full_blocks(state, seq, block_size) if block_size else [] for seq in state.live]
+        if not in_flight.isdisjoint(h for seq_hashes in hashes for h in seq_hashes):
             return  # computed in an earlier step or past this step's chunk: wait for its commit
         allocations = []
-        for seq in state.live:
+        for seq, seq_hashes in zip(state.live, hashes):
             plan.admit_at[len(plan.ops)] = len(plan.admitted)
             chunk = min(budget, len(seq.token_ids))
             allocations.append((len(plan.ops), chunk))
-            share_seq_id, share_tokens = _shared_in_step(state, seq, block_size, in_step) if block_size else ("", 0)
+            share_seq_id, share_tokens = _shared_in_step(seq, seq_hashes, in_step)
             plan.ops.append(Allocate(seq.seq_id, list(seq.token_ids), state.request.extra_keys,
                                      config.source_pool, priority=state.request.priority,
                                      share_seq_id=share_seq_id, share_tokens=share_tokens))
             budget -= chunk
-            if block_size:
-                for i, h in enumerate(_full_blocks(state, seq, block_size)):
-                    if h in committed or h in in_step:
-                        continue
-                    if (i + 1) * block_size <= chunk:  # its tokens are cached or computed in this step
-                        in_step[h] = (seq.seq_id, (i + 1) * block_size)
-                    else:
-                        in_flight.add(h)
+            for i, h in enumerate(seq_hashes):
+                if h in committed or h in in_step:
+                    continue
+                if (i + 1) * block_size <= chunk:  # its tokens are cached or computed in this step
+                    in_step[h] = (seq.seq_id, (i + 1) * block_size)
+                else:
+                    in_flight.add(h)
         plan.admitted.append((state, allocations))
         num_seqs += state.num_seqs_when_running
 
 
-def _shared_in_step(state: RequestState, seq: SeqState, block_size: int,
-                    in_step: dict[bytes, tuple[str, int]]) -> tuple[str, int]:
+def _shared_in_step(seq: SeqState, hashes: list[bytes], in_step: dict[bytes, tuple[str, int]]) -> tuple[str, int]:
     """``(share_seq_id, share_tokens)`` of ``seq``'s Allocate: the admission of
     this step that computes the deepest of its full blocks, and how far. blockd
     gives ``seq`` that sequence's blocks where their tokens agree (counted as
@@ -176,7 +174,7 @@ def _shared_in_step(state: RequestState, seq: SeqState, block_size: int,
     new K/V before that layer's attention reads any, so they are computed once,
     in this step, as vLLM shares blocks within a step. ``("", 0)``: none."""
     found = ("", 0)
-    for h in _full_blocks(state, seq, block_size):
+    for h in hashes:  # seq's full blocks (:func:`_full_blocks`)
         owner = in_step.get(h)
         if owner is not None and owner[0] != seq.seq_id:
             found = owner

@@ -81,8 +81,12 @@ class WrittenSlots:
             slots = slots[slots >= 0]
         if not slots.numel():
             return
+        self.mark_split(layer, *self._split(slots))
+
+    def _split(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(blocks, offsets, unique(blocks))`` of int64 CPU ``slots`` (no padding)."""
         blocks = torch.div(slots, self.block_size, rounding_mode="floor")
-        self.mark_split(layer, blocks, slots - blocks * self.block_size, torch.unique(blocks))
+        return blocks, slots - blocks * self.block_size, torch.unique(blocks)
 
     def mark_split(self, layers: int | slice, blocks: torch.Tensor, offsets: torch.Tensor,
                    touched: torch.Tensor) -> None:
@@ -144,10 +148,9 @@ class WrittenSlots:
 
     def _lead_after(self, layers: int | slice, slots: torch.Tensor) -> torch.Tensor:
         """``lead[layers]`` as it will be once ``slots`` are written too (nothing is recorded)."""
-        blocks = torch.div(slots, self.block_size, rounding_mode="floor")
-        touched = torch.unique(blocks)
+        blocks, offsets, touched = self._split(slots)
         bits = self.bits[layers].index_select(-2, touched)  # a copy: [..., touched, block_size]
-        bits[..., torch.searchsorted(touched, blocks), slots - blocks * self.block_size] = True
+        bits[..., torch.searchsorted(touched, blocks), offsets] = True
         lead = self.lead[layers].clone()
         lead[..., touched] = bits.to(torch.int32).cumprod(-1).sum(-1, dtype=torch.int32)
         return lead
