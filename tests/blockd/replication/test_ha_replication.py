@@ -3,7 +3,7 @@
 Three replicas of one group in ``sync`` mode: followers refuse calls with
 NOT_LEADER naming the leader, and only the leader's ``blockd.v1.Leader``
 health is SERVING; the chaos test kills the leader (SIGKILL)
-``BLOCKD_HA_KILLS`` times (default 20) under a worker and four schedulers'
+``BLOCKD_HA_KILLS`` times (default 12) under a worker and four schedulers'
 load, and after each failover every acknowledged step is on the new leader,
 the steps in flight at the kill, resent there with their request ids, are
 applied at most once, and the worker's tables equal the leader's; a leader paused
@@ -71,7 +71,7 @@ from worker.runtime import WorkerRuntime
 
 pytest_plugins = ["tests.support.etcd", "tests.support.auth_fixtures", "tests.support.grpc_fixtures"]
 
-KILLS = int(os.environ.get("BLOCKD_HA_KILLS", "20"))
+KILLS = int(os.environ.get("BLOCKD_HA_KILLS", "12"))
 #: a loaded test machine must not make a healthy leader miss its keepalives
 TTL_S = "4"
 
