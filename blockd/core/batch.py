@@ -76,6 +76,17 @@ class Batch:
         #: ids this batch allocated or forked, so a second Allocate of one is
         #: told apart from an id that existed before the batch
         self.added: set[str] = set()
+        #: for each sequence this batch allocated, forked or extended: how many
+        #: of its tokens were written before the batch. An Append or DecodeAppend
+        #: implies that its sequence's earlier tokens are written, but never the
+        #: ones this batch itself handed out: the step it plans computes those
+        #: (committing them would publish blocks with no K/V in them)
+        self.written_before: dict[str, int] = {}
+        #: the sequences of the batch's last DecodeAppend, entered in
+        #: ``written_before`` only when a later operation of the batch extends or
+        #: forks a sequence (a decode step is usually the batch's last operation,
+        #: and a dict entry per sequence would cost the hot path)
+        self.decoded: list[Sequence] = []
         # changes to the pool's counters, added to them on commit
         self.num_tokens = 0
         self.prefix_queried_tokens = 0
@@ -154,6 +165,21 @@ class Batch:
         del self.seqs[seq.seq_id]
         self.journal.append(_SeqRemoved(self.seqs, seq))
         self.tombstones.append((seq.seq_id, self.version))
+
+    def settle_decoded(self) -> None:
+        """Enter the last DecodeAppend's sequences in ``written_before``: each
+        held one token fewer before it (nothing else changed their tokens since)."""
+        if self.decoded:
+            decoded, self.decoded = self.decoded, []
+            before = self.written_before
+            for seq in decoded:
+                before.setdefault(seq.seq_id, len(seq.token_ids) - 1)
+
+    def written_limit(self, seq: Sequence) -> int:
+        """How many of ``seq``'s tokens an Append or DecodeAppend of it may
+        imply written: all it holds, less what this batch handed out."""
+        self.settle_decoded()
+        return self.written_before.get(seq.seq_id, len(seq.token_ids))
 
     def commit_tokens(self, seq: Sequence, num_tokens: int) -> None:
         """Mark the first ``num_tokens`` tokens written; index newly full blocks."""

@@ -59,6 +59,8 @@ def _check(op: DecodeAppend) -> None:
 
 def apply_decode(batch: Batch, op: DecodeAppend) -> OpResult:
     _check(op)
+    batch.settle_decoded()  # an earlier DecodeAppend of the same batch
+    before = batch.written_before  # sequences this batch handed tokens to already
     b, blocks, seqs = batch.block_size, batch.blocks, batch.seqs
     ref, take = blocks.ref, blocks.take
     marked: list[Sequence] = []  # every sequence the step reached, in order
@@ -83,7 +85,9 @@ def apply_decode(batch: Batch, op: DecodeAppend) -> OpResult:
             marked.append(seq)
             committed_before.append(committed)
             if committed < num_tokens:  # appending implies the earlier KV is written
-                if num_tokens // b > len(seq.hashes):
+                if before and seq_id in before:  # but not the tokens this batch handed out itself
+                    batch.commit_tokens(seq, before[seq.seq_id])
+                elif num_tokens // b > len(seq.hashes):
                     batch.commit_tokens(seq, num_tokens)
                 else:
                     seq.num_committed = num_tokens
@@ -112,5 +116,6 @@ def apply_decode(batch: Batch, op: DecodeAppend) -> OpResult:
         batch.add_decode_marks(marked, committed_before, len(slots), cows)
     blocks.add_fill_each(grown)
     batch.num_tokens += len(slots)
+    batch.decoded = marked
     return OpResult(seq_id="", num_tokens=len(slots), new_block_ids=tuple(added), copy_ops=tuple(copies),
                     slot_mapping=tuple(slots))

@@ -218,6 +218,7 @@ def _apply_allocate(batch: Batch, op: Allocate) -> OpResult:
     seq.num_committed = len(hits) * b
     cached = (len(hits) + len(shared)) * b
     batch.add_seq(seq)
+    batch.written_before[seq_id] = seq.num_committed
     batch.num_tokens += len(tokens)
     batch.prefix_queried_tokens += len(tokens)
     batch.prefix_hit_tokens += cached
@@ -304,7 +305,9 @@ def _apply_append(batch: Batch, op: Append) -> OpResult:
     if need > blocks.num_available:
         raise batch.no_room(f"appending {len(new)} tokens needs {need} blocks", watermark=False)
     batch.mark(seq)
-    batch.commit_tokens(seq, old_len)  # an append implies the earlier tokens are written
+    # an append implies the earlier tokens are written, all but those this batch handed out
+    batch.commit_tokens(seq, batch.written_limit(seq))
+    batch.written_before.setdefault(seq.seq_id, old_len)
     copies: tuple[tuple[int, int], ...] = ()
     keep, offset = len(table), old_len % b
     if new and offset:
@@ -348,6 +351,11 @@ def _apply_fork(batch: Batch, op: Fork) -> OpResult:
     for block in child.table:
         batch.blocks.acquire(block)
     batch.add_seq(child)
+    batch.settle_decoded()  # the child's tokens are as written as its parent's
+    if parent.seq_id in batch.written_before:
+        batch.written_before[child_id] = batch.written_before[parent.seq_id]
+    else:
+        batch.written_before.pop(child_id, None)
     batch.num_tokens += len(child.token_ids)
     batch.record_update(TableUpdate(seq_id=child_id, keep=0, block_ids=tuple(child.table)))
     return OpResult(seq_id=child_id, num_tokens=len(child.token_ids))

@@ -90,7 +90,8 @@ class Allocate:
 
 @dataclass(frozen=True)
 class Append:
-    """Add tokens to a sequence; implies that all its earlier tokens are committed."""
+    """Add tokens to a sequence; implies that its tokens from before the batch
+    are committed (not those an earlier op of the same batch added)."""
 
     seq_id: str
     token_ids: tuple[int, ...] | list[int]

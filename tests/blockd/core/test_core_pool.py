@@ -113,6 +113,30 @@ def test_prefix_reuse_needs_committed_blocks_and_leaves_last_token():
     check_invariants(pool)
 
 
+def test_an_append_implies_written_only_the_tokens_from_before_its_batch():
+    """An Append or DecodeAppend says its sequence's earlier tokens are written,
+    but the tokens an earlier operation of the same batch handed out are what
+    this step computes: committing them published blocks with no K/V in them,
+    and a Free in the batch then cached them for a later prompt (hypothesis's
+    tier model found it: an offload of a block nobody wrote)."""
+    pool = make_pool(num_blocks=16, block_size=2)
+    pool.step([Allocate("a", [1, 2, 3, 4, 5, 6, 0, 0])])
+    pool.step([DecodeAppend(["a"], [3])])  # the prompt's 8 tokens are written
+    assert pool.seqs["a"].num_committed == 8
+    pool.step([Append("a", [0, 0, 0, 0, 0]), Append("a", []), Free("a")])
+    assert sorted(pool.blocks.index.values()) == [0, 1, 2, 3]  # not blocks 4-6: their K/V was never computed
+    check_invariants(pool)
+
+    pool = make_pool(num_blocks=16, block_size=2)
+    pool.step([Allocate("b", [1, 2, 3, 4, 5]), DecodeAppend(["b"], [6])])  # the prompt is computed by this step
+    assert pool.seqs["b"].num_committed == 0 and not pool.blocks.index
+    pool.step([DecodeAppend(["b"], [7]), Append("b", [8]), Fork("b", "c"), DecodeAppend(["c"], [9])])
+    # of b's 7 tokens only the 6 from before the batch are written; c's are b's
+    assert pool.seqs["b"].num_committed == pool.seqs["c"].num_committed == 6
+    assert len(pool.blocks.index) == 3
+    check_invariants(pool)
+
+
 def test_extra_keys_never_share():
     pool = make_pool(num_blocks=16)
     prompt = list(range(9))
