@@ -171,14 +171,15 @@ class TierMemoryMachine(RuleBasedStateMachine):
     @rule(data=st.data(), fail=st.booleans())
     def mixed_batch(self, data, fail):
         """Several ops in one batch: blocks freed, evicted (offloaded), restored
-        and copied on write within one version; or the same with a failing op
+        and copied on write within one version, a sequence extended twice; or the same with a failing op
         at the end, which must leave nothing (the memory model included: a
         refused step gives the workers nothing to run)."""
         ops = []
         live = sorted(self.model)
         freed = set()
         for _ in range(data.draw(st.integers(1, 4))):
-            kind = data.draw(st.sampled_from(["allocate", "append", "commit", "free"] if live else ["allocate"]))
+            kind = data.draw(st.sampled_from(["allocate", "append", "decode", "commit", "free"] if live
+                                             else ["allocate"]))
             if kind == "allocate":
                 prompt = data.draw(st.sampled_from(PREFIXES)) + data.draw(tokens)
                 ops.append(Allocate(self._new_id(), prompt))
@@ -188,6 +189,8 @@ class TierMemoryMachine(RuleBasedStateMachine):
                 continue
             if kind == "append":
                 ops.append(Append(seq_id, data.draw(tokens)))
+            elif kind == "decode":  # after an Append of the same batch: implies only what came before the batch
+                ops.append(DecodeAppend([seq_id], [data.draw(st.integers(0, 6))]))
             elif kind == "commit":  # only KV written before the step
                 ops.append(Commit(seq_id, len(self.model[seq_id])))
             else:
