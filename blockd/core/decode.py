@@ -85,7 +85,7 @@ def apply_decode(batch: Batch, op: DecodeAppend) -> OpResult:
             marked.append(seq)
             committed_before.append(committed)
             if committed < num_tokens:  # appending implies the earlier KV is written
-                if before and seq_id in before:  # but not the tokens this batch handed out itself
+                if before and seq.seq_id in before:  # but not the tokens this batch handed out itself
                     batch.commit_tokens(seq, before[seq.seq_id])
                 elif num_tokens // b > len(seq.hashes):
                     batch.commit_tokens(seq, num_tokens)
