@@ -25,6 +25,12 @@ import os
 # stderr beside the worker's own log: keep only its errors, unless the user says.
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
+# libgomp too reads its settings once, when torch loads it (the imports below):
+# how idle OpenMP threads wait is set first (worker/openmp.py says why)
+from worker.openmp import default_env
+
+os.environ.update(default_env())
+
 import argparse
 import logging
 import signal

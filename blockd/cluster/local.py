@@ -30,6 +30,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from worker.openmp import default_env
+
 if TYPE_CHECKING:
     from blockd.core.types import PoolConfig
 
@@ -42,27 +44,12 @@ STOP_TIMEOUT_S = 10.0
 
 def worker_env() -> dict[str, str]:
     """What a worker child adds to :func:`child_env`: OpenMP threads that spin
-    briefly after a parallel region, then sleep (``GOMP_SPINCOUNT=30000``,
-    about a millisecond), unless the caller's environment sets
-    ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` itself.
-
-    The workers' torch runs two OpenMP threads on these 2-core machines,
-    beside blockd, the scheduler and whatever else runs. libgomp's default
-    spin (300,000 rounds) made a standalone 64-row SmolLM2 forward take
-    1.5-1.7 s instead of 0.23-0.54 s while another process kept the cores
-    busy, so workers once slept at once (``OMP_WAIT_POLICY=PASSIVE``). But a
-    forward opens hundreds of regions back to back, and with PASSIVE each one
-    first wakes a sleeping thread: ``bench/serve.py --profile`` (64-row decode
-    steps through the cluster) read 152 ms a step with PASSIVE, 129 with
-    30,000 rounds, 141-143 with 10,000; the compiled forward
-    on MKL's GEMM (``--compile mkl``) 143, 112 and 117."""
-    if "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:
-        return {}
-    return {"GOMP_SPINCOUNT": WORKER_SPIN_COUNT}
-
-
-#: libgomp's spin rounds before an idle worker thread sleeps (see worker_env)
-WORKER_SPIN_COUNT = "30000"
+    briefly after a parallel region, then sleep (``GOMP_SPINCOUNT=30000``),
+    unless the caller's environment sets ``OMP_WAIT_POLICY`` or
+    ``GOMP_SPINCOUNT`` itself. ``blockd-worker`` sets the same default in its
+    own process (:mod:`worker.openmp` says why); the demo's in-process model
+    takes it from here."""
+    return default_env()
 
 
 def child_env(**extra: str) -> dict[str, str]:

@@ -24,12 +24,13 @@ import time
 
 import pytest
 
-from blockd.cluster.local import ROOT, WORKER_SPIN_COUNT, ClusterSpec, LocalCluster, live_pids
+from blockd.cluster.local import ROOT, ClusterSpec, LocalCluster, live_pids
 from client.model_group import WorkerGroup
 from client.scheduler import Scheduler, SchedulerConfig
 from client.sdk import BlockdClient
 from client.serving import GREEDY, GenerationRequest, SamplingParams
 from worker.model.reference import ContiguousReference
+from worker.openmp import WORKER_SPIN_COUNT
 
 VOCAB = 512  # the tiny models' vocabulary
 
