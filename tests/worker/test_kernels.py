@@ -407,13 +407,14 @@ def test_compiled_residual_add_is_exact():
 
 
 def test_compiled_silu_mul_matches_torch():
-    """SiLU-and-mul runs torch's own kernels (on the calling thread, or, on
-    CPUs without AVX-512, in one OpenMP region over the rows): the same floats
-    as the torch fallback, also under inference mode, as the worker runs it
-    (the region's threads need the caller's thread-local state)."""
+    """SiLU-and-mul runs torch's own kernels (a decode batch in one OpenMP
+    region over the rows, one row on the calling thread, a prefill through
+    torch's own threads): the same floats as the torch fallback, also under
+    inference mode, as the worker runs it (the region's threads need the
+    caller's thread-local state)."""
     ops = layer_ops(compiled=True)
     gen = torch.Generator().manual_seed(7)
-    for tokens, width in ((64, 3072), (700, 3072), (3, 22)):
+    for tokens, width in ((64, 3072), (1, 3072), (700, 3072), (3, 22)):
         gate_up = torch.randn(tokens, width, generator=gen) * 4
         with torch.inference_mode():
             inferred = ops.silu_mul(gate_up)

@@ -13,7 +13,7 @@ forward, which computes the same function as vLLM's CPU path does:
   for the state dict, but drop their packed copies, so memory stays the same);
 * RMSNorm, residual add + RMSNorm, RoPE (+ the q/k/v split into
   token-major tensors), SiLU-and-mul (torch's own kernels, whose vectorised
-  exp is faster than a hand-written one, run without an OpenMP region) and
+  exp is faster than a hand-written one, both in one OpenMP region) and
   the closing residual add as one compiled op each (``csrc/layer_ops.cpp``), or
   as the same torch math when the compiled library is unavailable or
   ``BLOCKD_ATTENTION_BACKEND=torch``;

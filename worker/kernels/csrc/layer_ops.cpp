@@ -181,23 +181,27 @@ at::Tensor add(const at::Tensor& a, const at::Tensor& b) {
 }
 
 // The SiLU-gated MLP's activation: torch's own silu and mul kernels (their
-// vectorised exp; the same float32 results as the torch fallback). How a
-// decode batch ([64, 1536] per half for SmolLM2, ~100K elements: past
-// torch's grain, so each of the two ops would open an OpenMP region of its
-// own) is spread over threads depends on what the exp costs on this CPU:
+// vectorised exp; the same float32 results as the torch fallback). A decode
+// batch ([64, 1536] per half for SmolLM2, ~100K elements: past torch's grain,
+// so each of the two ops would open an OpenMP region of its own) runs in one
+// region for both ops, each thread running silu then mul on its own rows.
+// Inside a region torch's loops run serially, so the bits are the serial ones.
+// Measured in the model, right after the gate/up GEMM (SmolLM2, 64 rows):
 //
-// * AVX-512: ~20 us of work against ~60-75 us a region costs in the model
-//   (the worker's threads sleep between regions, blockd/cluster/local.py's
-//   OMP_WAIT_POLICY=PASSIVE, so each region first wakes one): the calling
-//   thread does it all. at::parallel_for asks omp_get_max_threads(), a
-//   per-thread setting, so lowering it for this call keeps torch's loops here
-//   (c10::ParallelGuard does not: at::in_parallel_region() ignores it).
 // * AVX2 (Sleef's 8-wide exp, ~1.8 ns an element): ~300 us of work on one
-//   thread (~440 us right after the gate/up GEMM), so one region for both
-//   ops, each thread running silu then mul on its own rows: ~100 us less a
-//   layer (in turns with the serial code, same process, after the GEMM).
-//   Inside a region torch's loops run serially, so the bits are the serial
-//   ones.
+//   thread (~440 us after the GEMM); one region ~100 us less a layer.
+// * AVX-512 on an AMD EPYC (2 vCPUs, workers' GOMP_SPINCOUNT=30000,
+//   worker/openmp.py): 261 us a call on one thread (47 us alone: after the
+//   GEMM the team's other thread spins beside it), 117 us in one region
+//   (torch.profiler, 2026-12-06). AVX-512 once ran on the calling thread
+//   alone, measured on an Intel VM while workers slept between regions
+//   (OMP_WAIT_POLICY=PASSIVE): ~20 us of work against 60-75 us for a region
+//   that first woke a thread.
+//
+// One thread (a single row, or already inside a region): at::parallel_for
+// asks omp_get_max_threads(), a per-thread setting, so lowering it for the
+// call keeps torch's loops here (c10::ParallelGuard does not:
+// at::in_parallel_region() ignores it).
 struct OnCallingThread {
   const int previous = omp_get_max_threads();
   OnCallingThread() { omp_set_num_threads(1); }
@@ -225,11 +229,7 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
     silu_mul_rows(gate_up, out, 0, T);
     return out;
   }
-#ifdef __AVX512F__
-  const int64_t threads = 1;
-#else
   const int64_t threads = at::in_parallel_region() ? 1 : std::min<int64_t>(at::get_num_threads(), T);
-#endif
   if (threads <= 1) {
     OnCallingThread serial;
     silu_mul_rows(gate_up, out, 0, T);
