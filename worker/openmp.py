@@ -10,15 +10,16 @@ child's environment. A caller that sets ``OMP_WAIT_POLICY`` or
 Why 30,000 rounds (about a millisecond of spinning, then sleep): a forward
 opens hundreds of parallel regions back to back.
 
-* libgomp's default (300,000 rounds, several milliseconds) leaves a worker
+* libgomp's default (300,000 rounds, several milliseconds) keeps a worker
   thread spinning on the other core while the calling thread runs the
-  serial ops between the GEMMs (SiLU, the norms, RoPE), and on the 2-core
-  VM measured (AMD EPYC, 2026-12-06) SiLU took 234 us a layer beside a
-  spinning thread, 71 us with 30,000 rounds, 47 us alone. SmolLM2's whole
-  64-row decode step in process, four runs of each alternating: median 139.7
-  ms with libgomp's default, 126.3 ms with 30,000 rounds. A standalone
-  forward took 1.5-1.7 s instead of 0.23-0.54 s while another process kept
-  the cores busy.
+  serial ops between the GEMMs (the norms, RoPE), which then run slower: on
+  a 2-core AMD EPYC VM (2026-12-06) SmolLM2's 30 layers without attention
+  (``bench/forward_compile.py``'s, 64 rows) took 101 ms with the default,
+  87 with 30,000 rounds (SiLU alone 234 against 71 us a layer; 47 us with
+  no other thread), and the model's whole 64-row decode step in process,
+  four runs of each alternating, median 139.7 against 126.3 ms. A
+  standalone forward took 1.5-1.7 s instead of 0.23-0.54 s while another
+  process kept the cores busy.
 * ``OMP_WAIT_POLICY=PASSIVE`` (sleep at once) makes each region first wake a
   sleeping thread: ``bench/serve.py --profile`` read 152 ms a step with
   PASSIVE, 129 with 30,000 rounds, 141-143 with 10,000.
