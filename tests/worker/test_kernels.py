@@ -149,7 +149,7 @@ def edge_lengths(block_size):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("ratio", [1, 4, 8])
+@pytest.mark.parametrize("ratio", [1, 3, 4, 8])  # 3: SmolLM2's query heads per KV head
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("block_size", [1, 16, 32])
 def test_decode_matches_dense(block_size, head_dim, ratio, dtype, backend):
