@@ -40,11 +40,12 @@ from dataclasses import dataclass, replace
 from bench import run_report
 from bench.sim.meter import Meter
 from bench.sim.workload import TimedRequest, TraceSpec, UniformDist, request_stream, system_prompts, with_bare
-from blockd.cluster.local import ClusterSpec, LocalCluster, live_pids, model_config, worker_env
+from blockd.cluster.local import ClusterSpec, LocalCluster, live_pids, model_config
 from blockd.core.types import PoolStats
 from client.report.series import RunRecord, RunRecorder
 from client.scheduler import SchedulerCounters
 from client.serving import GenerationRequest, RequestOutput, SamplingParams, percentile
+from worker.openmp import default_env
 
 NUM_SYSTEM_PROMPTS = 3
 SYSTEM_PROMPT_TOKENS = (24, 64)
@@ -255,9 +256,9 @@ def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)
     out = sys.stdout
     # Several torch processes share few cores here: OpenMP threads spin only
-    # briefly before they sleep (blockd.cluster.local.worker_env says why; the
+    # briefly before they sleep (worker/openmp.py says why; the
     # workers inherit this).
-    os.environ.update(worker_env())
+    os.environ.update(default_env())
     signal.signal(signal.SIGTERM, _on_sigterm)
     print(f"blockd cluster demo: {cfg.num_requests} requests, model {cfg.model}, TP = {cfg.tp_size}, pool of "
           f"{cfg.num_blocks} blocks x {cfg.block_size} slots, seed {cfg.seed}", file=out, flush=True)

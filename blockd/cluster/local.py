@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+# how a worker child's OpenMP threads wait (blockd-worker sets the same itself; worker/openmp.py says why)
 from worker.openmp import default_env
 
 if TYPE_CHECKING:
@@ -40,16 +41,6 @@ if TYPE_CHECKING:
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 START_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 10.0
-
-
-def worker_env() -> dict[str, str]:
-    """What a worker child adds to :func:`child_env`: OpenMP threads that spin
-    briefly after a parallel region, then sleep (``GOMP_SPINCOUNT=30000``),
-    unless the caller's environment sets ``OMP_WAIT_POLICY`` or
-    ``GOMP_SPINCOUNT`` itself. ``blockd-worker`` sets the same default in its
-    own process (:mod:`worker.openmp` says why); the demo's in-process model
-    takes it from here."""
-    return default_env()
 
 
 def child_env(**extra: str) -> dict[str, str]:
@@ -239,7 +230,7 @@ class LocalCluster:
                     self.worker_metrics_urls.append(f"http://127.0.0.1:{port}/metrics")
                 self._worker_args.append(args)
                 self.workers.append(ChildProcess(f"worker rank {rank} of {name}", args,
-                                                 "blockd-worker listening on", env=worker_env()))
+                                                 "blockd-worker listening on", env=default_env()))
         # the ranks meet in their rendezvous before any prints its ready line
         deadline = time.monotonic() + START_TIMEOUT_S
         for worker in self.workers:
@@ -254,7 +245,7 @@ class LocalCluster:
         old = self.workers[rank]
         old.kill()
         new = ChildProcess(f"worker rank {rank}", [*self._worker_args[rank], "--listen", old.address],
-                           "blockd-worker listening on", env=worker_env())
+                           "blockd-worker listening on", env=default_env())
         self.workers[rank] = new
         new.wait_ready(time.monotonic() + START_TIMEOUT_S)
         return new

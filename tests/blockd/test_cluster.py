@@ -71,7 +71,7 @@ def test_paged_cluster_generates_what_the_contiguous_reference_does(model, tp_si
     with LocalCluster(spec) as cluster, BlockdClient(cluster.blockd_address) as client, \
             WorkerGroup("m", cluster.worker_addresses) as group:
         assert len(cluster.worker_addresses) == tp_size
-        for worker in cluster.workers:  # idle OpenMP threads spin briefly, then sleep (local.worker_env)
+        for worker in cluster.workers:  # idle OpenMP threads spin briefly, then sleep (worker/openmp.py)
             with open(f"/proc/{worker.pid}/environ", "rb") as f:
                 environ = f.read().split(b"\0")
             if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
