@@ -39,6 +39,15 @@ by ``BLOCKD_ATTENTION_BACKEND``:
 ``BLOCKD_ATTENTION_ISA`` (``auto``/``avx2``/``vec4``/``scalar``) forces a
 code path of the compiled kernel, for tests and comparisons.
 
+A second library, ``csrc/onednn_matmul.cpp`` (namespace ``blockd_matmul``,
+used by :mod:`worker.model.linear`), runs the decoder's linears through
+oneDNN's matmul primitive. It links the oneDNN of the ``onednn-cpu-gomp``
+and ``onednn-devel-cpu-gomp`` wheels (the ``worker`` extra, x86-64 Linux),
+found under this interpreter's prefix, so it is built and cached the same
+way but on its own: without those wheels :func:`load_matmul` says why and
+the linears keep torch's oneDNN inner product; the attention kernel and the
+layer ops do not depend on it.
+
 Imports torch only (``torch.utils.cpp_extension`` lazily).
 """
 
@@ -55,8 +64,8 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["ISAS", "KernelUnavailable", "backend_setting", "isa_setting", "layer_ops", "load", "loaded",
-           "march_setting", "ops"]
+__all__ = ["ISAS", "KernelUnavailable", "backend_setting", "isa_setting", "layer_ops", "load", "load_matmul",
+           "loaded", "march_setting", "matmul_failure", "matmul_ops", "ops"]
 
 log = logging.getLogger(__name__)
 
@@ -72,9 +81,14 @@ BACKENDS = ("auto", "native", "torch")
 #: code paths of the compiled kernel, by the ``isa`` argument of its ``run`` op
 ISAS = {"auto": 0, "scalar": 1, "vec4": 2, "avx2": 3}
 
+#: the linears' library, linked against the oneDNN wheel's libdnnl (see the module docstring)
+_MATMUL_SOURCES = (_CSRC / "onednn_matmul.cpp",)
+
 _lock = threading.Lock()
 _loaded: bool | None = None  # None: not tried yet
 _failure: str = ""
+_matmul_loaded: bool | None = None
+_matmul_failure: str = ""
 
 
 class KernelUnavailable(RuntimeError):
@@ -123,23 +137,39 @@ def _cpu_signature() -> str:
     return platform.machine() + platform.processor()
 
 
-def _build_dir() -> tuple[str, Path]:
+def _build_dir(prefix: str = "blockd_attention", extra: tuple[str, ...] = ()) -> tuple[str, Path]:
     digest = hashlib.sha256()
     sources = [path.read_bytes() for path in sorted(_CSRC.iterdir()) if path.is_file()]
     # a portable build (a named -march) is one library for every CPU of its level
     cpu = _cpu_signature() if march_setting() == "native" else "portable"
-    for part in (*sources, " ".join(_cflags() + _LDFLAGS).encode(), torch.__version__.encode(),
+    # (extra is empty for the attention library: its cache key is what it was before the second library)
+    for part in (*sources, " ".join(_cflags() + _LDFLAGS + extra).encode(), torch.__version__.encode(),
                  cpu.encode(), sys.version.encode()):
         digest.update(part)
-    name = "blockd_attention_" + digest.hexdigest()[:16]
+    name = f"{prefix}_" + digest.hexdigest()[:16]
     root = Path(os.environ.get("BLOCKD_KERNEL_CACHE") or Path.home() / ".cache" / "blockd" / "kernels")
     return name, root / name
 
 
-def _build() -> None:
+def _onednn_flags() -> tuple[str, ...]:
+    """Include and link flags for the oneDNN wheels under this interpreter's prefix; raises
+    :class:`KernelUnavailable` saying what is missing."""
+    prefix = Path(sys.prefix)
+    header, library = prefix / "include" / "oneapi" / "dnnl" / "dnnl.hpp", prefix / "lib" / "libdnnl.so.3"
+    if not header.is_file() or not library.is_file():
+        raise KernelUnavailable(f"oneDNN's matmul needs the onednn-cpu-gomp and onednn-devel-cpu-gomp wheels "
+                                f"(the worker extra, x86-64 Linux): {header if not header.is_file() else library} "
+                                "is missing")
+    # the soname, not libdnnl.so: the wheel ships every name as a full copy, and one is enough
+    return (f"-I{prefix / 'include'}", f"-l:{library.name}", f"-L{library.parent}",
+            f"-Wl,-rpath,{library.parent}")
+
+
+def _build(prefix: str = "blockd_attention", sources: tuple[Path, ...] = _SOURCES,
+           extra: tuple[str, ...] = ()) -> None:
     from torch.utils import cpp_extension
 
-    name, directory = _build_dir()
+    name, directory = _build_dir(prefix, extra)
     library = directory / f"{name}.so"
     if library.exists():  # the directory is named by a hash of everything that went in: it is current
         try:
@@ -158,9 +188,11 @@ def _build() -> None:
         pass
     try:
         # (copies: load() appends to the flag lists it is given)
-        cpp_extension.load(name=name, sources=[str(path) for path in _SOURCES], extra_cflags=list(_cflags()),
-                           extra_ldflags=list(_LDFLAGS), build_directory=str(directory),
-                           is_python_module=False, verbose=False)
+        include = [flag for flag in extra if flag.startswith("-I")]
+        link = [flag for flag in extra if not flag.startswith("-I")]
+        cpp_extension.load(name=name, sources=[str(path) for path in sources],
+                           extra_cflags=list(_cflags()) + include, extra_ldflags=list(_LDFLAGS) + link,
+                           build_directory=str(directory), is_python_module=False, verbose=False)
     finally:
         os.environ["PATH"] = path
 
@@ -183,6 +215,32 @@ def load(required: bool = False) -> bool:
     if not _loaded and required:
         raise KernelUnavailable(f"the compiled CPU attention kernel could not be built: {_failure}")
     return bool(_loaded)
+
+
+def load_matmul() -> bool:
+    """Build (once per cache) and load the oneDNN matmul library; ``True`` when its ops
+    (``blockd_matmul``) are registered. ``False`` when the oneDNN wheels are missing or
+    the build fails (:func:`matmul_failure` says why; logged once)."""
+    global _matmul_loaded, _matmul_failure  # noqa: PLW0603 - loaded once per process
+    with _lock:
+        if _matmul_loaded is None:
+            try:
+                _build("blockd_matmul", _MATMUL_SOURCES, _onednn_flags())
+                _matmul_loaded = True
+            except Exception as err:  # noqa: BLE001 - no wheel, no compiler: the linears keep torch's kernel
+                _matmul_loaded, _matmul_failure = False, f"{type(err).__name__}: {err}".strip()[:2000]
+                log.info("oneDNN matmul unavailable, the linears use torch's inner product: %s", _matmul_failure)
+    return bool(_matmul_loaded)
+
+
+def matmul_failure() -> str:
+    """Why the last :func:`load_matmul` failed ('' when it did not)."""
+    return _matmul_failure
+
+
+def matmul_ops():
+    """The oneDNN matmul ops (``pack``, ``run``, ``version``); call :func:`load_matmul` first."""
+    return torch.ops.blockd_matmul
 
 
 def loaded() -> bool:
@@ -217,5 +275,7 @@ def main() -> None:
         ok = False
         log.error("%s", err)
     isa = {v: k for k, v in ISAS.items()}.get(int(ops().best_isa()), "?") if ok else None
-    print(json.dumps({"built": ok, "dir": directory, "march": march, "best_isa": isa, "error": _failure or None}))
+    matmul = load_matmul() if ok else False  # optional: the linears fall back without it
+    print(json.dumps({"built": ok, "dir": directory, "march": march, "best_isa": isa, "error": _failure or None,
+                      "onednn_matmul": matmul, "onednn_matmul_error": _matmul_failure or None}))
     sys.exit(0 if ok else 1)
