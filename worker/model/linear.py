@@ -11,6 +11,15 @@ vLLM's CPU backend does for unquantised linears (``onednn_mm``). Measured in
 the model (SmolLM2-135M fp32, 64 decode rows): a forward ~18-25% faster at
 1 and 2 threads.
 
+Which oneDNN primitive: the matmul primitive where the ``onednn-cpu-gomp``
+wheel's oneDNN is installed (:func:`worker.kernels.native.load_matmul`,
+``csrc/onednn_matmul.cpp``), as vLLM's CPU backend runs, else torch's own
+inner product (``mkldnn::_linear_pointwise``, torch exposes no other for
+float32). The matmul was 4-9% faster over SmolLM2's projections and LM head
+at 64 decode rows and 18% at 16 (AMD EPYC; docs/benchmarks.md);
+``--cpu-linear inner-product`` keeps torch's. A packed weight says which it
+is (``is_mkldnn``: torch's), so :func:`packed_matmul` serves both.
+
 Exactness: oneDNN sums in another order than MKL, so logits differ from
 ``nn.Linear``'s by float32 rounding (SmolLM2: at most ~3e-4 on logits of
 magnitude ~20); the batched paged forward already differs from
@@ -23,7 +32,7 @@ model in place to :class:`PackedLinear` (so forward hooks, such as tensor
 parallelism's all-reduce, and the state dict stay as they were); call it
 after the model is sharded and on its device, and never change a packed
 layer's weight afterwards (the packed copy would be stale).
-Imports torch only.
+Imports torch and :mod:`worker.kernels.native`.
 """
 
 from __future__ import annotations
@@ -31,11 +40,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["LINEAR_KERNELS", "PackedLinear", "pack", "pack_linears", "packing_available", "unpack"]
+from worker.kernels import native
+
+__all__ = ["LINEAR_KERNELS", "PackedLinear", "matmul_available", "pack", "pack_linears", "packed_matmul",
+           "packing_available", "unpack"]
 
 #: ``--cpu-linear``: ``auto`` packs the weights (:func:`pack_linears`) where
-#: :func:`packing_available`, ``torch`` leaves every ``nn.Linear`` as it is
-LINEAR_KERNELS = ("auto", "torch")
+#: :func:`packing_available`, for oneDNN's matmul when :func:`matmul_available`
+#: else for its inner product; ``inner-product`` packs them for the inner
+#: product always; ``torch`` leaves every ``nn.Linear`` as it is
+LINEAR_KERNELS = ("auto", "inner-product", "torch")
 #: the row count oneDNN picks the weight layout for: a decode batch's order of magnitude
 #: (the layout serves any row count; only its speed depends on this hint)
 BATCH_HINT = 64
@@ -47,8 +61,22 @@ class PackedLinear(nn.Linear):
     _packed: torch.Tensor
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 - nn.Linear's name
-        return torch.ops.mkldnn._linear_pointwise(input, self._packed, self.bias, "none", [], "")
+        return packed_matmul(input, self._packed, self.bias, self.out_features)
 
+
+def packed_matmul(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """``x @ weight.T + bias`` on a weight :func:`pack` packed (``x`` ``[..., in_features]``)."""
+    if packed.is_mkldnn:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    if x.dim() == 2:
+        return native.matmul_ops().run(x, packed, bias, out_features)
+    out = native.matmul_ops().run(x.reshape(-1, x.shape[-1]), packed, bias, out_features)
+    return out.view(*x.shape[:-1], out_features)
+
+
+def matmul_available() -> bool:
+    """Whether oneDNN's matmul library loads (:func:`worker.kernels.native.load_matmul`)."""
+    return native.backend_setting() != "torch" and native.load_matmul()
 
 def packing_available(model: nn.Module) -> bool:
     """Whether :func:`pack_linears` applies: oneDNN is built in and the model's
@@ -59,23 +87,33 @@ def packing_available(model: nn.Module) -> bool:
             and param.dtype == torch.float32)
 
 
-def pack_linears(model: nn.Module) -> int:
-    """Pack every plain ``nn.Linear`` of ``model`` (see the module docstring);
-    returns how many. Raises ValueError when packing does not apply."""
+def pack_linears(model: nn.Module, kernel: str = "auto") -> int:
+    """Pack every plain ``nn.Linear`` of ``model`` (see the module docstring) for
+    ``kernel`` (``auto`` or ``inner-product``); returns how many. Raises
+    ValueError when packing does not apply."""
     if not packing_available(model):
         raise ValueError("packed linears need oneDNN (torch.backends.mkldnn) and float32 weights on the CPU")
+    if kernel not in ("auto", "inner-product"):
+        raise ValueError(f"kernel must be auto or inner-product, got {kernel!r}")
+    matmul = kernel == "auto" and matmul_available()
     count = 0
     for module in model.modules():
         if type(module) is nn.Linear:
-            pack(module)
+            pack(module, matmul)
             count += 1
     return count
 
 
-def pack(module: nn.Linear) -> PackedLinear:
-    """Turn one plain float32 CPU ``nn.Linear`` into a :class:`PackedLinear` in place."""
+def pack(module: nn.Linear, matmul: bool | None = None) -> PackedLinear:
+    """Turn one plain float32 CPU ``nn.Linear`` into a :class:`PackedLinear` in place,
+    for oneDNN's matmul (``matmul`` True, or None and :func:`matmul_available`) or
+    torch's inner product."""
+    if matmul is None:
+        matmul = matmul_available()
     with torch.no_grad():
-        packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), BATCH_HINT)
+        weight = module.weight.detach()
+        packed = native.matmul_ops().pack(weight) if matmul else \
+            torch.ops.mkldnn._reorder_linear_weight(weight, BATCH_HINT)
     module.__class__ = PackedLinear
     # a plain attribute, not a buffer: an opaque oneDNN tensor has no
     # storage for state_dict or .to() to handle

@@ -101,7 +101,8 @@ class ModelRunner:
                              f"but its model shard needs {list(heads)}")
         self.model = model.to(runtime.device)
         # last: the weights are final once sharded and on the device
-        self.packed_linears = pack_linears(self.model) if linear == "auto" and packing_available(self.model) else 0
+        self.packed_linears = pack_linears(self.model, linear) \
+            if linear != "torch" and packing_available(self.model) else 0
         # on the packed path, Llama/Qwen2 layers also run fused (worker.model.fused)
         self.fused_layers = fuse_layers(self.model) if self.packed_linears else 0
         self.runtime = runtime
