@@ -14,7 +14,10 @@ come from memory rather than the cache a single layer's loop keeps them in
 (``--quick`` leaves it out). Kernels:
 
 * ``blockd_packed``: :class:`worker.model.linear.PackedLinear` (oneDNN, the
-  weight reordered once; ``--cpu-linear auto``, the default);
+  weight reordered once; ``--cpu-linear auto``, the default: oneDNN's matmul
+  primitive where its wheel is installed, else torch's inner product);
+* ``blockd_inner_product``: the same on torch's oneDNN inner product
+  (``--cpu-linear inner-product``), where the default is the matmul;
 * ``torch_linear``: ``nn.Linear`` (MKL's ``sgemm``, ``--cpu-linear torch``);
 * ``mkl_packed``: MKL's packed GEMM (``torch.ops.mkl._mkl_linear``), packed
   for exactly the row count timed: it falls back to ``sgemm`` at any other
@@ -61,12 +64,12 @@ def kernels(vllm: bool) -> dict:
     from torch import nn
 
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from worker.model.linear import pack
+    from worker.model.linear import matmul_available, pack
 
-    def blockd_packed(weight, rows):
+    def blockd_packed(weight, rows, matmul=None):
         layer = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
         layer.weight.data.copy_(weight)
-        return pack(layer)
+        return pack(layer, matmul)
 
     def mkl_packed(weight, rows):
         packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, rows)
@@ -74,6 +77,8 @@ def kernels(vllm: bool) -> dict:
 
     found = {"blockd_packed": blockd_packed,
              "torch_linear": lambda weight, rows: (lambda x: torch.nn.functional.linear(x, weight))}
+    if matmul_available():
+        found["blockd_inner_product"] = lambda weight, rows: blockd_packed(weight, rows, matmul=False)
     if torch._C.has_mkl:
         found["mkl_packed"] = mkl_packed
     if vllm:
