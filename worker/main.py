@@ -283,8 +283,9 @@ def _start_model(args: argparse.Namespace, config, shard: ShardSpec, metrics):
         elif args.compile != "off":
             log.info("decode steps run eager: %s", runner.not_compiled if buckets else
                      f"the pool's {config.num_blocks} blocks fill no compile bucket")
-        log.info("running model %s (TP rank %d of %d, %d linear layers packed for oneDNN, %d torch threads)",
-                 args.model, args.tp_rank, args.tp_world_size, runner.packed_linears, torch.get_num_threads())
+        log.info("running model %s (TP rank %d of %d, %d linear layers packed for oneDNN's %s, %d torch threads)",
+                 args.model, args.tp_rank, args.tp_world_size, runner.packed_linears, runner.linear_kernel,
+                 torch.get_num_threads())
     marks.append(time.monotonic())
     return marks, tp, runtime, runner
 

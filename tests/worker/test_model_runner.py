@@ -157,6 +157,9 @@ def test_runner_matches_hf_logits_and_greedy_generate(spec, linear):
     assert local.runner.packed_linears == (linears if packed else 0)
     if linear == "inner-product":
         assert all(m._packed.is_mkldnn for m in local.runner.model.modules() if isinstance(m, PackedLinear))
+    expected = {"torch": "torch", "inner-product": "inner product",
+                "auto": "matmul" if matmul_available() else "inner product"}[linear]
+    assert local.runner.linear_kernel == expected
     # Llama and Qwen2 layers run fused on the packed path (GPT-2 keeps transformers' layers)
     assert local.runner.fused_layers == (2 if packed and spec != "tiny-gpt2" else 0)
     scenario = Scenario(local.step, local.runner.step, reference(spec))

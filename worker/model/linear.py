@@ -16,7 +16,8 @@ wheel's oneDNN is installed (:func:`worker.kernels.native.load_matmul`,
 ``csrc/onednn_matmul.cpp``), as vLLM's CPU backend runs, else torch's own
 inner product (``mkldnn::_linear_pointwise``, torch exposes no other for
 float32). The matmul was 4-9% faster over SmolLM2's projections and LM head
-at 64 decode rows and 18% at 16 (AMD EPYC; docs/benchmarks.md);
+at 64 decode rows and 18% at 16, and in the model's decode step 2% and 5%
+(AMD EPYC; docs/benchmarks.md);
 ``--cpu-linear inner-product`` keeps torch's. A packed weight says which it
 is (``is_mkldnn``: torch's), so :func:`packed_matmul` serves both.
 
@@ -42,8 +43,8 @@ from torch import nn
 
 from worker.kernels import native
 
-__all__ = ["LINEAR_KERNELS", "PackedLinear", "matmul_available", "pack", "pack_linears", "packed_matmul",
-           "packing_available", "unpack"]
+__all__ = ["LINEAR_KERNELS", "PackedLinear", "kernel_of", "matmul_available", "pack", "pack_linears",
+           "packed_matmul", "packing_available", "unpack"]
 
 #: ``--cpu-linear``: ``auto`` packs the weights (:func:`pack_linears`) where
 #: :func:`packing_available`, for oneDNN's matmul when :func:`matmul_available`
@@ -77,6 +78,13 @@ def packed_matmul(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 def matmul_available() -> bool:
     """Whether oneDNN's matmul library loads (:func:`worker.kernels.native.load_matmul`)."""
     return native.backend_setting() != "torch" and native.load_matmul()
+
+
+def kernel_of(model: nn.Module) -> str:
+    """Which kernel ``model``'s linears run: ``matmul``, ``inner product`` (oneDNN's) or ``torch``."""
+    packed = next((m._packed for m in model.modules() if isinstance(m, PackedLinear)), None)
+    return "torch" if packed is None else "inner product" if packed.is_mkldnn else "matmul"
+
 
 def packing_available(model: nn.Module) -> bool:
     """Whether :func:`pack_linears` applies: oneDNN is built in and the model's

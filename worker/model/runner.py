@@ -36,7 +36,7 @@ from blockd.core.errors import BlockdError, InvalidArgument, shown
 from worker.model.build import check_pool, model_geometry
 from worker.model.compiled import CompiledDecode, compilable
 from worker.model.fused import fuse_layers
-from worker.model.linear import LINEAR_KERNELS, pack_linears, packing_available
+from worker.model.linear import LINEAR_KERNELS, kernel_of, pack_linears, packing_available
 from worker.model.paged import NO_POOL, PagedBatch
 from worker.runtime import PreparedStep, WorkerRuntime
 
@@ -103,6 +103,8 @@ class ModelRunner:
         # last: the weights are final once sharded and on the device
         self.packed_linears = pack_linears(self.model, linear) \
             if linear != "torch" and packing_available(self.model) else 0
+        #: which kernel the linears run (worker.model.linear.kernel_of), for the worker's log
+        self.linear_kernel = kernel_of(self.model)
         # on the packed path, Llama/Qwen2 layers also run fused (worker.model.fused)
         self.fused_layers = fuse_layers(self.model) if self.packed_linears else 0
         self.runtime = runtime
