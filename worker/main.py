@@ -270,6 +270,7 @@ def _start_model(args: argparse.Namespace, config, shard: ShardSpec, metrics):
         import torch
 
         from worker.model import ModelRunner
+        from worker.model.linear import warm_matmuls
 
         try:
             buckets = args.compile_buckets or pool_buckets(COMPILE_BUCKETS, config.num_blocks)
@@ -278,6 +279,10 @@ def _start_model(args: argparse.Namespace, config, shard: ShardSpec, metrics):
                                  compile_kernel="auto" if args.compile == "off" else args.compile)
         except ValueError as err:
             raise SystemExit(f"cannot run model {args.model!r} on this shard: {err}") from None
+        began = time.monotonic()
+        shapes = warm_matmuls(runner.model)  # before serving, as the compile below: no step builds a primitive
+        if shapes:
+            log.info("oneDNN matmul primitives for %d weight shapes built in %.2f s", shapes, time.monotonic() - began)
         if runner.compiled is not None:  # before serving: the first request pays no compile
             log.info("compiled decode forward warmed in %.2f s: %s", runner.warm(), runner.compiled.describe())
         elif args.compile != "off":

@@ -33,7 +33,7 @@ from tests.support.procs import free_port, start_blockd, start_worker
 from worker.kernels import native
 from worker.model import ModelRunner, build_model, pool_config_for
 from worker.model import compiled as compiled_module
-from worker.model.linear import PackedLinear, matmul_available, pack, pack_linears
+from worker.model.linear import PackedLinear, matmul_available, pack, pack_linears, packed_linears, warm_matmuls
 from worker.runtime import WorkerRuntime
 from worker.service import WorkerServer
 
@@ -380,6 +380,15 @@ def test_onednn_matmul_packs_and_computes_nn_linear(monkeypatch):
     with pytest.raises(RuntimeError, match="bias must be float32"):
         ops.run(torch.randn(3, 96), ops.pack(weight), torch.zeros(41), 40)
     assert ops.version() >= 30200
+    with pytest.raises(RuntimeError, match="needs a weight shape"):
+        ops.warm(0, 96, False)
+    # a worker builds every row count's primitives at start: the fused layers' joined
+    # projections (unregistered attributes) count too
+    runner = Local("tiny-llama").runner
+    fused = runner.model.model.layers[0]
+    assert fused._qkv in packed_linears(runner.model) and runner.linear_kernel == "matmul"
+    shapes = {(m.out_features, m.in_features) for m in packed_linears(runner.model)}
+    assert warm_matmuls(runner.model) == len(shapes) >= 4
     monkeypatch.setattr(native, "_matmul_loaded", False)
     model = build_model("tiny-llama", seed=0)
     pack_linears(model)

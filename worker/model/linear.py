@@ -44,7 +44,7 @@ from torch import nn
 from worker.kernels import native
 
 __all__ = ["LINEAR_KERNELS", "PackedLinear", "kernel_of", "matmul_available", "pack", "pack_linears",
-           "packed_matmul", "packing_available", "unpack"]
+           "packed_linears", "packed_matmul", "packing_available", "unpack", "warm_matmuls"]
 
 #: ``--cpu-linear``: ``auto`` packs the weights (:func:`pack_linears`) where
 #: :func:`packing_available`, for oneDNN's matmul when :func:`matmul_available`
@@ -80,9 +80,32 @@ def matmul_available() -> bool:
     return native.backend_setting() != "torch" and native.load_matmul()
 
 
+def warm_matmuls(model: nn.Module) -> int:
+    """Build now the matmul primitives every row count of ``model``'s packed
+    linears can use (``blockd_matmul::warm``), so that no step pays for one
+    (about 0.6 ms a row count and weight shape); returns how many weight
+    shapes (0 where the linears do not run the matmul)."""
+    shapes = {(m.out_features, m.in_features, m.bias is not None) for m in packed_linears(model)
+              if not m._packed.is_mkldnn}
+    for out_features, in_features, bias in sorted(shapes):
+        native.matmul_ops().warm(out_features, in_features, bias)
+    return len(shapes)
+
+
+def packed_linears(model: nn.Module) -> list[PackedLinear]:
+    """``model``'s packed linears: its submodules and those a module holds as a plain
+    attribute (:mod:`worker.model.fused` keeps its joined projections so, unregistered)."""
+    found: dict[int, PackedLinear] = {}
+    for module in model.modules():
+        for obj in (module, *vars(module).values()):
+            if isinstance(obj, PackedLinear):
+                found[id(obj)] = obj
+    return list(found.values())
+
+
 def kernel_of(model: nn.Module) -> str:
     """Which kernel ``model``'s linears run: ``matmul``, ``inner product`` (oneDNN's) or ``torch``."""
-    packed = next((m._packed for m in model.modules() if isinstance(m, PackedLinear)), None)
+    packed = next((m._packed for m in packed_linears(model)), None)
     return "torch" if packed is None else "inner product" if packed.is_mkldnn else "matmul"
 
 

@@ -9,6 +9,9 @@
 //       blocked layout the matmul primitive picks for kRowsHint rows (a plain
 //       float32 tensor of that many bytes, so it is freed like any tensor)
 //   run(x [M, K], packed, bias [N]?, N) -> [M, N] = x @ weight.T + bias, any M
+//   warm(N, K, bias) -> int: builds the primitives of every row count a call can
+//       use (1 .. kMaxRows) for an [N, K] weight now, so that no step pays for
+//       one (a worker calls it at start: ~0.15 s a weight shape); returns kMaxRows
 //   version() -> int: oneDNN's major * 10000 + minor * 100 + patch
 //
 // Why not torch's own oneDNN: torch reaches it for float32 linears only as
@@ -147,6 +150,12 @@ at::Tensor run(const at::Tensor& x_in, const at::Tensor& packed, const std::opti
   return out;
 }
 
+int64_t warm(int64_t n, int64_t k, bool with_bias) {
+  TORCH_CHECK(n > 0 && k > 0, "warm needs a weight shape, got ", n, " x ", k);
+  for (int64_t rows = 1; rows <= kMaxRows; ++rows) primitive(rows, n, k, with_bias);
+  return kMaxRows;
+}
+
 int64_t version() {
   const dnnl_version_t* v = dnnl_version();
   return int64_t(v->major) * 10000 + v->minor * 100 + v->patch;
@@ -158,5 +167,6 @@ int64_t version() {
 TORCH_LIBRARY(blockd_matmul, m) {
   m.def("pack(Tensor weight) -> Tensor", &blockd_matmul::pack);
   m.def("run(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor", &blockd_matmul::run);
+  m.def("warm(int out_features, int in_features, bool bias) -> int", &blockd_matmul::warm);
   m.def("version() -> int", &blockd_matmul::version);
 }
