@@ -16,7 +16,7 @@ wheel's oneDNN is installed (:func:`worker.kernels.native.load_matmul`,
 ``csrc/onednn_matmul.cpp``), as vLLM's CPU backend runs, else torch's own
 inner product (``mkldnn::_linear_pointwise``, torch exposes no other for
 float32). The matmul was 4-9% faster over SmolLM2's projections and LM head
-at 64 decode rows and 18% at 16, and in the model's decode step 2% and 5%
+at 64 decode rows and 18% at 16, and in the model's decode step 4% and 8%
 (AMD EPYC; docs/benchmarks.md);
 ``--cpu-linear inner-product`` keeps torch's. A packed weight says which it
 is (``is_mkldnn``: torch's), so :func:`packed_matmul` serves both.
