@@ -138,6 +138,7 @@ def _cpu_signature() -> str:
 
 
 def _build_dir(prefix: str = "blockd_attention", extra: tuple[str, ...] = ()) -> tuple[str, Path]:
+    """The library's name and cache directory; ``extra``: flags beyond the common ones."""
     digest = hashlib.sha256()
     sources = [path.read_bytes() for path in sorted(_CSRC.iterdir()) if path.is_file()]
     # a portable build (a named -march) is one library for every CPU of its level
@@ -151,9 +152,9 @@ def _build_dir(prefix: str = "blockd_attention", extra: tuple[str, ...] = ()) ->
     return name, root / name
 
 
-def _onednn_flags() -> tuple[str, ...]:
-    """Include and link flags for the oneDNN wheels under this interpreter's prefix; raises
-    :class:`KernelUnavailable` saying what is missing."""
+def _onednn_flags() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Compiler (include) and linker flags for the oneDNN wheels under this interpreter's
+    prefix; raises :class:`KernelUnavailable` saying what is missing."""
     prefix = Path(sys.prefix)
     header, library = prefix / "include" / "oneapi" / "dnnl" / "dnnl.hpp", prefix / "lib" / "libdnnl.so.3"
     if not header.is_file() or not library.is_file():
@@ -161,15 +162,17 @@ def _onednn_flags() -> tuple[str, ...]:
                                 f"(the worker extra, x86-64 Linux): {header if not header.is_file() else library} "
                                 "is missing")
     # the soname, not libdnnl.so: the wheel ships every name as a full copy, and one is enough
-    return (f"-I{prefix / 'include'}", f"-l:{library.name}", f"-L{library.parent}",
-            f"-Wl,-rpath,{library.parent}")
+    return (f"-I{prefix / 'include'}",), (f"-l:{library.name}", f"-L{library.parent}",
+                                          f"-Wl,-rpath,{library.parent}")
 
 
 def _build(prefix: str = "blockd_attention", sources: tuple[Path, ...] = _SOURCES,
-           extra: tuple[str, ...] = ()) -> None:
+           flags: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())) -> None:
+    """Build (or load the cached) library; ``flags``: extra compiler and linker flags."""
     from torch.utils import cpp_extension
 
-    name, directory = _build_dir(prefix, extra)
+    cflags, ldflags = flags
+    name, directory = _build_dir(prefix, cflags + ldflags)
     library = directory / f"{name}.so"
     if library.exists():  # the directory is named by a hash of everything that went in: it is current
         try:
@@ -188,10 +191,8 @@ def _build(prefix: str = "blockd_attention", sources: tuple[Path, ...] = _SOURCE
         pass
     try:
         # (copies: load() appends to the flag lists it is given)
-        include = [flag for flag in extra if flag.startswith("-I")]
-        link = [flag for flag in extra if not flag.startswith("-I")]
         cpp_extension.load(name=name, sources=[str(path) for path in sources],
-                           extra_cflags=list(_cflags()) + include, extra_ldflags=list(_LDFLAGS) + link,
+                           extra_cflags=[*_cflags(), *cflags], extra_ldflags=[*_LDFLAGS, *ldflags],
                            build_directory=str(directory), is_python_module=False, verbose=False)
     finally:
         os.environ["PATH"] = path

@@ -125,17 +125,18 @@ at::Tensor run(const at::Tensor& x_in, const at::Tensor& packed, const std::opti
   if (with_bias)
     TORCH_CHECK(bias->numel() == n && bias->scalar_type() == at::kFloat && bias->is_contiguous(),
                 "bias must be float32 [", n, "]");
-  const memory::desc packed_desc = primitive(std::min(m, kMaxRows), n, k, with_bias)->weights;
+  // the first piece's primitive; the weights' layout is the same for every row count
+  std::shared_ptr<const Cached> c = primitive(std::min(m, kMaxRows), n, k, with_bias);
   TORCH_CHECK(packed.is_contiguous() && packed.scalar_type() == at::kFloat &&
-                  size_t(packed.numel()) * 4 >= packed_desc.get_size(),
+                  size_t(packed.numel()) * 4 >= c->weights.get_size(),
               "packed is not a weight of ", n, " x ", k, " packed by blockd_matmul::pack");
   dnnl::stream stream(cpu());
-  memory weights(packed_desc, cpu(), packed.data_ptr());
+  memory weights(c->weights, cpu(), packed.data_ptr());
   const float* x_rows = x.data_ptr<float>();
   float* out_rows = out.data_ptr<float>();
   for (int64_t m0 = 0; m0 < m; m0 += kMaxRows) {
     const int64_t rows = std::min(kMaxRows, m - m0);
-    const std::shared_ptr<const Cached> c = primitive(rows, n, k, with_bias);
+    if (rows != std::min(m, kMaxRows)) c = primitive(rows, n, k, with_bias);  // the last, shorter piece
     memory src(rows_desc(rows, k), cpu(), const_cast<float*>(x_rows + m0 * k));
     memory dst(rows_desc(rows, n), cpu(), out_rows + m0 * n);
     if (with_bias) {
