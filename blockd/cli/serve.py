@@ -26,6 +26,7 @@ from blockd.core.errors import BlockdError
 from blockd.engine.guardrails import Guardrails
 from blockd.engine.idempotency import IdempotencyLimits
 from blockd.rpc import addresses
+from blockd.storage import fsyncer
 
 log = logging.getLogger("blockd")
 
@@ -230,8 +231,8 @@ def serve(args: argparse.Namespace) -> int:
     except ValueError as err:
         log.error("cannot serve: %s", err)
         return 2
-    log.info("data dir: %s; fsync: %s; allocator core: %s", args.data_dir or "none (in memory)", args.fsync,
-             core.BUILD)
+    log.info("data dir: %s; fsync: %s; allocator core: %s; the step lane's fsync thread: %s",
+             args.data_dir or "none (in memory)", args.fsync, core.BUILD, fsyncer.BUILD)
     try:
         limits = IdempotencyLimits(args.max_request_ids, args.max_request_bytes, args.request_ttl_s)
         guardrails = Guardrails(args.max_ops_per_step, args.max_tokens_per_step, args.max_blocks_per_pool,

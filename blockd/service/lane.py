@@ -52,7 +52,9 @@ from blockd.rpc.lane import (
     frame,
     read_hello,
 )
-from blockd.service.lane_loop import Aborted, Conn, LaneLoop, status_of
+from blockd.service.lane_conn import Aborted, Conn, status_of
+from blockd.service.lane_loop import LaneLoop
+from blockd.storage.fsyncer import Fsyncer
 from blockd.v1 import blockd_pb2 as pb
 
 log = logging.getLogger("blockd.lane")
@@ -179,13 +181,16 @@ class StepLane:
     servicer's StepStream answer for a refusal (its ``STEP_STREAMS_FULL``);
     ``hold``, ``waits`` and ``acknowledge``: the engine's
     (:class:`blockd.engine.durability.Acknowledgements`), so that a round of
-    the loop waits once for what it changed."""
+    the loop waits once for what it changed; ``behind``: its
+    ``(acknowledge_behind, acknowledged_behind)`` where it ``syncs_behind``."""
 
     def __init__(self, handler: grpc.RpcMethodHandler, interceptors: Sequence[grpc.ServerInterceptor], host: str,
                  port: int, *, tls: TlsConfig | None, max_bytes: int, max_connections: int,
                  shutdown: threading.Event, refused: Callable[[BaseException, str], pb.StepStreamResponse],
                  full: Callable[[], BaseException], hold: Callable[[], Held | None],
-                 waits: Callable[[int], bool], acknowledge: Callable[[int], int]) -> None:
+                 waits: Callable[[int], bool], acknowledge: Callable[[int], int],
+                 behind: tuple[Callable[[int, Fsyncer], bool], Callable[[int, int, float], None]] | None = None
+                 ) -> None:
         self._handler, self._interceptors = handler, list(interceptors)
         self._tls = _ServerTls(tls) if tls is not None else None
         self.tls = tls is not None
@@ -209,7 +214,7 @@ class StepLane:
         serialize = handler.response_serializer
         assert serialize is not None, "blockd's handlers name both (method_handlers)"
         self._loop = LaneLoop(hold, waits, acknowledge, lambda err: refused(err, "StepStream"), serialize,
-                              self._released)
+                              self._released, behind)
 
     def start(self) -> None:
         self._loop.start()

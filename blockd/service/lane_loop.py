@@ -8,9 +8,19 @@ its steps one after the other (the engine lock and the GIL serialise them
 anyway). Their answers are held back from the wait for durability
 (:meth:`blockd.engine.durability.Acknowledgements.hold`) and waited for once
 per connection: here when this is the only connection (no thread handoff),
-else by the syncer thread while the loop answers the next ones; its next
-fsync covers whatever came meanwhile (group commit). Only then are they
-written. So durable throughput grows with the schedulers.
+else behind the loop while it answers the next ones, and the next fsync
+covers whatever came meanwhile (group commit). Only then are they written.
+So durable throughput grows with the schedulers.
+
+Behind the loop means, with a log and no replication
+(``Engine.syncs_behind``), a :class:`blockd.storage.fsyncer.Fsyncer`: a
+thread (in C where it was compiled) that never takes the GIL and says what
+it synced on a pipe this loop polls with its connections. With four durable
+schedulers on the 2-core VM that took durable steps/s from 1.4-1.6x one
+scheduler's to 1.7-2.0x (``docs/benchmarks.md``): a Python thread there made
+the loop give up the GIL and wait for it back at every handover. With
+replication (whose commit waits for the followers) it is the syncer, a
+Python thread.
 
 What stays as it was: each connection runs the very StepStream handler, one
 request in and one answer out, in order; an answer never leaves before the
@@ -33,17 +43,16 @@ import contextlib
 import logging
 import os
 import select
-import socket
-import ssl
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import grpc
-from google.rpc import status_pb2
 
 from blockd.engine.durability import Held
 from blockd.rpc.lane import frame
+from blockd.service.lane_conn import WOULD_BLOCK, Aborted, Conn, status_of
+from blockd.storage.fsyncer import Fsyncer
 from blockd.v1 import blockd_pb2 as pb
 
 log = logging.getLogger("blockd.lane")
@@ -55,113 +64,6 @@ MAX_UNSENT_BYTES = 8 << 20
 _CHUNK = 1 << 18
 #: what makes a connection worth reading: bytes, its end, an error (recv says which)
 _READABLE = select.EPOLLIN | select.EPOLLHUP | select.EPOLLERR | select.EPOLLRDHUP
-_WOULD_BLOCK = (BlockingIOError, InterruptedError, ssl.SSLWantReadError, ssl.SSLWantWriteError)
-
-
-def status_of(code: grpc.StatusCode, details: str, trailing: Sequence = ()) -> bytes:
-    """A refusal's ``google.rpc.Status`` bytes (the details an interceptor attached, when it did)."""
-    for key, value in trailing or ():
-        if key == "grpc-status-details-bin" and isinstance(value, bytes):
-            return value
-    return status_pb2.Status(code=code.value[0], message=details or "").SerializeToString()
-
-
-class Aborted(Exception):
-    """An interceptor or handler aborted the call: ``status`` is the refusal's bytes."""
-
-    def __init__(self, status: bytes) -> None:
-        super().__init__("aborted")
-        self.status = status
-
-
-class Conn:
-    """One lane connection in the loop: its buffers and its call."""
-
-    def __init__(self, sock: socket.socket, raw: socket.socket, peer: str, context: Any,
-                 call: Callable[[Iterator[Any]], Iterator[Any]], parse: Callable[[bytes], Any],
-                 max_bytes: int) -> None:
-        self.sock, self.raw, self.peer, self.context = sock, raw, peer, context
-        self._call, self._parse, self.max_bytes = call, parse, max_bytes
-        self.fd = sock.fileno()
-        self.inbuf = bytearray()
-        self.out = bytearray()
-        self.payloads: collections.deque[bytes] = collections.deque()
-        self.answers: Iterator[Any] | None = None
-        self.ended = False  # no request will come any more (the caller's end, a cut, the lane's stop)
-        self.eof = False
-        self.cut: str = ""  # a frame over the limit: the refusal, once the answers before it are out
-        self.inflight = 0  # its answers in batches not delivered yet
-        self.released = False  # the loop is done with it (its end is the lane's)
-        self.last = False  # the call is over: write what is left, then hand the socket back
-        self.interest = 0
-
-    def requests(self) -> Iterator[Any]:
-        """The call's request stream: a request is asked for only after its
-        frame arrived (answer_each asks for one per answer)."""
-        while True:
-            if self.payloads:
-                yield self._parse(self.payloads.popleft())
-            elif self.ended:
-                return
-            else:
-                raise RuntimeError("the StepStream handler asked for a request before answering the last")
-
-    def receive(self, scratch: memoryview) -> None:
-        """Read what the socket holds now into complete frames (``payloads``);
-        ``scratch``: the loop's read buffer (a fresh one a read would cost an mmap)."""
-        sock, buf, room = self.sock, self.inbuf, len(scratch)
-        while True:
-            try:
-                got = sock.recv_into(scratch)
-            except _WOULD_BLOCK:
-                break
-            except OSError as err:
-                log.debug("step lane connection from %s ended: %s", self.peer, err)
-                self.context.active = False
-                self.eof = True
-                break
-            if not got:
-                self.eof = True
-                break
-            buf += scratch[:got]
-            # a plain socket read short has nothing more; TLS may hold decrypted bytes
-            if got < room and not (isinstance(sock, ssl.SSLSocket) and sock.pending()):
-                break
-        pos, size = 0, len(buf)
-        with memoryview(buf) as view:
-            while size - pos >= 4 and not self.cut:
-                length = int.from_bytes(view[pos:pos + 4], "big")
-                if length > self.max_bytes:
-                    self.cut = (f"a step lane frame of {length} bytes is over this end's limit of "
-                                f"{self.max_bytes}; nothing of it was applied")
-                    break
-                if size - pos - 4 < length:
-                    break
-                self.payloads.append(view[pos + 4:pos + 4 + length].tobytes())
-                pos += 4 + length
-        del buf[:pos]
-        if self.eof and buf and not self.cut:
-            log.debug("step lane connection from %s ended inside a frame", self.peer)
-
-    def next_answer(self) -> Any:
-        """The call's answer to the next request; StopIteration when the call is over."""
-        if self.answers is None:
-            self.answers = iter(self._call(self.requests()))
-        return next(self.answers)
-
-    def finish_call(self) -> None:
-        """Let the call end (its slot, its interceptors' bookkeeping) now that no request will come."""
-        self.ended = True
-        self.payloads.clear()
-        if self.answers is None:
-            return
-        try:
-            for _ in self.answers:  # a well-behaved handler answers nothing more
-                pass
-        except Aborted:
-            pass
-        except Exception:  # a fault of ours ending a call: logged, the loop serves on
-            log.exception("the step lane call from %s failed as it ended", self.peer)
 
 
 class _Batch:
@@ -180,14 +82,23 @@ class LaneLoop:
     """The thread that serves every adopted :class:`Conn`, and the syncer that
     waits for durability for it. ``hold()``, ``waits(lsn)`` and
     ``acknowledge(lsn)``: the engine's (:class:`blockd.engine.durability.Acknowledgements`);
+    ``behind``: its ``(acknowledge_behind, acknowledged_behind)`` where it
+    ``syncs_behind`` (the waits then go to an :class:`Fsyncer`), else None;
     ``refused(err)``: a StepStream refusal's answer; ``release(conn)``: the
     connection's end (on another thread: it may block). Batches are
     acknowledged in order, so a connection's answers leave in order."""
 
     def __init__(self, hold: Callable[[], Held | None], waits: Callable[[int], bool],
                  acknowledge: Callable[[int], int], refused: Callable[[BaseException], Any],
-                 serialize: Callable[[Any], bytes], release: Callable[[Conn], None]) -> None:
+                 serialize: Callable[[Any], bytes], release: Callable[[Conn], None],
+                 behind: tuple[Callable[[int, Fsyncer], bool], Callable[[int, int, float], None]] | None = None
+                 ) -> None:
         self._hold, self._waits, self._acknowledge = hold, waits, acknowledge
+        self._behind_ops = behind
+        self._fsyncer: Fsyncer | None = None
+        self._fsyncer_fd = -1
+        #: batches whose wait is the fsyncer's, in LSN order
+        self._behind: collections.deque[_Batch] = collections.deque()
         self._refused, self._serialize, self._release = refused, serialize, release
         # epoll itself, not the selectors module: its key objects cost a few us a round
         self._poll = select.epoll()
@@ -209,6 +120,10 @@ class LaneLoop:
         self._syncer = threading.Thread(target=self._sync, name="blockd-lane-sync", daemon=True)
 
     def start(self) -> None:
+        if self._behind_ops is not None:
+            self._fsyncer = Fsyncer()
+            self._fsyncer_fd = self._fsyncer.fileno()
+            self._poll.register(self._fsyncer_fd, select.EPOLLIN)
         self._thread.start()
         self._syncer.start()
 
@@ -271,6 +186,9 @@ class LaneLoop:
                 self._drop(conn)
             while self._adopted:
                 self._drop(self._adopted.popleft())
+            self._behind.clear()
+            if self._fsyncer is not None:
+                self._fsyncer.close()
             self._poll.close()
             os.close(self._wake_r)
             os.close(self._wake_w)
@@ -280,6 +198,9 @@ class LaneLoop:
         ready, self._again = self._again, []
         for fd, mask in self._poll.poll(0 if ready else -1):
             conn = self._fds.get(fd)
+            if conn is None and fd == self._fsyncer_fd:
+                self._synced_behind()
+                continue
             if conn is None:
                 with contextlib.suppress(BlockingIOError):
                     os.read(self._wake_r, 4096)
@@ -322,6 +243,8 @@ class LaneLoop:
             conn.inflight += 1
         if not held:  # nothing waits (no log, no replication): the answers leave now
             self._deliver(batch, flush=False)
+        elif self._fsyncer is not None and (self._behind or (len(self._conns) > 1 and self._waits(batch.lsn))):
+            self._sync_behind(batch)
         elif self._syncing or (len(self._conns) > 1 and self._waits(batch.lsn)):
             # behind batches in the syncer (in order), or others may send while the disk writes
             self._syncing += 1
@@ -331,6 +254,34 @@ class LaneLoop:
         else:  # one connection (it waits for this answer) or no wait: here costs no thread handoff
             self._acknowledged(batch)
             self._deliver(batch, flush=False)
+
+    def _sync_behind(self, batch: _Batch) -> None:
+        """Hand ``batch``'s wait to the fsyncer; it is delivered, in order, once
+        :meth:`_synced_behind` finds it durable (or refused)."""
+        assert self._fsyncer is not None and self._behind_ops is not None, "the loop syncs behind"
+        try:
+            self._behind_ops[0](batch.lsn, self._fsyncer)
+        except Exception as err:  # noqa: BLE001 - a broken log: this batch's answers are refused
+            batch.error = err
+        self._behind.append(batch)
+        self._release_behind()
+
+    def _synced_behind(self) -> None:
+        """Take what the fsyncer says; deliver the batches it made durable (or every one, refused, when it failed)."""
+        assert self._fsyncer is not None and self._behind_ops is not None, "the loop syncs behind"
+        try:
+            for lsn, error, seconds in self._fsyncer.done():
+                self._behind_ops[1](lsn, error, seconds)
+        except Exception as err:  # noqa: BLE001 - the fsync failed (the log is broken): none may leave
+            for batch in self._behind:
+                if batch.error is None:
+                    batch.error = err
+        self._release_behind()
+
+    def _release_behind(self) -> None:
+        behind, waits = self._behind, self._waits
+        while behind and (behind[0].error is not None or not waits(behind[0].lsn)):
+            self._deliver(behind.popleft())
 
     def _deliver(self, batch: _Batch, flush: bool = True) -> None:
         """Write a batch acknowledged (or refused) into its connections' buffers;
@@ -391,7 +342,7 @@ class LaneLoop:
         while out:
             try:
                 sent = conn.sock.send(out)
-            except _WOULD_BLOCK:
+            except WOULD_BLOCK:
                 break
             except OSError as err:
                 log.debug("step lane connection from %s ended: %s", conn.peer, err)

@@ -93,7 +93,8 @@ class BlockdServer:
                 shutdown=self._shutdown, refused=blocks.refused,
                 full=lambda: StepStreamsFull("blockd's step lane has no room for another connection: step by "
                                              "unary Step (the SDK does), or raise --max-workers"),
-                hold=engine.hold, waits=engine.waits, acknowledge=engine.acknowledge)
+                hold=engine.hold, waits=engine.waits, acknowledge=engine.acknowledge,
+                behind=(engine.acknowledge_behind, engine.acknowledged_behind) if engine.syncs_behind else None)
             blocks.step_lane = (self.lane.port, self.lane.tls)
 
     def start(self) -> None:

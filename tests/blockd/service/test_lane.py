@@ -12,6 +12,7 @@ is ``tests/client/test_step_stream.py``, run over both."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import socket
@@ -28,7 +29,10 @@ from blockd.core.types import DecodeAppend
 from blockd.engine.config import EngineConfig
 from blockd.engine.machine import Engine
 from blockd.rpc.lane import LaneConnection, frame, hello_frame
+from blockd.service import lane_loop
 from blockd.service.server import BlockdServer
+from blockd.storage import fsyncer as fsyncer_module
+from blockd.storage.wal import WriteAheadLog
 from blockd.v1 import blockd_pb2 as pb
 from client import messages
 from client.errors import BlockdClientError, PermissionDeniedError, UnauthenticatedError
@@ -311,10 +315,10 @@ def _alloc_frame(seq: str) -> bytes:
                  .SerializeToString())
 
 
-def _durable_lane(tmp_path, syncs: list) -> BlockdServer:
+def _durable_lane(tmp_path, syncs: list, max_workers: int = 8) -> BlockdServer:
     engine = Engine(EngineConfig(data_dir=str(tmp_path), fsync="always", observe_wal_sync=syncs.append))
     engine.create_pool(PoolConfig("p", num_blocks=64, block_size=4))
-    server = BlockdServer(engine, "127.0.0.1:0", max_workers=8, grace_s=0.5, step_lane_port=0)
+    server = BlockdServer(engine, "127.0.0.1:0", max_workers=max_workers, grace_s=0.5, step_lane_port=0)
     server.start()
     return server
 
@@ -336,11 +340,23 @@ def test_a_round_of_steps_shares_one_fsync_and_answers_after_it(tmp_path):
         server.stop(0.2)
 
 
-@pytest.mark.parametrize("connections", [1, 3])
-def test_a_failed_fsync_refuses_every_held_answer(tmp_path, monkeypatch, connections):
+def _fsyncer_build(build: str, monkeypatch) -> None:
+    """The lane's fsyncer from now on: ``compiled`` (skips where it was not) or ``python``."""
+    if build == "compiled" and fsyncer_module.BUILD != "compiled":
+        if os.environ.get("BLOCKD_EXPECT_COMPILED") == "1":
+            pytest.fail(f"BLOCKD_EXPECT_COMPILED=1 but the fsyncer runs as {fsyncer_module.BUILD}")
+        pytest.skip(f"the fsyncer runs as {fsyncer_module.BUILD}")
+    monkeypatch.setattr(lane_loop, "Fsyncer", functools.partial(fsyncer_module.Fsyncer, python=build == "python"))
+
+
+@pytest.mark.parametrize(("connections", "build"), [(1, "python"), (3, "python"), (3, "compiled")])
+def test_a_failed_fsync_refuses_every_held_answer(tmp_path, monkeypatch, connections, build):
     """Whether the round's wait runs on the loop's thread (one connection) or
-    on its syncer (several), an fsync that fails answers no step OK."""
+    behind it on its fsyncer (several; compiled or Python), an fsync that
+    fails answers no step OK."""
+    _fsyncer_build(build, monkeypatch)
     server = _durable_lane(tmp_path, [])
+    assert server.lane._loop._fsyncer.build == build
     socks = [_raw(server) for _ in range(connections)]
     try:
         for sock in socks:
@@ -353,7 +369,14 @@ def test_a_failed_fsync_refuses_every_held_answer(tmp_path, monkeypatch, connect
         def fails(fd: int) -> None:
             raise OSError(5, "Input/output error")
 
-        monkeypatch.setattr(os, "fdatasync", fails)
+        monkeypatch.setattr(os, "fdatasync", fails)  # the loop's own sync and the Python fsyncer's
+        pipe = os.pipe()
+        if build == "compiled":  # the C thread's fdatasync is not Python's: a pipe's fails for real (EINVAL)
+            def on_a_pipe(self, lsn: int, fsyncer) -> bool:
+                fsyncer.request(pipe[1], self._written_lsn)
+                return True
+
+            monkeypatch.setattr(WriteAheadLog, "sync_behind", on_a_pipe)
         for i, sock in enumerate(socks):
             sock.sendall(_alloc_frame(f"s{i}"))
             sock.shutdown(socket.SHUT_WR)
@@ -362,8 +385,56 @@ def test_a_failed_fsync_refuses_every_held_answer(tmp_path, monkeypatch, connect
             status = _refusal(answer)
             # INTERNAL; or FAILED_PRECONDITION for a step of a later round, which finds the log broken
             assert status.code in (13, 9) and "write-ahead log failed" in status.message
+        assert server.engine._durability.broken
         monkeypatch.undo()
+        for fd in pipe:
+            os.close(fd)
     finally:
+        for sock in socks:
+            sock.close()
+        server.stop(0.2)
+
+
+@pytest.mark.parametrize("build", ["compiled", "python"])
+def test_several_connections_answer_only_what_the_fsyncer_made_durable(tmp_path, monkeypatch, build):
+    """With three connections the waits go behind the loop: an answer leaves
+    only once its record is durable (the Python fsyncer's disk is made slow, so
+    an early answer would be seen), and steps sent on all three at once are all
+    answered, their records on disk."""
+    _fsyncer_build(build, monkeypatch)
+    if build == "python":
+        real = os.fdatasync
+
+        def slow(fd: int) -> None:
+            time.sleep(0.02)
+            real(fd)
+
+        monkeypatch.setattr(os, "fdatasync", slow)
+    syncs: list[float] = []
+    server = _durable_lane(tmp_path, syncs, max_workers=16)  # room for six step streams
+    wal = server.engine._durability._wal
+    conns = [LaneConnection("127.0.0.1", server.lane.port, []) for _ in range(3)]
+    socks: list[socket.socket] = []
+    try:
+        for n in range(9):  # one step at a time: its record is the log's next
+            lsn = wal.lsn + 1
+            answer = pb.StepStreamResponse.FromString(conns[n % 3].exchange(_alloc_frame(f"one-{n}")[4:]))
+            assert answer.WhichOneof("outcome") == "response", answer
+            assert wal.durable_lsn >= lsn, f"answered with record {lsn} not durable ({wal.durable_lsn})"
+        assert len(syncs) >= 9 and server.lane._loop._fsyncer.build == build
+        socks = [_raw(server) for _ in range(3)]
+        for sock in socks:
+            sock.sendall(hello_frame([]))
+        for sock in socks:  # all at once
+            sock.sendall(b"".join(_alloc_frame(f"{sock.fileno()}-{i}") for i in range(5)))
+            sock.shutdown(socket.SHUT_WR)
+        for sock in socks:
+            got = _answers(sock)
+            assert [a.WhichOneof("outcome") for a in got] == ["response"] * 5, [_refusal(a) for a in got[:1]]
+        assert wal.durable_lsn == wal.lsn
+    finally:
+        for conn in conns:
+            conn.close()
         for sock in socks:
             sock.close()
         server.stop(0.2)
