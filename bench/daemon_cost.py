@@ -51,6 +51,13 @@ started with ``--step-lane-port 0``: the steps go over the step lane,
   ``steps_per_s_vs_one_scheduler`` (4 schedulers against 1), all measured
   in the same run.
 
+``daemon_durable_ratio``: issue 29's durable target (4 schedulers with
+``--fsync always`` at 2x one) as :data:`RATIO_PAIRS` pairs of runs (3 with
+``--quick``: 1), one scheduler then four, on the lane, so that each ratio's
+two runs are minutes apart at most; the row has every pair's steps/s and
+ratio and their median (``median_ratio``). One grid row's ratio rests on two
+runs that this VM's swings (a third and more within an hour) can move apart.
+
 ``daemon_profile`` (with ``--profile``): py-spy samples the daemon during the
 1-scheduler decode step (in memory by unary calls and over a stream, and
 over a stream with ``--fsync always``); each
@@ -324,6 +331,33 @@ def measure(kind: str, schedulers: int, durability: str, security: str, transpor
     return row, stacks
 
 
+#: pairs of runs behind ``daemon_durable_ratio``
+RATIO_PAIRS = 3
+
+
+def ratio_row(pairs: list[tuple[float, float]]) -> dict:
+    """``daemon_durable_ratio`` from ``(one scheduler's steps/s, four's)`` per pair."""
+    ratios = sorted(four / one for one, four in pairs)
+    middle = len(ratios) // 2
+    median = ratios[middle] if len(ratios) % 2 else (ratios[middle - 1] + ratios[middle]) / 2
+    return {"name": "daemon_durable_ratio", "step": "decode", "durability": "fsync_always", "transport": "lane",
+            "security": "plain", "pairs": [{"one": round(one, 1), "four": round(four, 1),
+                                            "ratio": round(four / one, 3)} for one, four in pairs],
+            "median_ratio": round(median, 3), "target": 2.0}
+
+
+def durable_ratio(seconds: float, pairs: int, directory: str, variants: dict, placement: str = "shared") -> dict:
+    """Alternating runs of one and four durable schedulers on the lane (:func:`ratio_row`)."""
+    measured = []
+    for _ in range(pairs):
+        one, four = (measure("decode", n, "fsync_always", "plain", "lane", seconds, directory, variants,
+                             placement=placement)[0]["steps_per_s"] for n in (1, 4))
+        measured.append((one, four))
+    row = ratio_row(measured)
+    row["placement"] = placement
+    return row
+
+
 # --- the profile ---------------------------------------------------------------------------------
 
 #: (part, what a frame's file path contains), innermost match wins; checked in this order
@@ -465,6 +499,7 @@ def daemon_cost(seconds: float, quick: bool, profile: bool, placement: str = "sh
                 row["steps_per_s_vs_one_scheduler"] = round(
                     row["steps_per_s"] / one[kind, durability, security, transport], 2)
             yield row
+        yield durable_ratio(seconds, 1 if quick else RATIO_PAIRS, directory, variants, placement)
         if profile:
             missing = _has_py_spy()
             for durability, transport in (("memory", "unary"), ("memory", "stream"), ("memory", "lane"),

@@ -98,3 +98,10 @@ def test_the_decode_pool_holds_every_step_a_run_may_take():
     # each sequence starts with one full block; every BLOCK_SIZE steps take one more
     blocks_each = 1 + -(-(MAX_STEPS) // BLOCK_SIZE)
     assert blocks_each * NUM_SEQS <= NUM_BLOCKS
+
+
+def test_the_durable_ratio_row_is_the_median_of_its_pairs():
+    row = daemon_cost.ratio_row([(1000.0, 1800.0), (800.0, 2000.0), (1200.0, 2520.0)])
+    assert [p["ratio"] for p in row["pairs"]] == [1.8, 2.5, 2.1]
+    assert row["median_ratio"] == 2.1 and row["target"] == 2.0
+    assert daemon_cost.ratio_row([(1000.0, 1800.0), (1000.0, 2200.0)])["median_ratio"] == 2.0
