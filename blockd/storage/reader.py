@@ -47,6 +47,9 @@ from blockd.storage.wal import (
 
 log = logging.getLogger("blockd.storage.reader")
 
+#: a torn tail of zeros only: what a stop without a close leaves of the live segment's zero-filled end
+ZERO_TAIL = "trailing zero bytes"
+
 
 
 class DataDirError(Exception):
@@ -309,7 +312,7 @@ class Reader:
 
         # no valid frame header is all zeros, so the scan to the end runs once
         if is_last and not any(data[pos:pos + frame.size]) and not any(data[pos:]):
-            return torn_or("trailing zero bytes")
+            return torn_or(ZERO_TAIL)
         if rest < frame.size:
             return torn_or(f"a frame header cut short ({rest} of {frame.size} bytes)")
         term = 0
@@ -358,8 +361,11 @@ class Reader:
         every record was replayed: until then, nothing may change on disk."""
         if self.torn is not None:
             path = os.path.join(self.data_dir, self.torn.segment)
-            log.warning("%s: truncating a torn tail at byte %d (%d bytes: %s; never acknowledged)",
-                        path, self.torn.offset, self.torn.size, self.torn.why)
+            # zeros alone are the live segment's zero-filled end (blockd.storage.wal) after a stop
+            # without a close (a kill, a crash): expected, so not a warning
+            level = logging.INFO if self.torn.why == ZERO_TAIL else logging.WARNING
+            log.log(level, "%s: truncating a torn tail at byte %d (%d bytes: %s; never acknowledged)",
+                    path, self.torn.offset, self.torn.size, self.torn.why)
             with open(path, "r+b") as f:
                 f.truncate(self.torn.offset)
                 os.fsync(f.fileno())

@@ -36,8 +36,17 @@ length that points past the end still passes for a torn tail.
 :mod:`blockd.storage.reader` reads and verifies them all; a blockd that predates
 format 3 refuses a format-3 segment by name rather than misreading it.
 
-Appending: a frame goes out in one ``os.write`` and, under fsync policy
-``always``, is fsynced before the caller acknowledges the batch. A caller
+Appending: a frame goes out in one ``os.pwrite`` at the end of the records
+and, under fsync policy ``always``, is fsynced before the caller
+acknowledges the batch. The live segment is zero-filled ahead of its records
+(:data:`PREALLOCATE` at a time, written zeros, not ``fallocate``'s unwritten
+extents), so that a record's fdatasync flushes its page and no metadata: the
+file's size and blocks do not change, and ext4 commits no journal
+transaction for it (a 4.3 kB record's write and fdatasync: 117-151 us and
+48-63 us of CPU here, against 183-335 and 72-123 appended). The zeros left
+after the last record are what the reader already takes as a torn tail of
+the last segment (a crash's); a segment is cut to its records when it is
+closed or rotated, so a closed one never ends in zeros. A caller
 may defer that fsync (``append(defer_sync=True)``) and wait for it later,
 outside its own locks (:meth:`WriteAheadLog.sync_to`): that is group
 commit, one fsync for every record written while the previous one ran, so
@@ -82,6 +91,9 @@ LEGACY_FRAME = struct.Struct("<II")
 SNAPSHOT_MAGIC = b"BLKDSNAP"
 SNAPSHOT_HEADER = struct.Struct("<8sIIQ")
 _SYNC_CHUNK = 4 << 20
+#: how far the live segment is zero-filled ahead of its records, at a time
+PREALLOCATE = 1 << 20
+_ZEROS = bytes(PREALLOCATE)
 #: a frame body larger than this is damage, not a record (a step of 1M tokens is ~8 MB)
 MAX_RECORD_BYTES = 1 << 30
 
@@ -214,6 +226,9 @@ class WriteAheadLog:
         self.bytes_since_snapshot = 0
         self.last_snapshot_bytes = 0
         self._segment_first = 0
+        #: the live segment's end of records, and of its zeros ahead of them
+        self._end = 0
+        self._zeroed = 0
         self._fd: int | None = None
         self._dirty = False
         self._io_lock = threading.Lock()
@@ -243,13 +258,34 @@ class WriteAheadLog:
 
     def _open_segment(self, first_lsn: int) -> None:
         path = os.path.join(self.data_dir, segment_name(first_lsn))
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o644)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         # the header needs no fsync of its own: a crash before the first
         # record's fsync leaves an empty or zeroed last segment, which
         # recovery recognises as torn; the name must be durable, though
-        os.write(fd, segment_header(first_lsn))
+        header = segment_header(first_lsn)
+        os.write(fd, header)
         fsync_dir(self.data_dir)
         self._fd, self._segment_first = fd, first_lsn
+        self._end = self._zeroed = len(header)
+
+    def _write(self, data: bytes | bytearray) -> None:
+        """Write ``data`` after the records (under ``_io_lock``), zero-filling ahead first where it runs out."""
+        fd, end = self._open_fd, self._end
+        if end + len(data) > self._zeroed:
+            # the zeros go first: a crash between the two leaves zeros, a torn tail
+            target = end + len(data) + PREALLOCATE
+            while self._zeroed < target:
+                self._zeroed += os.pwrite(fd, _ZEROS[:target - self._zeroed], self._zeroed)
+        view, done = memoryview(data), 0
+        while done < len(view):
+            done += os.pwrite(fd, view[done:], end + done)
+        self._end = end + len(data)
+
+    def _cut_to_records(self) -> None:
+        """Drop the zeros ahead of the records (under ``_io_lock``, before the segment's last fsync)."""
+        if self._zeroed > self._end:
+            os.ftruncate(self._open_fd, self._end)
+            self._zeroed = self._end
 
     @property
     def _open_fd(self) -> int:
@@ -267,7 +303,7 @@ class WriteAheadLog:
         self.lsn += 1
         frame = encode_frame(self.lsn, body, term)
         with self._io_lock:
-            os.write(self._open_fd, frame)
+            self._write(frame)
             self._written_lsn = self.lsn
             self.bytes_since_snapshot += len(frame)
             if written is not None:
@@ -366,9 +402,7 @@ class WriteAheadLog:
             data += encode_frame(lsn, body, term)
             self.lsn = lsn
         with self._io_lock:
-            view, done = memoryview(data), 0
-            while done < len(view):
-                done += os.write(self._open_fd, view[done:])
+            self._write(data)
             self._written_lsn = self.lsn
             self.bytes_since_snapshot += len(data)
             self._sync_locked()
@@ -404,6 +438,7 @@ class WriteAheadLog:
             self.bytes_since_snapshot = 0
             if self._segment_first > self.lsn:
                 return self.lsn
+            self._cut_to_records()  # a closed segment ends at its last record
             os.fsync(self._open_fd)
             self._dirty = False
             self.durable_lsn = self._written_lsn
@@ -417,6 +452,7 @@ class WriteAheadLog:
             self._syncer.join()
         with self._sync_excluded(), self._io_lock:
             if self._fd is not None:
+                self._cut_to_records()  # a clean restart finds no zeros to take for a torn tail
                 os.fsync(self._fd)
                 self.durable_lsn = self._written_lsn
                 os.close(self._fd)

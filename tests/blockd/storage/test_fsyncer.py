@@ -91,7 +91,7 @@ def test_a_failed_sync_says_its_errno(fsyncer):
 
 
 def test_bad_requests_are_refused_and_a_closed_one_says_so(fsyncer, tmp_path):
-    with pytest.raises(OSError) as bad:
+    with pytest.raises(OSError, match="Bad file descriptor") as bad:
         fsyncer.request(987654, 1)  # not an open descriptor
     assert bad.value.errno == errno.EBADF
     assert fsyncer.done() == []  # nothing was asked
