@@ -10,8 +10,11 @@ which the caller runs only after every record has been replayed.
 One kind of damage is accepted, because a crash produces it and nothing
 acknowledged is in it: a *torn tail* at the end of the *last* segment --
 trailing zero bytes, a frame cut short by the end of the file, or a final
-frame whose checksum fails, which reaches the end of the file and ends in a
-zero byte (an unwritten page; a JSON body ends in ``}``). Anything else
+frame whose checksum fails and ends in a zero byte (an unwritten page; a
+JSON body ends in ``}``) with only zeros after it, or whose header fails with
+only zeros after it (the live segment is zero-filled ahead of its records,
+:mod:`blockd.storage.wal`, so a write that stopped part way is followed by
+zeros rather than by the end of the file). Anything else
 raises :class:`DataDirError` naming the file, the byte offset and the record.
 Imports only the standard library (the formats are in :mod:`blockd.storage.wal`).
 """
@@ -324,6 +327,10 @@ class Reader:
             (length, crc), lsn = LEGACY_FRAME.unpack_from(data, pos), 0
         if frame is not LEGACY_FRAME and (zlib.crc32(data[pos:pos + frame.size - 4]) != head_crc
                                           or length > MAX_RECORD_BYTES):
+            # a body is never all zeros: zeros from the header to the end are a header whose write
+            # stopped part way, in the live segment's zero-filled end (blockd.storage.wal)
+            if is_last and not any(data[pos + frame.size:]):
+                return torn_or("a record header cut short, only zeros after it")
             raise DataDirError(self.data_dir, seg.name, "record header checksum mismatch: the file is "
                                "damaged", pos, index)
         end = pos + frame.size + length
@@ -332,7 +339,8 @@ class Reader:
                            lsn)
         body = data[pos + frame.size:end]
         if zlib.crc32(body) != crc:
-            if is_last and end == len(data) and body[-1:] == b"\x00":
+            # only zeros after it: the end of the file, or the live segment's zero-filled end
+            if is_last and body[-1:] == b"\x00" and not any(data[end:]):
                 return torn_or("the last record's checksum fails and it ends in zero bytes (an unwritten page)")
             raise DataDirError(self.data_dir, seg.name, "record checksum mismatch: the file is damaged", pos,
                                f"lsn {lsn}" if lsn else index)

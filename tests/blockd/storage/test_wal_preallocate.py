@@ -8,11 +8,13 @@ from __future__ import annotations
 import logging
 import os
 
+import pytest
+
 from blockd.core import Allocate, PoolConfig
 from blockd.engine.config import EngineConfig
 from blockd.engine.machine import Engine
 from blockd.storage import bodies
-from blockd.storage.reader import ZERO_TAIL, Reader
+from blockd.storage.reader import ZERO_TAIL, DataDirError, Reader
 from blockd.storage.wal import PREALLOCATE, SEGMENT_HEADER, WriteAheadLog, encode_frame, segment_name
 
 
@@ -82,3 +84,56 @@ def test_a_log_left_without_a_close_recovers_every_record_and_drops_only_the_zer
     finally:
         again.close()
     assert Reader(str(tmp_path)).torn is None
+
+
+def _killed_log(tmp_path, records: int = 6) -> tuple[str, int, list[int]]:
+    """A log of ``records`` left open as a kill leaves it: its path, the end of its records, each frame's offset."""
+    log = WriteAheadLog(str(tmp_path), 0, "always")
+    log.open_for_append()
+    offsets = []
+    for n in range(1, records + 1):
+        offsets.append(log._end)
+        log.append(_body(n, size=6000))  # records across page boundaries
+    end = log._end
+    os.close(log._fd)
+    return str(tmp_path / segment_name(1)), end, offsets
+
+
+def _zero(path: str, start: int, stop: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(start)
+        f.write(bytes(stop - start))
+
+
+def test_a_write_stopped_part_way_in_the_zeros_is_a_torn_tail(tmp_path):
+    """A kill or a crash can stop the last record's write at a page: its body (or
+    even its header) ends in zeros, followed by the zero-filled rest of the segment."""
+    path, end, offsets = _killed_log(tmp_path / "body")
+    _zero(path, end - 3000, end)  # the last record's last page never written
+    reader = Reader(os.path.dirname(path))
+    assert [r.lsn for r in reader.records()] == [1, 2, 3, 4, 5]
+    assert reader.torn is not None and reader.torn.offset == offsets[-1] and "unwritten page" in reader.torn.why
+    path, end, offsets = _killed_log(tmp_path / "header")
+    _zero(path, offsets[-1] + 10, end)  # the write stopped inside the last record's header
+    reader = Reader(os.path.dirname(path))
+    assert [r.lsn for r in reader.records()] == [1, 2, 3, 4, 5]
+    assert reader.torn is not None and "header cut short" in reader.torn.why
+
+
+def test_damage_before_the_zeros_is_still_damage(tmp_path):
+    """A flipped byte in the last record, whose body still ends in ``}``, is not a
+    torn write: reading refuses it, naming it (a start then changes nothing:
+    test_wal_integrity.py); nor is a flipped header with its body after it."""
+    path, _, offsets = _killed_log(tmp_path)
+    with open(path, "r+b") as f:
+        f.seek(offsets[-1] + 100)
+        byte = f.read(1)
+        f.seek(offsets[-1] + 100)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with pytest.raises(DataDirError, match="record checksum mismatch"):
+        list(Reader(os.path.dirname(path)).records())
+    with open(path, "r+b") as f:  # a flipped header with a body after it, too
+        f.seek(offsets[-2] + 2)
+        f.write(b"\xff")
+    with pytest.raises(DataDirError, match="header checksum mismatch"):
+        list(Reader(os.path.dirname(path)).records())
