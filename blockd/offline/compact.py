@@ -34,8 +34,9 @@ from blockd.engine.config import EngineConfig
 from blockd.engine.idempotency import IdempotencyLimits
 from blockd.engine.machine import Engine
 from blockd.engine.snapshots import Compacted
+from blockd.storage.lock import DirLock
 from blockd.storage.reader import DataDirError, Reader, remove_tmp
-from blockd.storage.wal import COMPACT_LOCK, DirLock, remove_replaced, write_snapshot
+from blockd.storage.wal import COMPACT_LOCK, remove_replaced, write_snapshot
 
 
 def _nowhere(point: str) -> None:

@@ -23,9 +23,9 @@ import os
 from typing import TYPE_CHECKING, TextIO
 
 from blockd.storage import cut as log_cut
-from blockd.storage.lock import LOCK_NAME, DataDirLock, DataDirLocked
+from blockd.storage.lock import LOCK_NAME, DataDirLock, DataDirLocked, DirLock
 from blockd.storage.reader import DataDirError, Reader, advice
-from blockd.storage.wal import COMPACT_LOCK, DirLock
+from blockd.storage.wal import COMPACT_LOCK
 
 if TYPE_CHECKING:
     from blockd.engine.machine import Engine

@@ -14,6 +14,9 @@ The holder writes its pid, host and start time into the file, so the
 refusal names who holds it. The lock belongs to one open file
 description: a second lock in the same process is refused too.
 
+:class:`DirLock` is the same kind of lock on another file of the
+directory, for work that waits its turn (a compaction: ``compact.lock``).
+
 Where it does not help: file systems that do not enforce ``flock`` between
 hosts (some network file systems). A Kubernetes ``ReadWriteOnce`` volume is
 attached to one node at a time, which covers the cross-host case there.
@@ -95,4 +98,33 @@ class DataDirLock:
         self.release()
 
 
-__all__ = ["LOCK_NAME", "DataDirLock", "DataDirLocked"]
+class DirLock:
+    """An advisory ``flock`` on a file in the data directory (released when the
+    holder closes it or dies, so a SIGKILLed holder never leaves it held)."""
+
+    def __init__(self, data_dir: str, name: str) -> None:
+        self.path = os.path.join(data_dir, name)
+        self._fd: int | None = None
+
+    def acquire(self, timeout_s: float | None = None) -> bool:
+        """Take it, waiting up to ``timeout_s`` (None: as long as it takes)."""
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | (fcntl.LOCK_NB if deadline is not None else 0))
+                self._fd = fd
+                return True
+            except BlockingIOError:
+                if deadline is None or time.monotonic() >= deadline:
+                    os.close(fd)
+                    return False
+                time.sleep(0.05)
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+__all__ = ["LOCK_NAME", "DataDirLock", "DataDirLocked", "DirLock"]

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 from blockd.core.terms import TermHistory
 from blockd.storage import bodies
+from blockd.storage.lock import DirLock
 from blockd.storage.wal import (
     COMPACT_LOCK,
     FORMAT,
@@ -43,7 +44,6 @@ from blockd.storage.wal import (
     SNAPSHOT_HEADER,
     SNAPSHOT_MAGIC,
     TMP_SUFFIX,
-    DirLock,
     fsync_dir,
     parse_name,
 )

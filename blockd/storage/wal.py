@@ -64,7 +64,6 @@ standard library.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import itertools
 import json
 import os
@@ -137,35 +136,6 @@ def fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-class DirLock:
-    """An advisory ``flock`` on a file in the data directory (released when the
-    holder closes it or dies, so a SIGKILLed holder never leaves it held)."""
-
-    def __init__(self, data_dir: str, name: str) -> None:
-        self.path = os.path.join(data_dir, name)
-        self._fd: int | None = None
-
-    def acquire(self, timeout_s: float | None = None) -> bool:
-        """Take it, waiting up to ``timeout_s`` (None: as long as it takes)."""
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | (fcntl.LOCK_NB if deadline is not None else 0))
-                self._fd = fd
-                return True
-            except BlockingIOError:
-                if deadline is None or time.monotonic() >= deadline:
-                    os.close(fd)
-                    return False
-                time.sleep(0.05)
-
-    def release(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
 
 
 def write_snapshot(data_dir: str, state: dict, lsn: int, before_rename: Callable[[], None] | None = None) -> int:

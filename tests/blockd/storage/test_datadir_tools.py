@@ -17,8 +17,9 @@ from blockd.engine.idempotency import IdempotencyLimits
 from blockd.engine.machine import Engine
 from blockd.engine.snapshots import CompactionFailed, run_compactor
 from blockd.offline.compact import compact
+from blockd.storage.lock import DirLock
 from blockd.storage.reader import Reader
-from blockd.storage.wal import COMPACT_LOCK, DirLock
+from blockd.storage.wal import COMPACT_LOCK
 from client.sdk import BlockdClient
 from tests.support.datadirs import build, data_files, digest, flip, reference, segments, state, workload
 from tests.support.procs import start_blockd
