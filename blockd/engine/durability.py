@@ -290,26 +290,23 @@ class Durability:
         """Return once record ``lsn`` is as durable as the fsync policy makes it
         (group commit: :meth:`blockd.storage.wal.WriteAheadLog.sync_to`). A
         failed fsync breaks the log (fail-stop) and raises."""
-        wal = self._wal
-        if wal is None or wal.durable_lsn >= lsn:
-            return
-        if self.broken:
-            raise InvariantViolation(self.broken)
-        try:
-            wal.sync_to(lsn)
-        except OSError as err:
-            raise self._break(err) from err
+        self._sync(lsn, lambda wal: wal.sync_to(lsn))
 
     def durable_behind(self, lsn: int, fsyncer: Fsyncer) -> bool:
         """:meth:`durable` without the wait: ``fsyncer`` syncs, and what it says goes
         to :meth:`synced_behind`. False when ``lsn`` is durable already."""
+        return self._sync(lsn, lambda wal: wal.sync_behind(lsn, fsyncer))
+
+    def _sync(self, lsn: int, sync: Callable[[WriteAheadLog], bool | None]) -> bool:
+        """``sync`` the log for ``lsn`` unless it is durable already (False); a
+        broken log refuses, and a failed fsync breaks it (fail-stop)."""
         wal = self._wal
         if wal is None or wal.durable_lsn >= lsn:
             return False
         if self.broken:
             raise InvariantViolation(self.broken)
         try:
-            return wal.sync_behind(lsn, fsyncer)
+            return sync(wal) is not False
         except OSError as err:
             raise self._break(err) from err
 

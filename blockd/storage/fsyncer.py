@@ -26,6 +26,7 @@ import logging
 import os
 import struct
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -63,8 +64,6 @@ class _PythonFsyncer:
         return self._read
 
     def _run(self) -> None:
-        import time
-
         while True:
             with self._cv:
                 while self._next is None and not self._stop:

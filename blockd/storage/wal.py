@@ -92,7 +92,7 @@ SNAPSHOT_HEADER = struct.Struct("<8sIIQ")
 _SYNC_CHUNK = 4 << 20
 #: how far the live segment is zero-filled ahead of its records, at a time
 PREALLOCATE = 1 << 20
-_ZEROS = bytes(PREALLOCATE)
+_ZEROS = memoryview(bytes(PREALLOCATE))  # sliced without a copy
 #: a frame body larger than this is damage, not a record (a step of 1M tokens is ~8 MB)
 MAX_RECORD_BYTES = 1 << 30
 
