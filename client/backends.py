@@ -78,15 +78,28 @@ class ModelBatch:
     token_ids: list[int] = field(default_factory=list)
     slot_mapping: list[int] = field(default_factory=list)
     sampling: list[SamplingSpec] = field(default_factory=list)
+    #: ModelStep's copies: both empty, or one entry per sequence (``ModelStepRequest.copy_lens``)
+    copy_lens: list[int] = field(default_factory=list)
+    copy_from: list[int] = field(default_factory=list)
 
     def add(self, seq_id: str, context_len: int, token_ids: Sequence[int], slots: Sequence[int],
-            sampling: SamplingSpec | None = None) -> None:
+            sampling: SamplingSpec | None = None, copy: tuple[int, int] = (0, 0)) -> None:
         """Sequence ``seq_id`` computes ``token_ids`` at positions
         ``context_len - len(token_ids) .. context_len - 1`` into ``slots``
-        and chooses its next token(s) as ``sampling`` says (default: one, greedy)."""
+        and chooses its next token(s) as ``sampling`` says (default: one, greedy).
+        ``copy``: ``(batch index, tokens)``: its that many context tokens just
+        before the new ones are copied from that earlier entry's new tokens."""
         if not token_ids or len(token_ids) != len(slots) or context_len < len(token_ids):
             raise ValueError(f"sequence {seq_id!r}: need 1 <= {len(token_ids)} new tokens <= context "
                              f"{context_len}, one slot each (got {len(slots)})")
+        if copy[1]:
+            if not self.copy_lens:
+                self.copy_lens, self.copy_from = [0] * len(self.seq_ids), [0] * len(self.seq_ids)
+            self.copy_lens.append(copy[1])
+            self.copy_from.append(copy[0])
+        elif self.copy_lens:
+            self.copy_lens.append(0)
+            self.copy_from.append(0)
         self.seq_ids.append(seq_id)
         self.query_lens.append(len(token_ids))
         self.context_lens.append(context_len)

@@ -86,7 +86,8 @@ class WorkerGroup:
               term: int = 0) -> list[int]:
         tokens, _ = worker.model_step(self.pool, version, batch.seq_ids, batch.query_lens, batch.context_lens,
                                       batch.token_ids, batch.slot_mapping, pool_incarnation=incarnation,
-                                      sampling=batch.wire_sampling, term=term)
+                                      sampling=batch.wire_sampling, term=term, copy_lens=batch.copy_lens,
+                                      copy_from=batch.copy_from)
         return tokens
 
     def _group_error(self, failed: list[tuple[int, BaseException]]) -> BaseException:

@@ -104,7 +104,8 @@ class WorkerClient:
     def model_step(self, pool: str, version: int, seq_ids: Sequence[str], query_lens: Sequence[int],
                    context_lens: Sequence[int], token_ids: Sequence[int], slot_mapping: Sequence[int],
                    return_logits: bool = False, *, pool_incarnation: str,
-                   sampling: Sequence[SamplingSpec] = (), term: int = 0) -> tuple[list[int], torch.Tensor | None]:
+                   sampling: Sequence[SamplingSpec] = (), term: int = 0, copy_lens: Sequence[int] = (),
+                   copy_from: Sequence[int] = ()) -> tuple[list[int], torch.Tensor | None]:
         """One forward step of the worker's model (see ``ModelStepRequest``).
 
         ``token_ids`` and ``slot_mapping`` hold ``sum(query_lens)`` entries, the
@@ -115,12 +116,15 @@ class WorkerClient:
         logits of each sequence's last new token (else None). ``term``: the
         leader term of the Step response whose version this names (0: not
         replicated); the worker waits until it follows that leader.
+        ``copy_lens``/``copy_from``: K/V copied within the step instead of
+        computed (both empty, or one entry per sequence; see ``ModelStepRequest``).
         """
         request = pb.ModelStepRequest(
             pool=pool, version=version, seq_ids=list(seq_ids), query_lens=list(query_lens),
             context_lens=list(context_lens), token_ids=list(token_ids), slot_mapping=list(slot_mapping),
             return_logits=return_logits, pool_incarnation=pool_incarnation,
-            worker_incarnation=self._worker_incarnation(), term=term,
+            worker_incarnation=self._worker_incarnation(), term=term, copy_lens=list(copy_lens),
+            copy_from=list(copy_from),
             sampling=[pb.SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed,
                                         sample_index=s.sample_index, num_samples=s.num_samples)
                       for s in sampling])

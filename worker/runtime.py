@@ -40,7 +40,7 @@ from worker.layout import KVGeometry, allocate_host_pool, allocate_kv_pool, spli
 from worker.metrics import trace_kernel
 from worker.tables import TableMirror
 from worker.tiers import HostTier
-from worker.written import ContextBlocks, WrittenSlots
+from worker.written import ContextBlocks, WrittenSlots, padded_tables
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 #: makes a zeroed pool shard: (geometry, dtype, device) -> tensor of ``geometry.shape``
@@ -95,6 +95,9 @@ class PreparedStep:
     plan_key: tuple
     #: this worker's incarnation when the step was prepared (a resync may start another meanwhile)
     worker_incarnation: str = ""
+    #: rows of the new tokens whose K/V also goes to the copies' rows (past ``total * H`` in
+    #: ``key_rows``/``value_rows``), token-major; None: no copies
+    copy_rows: torch.Tensor | None = None
 
 
 class _NoMetrics:
@@ -128,15 +131,6 @@ def _int_tensor(values: Sequence[int] | torch.Tensor, name: str) -> torch.Tensor
         return torch.tensor(list(values), dtype=torch.int64)
     except (TypeError, ValueError, RuntimeError, OverflowError) as err:
         raise InvalidArgument(f"{name} must be a list of integers: {err}") from None
-
-
-def _padded(tables: list[list[int]]) -> torch.Tensor:
-    """Block tables as one int64 ``[rows, longest]`` tensor, zero-padded."""
-    # one tensor from padded lists: a tensor per row took ~25 us a row, 1.6 ms
-    # for a 64-sequence decode step, twice a step
-    width = max(map(len, tables), default=0) or 1
-    return torch.tensor([[*table, *[0] * (width - len(table))] for table in tables],
-                        dtype=torch.int64).reshape(len(tables), width)
 
 
 class WorkerRuntime:
@@ -274,19 +268,20 @@ class WorkerRuntime:
         once, before the forward). ``writing``: the step's own slots (int64,
         CPU), which count as written: :meth:`step_attention` writes every new
         token's K/V of a layer before that layer's attention reads any."""
-        context = ContextBlocks.of(_padded(tables), torch.tensor(list(lengths), dtype=torch.int64),
+        context = ContextBlocks.of(padded_tables(tables), torch.tensor(list(lengths), dtype=torch.int64),
                                    self.config.block_size)
         with self._lock:
             self.written.check(slice(None), context, seq_ids, lengths, writing)
 
     def prepare_step(self, version: int, seq_ids: Sequence[str], query_lens: Sequence[int],
                      context_lens: Sequence[int], slot_mapping: torch.Tensor,
-                     pool_incarnation: str | None = None) -> PreparedStep:
+                     pool_incarnation: str | None = None,
+                     copies: tuple[torch.Tensor, torch.Tensor] | None = None) -> PreparedStep:
         """Validate and index a model step's batch once (a runner calls this
         after checking the slots against the tables and the cached context
         with :meth:`check_written`); :meth:`step_attention` then runs each
         layer. ``slot_mapping``: int64 ``[sum(query_lens)]`` on the CPU, every
-        slot a real one (no padding)."""
+        slot a real one (no padding); ``copies``: (new-token rows, their slots) also written."""
         q_lens, ctx, total = _batch_lengths(seq_ids, query_lens, context_lens)
         slots = self._check_slots(slot_mapping, total)
         if total and int(slots.min()) < 0:
@@ -295,12 +290,16 @@ class WorkerRuntime:
             incarnation = self._advance(version, pool_incarnation)
             worker_incarnation = self.incarnation
         b, heads = self.config.block_size, self.geometry.num_kv_heads
+        source = None
+        if copies is not None:  # their slots are written like the new tokens' own
+            slots, source = torch.cat([slots, copies[1]]), copies[0].to(self.device)
         block, offset = split_slots(slots, b)
         rows = (block[:, None] * heads + torch.arange(heads, dtype=torch.int64)[None, :]) * b + offset[:, None]
         plan_key = (version, incarnation, tuple(seq_ids), tuple(q_lens.tolist()), tuple(ctx.tolist()))
         return PreparedStep(version, pool_incarnation, incarnation, list(seq_ids), q_lens, ctx, total, slots,
                             block, offset, torch.unique(block), rows.reshape(-1).to(self.device),
-                            (rows.reshape(-1) + self._value_offset).to(self.device), plan_key, worker_incarnation)
+                            (rows.reshape(-1) + self._value_offset).to(self.device), plan_key, worker_incarnation,
+                            source)
 
     def step_attention(self, step: PreparedStep, layer: int, query: torch.Tensor, key: torch.Tensor,
                        value: torch.Tensor, scale: float | None = None) -> torch.Tensor:
@@ -326,7 +325,9 @@ class WorkerRuntime:
                 raise WrongState("the pool incarnation changed during the step; plan it again")
             start = time.perf_counter()
             rows = self.kv[local].view(-1, geometry.head_dim)
-            for index, new in ((step.key_rows, key), (step.value_rows, value)):
+            for index, computed in ((step.key_rows, key), (step.value_rows, value)):
+                new = computed if step.copy_rows is None else \
+                    torch.cat([computed, computed.index_select(0, step.copy_rows)])
                 if self._copy_rows is not None:
                     self._copy_rows(rows, index, new.reshape(-1, geometry.head_dim).contiguous())
                 else:
@@ -421,7 +422,7 @@ class WorkerRuntime:
             if n > len(table) * b:
                 raise InvalidArgument(f"sequence {shown(seq_id)} has {len(table)} blocks at version {version}, "
                                       f"too few for context length {n}")
-        padded = _padded(tables)
+        padded = padded_tables(tables)
         self._context = ContextBlocks.of(padded, ctx, b)
         starts = torch.zeros(len(tables) + 1, dtype=torch.int64)
         torch.cumsum(q_lens, 0, out=starts[1:])

@@ -214,7 +214,8 @@ class KVShardServicer:
         with span("model_forward"):  # the parent of the layers' write_kv and attention spans
             logits = self.runner.step(request.version, list(request.seq_ids), list(request.query_lens),
                                       list(request.context_lens), list(request.token_ids),
-                                      list(request.slot_mapping), pool_incarnation=incarnation)
+                                      list(request.slot_mapping), pool_incarnation=incarnation,
+                                      copy_lens=list(request.copy_lens), copy_from=list(request.copy_from))
         forward_done = time.perf_counter()
         tokens = next_tokens(logits, specs, list(request.context_lens))
         metrics = self.runtime.metrics

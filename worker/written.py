@@ -36,6 +36,15 @@ import torch
 from blockd.core.incarnations import KVNotWritten, listed
 
 
+def padded_tables(tables: list[list[int]]) -> torch.Tensor:
+    """Block tables as one int64 ``[rows, longest]`` tensor, zero-padded."""
+    # one tensor from padded lists: a tensor per row took ~25 us a row, 1.6 ms
+    # for a 64-sequence decode step, twice a step
+    width = max(map(len, tables), default=0) or 1
+    return torch.tensor([[*table, *[0] * (width - len(table))] for table in tables],
+                        dtype=torch.int64).reshape(len(tables), width)
+
+
 @dataclass(frozen=True)
 class ContextBlocks:
     """The blocks a batch reads and how many leading slots of each it needs.

@@ -368,6 +368,8 @@ class ModelStepRequest(_message.Message):
     WORKER_INCARNATION_FIELD_NUMBER: _builtins.int
     SAMPLING_FIELD_NUMBER: _builtins.int
     TERM_FIELD_NUMBER: _builtins.int
+    COPY_LENS_FIELD_NUMBER: _builtins.int
+    COPY_FROM_FIELD_NUMBER: _builtins.int
     pool: _builtins.str
     version: _builtins.int
     return_logits: _builtins.bool
@@ -405,6 +407,24 @@ class ModelStepRequest(_message.Message):
         token each); otherwise exactly one entry per sequence, in batch order.
         """
 
+    @_builtins.property
+    def copy_lens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """K/V copied within the step instead of computed (prompts of one step that
+        agree on more tokens than their shared full blocks hold): both empty, or
+        one entry per sequence. Sequence j with copy_lens[j] = c > 0 takes the
+        K/V of its c context tokens just before its new ones (positions
+        context_len - query_len - c .. context_len - query_len - 1, slots from its
+        own table) in every layer from the new tokens at the same positions of
+        sequence copy_from[j] (a batch index), written in this step before any of
+        this layer's attention reads them; they count as written like the step's
+        own slots. The caller promises that both sequences' tokens agree through
+        those positions, under the same extra keys. INVALID_ARGUMENT when
+        copy_from[j] is j, out of range, or its new tokens do not cover the
+        positions.
+        """
+
+    @_builtins.property
+    def copy_from(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     def __init__(
         self,
         *,
@@ -420,10 +440,12 @@ class ModelStepRequest(_message.Message):
         worker_incarnation: _builtins.str = ...,
         sampling: _abc.Iterable[Global___SamplingParams] | None = ...,
         term: _builtins.int = ...,
+        copy_lens: _abc.Iterable[_builtins.int] | None = ...,
+        copy_from: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["context_lens", b"context_lens", "pool", b"pool", "pool_incarnation", b"pool_incarnation", "query_lens", b"query_lens", "return_logits", b"return_logits", "sampling", b"sampling", "seq_ids", b"seq_ids", "slot_mapping", b"slot_mapping", "term", b"term", "token_ids", b"token_ids", "version", b"version", "worker_incarnation", b"worker_incarnation"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["context_lens", b"context_lens", "copy_from", b"copy_from", "copy_lens", b"copy_lens", "pool", b"pool", "pool_incarnation", b"pool_incarnation", "query_lens", b"query_lens", "return_logits", b"return_logits", "sampling", b"sampling", "seq_ids", b"seq_ids", "slot_mapping", b"slot_mapping", "term", b"term", "token_ids", b"token_ids", "version", b"version", "worker_incarnation", b"worker_incarnation"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -435,6 +435,42 @@ def test_runner_refuses_bad_steps_before_running():
         ModelRunner(build_model("tiny-gpt2"), local.runtime)
 
 
+@pytest.mark.parametrize("spec", ["tiny-llama", "tiny-qwen2"])
+def test_a_step_copies_context_from_another_prompts_new_tokens(spec):
+    """``b`` agrees with ``a`` through 10 tokens: it shares ``a``'s two full
+    blocks (``share_seq_id``) and copies the K/V of tokens 8 and 9 from ``a``'s
+    new tokens of the same step (``copy_lens``), computing only its last token.
+    Its logits, and those of its next decode step (which reads the copies),
+    are the reference model's; without the copy the step is refused, as its
+    context is not written; a copy of positions the source does not compute now is
+    INVALID_ARGUMENT, and neither changes anything."""
+    local, ref = Local(spec), reference(spec)
+    gen = torch.Generator().manual_seed(3)
+    a = torch.randint(0, ref.config.vocab_size, (11,), generator=gen).tolist()
+    b = [*a[:10], (a[10] + 1) % ref.config.vocab_size]
+    r = local.step([Allocate("a", a), Allocate("b", b, share_seq_id="a", share_tokens=10)])
+    assert r.results[1].num_cached_tokens == 8
+    slots_a, slots_b = list(r.results[0].slot_mapping), list(r.results[1].slot_mapping)
+    step = local.runner.step
+    with pytest.raises(KVNotWritten):
+        step(r.version, ["a", "b"], [11, 1], [11, 11], [*a, b[10]], [*slots_a, slots_b[2]])
+    for (lens, sources), why in (([0, 2], [1, 1]), "another sequence"), (([0, 2], [0]), "one entry per"), \
+            (([11, 0], [1, 0]), "not new tokens"), (([0, 11], [0, 0]), "not new tokens"):
+        with pytest.raises(InvalidArgument, match=why):
+            step(r.version, ["a", "b"], [11, 1], [11, 11], [*a, b[10]], [*slots_a, slots_b[2]],
+                 copy_lens=lens, copy_from=sources)
+    logits = step(r.version, ["a", "b"], [11, 1], [11, 11], [*a, b[10]], [*slots_a, slots_b[2]],
+                  copy_lens=[0, 2], copy_from=[0, 0])
+    with torch.no_grad():
+        for row, prompt in enumerate((a, b)):
+            torch.testing.assert_close(logits[row], ref(torch.tensor([prompt])).logits[0, -1], atol=TOL, rtol=TOL)
+    nxt = int(logits[1].argmax())
+    r = local.step([Commit("a", 11), Commit("b", 11), DecodeAppend(["b"], [nxt])])
+    logits = step(r.version, ["b"], [1], [12], [nxt], list(r.results[2].slot_mapping))
+    with torch.no_grad():
+        torch.testing.assert_close(logits[0], ref(torch.tensor([[*b, nxt]])).logits[0, -1], atol=TOL, rtol=TOL)
+
+
 def test_a_restarted_worker_refuses_steps_over_kv_it_lost():
     """A new runtime (the worker after a restart) rebuilt from the same pool holds
     the tables but none of the KV: a step whose cached context it never wrote is

@@ -26,7 +26,7 @@ from __future__ import annotations
 import hashlib
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers import PreTrainedModel
@@ -56,15 +56,60 @@ class StepInput:
     slot_mapping: torch.Tensor  # int64 [T]
     #: the pool incarnation of ``version`` (None: whichever the replica holds)
     pool_incarnation: str | None = None
+    #: context tokens each sequence copies from another's new tokens, and from which (empty: none)
+    copy_lens: list[int] = field(default_factory=list)
+    copy_from: list[int] = field(default_factory=list)
 
     def digest(self) -> bytes:
         """Identifies the request, so TP ranks can check that they run the same step."""
         h = hashlib.blake2b(digest_size=16)
         h.update(repr((self.version, self.pool_incarnation, self.seq_ids, self.query_lens,
-                       self.context_lens)).encode())
+                       self.context_lens, self.copy_lens, self.copy_from)).encode())
         h.update(self.token_ids.numpy().tobytes())
         h.update(self.slot_mapping.numpy().tobytes())
         return h.digest()
+
+
+def _check_copies(seq_ids: list[str], q_lens: list[int], ctx: list[int], copy_lens: Sequence[int],
+                  copy_from: Sequence[int]) -> tuple[list[int], list[int]]:
+    """``ModelStepRequest.copy_lens``/``copy_from`` checked against the batch's
+    lengths: each copy's positions are context of its sequence and new tokens of
+    the one it copies from. Returns them as lists (empty: no copies)."""
+    lens, sources = _ints(copy_lens, "copy_lens"), _ints(copy_from, "copy_from")
+    if not lens and not sources:
+        return [], []
+    if not len(lens) == len(sources) == len(seq_ids):
+        raise InvalidArgument(f"copy_lens and copy_from are both empty or one entry per sequence ({len(seq_ids)}), "
+                              f"got {len(lens)} and {len(sources)}")
+    for j, (c, i) in enumerate(zip(lens, sources)):
+        if c == 0:
+            continue
+        start = ctx[j] - q_lens[j] - c  # the first copied position
+        if not 0 <= i < len(seq_ids) or i == j:
+            raise InvalidArgument(f"sequence {shown(seq_ids[j])}: copy_from {i} is not another sequence of the "
+                                  f"batch")
+        if c < 0 or start < 0 or start < ctx[i] - q_lens[i] or start + c > ctx[i]:
+            raise InvalidArgument(f"sequence {shown(seq_ids[j])}: its {c} copied positions from {max(start, 0)} "
+                                  f"are not new tokens of sequence {shown(seq_ids[i])} (positions "
+                                  f"{ctx[i] - q_lens[i]} .. {ctx[i] - 1})")
+    return lens, sources
+
+
+def _copies(batch: StepInput, tables: list[list[int]], b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(source rows, destination slots)`` of the step's copies (int64, CPU): a
+    row indexes the step's new tokens; a slot is from the copying sequence's table."""
+    firsts = [0]
+    for q in batch.query_lens:
+        firsts.append(firsts[-1] + q)
+    rows: list[int] = []
+    slots: list[int] = []
+    for j, (c, i) in enumerate(zip(batch.copy_lens, batch.copy_from)):
+        if c:
+            start = batch.context_lens[j] - batch.query_lens[j] - c
+            first = firsts[i] + start - (batch.context_lens[i] - batch.query_lens[i])
+            rows.extend(range(first, first + c))
+            slots.extend(arith.slot_mapping(tables[j], start, start + c, b))
+    return torch.tensor(rows, dtype=torch.int64), torch.tensor(slots, dtype=torch.int64)
 
 
 def _ints(values, name: str) -> list[int]:
@@ -121,9 +166,12 @@ class ModelRunner:
 
     def step(self, version: int, seq_ids: Sequence[str], query_lens: Sequence[int],
              context_lens: Sequence[int], token_ids: Sequence[int],
-             slot_mapping: Sequence[int], *, pool_incarnation: str | None = None) -> torch.Tensor:
-        """Logits ``[batch, vocab]`` (float32, CPU) of each sequence's last new token."""
-        batch = self.check(version, seq_ids, query_lens, context_lens, token_ids, slot_mapping, pool_incarnation)
+             slot_mapping: Sequence[int], *, pool_incarnation: str | None = None,
+             copy_lens: Sequence[int] = (), copy_from: Sequence[int] = ()) -> torch.Tensor:
+        """Logits ``[batch, vocab]`` (float32, CPU) of each sequence's last new token;
+        ``copy_lens``/``copy_from``: K/V copied within the step (``ModelStepRequest``)."""
+        batch = self.check(version, seq_ids, query_lens, context_lens, token_ids, slot_mapping, pool_incarnation,
+                           copy_lens, copy_from)
         with self._lock:
             prepared = self._prepare(batch)
             error = prepared if isinstance(prepared, BlockdError) else None
@@ -137,7 +185,8 @@ class ModelRunner:
                 return self._forward(batch, prepared)  # type: ignore[arg-type]
 
     def check(self, version, seq_ids, query_lens, context_lens, token_ids, slot_mapping,
-              pool_incarnation: str | None = None) -> StepInput:
+              pool_incarnation: str | None = None, copy_lens: Sequence[int] = (),
+              copy_from: Sequence[int] = ()) -> StepInput:
         """Validate a request on its own (no pool state): the same on every rank."""
         if type(version) is not int or version < 0:
             raise InvalidArgument(f"version must be a non-negative integer, got {shown(version)}")
@@ -165,8 +214,9 @@ class ModelRunner:
         bad = [t for t in tokens if not 0 <= t < self.vocab_size]
         if bad:
             raise InvalidArgument(f"token id {bad[0]} is not in the model's vocabulary of {self.vocab_size}")
+        copy_lens, copy_from = _check_copies(seq_ids, q_lens, ctx, copy_lens, copy_from)
         return StepInput(version, seq_ids, q_lens, ctx, torch.tensor(tokens, dtype=torch.int64),
-                         torch.tensor(slots, dtype=torch.int64), pool_incarnation)
+                         torch.tensor(slots, dtype=torch.int64), pool_incarnation, copy_lens, copy_from)
 
     def _prepare(self, batch: StepInput) -> PreparedStep | BlockdError:
         """Bring the replica to ``batch.version``, check the slots against its
@@ -177,11 +227,12 @@ class ModelRunner:
             incarnation = self.runtime.advance(batch.version, batch.pool_incarnation)
             tables = self.runtime.mirror.tables_of(batch.seq_ids, batch.version, incarnation)
             self._check_slots(batch, tables)
+            copies = _copies(batch, tables, self.runtime.config.block_size) if batch.copy_lens else None
+            writing = batch.slot_mapping if copies is None else torch.cat([batch.slot_mapping, copies[1]])
             self.runtime.check_written(batch.seq_ids, tables,
-                                       [n - q for q, n in zip(batch.query_lens, batch.context_lens)],
-                                       batch.slot_mapping)
+                                       [n - q for q, n in zip(batch.query_lens, batch.context_lens)], writing)
             return self.runtime.prepare_step(batch.version, batch.seq_ids, batch.query_lens, batch.context_lens,
-                                             batch.slot_mapping, batch.pool_incarnation)
+                                             batch.slot_mapping, batch.pool_incarnation, copies)
         except BlockdError as err:
             return err
 
