@@ -155,6 +155,7 @@ def run_scheme(scheme: str, cluster: LocalCluster, requests, config=None, record
         "num_requests": len(outputs), "num_rejected": c.num_rejected, "output_tokens": num_tokens,
         "steps": c.num_steps, "preemptions": c.num_preemptions, "refused_batches": c.num_refused_batches,
         "prompt_tokens_computed": c.num_prefill_tokens, "prompt_tokens_cached": c.num_cached_tokens,
+        "prompt_tokens_copied": c.num_copied_tokens,
     }, outputs
 
 
@@ -350,7 +351,7 @@ def compare_with_vllm(args, python: str) -> dict:
     stable = all(r["outputs"] == vllm["outputs"] for r in vllm_rounds) and all(
         _tokens_by_request(outs) == by_id for _, outs in blockd_rounds)
     keys = ("tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "seconds", "output_tokens")
-    blockd_keys = (*keys, "steps", "prompt_tokens_computed", "prompt_tokens_cached")
+    blockd_keys = (*keys, "steps", "prompt_tokens_computed", "prompt_tokens_cached", "prompt_tokens_copied")
     return {
         "name": "serve_vs_vllm", "model": args.model, "precision": "float32",
         "workload": {"requests": VLLM_REQUESTS, "prompt": "chat template over 'Write a short paragraph about "

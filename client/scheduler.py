@@ -76,10 +76,11 @@ from client.serving import (
     RequestState,
     ReservationAdmission,
     SeqState,
+    check_request,
     finish,
     new_state,
 )
-from client.step_plan import StepPlan, plan_step
+from client.step_plan import StepPlan, in_step_copy, plan_step
 from client.streaming import RequestStream, ServingLoop, StreamToken
 
 __all__ = ["RECENT_FREE_STEPS", "Scheduler", "SchedulerConfig", "SchedulerCounters"]
@@ -89,11 +90,6 @@ log = logging.getLogger("blockd.scheduler")
 RECENT_FREE_STEPS = 1024
 
 _DEFAULT_CONFIG = SchedulerConfig()  # frozen: one instance serves every scheduler that names none
-
-
-def _check_request(request) -> None:
-    if not isinstance(request, GenerationRequest):
-        raise TypeError(f"the scheduler takes GenerationRequest s, got {type(request).__name__}")
 
 
 class Scheduler:
@@ -136,13 +132,13 @@ class Scheduler:
 
     def submit(self, request: GenerationRequest) -> RequestStream:
         """Queue ``request`` and return the stream of its tokens (see :mod:`client.streaming`)."""
-        _check_request(request)
+        check_request(request)
         stream = RequestStream(request.request_id, None if self._loop is not None else self.step)
         self._add(request, stream)
         return stream
 
     def _add(self, request: GenerationRequest, stream: RequestStream | None) -> None:
-        _check_request(request)
+        check_request(request)
         with self._lock:
             if request.request_id in self._known_ids:
                 raise ValueError(f"request id {request.request_id!r} was already given to this scheduler")
@@ -376,7 +372,8 @@ class Scheduler:
                 self.counters.num_cached_tokens += allocated.num_cached_tokens
                 if allocated.transfer is not None and chunk:
                     self._fetch(result, seq, allocated.transfer)
-                self._add_prefill(batch, entries, state, seq, min(chunk, seq.num_to_prefill))
+                copy = in_step_copy(plan, batch, seq)
+                self._add_prefill(batch, entries, state, seq, min(chunk, seq.num_to_prefill - copy[1]), copy)
         self.counters.peak_running_requests = max(self.counters.peak_running_requests, len(self.running))
         self.counters.peak_running_seqs = max(self.counters.peak_running_seqs, self.num_running_seqs)
         return entries, batch
@@ -396,16 +393,18 @@ class Scheduler:
             self.counters.num_transferred_tokens += plan.num_tokens
 
     def _add_prefill(self, batch: ModelBatch, entries: list, state: RequestState, seq: SeqState,
-                     chunk: int) -> None:
+                     chunk: int, copy: tuple[int, int] = (0, 0)) -> None:  # copy: (index, tokens): in_step_copy
         if chunk <= 0:
             return
-        end = seq.num_computed + chunk
+        end = (start := seq.num_computed + copy[1]) + chunk  # copied tokens count as computed with the chunk
         # a chunk short of the end draws nothing that counts: plain greedy, no sampling cost
         draws = state.draws_at(seq, end) if end == len(seq.token_ids) else 1
         sampling = state.sampling_for(seq, draws) if end == len(seq.token_ids) else None
-        batch.add(seq.seq_id, end, seq.token_ids[seq.num_computed : end], seq.prefill_slots(chunk), sampling)
-        entries.append((state, seq, chunk, draws))
+        batch.add(seq.seq_id, end, seq.token_ids[start:end], seq.prefill_slots(chunk + copy[1])[copy[1] :], sampling,
+                  copy)
+        entries.append((state, seq, copy[1] + chunk, draws))
         self.counters.num_prefill_tokens += chunk
+        self.counters.num_copied_tokens += copy[1]
 
     def _apply_tokens(self, entries: list[tuple[RequestState, SeqState, int, int]], tokens: list[int]) -> None:
         now = self.clock()

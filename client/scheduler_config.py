@@ -76,6 +76,9 @@ class SchedulerCounters:
     #: prompt tokens the model computed (recomputed ones included) / the prefix cache spared
     num_prefill_tokens: int = 0
     num_cached_tokens: int = 0
+    #: prompt tokens whose K/V a step copied from another prompt of the step instead of computing
+    #: them (agreeing past their shared full blocks: ``ModelStepRequest.copy_lens``)
+    num_copied_tokens: int = 0
     #: prompt tokens fetched from ``source_pool``'s workers instead of computed, and
     #: transfers that failed (their tokens were computed)
     num_transferred_tokens: int = 0

@@ -132,6 +132,12 @@ class GenerationRequest:
         return len(self.prompt_token_ids) + self.max_new_tokens
 
 
+def check_request(request) -> None:
+    """Refuse anything but a :class:`GenerationRequest` (what a scheduler queues)."""
+    if not isinstance(request, GenerationRequest):
+        raise TypeError(f"the scheduler takes GenerationRequest s, got {type(request).__name__}")
+
+
 @dataclass
 class SeqState:
     """One sample's tokens and how far the pool and the model have got."""

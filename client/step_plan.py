@@ -20,7 +20,9 @@ The order of a batch::
               ``config.prefix_block_size``, a prompt sharing full blocks that
               an admission of this step computes in it is admitted beside it
               and takes them from it (``Allocate.share_seq_id``: computed
-              once, in this step, as vLLM shares blocks within a step);
+              once, in this step, as vLLM shares blocks within a step),
+              and past them copies the agreeing tokens' K/V from it
+              (``StepPlan.agreeing``, :func:`in_step_copy`);
               admission stops at one sharing a block computed in no step
               yet, or in a later chunk: it waits for that block's commit
 
@@ -35,9 +37,11 @@ Imports only the allocator core and plain data (:mod:`client.serving`,
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import islice
+from typing import Any
 
 from blockd.core.hashing import hash_full_blocks
 from blockd.core.types import Allocate, Commit, DecodeAppend, Fork, Op
@@ -59,6 +63,9 @@ class StepPlan:
     #: admitted requests with each live sequence's Allocate op index and token budget
     admitted: list[tuple[RequestState, list[tuple[int, int]]]] = field(default_factory=list)
     admit_at: dict[int, int] = field(default_factory=dict)  # Allocate op index -> admitted position
+    #: admitted seq_id -> [(an admission of this step before it whose prompt agrees with its own,
+    #: through how many tokens)]: past their shared full blocks it copies those (:func:`in_step_copy`)
+    agreeing: dict[str, list[tuple[str, int]]] = field(default_factory=dict)
     #: the head of the queue, ``(request, why)``, to fail before the batch is sent; the
     #: admitted requests come right after them in the queue
     rejected: list[tuple[RequestState, str]] = field(default_factory=list)
@@ -135,6 +142,9 @@ def _plan_admissions(plan: StepPlan, config: SchedulerConfig, admission: PagingA
     in_flight, committed = _prompt_blocks(running, block_size) if block_size else (set(), set())
     #: full blocks an admission of this step computes in it: hash -> (sequence, tokens through that block)
     in_step: dict[bytes, tuple[str, int]] = {}
+    #: this step's admissions by (extra keys, prompt), sorted, and (sequence, tokens it computes through)
+    prompts: list[tuple[bytes, tuple[int, ...]]] = []
+    computing: list[tuple[str, int]] = []
     for state in queue:
         if budget <= 0 or admit_limit == len(plan.admitted):
             return
@@ -154,6 +164,8 @@ def _plan_admissions(plan: StepPlan, config: SchedulerConfig, admission: PagingA
             plan.ops.append(Allocate(seq.seq_id, list(seq.token_ids), state.request.extra_keys,
                                      config.source_pool, priority=state.request.priority,
                                      share_seq_id=share_seq_id, share_tokens=share_tokens))
+            if block_size:
+                _agree_in_step(plan, seq, state.request.extra_keys.digest(), chunk, prompts, computing)
             budget -= chunk
             for i, h in enumerate(seq_hashes):
                 if h in committed or h in in_step:
@@ -179,6 +191,48 @@ def _shared_in_step(seq: SeqState, hashes: list[bytes], in_step: dict[bytes, tup
         if owner is not None and owner[0] != seq.seq_id:
             found = owner
     return found
+
+
+def _agree_in_step(plan: StepPlan, seq: SeqState, digest: bytes, chunk: int,
+                   prompts: list[tuple[bytes, tuple[int, ...]]], computing: list[tuple[str, int]]) -> None:
+    """Name in ``plan.agreeing`` the admission of this step whose prompt agrees
+    with ``seq``'s through the most tokens (same extra keys; of a sorted set of
+    strings, a string's two neighbours hold its longest common prefix), when
+    ``seq`` is computed whole in this step; then add ``seq`` to ``prompts``.
+    Past the full blocks they share, ``seq`` copies the K/V of the agreeing
+    tokens of the partly filled block instead of computing it again, as a
+    radix cache shares a prefix token by token."""
+    tokens = tuple(seq.token_ids)
+    key = (digest, tokens)
+    at = bisect.bisect_left(prompts, key)
+    found: list[tuple[str, int]] = []
+    for k in (at - 1, at) if chunk >= len(tokens) else ():
+        if 0 <= k < len(prompts) and prompts[k][0] == digest:
+            (owner, end), other = computing[k], prompts[k][1]
+            n = min(len(other), len(tokens) - 1, end)  # the last prompt token is always computed
+            agreed = next((i for i in range(n) if other[i] != tokens[i]), n)
+            # owner itself may copy its first agreeing tokens: then they come from where it takes them
+            found += [(owner, agreed)] + [(root, min(agreed, upto)) for root, upto in plan.agreeing.get(owner, [])]
+    if found:
+        plan.agreeing[seq.seq_id] = sorted(found, key=lambda candidate: -candidate[1])[:4]  # a few suffice
+    prompts.insert(at, key)
+    computing.insert(at, (seq.seq_id, min(chunk, len(tokens))))
+
+
+def in_step_copy(plan: StepPlan, batch: Any, seq: SeqState) -> tuple[int, int]:
+    """``(batch index, tokens)`` for ``ModelBatch.add``'s ``copy``: the context
+    tokens ``seq`` (admitted in ``plan``, its cached tokens known) takes from
+    the new tokens of the agreeing admission already in ``batch``, the model
+    batch being built (``(0, 0)``: none, e.g. the agreement ends inside the
+    cached tokens, or that admission does not compute those positions now)."""
+    for source, agreed in plan.agreeing.get(seq.seq_id, ()):  # the longest first
+        if agreed <= seq.num_computed:
+            return 0, 0
+        i = batch.seq_ids.index(source) if source in batch.seq_ids else -1
+        if i >= 0 and batch.context_lens[i] - batch.query_lens[i] <= seq.num_computed and \
+                agreed <= batch.context_lens[i]:
+            return i, agreed - seq.num_computed
+    return 0, 0
 
 
 def _prompt_blocks(running: Sequence[RequestState], block_size: int) -> tuple[set[bytes], set[bytes]]:

@@ -75,10 +75,10 @@ def test_chunked_prefill_respects_the_token_budget(client):
 @pytest.mark.parametrize("prefix_block_size", [0, BLOCK, None])
 def test_a_burst_sharing_a_prompt_prefix_computes_it_once(client, prefix_block_size):
     """Requests arriving together with one 9-token system prompt (two full
-    blocks): with ``prefix_block_size`` the first computes it and the others,
-    admitted in the same step, take both blocks from the prefix cache (the
-    batch commits them right after the first one's Allocate); without it all
-    of them compute it. The tokens are the same either way. None (the
+    blocks and a token): with ``prefix_block_size`` the first computes it and
+    the others, admitted in the same step, share both blocks with it and copy
+    the K/V of the ninth token from its new tokens; without it all of them
+    compute it. The tokens are the same either way. None (the
     default) is the pool's block size, asked of blockd before the first step."""
     system = tuple(range(100, 109))
     requests = [GenerationRequest("other", (7, 7, 7, 7, 7), 3)]
@@ -94,12 +94,33 @@ def test_a_burst_sharing_a_prompt_prefix_computes_it_once(client, prefix_block_s
     check_outputs(sched.run(), requests)
     c = sched.counters
     assert sched.config.prefix_block_size == (BLOCK if prefix_block_size is None else prefix_block_size)
-    if prefix_block_size != 0:
-        assert c.num_cached_tokens == 4 * 8 and c.num_prefill_tokens == 5 + 11 + 4 * 3 + 5
-        assert sizes[0] == 5 + 11 + 4 * 3 + 5, "one step: the others compute only their last 3 tokens"
+    if prefix_block_size != 0:  # and the 9th token, past the full blocks, copied from the first's
+        assert c.num_cached_tokens == 4 * 8 and c.num_prefill_tokens == 5 + 11 + 4 * 2 + 5
+        assert c.num_copied_tokens == 4
+        assert sizes[0] == 5 + 11 + 4 * 2 + 5, "one step: the others compute only their last 2 tokens"
+        assert model.batches[0].copy_lens == [0, 0, 1, 1, 1, 1, 0]
     else:
-        assert c.num_cached_tokens == 0 and c.num_prefill_tokens == 5 + 5 * 11 + 5
+        assert c.num_cached_tokens == c.num_copied_tokens == 0 and c.num_prefill_tokens == 5 + 5 * 11 + 5
         assert sizes[0] == 5 + 5 * 11 + 5
+
+
+def test_a_prompt_copies_from_the_admission_agreeing_longest_even_one_that_copies_itself(client):
+    """``c`` agrees with ``a`` through 9 tokens and ``d`` with ``c`` through 14
+    (blocks of 4): ``c`` copies token 8 from ``a``, and ``d``, holding three
+    full blocks, copies tokens 12 and 13 from ``c``'s new tokens, not from
+    ``a``, which disagrees there. The slot model checks every token's K/V."""
+    base = tuple(range(100, 109))
+    requests = [GenerationRequest("a", (*base, 1, 1, 1, 1, 1, 1, 1), 2),
+                GenerationRequest("c", (*base, 2, 3, 4, 5, 6, 7, 8), 2),
+                GenerationRequest("d", (*base, 2, 3, 4, 5, 6, 9, 9), 2)]
+    sched, model = make(client, 100, SchedulerConfig(max_num_batched_tokens=128, max_num_seqs=16,
+                                                     prefix_block_size=BLOCK))
+    for req in requests:
+        sched.add_request(req)
+    check_outputs(sched.run(), requests)
+    first = model.batches[0]
+    assert first.copy_lens == [0, 1, 2] and first.copy_from == [0, 0, 1]
+    assert first.query_lens == [16, 16 - 9, 16 - 14] and sched.counters.num_copied_tokens == 3
 
 
 def test_reservation_admission_bounds_concurrency(client):

@@ -96,14 +96,25 @@ class SlotModel:
         self.num_steps += 1
         self.batches.append(batch)
         _, tables = self.client.get_tables(self.pool, batch.seq_ids)
-        rows, row = [], 0
+        rows, row, firsts = [], 0, []
+        # every new token first, as a worker writes a layer's K/V before its attention reads any
         for seq_id, q, n in zip(batch.seq_ids, batch.query_lens, batch.context_lens):
-            table = tables[seq_id]
+            table, _ = tables[seq_id], firsts.append(row)
             for pos in range(n - q, n):
                 slot = table[pos // BLOCK] * BLOCK + pos % BLOCK
                 assert batch.slot_mapping[row] == slot, f"{seq_id} token {pos}: wrong slot"
                 self.slots[slot] = batch.token_ids[row]
                 row += 1
+        # then the copies (ModelStepRequest.copy_lens): the source's new token at the same position
+        for j, (c, i) in enumerate(zip(batch.copy_lens, batch.copy_from)):
+            start = batch.context_lens[j] - batch.query_lens[j] - c
+            source_start = batch.context_lens[i] - batch.query_lens[i]
+            assert c == 0 or (source_start <= start and start + c <= batch.context_lens[i]), "copy of no new tokens"
+            table = tables[batch.seq_ids[j]]
+            for pos in range(start, start + c):
+                self.slots[table[pos // BLOCK] * BLOCK + pos % BLOCK] = batch.token_ids[firsts[i] + pos - source_start]
+        for seq_id, n in zip(batch.seq_ids, batch.context_lens):
+            table = tables[seq_id]
             context = [self.slots.get(table[pos // BLOCK] * BLOCK + pos % BLOCK) for pos in range(n)]
             if None in context:
                 raise _not_written(seq_id)
