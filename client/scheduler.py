@@ -123,6 +123,7 @@ class Scheduler:
         self._lock = threading.RLock()  # steps and submissions may come from different threads (ServingLoop)
         self._seeds = random.SystemRandom()  # seeds of requests that name none
         self._spec_checked = False  # blockd's block-hash spec, checked before the first step
+        self._pool_block = 0  # the pool's block size (0: unknown): a step's copies stay in one block
         self._step = client.step  # over a StepStream from the first step on (config.stream_steps)
 
     # --- public ------------------------------------------------------------------
@@ -182,8 +183,9 @@ class Scheduler:
         with self._lock, span("scheduler.step"):  # the root of the step's trace when tracing is on
             if not self._spec_checked:  # plans de-duplicate admissions by hashes that must be blockd's
                 getattr(self.client, "check_hash_spec", lambda: None)()  # optional in a BlockdBackend
+                self._pool_block = pool_block_size(self.client, self.pool) if self.config.prefix_block_size != 0 else 0
                 if self.config.prefix_block_size is None:  # the default: the pool's block size
-                    self.config = replace(self.config, prefix_block_size=pool_block_size(self.client, self.pool))
+                    self.config = replace(self.config, prefix_block_size=self._pool_block)
                 self._step = stream_step(self.client, self) if self.config.stream_steps else self.client.step
                 self._spec_checked = True
             try:
@@ -372,7 +374,7 @@ class Scheduler:
                 self.counters.num_cached_tokens += allocated.num_cached_tokens
                 if allocated.transfer is not None and chunk:
                     self._fetch(result, seq, allocated.transfer)
-                copy = in_step_copy(plan, batch, seq)
+                copy = in_step_copy(plan, batch, seq, self._pool_block)
                 self._add_prefill(batch, entries, state, seq, min(chunk, seq.num_to_prefill - copy[1]), copy)
         self.counters.peak_running_requests = max(self.counters.peak_running_requests, len(self.running))
         self.counters.peak_running_seqs = max(self.counters.peak_running_seqs, self.num_running_seqs)

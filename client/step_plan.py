@@ -219,14 +219,16 @@ def _agree_in_step(plan: StepPlan, seq: SeqState, digest: bytes, chunk: int,
     computing.insert(at, (seq.seq_id, min(chunk, len(tokens))))
 
 
-def in_step_copy(plan: StepPlan, batch: Any, seq: SeqState) -> tuple[int, int]:
+def in_step_copy(plan: StepPlan, batch: Any, seq: SeqState, block_size: int) -> tuple[int, int]:
     """``(batch index, tokens)`` for ``ModelBatch.add``'s ``copy``: the context
     tokens ``seq`` (admitted in ``plan``, its cached tokens known) takes from
     the new tokens of the agreeing admission already in ``batch``, the model
     batch being built (``(0, 0)``: none, e.g. the agreement ends inside the
-    cached tokens, or that admission does not compute those positions now)."""
+    cached tokens, or that admission does not compute those positions now).
+    The copies stay in the block of ``seq``'s first new token (a worker refuses
+    others), ``block_size`` the pool's (0: unknown, no copies)."""
     for source, agreed in plan.agreeing.get(seq.seq_id, ()):  # the longest first
-        if agreed <= seq.num_computed:
+        if agreed <= seq.num_computed or not block_size or seq.num_computed < agreed // block_size * block_size:
             return 0, 0
         i = batch.seq_ids.index(source) if source in batch.seq_ids else -1
         if i >= 0 and batch.context_lens[i] - batch.query_lens[i] <= seq.num_computed and \

@@ -442,8 +442,9 @@ def test_a_step_copies_context_from_another_prompts_new_tokens(spec):
     new tokens of the same step (``copy_lens``), computing only its last token.
     Its logits, and those of its next decode step (which reads the copies),
     are the reference model's; without the copy the step is refused, as its
-    context is not written; a copy of positions the source does not compute now is
-    INVALID_ARGUMENT, and neither changes anything."""
+    context is not written; a copy reaching before the block of its first new
+    token (where cached blocks other sequences read may be) or of positions the
+    source does not compute now is INVALID_ARGUMENT, and neither changes anything."""
     local, ref = Local(spec), reference(spec)
     gen = torch.Generator().manual_seed(3)
     a = torch.randint(0, ref.config.vocab_size, (11,), generator=gen).tolist()
@@ -455,10 +456,13 @@ def test_a_step_copies_context_from_another_prompts_new_tokens(spec):
     with pytest.raises(KVNotWritten):
         step(r.version, ["a", "b"], [11, 1], [11, 11], [*a, b[10]], [*slots_a, slots_b[2]])
     for (lens, sources), why in (([0, 2], [1, 1]), "another sequence"), (([0, 2], [0]), "one entry per"), \
-            (([11, 0], [1, 0]), "not new tokens"), (([0, 11], [0, 0]), "not new tokens"):
+            (([11, 0], [1, 0]), "reach before"), (([0, 3], [0, 0]), "reach before"):
         with pytest.raises(InvalidArgument, match=why):
             step(r.version, ["a", "b"], [11, 1], [11, 11], [*a, b[10]], [*slots_a, slots_b[2]],
                  copy_lens=lens, copy_from=sources)
+    with pytest.raises(InvalidArgument, match="not new tokens"):  # a computes only its last token here
+        step(r.version, ["a", "b"], [1, 1], [11, 11], [a[10], b[10]], [slots_a[10], slots_b[2]],
+             copy_lens=[0, 2], copy_from=[0, 0])
     logits = step(r.version, ["a", "b"], [11, 1], [11, 11], [*a, b[10]], [*slots_a, slots_b[2]],
                   copy_lens=[0, 2], copy_from=[0, 0])
     with torch.no_grad():

@@ -71,10 +71,13 @@ class StepInput:
 
 
 def _check_copies(seq_ids: list[str], q_lens: list[int], ctx: list[int], copy_lens: Sequence[int],
-                  copy_from: Sequence[int]) -> tuple[list[int], list[int]]:
+                  copy_from: Sequence[int], block_size: int) -> tuple[list[int], list[int]]:
     """``ModelStepRequest.copy_lens``/``copy_from`` checked against the batch's
-    lengths: each copy's positions are context of its sequence and new tokens of
-    the one it copies from. Returns them as lists (empty: no copies)."""
+    lengths: each copy's positions are context of its sequence, in the block its
+    first new token goes to (a block the step writes anyway, which blockd never
+    shares or publishes while it is partly filled: a copy can never touch a cached
+    block another sequence reads), and new tokens of the one it copies from.
+    Returns them as lists (empty: no copies)."""
     lens, sources = _ints(copy_lens, "copy_lens"), _ints(copy_from, "copy_from")
     if not lens and not sources:
         return [], []
@@ -88,7 +91,10 @@ def _check_copies(seq_ids: list[str], q_lens: list[int], ctx: list[int], copy_le
         if not 0 <= i < len(seq_ids) or i == j:
             raise InvalidArgument(f"sequence {shown(seq_ids[j])}: copy_from {i} is not another sequence of the "
                                   f"batch")
-        if c < 0 or start < 0 or start < ctx[i] - q_lens[i] or start + c > ctx[i]:
+        if c < 0 or start < (ctx[j] - q_lens[j]) // block_size * block_size:
+            raise InvalidArgument(f"sequence {shown(seq_ids[j])}: its {c} copied positions reach before the block "
+                                  f"of its first new token (position {ctx[j] - q_lens[j]}, blocks of {block_size})")
+        if start < ctx[i] - q_lens[i] or start + c > ctx[i]:
             raise InvalidArgument(f"sequence {shown(seq_ids[j])}: its {c} copied positions from {max(start, 0)} "
                                   f"are not new tokens of sequence {shown(seq_ids[i])} (positions "
                                   f"{ctx[i] - q_lens[i]} .. {ctx[i] - 1})")
@@ -214,7 +220,8 @@ class ModelRunner:
         bad = [t for t in tokens if not 0 <= t < self.vocab_size]
         if bad:
             raise InvalidArgument(f"token id {bad[0]} is not in the model's vocabulary of {self.vocab_size}")
-        copy_lens, copy_from = _check_copies(seq_ids, q_lens, ctx, copy_lens, copy_from)
+        copy_lens, copy_from = _check_copies(seq_ids, q_lens, ctx, copy_lens, copy_from,
+                                             self.runtime.config.block_size)
         return StepInput(version, seq_ids, q_lens, ctx, torch.tensor(tokens, dtype=torch.int64),
                          torch.tensor(slots, dtype=torch.int64), pool_incarnation, copy_lens, copy_from)
 
