@@ -414,13 +414,14 @@ class ModelStepRequest(_message.Message):
         one entry per sequence. Sequence j with copy_lens[j] = c > 0 takes the
         K/V of its c context tokens just before its new ones (positions
         context_len - query_len - c .. context_len - query_len - 1, slots from its
-        own table) in every layer from the new tokens at the same positions of
-        sequence copy_from[j] (a batch index), written in this step before any of
-        this layer's attention reads them; they count as written like the step's
-        own slots. The caller promises that both sequences' tokens agree through
-        those positions, under the same extra keys. INVALID_ARGUMENT when
-        copy_from[j] is j, out of range, or its new tokens do not cover the
-        positions.
+        own table, all in the block of its first new token) in every layer from
+        the new tokens at the same positions of sequence copy_from[j] (a batch
+        index), written in this step before any of this layer's attention reads
+        them; they count as written like the step's own slots. The caller
+        promises that both sequences' tokens agree through those positions, under
+        the same extra keys. INVALID_ARGUMENT when copy_from[j] is j or out of
+        range, when the positions reach before that block, or when its new tokens
+        do not cover them.
         """
 
     @_builtins.property
