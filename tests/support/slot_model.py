@@ -2,7 +2,8 @@
 
 :class:`SlotModel` stands in for the workers: it writes every new token id into
 the slot the step names (after checking that slot against the sequence's
-table), runs the step's copy-on-write copies, and computes the logits of a
+table), runs the step's copy-on-write copies and its copies within the step
+(``ModelBatch.copy_lens``), and computes the logits of a
 sequence's next token from a hash of its whole context *as read back through
 its block table*; it then chooses the next token(s) with the workers' own
 sampler (:mod:`worker.sampling`), greedy or seeded. So a wrong slot, a missed
@@ -99,7 +100,8 @@ class SlotModel:
         rows, row, firsts = [], 0, []
         # every new token first, as a worker writes a layer's K/V before its attention reads any
         for seq_id, q, n in zip(batch.seq_ids, batch.query_lens, batch.context_lens):
-            table, _ = tables[seq_id], firsts.append(row)
+            table = tables[seq_id]
+            firsts.append(row)
             for pos in range(n - q, n):
                 slot = table[pos // BLOCK] * BLOCK + pos % BLOCK
                 assert batch.slot_mapping[row] == slot, f"{seq_id} token {pos}: wrong slot"
