@@ -388,9 +388,11 @@ def _compile() -> str:
 
 def _compile_warm(cluster: LocalCluster) -> str:
     """What the workers said at start of their decode forward: each bucket's code
-    and the times it was chosen by (``--compile auto``), or why it runs eager."""
+    and the times it was chosen by (``--compile auto``), or why it runs eager,
+    and how greedy steps pick tokens (``--greedy-head``)."""
+    marks = ("compiled decode forward warmed in ", "decode steps run eager: ", "greedy tokens: ")
     said = [line[line.index(mark):] for worker in cluster.workers for line in worker.lines
-            for mark in ("compiled decode forward warmed in ", "decode steps run eager: ") if mark in line]
+            for mark in marks if mark in line]
     return " | ".join(said) or "eager (--compile off)"
 
 

@@ -127,6 +127,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the model's linear layers: auto packs float32 CPU weights once for oneDNN's matmul "
                         "(the onednn-cpu-gomp wheel; else its inner product, as inner-product always does; "
                         "worker/model/linear.py), torch keeps nn.Linear (MKL)")
+    p.add_argument("--greedy-head", choices=("auto", "bf16-screen", "float32"), default="auto",  # greedy_head.MODES
+                   help="greedy steps' tokens: bf16-screen ranks the vocabulary by a bfloat16 LM head and computes "
+                        "exactly only the few logits it cannot rule out (the same tokens; Llama and Qwen2 on a CPU "
+                        "with oneDNN bfloat16; worker/model/greedy_head.py); auto (the default) keeps it where it "
+                        "times faster at start (TP: float32); float32 always runs the whole float32 LM head")
     p.add_argument("--compile", choices=COMPILE_MODES, default="auto",
                    help="decode steps through Inductor graphs, one per --compile-buckets size, compiled before the "
                         "worker serves (CPU, TP 1, fused layers; worker/model/compiled.py). auto (the default) times "
@@ -276,13 +281,15 @@ def _start_model(args: argparse.Namespace, config, shard: ShardSpec, metrics):
             buckets = args.compile_buckets or pool_buckets(COMPILE_BUCKETS, config.num_blocks)
             runner = ModelRunner(model, runtime, tp, linear=args.cpu_linear,
                                  compile_buckets=buckets if args.compile != "off" and buckets else None,
-                                 compile_kernel="auto" if args.compile == "off" else args.compile)
+                                 compile_kernel="auto" if args.compile == "off" else args.compile,
+                                 greedy_head=args.greedy_head)
         except ValueError as err:
             raise SystemExit(f"cannot run model {args.model!r} on this shard: {err}") from None
         began = time.monotonic()
         shapes = warm_matmuls(runner.model)  # before serving, as the compile below: no step builds a primitive
         if shapes:
             log.info("oneDNN matmul primitives for %d weight shapes built in %.2f s", shapes, time.monotonic() - began)
+        log.info("greedy tokens: %s", runner.warm_head())  # before serving, as the compile below
         if runner.compiled is not None:  # before serving: the first request pays no compile
             log.info("compiled decode forward warmed in %.2f s: %s", runner.warm(), runner.compiled.describe())
         elif args.compile != "off":

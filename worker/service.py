@@ -211,13 +211,20 @@ class KVShardServicer:
     def _model_step(self, request, specs: list[SamplingSpec], incarnation: str | None):
         """The forward and the token choice of one ModelStep (on :attr:`compute`)."""
         start = time.perf_counter()
+        # every row greedy and no logits asked for: the runner may pick the tokens without them
+        greedy = not request.return_logits and all(spec.is_greedy for spec in specs)
         with span("model_forward"):  # the parent of the layers' write_kv and attention spans
-            logits = self.runner.step(request.version, list(request.seq_ids), list(request.query_lens),
-                                      list(request.context_lens), list(request.token_ids),
-                                      list(request.slot_mapping), pool_incarnation=incarnation,
-                                      copy_lens=list(request.copy_lens), copy_from=list(request.copy_from))
+            step = self.runner.greedy_step if greedy else self.runner.step
+            out = step(request.version, list(request.seq_ids), list(request.query_lens), list(request.context_lens),
+                       list(request.token_ids), list(request.slot_mapping), pool_incarnation=incarnation,
+                       copy_lens=list(request.copy_lens), copy_from=list(request.copy_from))
         forward_done = time.perf_counter()
-        tokens = next_tokens(logits, specs, list(request.context_lens))
+        if greedy:
+            chosen = out.tolist()
+            logits, tokens = None, [token for row, token in enumerate(chosen)
+                                    for _ in range(specs[row].num_samples if specs else 1)]
+        else:
+            logits, tokens = out, next_tokens(out, specs, list(request.context_lens))
         metrics = self.runtime.metrics
         metrics.observe_kernel("model_forward", forward_done - start)
         metrics.observe_kernel("sampling", time.perf_counter() - forward_done)

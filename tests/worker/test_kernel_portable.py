@@ -1,7 +1,8 @@
 """A portable build of the CPU attention kernel (``BLOCKD_KERNEL_MARCH``, what
 deploy/Dockerfile's build stage makes): its cache is not keyed by the CPU it
 was built on, and a process without any compiler loads it, as the image's
-runtime stage does (tests/deploy/test_containers.py checks the Dockerfile's side)."""
+runtime stage does (tests/deploy/test_containers.py checks the Dockerfile's side);
+the greedy head's screen in that build (no AVX-512) gives the exact argmax."""
 
 from __future__ import annotations
 
@@ -64,6 +65,16 @@ def test_built_for_x86_64_v2_it_loads_where_there_is_no_compiler_and_another_cpu
     code = ("from worker.kernels import native\n"
             "native._cpu_signature = lambda: 'another cpu'\n"
             "native.load(required=True)\n"
+            # the greedy head's screen without AVX-512: its scalar loops give the exact argmax
+            "import torch\n"
+            "from worker.model.greedy_head import GreedyHead\n"
+            "g = torch.Generator().manual_seed(3)\n"
+            "w = torch.randn(300, 40, generator=g); x = torch.randn(5, 40, generator=g)\n"
+            "w[:3] = w[-1] * (1 + 1e-5 * torch.randn(3, 1, generator=g)); x[0] = w[-1]\n"
+            "head = GreedyHead(torch.nn.Linear(40, 300, bias=False))\n"
+            "a = (x.bfloat16() @ w.bfloat16().T).contiguous()\n"
+            "got = native.head_ops().screen_argmax(a, x, w, w.double().norm(dim=1).float(), head.coef, head.rel)\n"
+            "assert got.tolist() == (x.double() @ w.double().T).argmax(1).tolist(), got\n"
             "print(native.ops().best_isa())\n")
     loaded = _run(["-c", code], BLOCKD_KERNEL_MARCH="x86-64-v2", BLOCKD_KERNEL_CACHE=cache, CXX="false",
                   PATH="/nonexistent")

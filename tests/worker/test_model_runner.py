@@ -182,7 +182,7 @@ def test_compiled_decode_matches_hf_logits_and_greedy_generate(spec, kernel, tmp
     assert local.runner.warm() > 0 and compiled.kernels == {4: kernel, 8: kernel}
     assert set(compiled._packed) == ({4, 8} if kernel == "mkl" else set())
     forward, used = compiled.forward, []
-    compiled.forward = lambda *args: (used.append(len(args[0].seq_ids)), forward(*args))[1]
+    compiled.forward = lambda *args, **kw: (used.append(len(args[0].seq_ids)), forward(*args, **kw))[1]
     from torch._dynamo.utils import counters
 
     frames = counters["stats"]["unique_graphs"]
@@ -220,7 +220,7 @@ def test_auto_keeps_for_each_bucket_the_code_its_timings_favour(tmp_path, monkey
     assert "8 rows: mkl (eager 10.0 ms, onednn 5.0 ms, mkl 4.0 ms)" in compiled.describe()
     assert [compiled.bucket(n) for n in (2, 3, 4, 5, 8, 9, 16, 17)] == [None, None, None, 8, 8, 16, 16, None]
     forward, used = compiled.forward, []
-    compiled.forward = lambda *args: (used.append(len(args[0].seq_ids)), forward(*args))[1]
+    compiled.forward = lambda *args, **kw: (used.append(len(args[0].seq_ids)), forward(*args, **kw))[1]
     scenario = Scenario(local.step, local.runner.step, reference("tiny-llama"))
     scenario.drive()
     assert scenario.max_diff < TOL

@@ -173,13 +173,13 @@ def test_model_steps_run_on_one_thread_whichever_rpc_thread_takes_them():
     local = Local("tiny-llama")
     local.runtime.mirror.adopt("pool-life-1")
     seen: list[str] = []
-    step = local.runner.step
+    step = local.runner._step  # behind step and greedy_step both
 
     def recording_step(*args, **kwargs):
         seen.append(threading.current_thread().name)
         return step(*args, **kwargs)
 
-    local.runner.step = recording_step
+    local.runner._step = recording_step
     server = WorkerServer(local.runtime, "w", runner=local.runner)
     server.start()
     try:

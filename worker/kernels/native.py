@@ -2,7 +2,8 @@
 
 The same library holds the decoder layer's fused elementwise ops
 (``csrc/layer_ops.cpp``, namespace ``blockd_layer``, used by
-:mod:`worker.model.fused`); :func:`layer_ops` hands them out.
+:mod:`worker.model.fused`); :func:`layer_ops` hands them out; and the greedy
+LM head's screen (``csrc/greedy_head.cpp``, ``blockd_head``), :func:`head_ops`.
 
 The kernel is a torch C++ extension compiled on first use with
 ``torch.utils.cpp_extension.load`` (needs a C++ compiler and the ``ninja``
@@ -64,15 +65,16 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["ISAS", "KernelUnavailable", "backend_setting", "isa_setting", "layer_ops", "load", "load_matmul",
-           "loaded", "march_setting", "matmul_failure", "matmul_ops", "ops"]
+__all__ = ["ISAS", "KernelUnavailable", "backend_setting", "head_ops", "isa_setting", "layer_ops", "load",
+           "load_matmul", "loaded", "march_setting", "matmul_failure", "matmul_ops", "ops"]
 
 log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).with_name("csrc")
-#: one library: the attention kernel and the decoder layer's elementwise ops
-#: (``blockd_layer``, used by :mod:`worker.model.fused`)
-_SOURCES = (_CSRC / "paged_attention.cpp", _CSRC / "layer_ops.cpp")
+#: one library: the attention kernel, the decoder layer's elementwise ops
+#: (``blockd_layer``, used by :mod:`worker.model.fused`) and the greedy LM
+#: head's screen (``blockd_head``, used by :mod:`worker.model.greedy_head`)
+_SOURCES = (_CSRC / "paged_attention.cpp", _CSRC / "layer_ops.cpp", _CSRC / "greedy_head.cpp")
 #: the compiler flags, ``-march`` filled in by :func:`march_setting` (in this order: a native
 #: build's cache key is what it was before the setting existed)
 _CFLAGS = ("-O3", "-march={march}", "-fopenmp", "-fno-math-errno")
@@ -263,6 +265,11 @@ def layer_ops():
     """The fused layer ops (``rms_norm``, ``add_rms_norm``, ``rotary``, ``silu_mul``, ``add``,
     ``copy_rows``, ``argmax_rows``); call :func:`load` first."""
     return torch.ops.blockd_layer
+
+
+def head_ops():
+    """The greedy LM head's screen (``screen_argmax``); call :func:`load` first."""
+    return torch.ops.blockd_head
 
 
 def main() -> None:

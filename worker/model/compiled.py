@@ -72,9 +72,9 @@ from worker.model.fused import FusedLayer, FusedNorm, add_rms_norm_torch, rms_no
 from worker.model.linear import PackedLinear, packed_matmul
 from worker.model.paged import NO_POOL, PagedBatch, attend
 
-__all__ = ["KERNELS", "CompiledDecode", "compilable"]
+__all__ = ["DECODER_MODELS", "KERNELS", "CompiledDecode", "compilable"]
 #: the model classes whose forward is embed -> decoder layers -> norm -> LM head and nothing else
-_MODELS = ("LlamaForCausalLM", "Qwen2ForCausalLM")
+DECODER_MODELS = ("LlamaForCausalLM", "Qwen2ForCausalLM")
 #: what a bucket may run: ``auto`` measures ``eager`` and both graphs at warm-up and keeps the fastest
 KERNELS = ("auto", "onednn", "mkl")
 #: a graph is kept for a bucket only when it takes at most this share of the eager forward's time
@@ -153,8 +153,8 @@ def compilable(model: nn.Module, tp) -> str | None:
     tensor parallelism (its all-reduce hooks run eager), every decoder layer fused."""
     if tp is not None:
         return "tensor parallelism runs eager"
-    if type(model).__name__ not in _MODELS:
-        return f"{type(model).__name__} is not one of {', '.join(_MODELS)}"
+    if type(model).__name__ not in DECODER_MODELS:
+        return f"{type(model).__name__} is not one of {', '.join(DECODER_MODELS)}"
     if next(model.parameters()).device.type != "cpu":
         return "the compiled forward is the CPU path (CUDA graphs are not built yet)"
     layers = model.model.layers
@@ -246,13 +246,15 @@ class CompiledDecode:
         """Whether a step of these query lengths runs compiled (see :meth:`bucket`)."""
         return all(q == 1 for q in query_lens) and self.bucket(len(query_lens)) is not None
 
-    def forward(self, batch: PagedBatch, token_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Logits ``[rows, vocab]`` of a decode step (one token per sequence)."""
+    def forward(self, batch: PagedBatch, token_ids: torch.Tensor, positions: torch.Tensor, *,
+                hidden: bool = False) -> torch.Tensor:
+        """Logits ``[rows, vocab]`` of a decode step (one token per sequence); ``hidden``:
+        the final hidden states ``[rows, hidden]`` instead (the LM head left to the caller)."""
         rows = token_ids.shape[0]
         bucket = self.bucket(rows)
         if bucket is None:
             raise ValueError(f"a decode step of {rows} sequences has no compiled bucket (applies() says so)")
-        return self._run(batch, token_ids, positions, bucket, self.kernels[bucket])
+        return self._run(batch, token_ids, positions, bucket, self.kernels[bucket], hidden)
 
     def _pack(self, bucket: int) -> tuple[list[tuple], tuple]:
         """Every projection's weight packed by MKL for ``bucket`` rows (once per bucket)."""
@@ -285,7 +287,7 @@ class CompiledDecode:
         return mkl <= onednn
 
     def _run(self, batch: object, token_ids: torch.Tensor, positions: torch.Tensor, bucket: int,
-             kernel: str) -> torch.Tensor:
+             kernel: str, hidden: bool = False) -> torch.Tensor:
         rows = token_ids.shape[0]
         if bucket > rows:  # padding rows: token 0 at position 0, their logits dropped below
             token_ids = torch.cat((token_ids, token_ids.new_zeros(bucket - rows)))
@@ -303,7 +305,8 @@ class CompiledDecode:
                                        kernel)
             finally:
                 _BATCHES[self.key] = None
-            return _project(inner.norm(x), head, kernel)[:rows]
+            x = inner.norm(x)
+            return x[:rows] if hidden else _project(x, head, kernel)[:rows]
 
     def warm(self, eager: Callable[[torch.Tensor, torch.Tensor], object] | None = None) -> float:
         """Compile and run every bucket's graph over no pool (attention answers

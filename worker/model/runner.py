@@ -10,7 +10,10 @@ shard) and the step contract that ``ModelStep`` serves::
 All sequences' new tokens are packed into one row (``input_ids`` ``[1, T]``,
 ``position_ids`` ``[1, T]``); the paged attention function writes each layer's
 new K/V into ``slot_mapping`` and attends over the sequence's whole context.
-The result is the logits of each sequence's last new token, ``[batch, vocab]``.
+The result is the logits of each sequence's last new token, ``[batch, vocab]``
+(:meth:`ModelRunner.step`), or only each one's greedy token
+(:meth:`ModelRunner.greedy_step`: by the bfloat16 screen of
+:mod:`worker.model.greedy_head` where it is on, without the float32 LM head).
 
 Errors are the runtime's (:mod:`blockd.core.errors`): inconsistent lengths,
 token ids past the vocabulary, slots that are not the sequence's slots at that
@@ -34,11 +37,14 @@ from transformers import PreTrainedModel
 from blockd.core import arith
 from blockd.core.errors import BlockdError, InvalidArgument, shown
 from worker.model.build import check_pool, model_geometry
-from worker.model.compiled import CompiledDecode, compilable
+from worker.model.compiled import DECODER_MODELS, CompiledDecode, compilable
 from worker.model.fused import fuse_layers
+from worker.model.greedy_head import MODES as GREEDY_HEADS
+from worker.model.greedy_head import greedy_head as screen_for
 from worker.model.linear import LINEAR_KERNELS, kernel_of, pack_linears, packing_available
 from worker.model.paged import NO_POOL, PagedBatch
 from worker.runtime import PreparedStep, WorkerRuntime
+from worker.sampling import greedy_tokens
 
 #: a batch larger than this is a caller's bug, not a workload
 MAX_STEP_TOKENS = 1 << 20
@@ -135,12 +141,18 @@ class ModelRunner:
     through compiled graphs for these batch sizes where the model allows
     (:mod:`worker.model.compiled`; :attr:`not_compiled` says why not), their
     GEMM ``compile_kernel`` (``auto``: measured); call :meth:`warm` before
-    serving: until then every step runs eager."""
+    serving: until then every step runs eager. ``greedy_head``: how
+    :meth:`greedy_step` picks tokens (:mod:`worker.model.greedy_head`):
+    ``auto`` takes the bfloat16 screen where :meth:`warm_head` measures it
+    faster (never under tensor parallelism, whose ranks must not choose apart)."""
 
     def __init__(self, model: PreTrainedModel, runtime: WorkerRuntime, tp=None, *, linear: str = "auto",
-                 compile_buckets: tuple[int, ...] | None = None, compile_kernel: str = "auto") -> None:
+                 compile_buckets: tuple[int, ...] | None = None, compile_kernel: str = "auto",
+                 greedy_head: str = "auto") -> None:
         if linear not in LINEAR_KERNELS:
             raise ValueError(f"linear must be one of {', '.join(LINEAR_KERNELS)}, got {linear!r}")
+        if greedy_head not in GREEDY_HEADS:
+            raise ValueError(f"greedy_head must be one of {', '.join(GREEDY_HEADS)}, got {greedy_head!r}")
         check_pool(model, runtime.config)
         geometry = model_geometry(model.config)
         shard = runtime.shard
@@ -164,6 +176,12 @@ class ModelRunner:
         self.not_compiled = "not asked for" if compile_buckets is None else compilable(self.model, tp)
         self.compiled = CompiledDecode(self.model, compile_buckets, compile_kernel) \
             if self.not_compiled is None else None
+        # the screen needs the final hidden states: the models whose forward ends norm -> LM head
+        self.greedy_head = screen_for(self.model.lm_head) \
+            if greedy_head != "float32" and type(self.model).__name__ in DECODER_MODELS else None
+        self.greedy_head_mode = greedy_head
+        #: whether greedy steps take the screen now (``auto``: once :meth:`warm_head` measured it)
+        self.screening = greedy_head == "bf16-screen" and self.greedy_head is not None
         self.vocab_size = model.config.vocab_size
         self.max_positions = getattr(model.config, "max_position_embeddings", None)
         # One step at a time: the runtime keeps one plan, and TP ranks must issue
@@ -178,17 +196,29 @@ class ModelRunner:
         ``copy_lens``/``copy_from``: K/V copied within the step (``ModelStepRequest``)."""
         batch = self.check(version, seq_ids, query_lens, context_lens, token_ids, slot_mapping, pool_incarnation,
                            copy_lens, copy_from)
+        return self._step(batch, False)
+
+    def greedy_step(self, version: int, seq_ids: Sequence[str], query_lens: Sequence[int],
+                    context_lens: Sequence[int], token_ids: Sequence[int],
+                    slot_mapping: Sequence[int], *, pool_incarnation: str | None = None,
+                    copy_lens: Sequence[int] = (), copy_from: Sequence[int] = ()) -> torch.Tensor:
+        """:meth:`step`, but only each sequence's greedy token (int64 ``[batch]``)."""
+        batch = self.check(version, seq_ids, query_lens, context_lens, token_ids, slot_mapping, pool_incarnation,
+                           copy_lens, copy_from)
+        return self._step(batch, True)
+
+    def _step(self, batch: StepInput, greedy: bool) -> torch.Tensor:
         with self._lock:
             prepared = self._prepare(batch)
             error = prepared if isinstance(prepared, BlockdError) else None
             if self.tp is None:
                 if error is not None:
                     raise error
-                return self._forward(batch, prepared)  # type: ignore[arg-type]
+                return self._forward(batch, prepared, greedy)  # type: ignore[arg-type]
             with self.tp.collective():
                 self.tp.agree(error, batch.digest())
             with self.tp.collective(agreed=True):
-                return self._forward(batch, prepared)  # type: ignore[arg-type]
+                return self._forward(batch, prepared, greedy)  # type: ignore[arg-type]
 
     def check(self, version, seq_ids, query_lens, context_lens, token_ids, slot_mapping,
               pool_incarnation: str | None = None, copy_lens: Sequence[int] = (),
@@ -259,28 +289,56 @@ class ModelRunner:
                                       f"{batch.version} (expected {want[:8]}...)")
             row += q
 
-    def _forward(self, batch: StepInput, prepared: PreparedStep) -> torch.Tensor:
+    def _forward(self, batch: StepInput, prepared: PreparedStep, greedy: bool) -> torch.Tensor:
+        """Logits, or greedy tokens where ``greedy`` (the final hidden states through the screen)."""
         positions = torch.cat([torch.arange(n - q, n) for q, n in zip(batch.query_lens, batch.context_lens)])
         last = torch.tensor(batch.query_lens).cumsum(0) - 1
         paged = PagedBatch(self.runtime, batch.version, batch.seq_ids, batch.query_lens, batch.context_lens,
                            batch.slot_mapping, batch.pool_incarnation, prepared)
+        screen = greedy and self.screening
         if self.compiled is not None and self.compiled.applies(batch.query_lens):
-            logits = self.compiled.forward(paged, batch.token_ids, positions)
-            self.runtime.finish_step(prepared)
-            return logits.float()
-        logits = self._eager(paged, batch.token_ids, positions, last)
+            out = self.compiled.forward(paged, batch.token_ids, positions, hidden=screen)
+        else:
+            out = self._eager(paged, batch.token_ids, positions, last, hidden=screen)
         self.runtime.finish_step(prepared)
-        return logits.float().cpu()
+        if screen:
+            return self._screened(out)
+        logits = out.float().cpu()
+        return greedy_tokens(logits) if greedy else logits
+
+    def _screened(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Greedy tokens of the final hidden states by the screen (the float32 head where it cannot)."""
+        assert self.greedy_head is not None
+        with torch.inference_mode():
+            tokens = self.greedy_head.tokens(hidden)
+            return tokens if tokens is not None else greedy_tokens(self.model.lm_head(hidden).float())
 
     def _eager(self, paged: PagedBatch | object, token_ids: torch.Tensor, positions: torch.Tensor,
-               last: torch.Tensor) -> torch.Tensor:
-        """The model's eager forward: logits of the tokens at ``last``."""
+               last: torch.Tensor, *, hidden: bool = False) -> torch.Tensor:
+        """The model's eager forward: logits of the tokens at ``last`` (``hidden``: their
+        final hidden states, before the LM head; Llama and Qwen2 only)."""
         device = self.runtime.device
         with torch.inference_mode():
-            out = self.model(input_ids=token_ids.to(device).unsqueeze(0),
-                             position_ids=positions.to(device).unsqueeze(0), use_cache=False,
-                             logits_to_keep=last.to(device), blockd_batch=paged)
+            kwargs = {"input_ids": token_ids.to(device).unsqueeze(0),
+                      "position_ids": positions.to(device).unsqueeze(0), "use_cache": False, "blockd_batch": paged}
+            if hidden:
+                return self.model.model(**kwargs).last_hidden_state[0, last.to(device)]
+            out = self.model(**kwargs, logits_to_keep=last.to(device))
         return out.logits[0]
+
+    def warm_head(self) -> str:
+        """Choose the greedy head (``auto``: time the screen against the float32 head at
+        64 rows) before serving; a line for the worker's log."""
+        if self.greedy_head is None:
+            return "float32 LM head (the bfloat16 screen does not apply to this model or CPU)" \
+                if self.greedy_head_mode != "float32" else "float32 LM head (--greedy-head float32)"
+        if self.greedy_head_mode == "auto" and self.tp is not None:
+            return "float32 LM head (tensor parallelism: auto does not let ranks choose apart)"
+        if self.greedy_head_mode == "auto":
+            self.screening, screen, full = self.greedy_head.faster()
+            return (f"{'bfloat16 screen' if self.screening else 'float32 LM head'} for greedy steps "
+                    f"(screen {screen:.1f} ms, float32 {full:.1f} ms at 64 rows)")
+        return "bfloat16 screen for greedy steps (--greedy-head bf16-screen)"
 
     def warm(self) -> float | None:
         """Compile, time and choose the decode buckets' code (:meth:`CompiledDecode.warm`)
