@@ -289,7 +289,9 @@ def _start_model(args: argparse.Namespace, config, shard: ShardSpec, metrics):
         shapes = warm_matmuls(runner.model)  # before serving, as the compile below: no step builds a primitive
         if shapes:
             log.info("oneDNN matmul primitives for %d weight shapes built in %.2f s", shapes, time.monotonic() - began)
-        log.info("greedy tokens: %s", runner.warm_head())  # before serving, as the compile below
+        began = time.monotonic()
+        chosen = runner.warm_head()  # before serving, as the compile below
+        log.info("greedy tokens: %s, chosen in %.2f s", chosen, time.monotonic() - began)
         if runner.compiled is not None:  # before serving: the first request pays no compile
             log.info("compiled decode forward warmed in %.2f s: %s", runner.warm(), runner.compiled.describe())
         elif args.compile != "off":
