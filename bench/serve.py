@@ -391,8 +391,8 @@ def _compile_warm(cluster: LocalCluster) -> str:
     and the times it was chosen by (``--compile auto``), or why it runs eager,
     and how greedy steps pick tokens (``--greedy-head``)."""
     marks = ("compiled decode forward warmed in ", "decode steps run eager: ", "greedy tokens: ")
-    said = [line[line.index(mark):] for worker in cluster.workers for line in worker.lines
-            for mark in marks if mark in line]
+    said = [line[line.index(mark):] for mark in marks for worker in cluster.workers for line in worker.lines
+            if mark in line]
     return " | ".join(said) or "eager (--compile off)"
 
 

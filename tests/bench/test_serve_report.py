@@ -34,6 +34,9 @@ def test_serve_writes_a_report_of_both_schemes(tmp_path) -> None:
     assert len(rows) == 2 and all(row["blockd_compile"] == "auto" for row in rows)
     assert re.match(r"compiled decode forward warmed in [\d.]+ s: 16 rows: (eager|onednn|mkl) \(eager [\d.]+ ms",
                     rows[0]["blockd_compile_warm"]), rows[0]["blockd_compile_warm"]
+    # and how greedy steps pick tokens (--greedy-head auto: timed at start)
+    assert re.search(r" \| greedy tokens: (bfloat16 screen|float32 LM head) .* at 64 rows\), chosen in [\d.]+ s",
+                     rows[0]["blockd_compile_warm"]), rows[0]["blockd_compile_warm"]
     page = (directory / "report.html").read_text(encoding="utf-8")
     ids = re.findall(r"<img class='plot' id='plot-(\w+)'", page)
     assert ids[0] == "comparison" and ids[-1] == "advisor"
