@@ -72,7 +72,7 @@ from worker.model.fused import FusedLayer, FusedNorm, add_rms_norm_torch, rms_no
 from worker.model.linear import PackedLinear, packed_matmul
 from worker.model.paged import NO_POOL, PagedBatch, attend
 
-__all__ = ["DECODER_MODELS", "KERNELS", "CompiledDecode", "compilable"]
+__all__ = ["DECODER_MODELS", "KERNELS", "CompiledDecode", "compilable", "median_ms"]
 #: the model classes whose forward is embed -> decoder layers -> norm -> LM head and nothing else
 DECODER_MODELS = ("LlamaForCausalLM", "Qwen2ForCausalLM")
 #: what a bucket may run: ``auto`` measures ``eager`` and both graphs at warm-up and keeps the fastest
@@ -282,8 +282,8 @@ class CompiledDecode:
         x = torch.randn(rows, linear.in_features)
         with torch.inference_mode():
             packed = torch.ops.mkl._mkl_reorder_linear_weight(linear.weight.detach(), rows)
-            mkl = _median_ms(partial(torch.ops.mkl._mkl_linear, x, packed, linear.weight.detach(), None, rows))
-            onednn = _median_ms(partial(onednn_linear, x, linear._packed, None, linear.out_features))
+            mkl = median_ms(partial(torch.ops.mkl._mkl_linear, x, packed, linear.weight.detach(), None, rows))
+            onednn = median_ms(partial(onednn_linear, x, linear._packed, None, linear.out_features))
         return mkl <= onednn
 
     def _run(self, batch: object, token_ids: torch.Tensor, positions: torch.Tensor, bucket: int,
@@ -327,7 +327,7 @@ class CompiledDecode:
                           "onednn": partial(self._run, NO_POOL, tokens, positions, n, "onednn")}
             if torch._C.has_mkl and mkl_bytes <= budget and self._mkl_gemm_wins(n):
                 candidates["mkl"] = partial(self._run, NO_POOL, tokens, positions, n, "mkl")
-            times = self.timings[n] = {name: _median_ms(run) for name, run in candidates.items()}
+            times = self.timings[n] = {name: median_ms(run) for name, run in candidates.items()}
             best = min(("onednn", "mkl"), key=lambda k: times.get(k, float("inf")))
             self.kernels[n] = best if times[best] <= MARGIN * times["eager"] else "eager"
             if self.kernels[n] == "mkl":
@@ -347,11 +347,12 @@ class CompiledDecode:
         return "; ".join(parts)
 
 
-def _median_ms(run: Callable[[], object]) -> float:
-    """``run``'s median time over :data:`TIMED_RUNS` calls after an untimed one (the compile), in ms."""
+def median_ms(run: Callable[[], object], runs: int = TIMED_RUNS) -> float:
+    """``run``'s median time over ``runs`` calls after an untimed one (the compile), in ms
+    (also :mod:`worker.model.greedy_head`'s timing)."""
     run()
     times = []
-    for _ in range(TIMED_RUNS):
+    for _ in range(runs):
         began = time.perf_counter()
         run()
         times.append(time.perf_counter() - began)

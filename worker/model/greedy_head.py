@@ -29,18 +29,17 @@ Only steps whose every row is greedy and that return no logits take it
 (:meth:`worker.model.runner.ModelRunner.greedy_step`); sampling needs the
 whole distribution. :meth:`GreedyHead.faster` times both heads at start
 (``--greedy-head auto``): on a CPU without native bfloat16 the screen is
-slower and is not used. Imports torch and :mod:`worker.kernels.native`.
+slower and is not used. Imports torch, :mod:`worker.kernels.native` and
+:mod:`worker.model.compiled` (its timing helper).
 """
 
 from __future__ import annotations
-
-import statistics
-import time
 
 import torch
 from torch import nn
 
 from worker.kernels import native
+from worker.model.compiled import median_ms
 from worker.model.linear import BATCH_HINT
 
 __all__ = ["MODES", "GreedyHead", "greedy_head"]
@@ -94,16 +93,6 @@ class GreedyHead:
         (medians; hidden states of a realistic norm, so the candidates are as few as in a step)."""
         hidden = torch.randn(rows, self._weight.shape[1], generator=torch.Generator().manual_seed(0))
         with torch.inference_mode():
-            screen = _median_ms(lambda: self.tokens(hidden))
-            full = _median_ms(lambda: self.lm_head(hidden).argmax(dim=-1))
+            screen = median_ms(lambda: self.tokens(hidden), _TIMED_RUNS)
+            full = median_ms(lambda: self.lm_head(hidden).argmax(dim=-1), _TIMED_RUNS)
         return screen < full, screen, full
-
-
-def _median_ms(run) -> float:
-    run()
-    times = []
-    for _ in range(_TIMED_RUNS):
-        began = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - began)
-    return statistics.median(times) * 1e3
