@@ -23,8 +23,8 @@ the kept mass is 1 when nothing is cut). Temperature 0 is the argmax of the
 float32 logits, exactly what transformers' greedy ``generate`` picks (torch's
 ``argmax``, or the compiled row argmax of ``csrc/layer_ops.cpp`` with the same
 answer when the kernel library is loaded: ~0.2 ms instead of ~0.85 ms on a
-64-row SmolLM2 step). A step whose rows are all greedy and that returns no
-logits may not come here at all: the model runner's bfloat16 screen
+64-row SmolLM2 step). The greedy rows of a step that returns no logits may
+not come here at all: the model runner's bfloat16 screen
 (:mod:`worker.model.greedy_head`) gives the exact logits' argmax without
 the float32 logits.
 

@@ -21,6 +21,8 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import torch
+
 from blockd.auth.identity import require_tenant
 from blockd.auth.security import ServerSecurity
 from blockd.core.errors import InvalidArgument, NotFound, WrongState, shown
@@ -211,24 +213,46 @@ class KVShardServicer:
     def _model_step(self, request, specs: list[SamplingSpec], incarnation: str | None):
         """The forward and the token choice of one ModelStep (on :attr:`compute`)."""
         start = time.perf_counter()
-        # every row greedy and no logits asked for: the runner may pick the tokens without them
-        greedy = not request.return_logits and all(spec.is_greedy for spec in specs)
+        # no logits asked for and some rows greedy: the runner picks theirs without the float32
+        # LM head where it can (worker.model.greedy_head), and gives the logits of the others only
+        greedy = [spec.is_greedy for spec in specs] if specs else [True] * len(request.seq_ids)
+        split = not request.return_logits and any(greedy)
+        args = (request.version, list(request.seq_ids), list(request.query_lens), list(request.context_lens),
+                list(request.token_ids), list(request.slot_mapping))
+        kwargs = {"pool_incarnation": incarnation, "copy_lens": list(request.copy_lens),
+                  "copy_from": list(request.copy_from)}
+        logits: torch.Tensor | None = None
         with span("model_forward"):  # the parent of the layers' write_kv and attention spans
-            step = self.runner.greedy_step if greedy else self.runner.step
-            out = step(request.version, list(request.seq_ids), list(request.query_lens), list(request.context_lens),
-                       list(request.token_ids), list(request.slot_mapping), pool_incarnation=incarnation,
-                       copy_lens=list(request.copy_lens), copy_from=list(request.copy_from))
+            if split:
+                chosen, others = self.runner.split_step(*args, **kwargs, greedy=greedy)
+            else:
+                logits = self.runner.step(*args, **kwargs)
         forward_done = time.perf_counter()
-        if greedy:
-            chosen = out.tolist()
-            logits, tokens = None, [token for row, token in enumerate(chosen)
-                                    for _ in range(specs[row].num_samples if specs else 1)]
+        positions = list(request.context_lens)
+        if logits is None:
+            tokens = _split_tokens(chosen, others, specs, positions)
         else:
-            logits, tokens = out, next_tokens(out, specs, list(request.context_lens))
+            tokens = next_tokens(logits, specs, positions)
         metrics = self.runtime.metrics
         metrics.observe_kernel("model_forward", forward_done - start)
         metrics.observe_kernel("sampling", time.perf_counter() - forward_done)
         return logits, tokens
+
+
+def _split_tokens(chosen: torch.Tensor, logits: torch.Tensor, specs: list[SamplingSpec],
+                  positions: list[int]) -> list[int]:
+    """:func:`~worker.sampling.next_tokens`' answer from a split step: the greedy rows'
+    tokens (``chosen``), and draws for the others from their ``logits`` (batch order)."""
+    if not specs:
+        return chosen.tolist()
+    others = [row for row, spec in enumerate(specs) if not spec.is_greedy]
+    drawn = iter(next_tokens(logits, [specs[row] for row in others], [positions[row] for row in others])
+                 if others else [])
+    picked = chosen.tolist()
+    out: list[int] = []
+    for row, spec in enumerate(specs):
+        out += [picked[row]] * spec.num_samples if spec.is_greedy else [next(drawn) for _ in range(spec.num_samples)]
+    return out
 
 
 def _check_tiers(tiers, field: str) -> None:

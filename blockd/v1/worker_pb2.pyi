@@ -456,10 +456,10 @@ Global___ModelStepRequest: _TypeAlias = ModelStepRequest  # noqa: Y015
 class SamplingParams(_message.Message):
     """How one sequence's next token is chosen from the logits of its last new
     token. Greedy when temperature is 0: the argmax, one token, whatever the
-    other fields say (of the float32 logits; a step whose every sequence is
-    greedy and that returns no logits may take the argmax of the exact logits
-    instead, worker --greedy-head: the same token except where two logits are
-    within float32 rounding of each other). Otherwise logits / temperature, then the top_k most likely
+    other fields say (of the float32 logits; in a step that returns no logits
+    a greedy sequence may take the argmax of the exact logits instead, worker
+    --greedy-head: the same token except where two logits are within float32
+    rounding of each other). Otherwise logits / temperature, then the top_k most likely
     tokens, then the smallest set of those whose probability reaches top_p, then
     one draw by inverse CDF with a uniform number that depends only on (seed,
     sample index, position) -- not on the batch, the rank or the worker -- so a

@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from blockd.core.errors import InvalidArgument
 from tests.worker.test_model_runner import Local, Scenario, reference
 from worker.kernels import native
 from worker.model.greedy_head import greedy_head
@@ -80,6 +81,8 @@ def test_a_row_it_cannot_screen_is_refused_and_the_runner_falls_back():
                                         screen._norms, screen.coef, screen.rel)
     local = Local("tiny-llama", greedy_head="bf16-screen")
     assert local.runner.screening
+    with pytest.raises(InvalidArgument, match="greedy needs one entry per sequence"):
+        local.runner.split_step(0, ["a"], [1], [1], [3], [0], greedy=[True, False])
     hidden = torch.randn(2, local.runner.model.config.hidden_size)
     hidden[0, 0] = float("nan")
     want = greedy_tokens(local.runner.model.lm_head(hidden).float())
@@ -111,7 +114,13 @@ class GreedyChecked:
     def __call__(self, *args):
         logits = self.runner.step(*args)
         tokens = self.runner.greedy_step(*args)
-        assert tokens.tolist() == greedy_tokens(logits).tolist()
+        want = greedy_tokens(logits).tolist()
+        assert tokens.tolist() == want
+        # a step of greedy and sampled rows: the greedy rows' tokens, the others' logits
+        mask = [i % 2 == 0 for i in range(len(args[1]))]
+        chosen, others = self.runner.split_step(*args, greedy=mask)
+        assert chosen.tolist() == [t if g else -1 for t, g in zip(want, mask)]
+        torch.testing.assert_close(others, logits[[i for i, g in enumerate(mask) if not g]], atol=1e-5, rtol=1e-5)
         self.steps += 1
         return logits
 

@@ -138,8 +138,14 @@ def test_specs_are_validated():
         next_tokens(torch.zeros(2, 4), [SamplingSpec()], [0, 0])
 
 
-def test_model_step_samples_as_asked_over_grpc():
-    local = Local("tiny-llama")
+@pytest.mark.parametrize("head", ["float32", "bf16-screen"])
+def test_model_step_samples_as_asked_over_grpc(head):
+    """Also with the greedy head's screen: a step without logits splits its rows
+    (the greedy ones by the screen, the sampled ones from their own float32 logits)."""
+    if head == "bf16-screen" and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        pytest.skip("the screen needs oneDNN with bfloat16 on this CPU")
+    local = Local("tiny-llama", greedy_head=head)
+    assert local.runner.screening == (head == "bf16-screen")
     local.runtime.mirror.adopt("pool-life-1")
     server = WorkerServer(local.runtime, "w", runner=local.runner)
     server.start()
@@ -157,6 +163,10 @@ def test_model_step_samples_as_asked_over_grpc():
             assert len(tokens) == 4 and tokens[3] == int(logits[1].argmax())
             greedy, _ = worker.model_step(*args, pool_incarnation="pool-life-1")
             assert greedy == logits.argmax(-1).tolist()
+            mixed, none = worker.model_step(*args, pool_incarnation="pool-life-1", sampling=sampled)
+            assert none is None and mixed == tokens
+            drawn, _ = worker.model_step(*args, pool_incarnation="pool-life-1", sampling=sampled[:1] * 2)
+            assert drawn == next_tokens(logits, sampled[:1] * 2, [6, 3]), "no greedy row: the whole float32 head"
             for bad, match in [([SamplingSpec()], "one entry per sequence"),
                                ([SamplingSpec(temperature=-1.0), SamplingSpec()], "temperature"),
                                ([SamplingSpec(num_samples=5000), SamplingSpec()], "num_samples")]:

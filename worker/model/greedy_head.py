@@ -25,11 +25,12 @@ of each other, where the float32 answer is itself an accident of its
 summation order (oneDNN's and transformers' already differ there). A row
 that cannot be screened (a non-finite value) falls back to the float32 head.
 
-Only steps whose every row is greedy and that return no logits take it
-(:meth:`worker.model.runner.ModelRunner.greedy_step`); sampling needs the
-whole distribution. :meth:`GreedyHead.faster` times both heads at start
-(``--greedy-head auto``): on a CPU without native bfloat16 the screen is
-slower and is not used. Imports torch, :mod:`worker.kernels.native` and
+The greedy rows of a step that returns no logits take it
+(:meth:`worker.model.runner.ModelRunner.split_step`); its sampled rows, which
+need the whole distribution, run the float32 head on their rows alone.
+:meth:`GreedyHead.faster` times both heads at start (``--greedy-head
+auto``): on a CPU without native bfloat16 the screen is slower and is not
+used. Imports torch, :mod:`worker.kernels.native` and
 :mod:`worker.model.compiled` (its timing helper).
 """
 

@@ -11,9 +11,10 @@ All sequences' new tokens are packed into one row (``input_ids`` ``[1, T]``,
 ``position_ids`` ``[1, T]``); the paged attention function writes each layer's
 new K/V into ``slot_mapping`` and attends over the sequence's whole context.
 The result is the logits of each sequence's last new token, ``[batch, vocab]``
-(:meth:`ModelRunner.step`), or only each one's greedy token
-(:meth:`ModelRunner.greedy_step`: by the bfloat16 screen of
-:mod:`worker.model.greedy_head` where it is on, without the float32 LM head).
+(:meth:`ModelRunner.step`), or only the greedy sequences' tokens and the
+others' logits (:meth:`ModelRunner.split_step`, :meth:`ModelRunner.greedy_step`:
+the greedy rows by the bfloat16 screen of :mod:`worker.model.greedy_head`
+where it is on, without the float32 LM head).
 
 Errors are the runtime's (:mod:`blockd.core.errors`): inconsistent lengths,
 token ids past the vocabulary, slots that are not the sequence's slots at that
@@ -142,7 +143,7 @@ class ModelRunner:
     (:mod:`worker.model.compiled`; :attr:`not_compiled` says why not), their
     GEMM ``compile_kernel`` (``auto``: measured); call :meth:`warm` before
     serving: until then every step runs eager. ``greedy_head``: how
-    :meth:`greedy_step` picks tokens (:mod:`worker.model.greedy_head`):
+    :meth:`split_step` picks greedy tokens (:mod:`worker.model.greedy_head`):
     ``auto`` takes the bfloat16 screen where :meth:`warm_head` measures it
     faster (never under tensor parallelism, whose ranks must not choose apart)."""
 
@@ -196,18 +197,33 @@ class ModelRunner:
         ``copy_lens``/``copy_from``: K/V copied within the step (``ModelStepRequest``)."""
         batch = self.check(version, seq_ids, query_lens, context_lens, token_ids, slot_mapping, pool_incarnation,
                            copy_lens, copy_from)
-        return self._step(batch, False)
+        return self._step(batch, None)  # type: ignore[return-value]
 
     def greedy_step(self, version: int, seq_ids: Sequence[str], query_lens: Sequence[int],
                     context_lens: Sequence[int], token_ids: Sequence[int],
                     slot_mapping: Sequence[int], *, pool_incarnation: str | None = None,
                     copy_lens: Sequence[int] = (), copy_from: Sequence[int] = ()) -> torch.Tensor:
         """:meth:`step`, but only each sequence's greedy token (int64 ``[batch]``)."""
+        return self.split_step(version, seq_ids, query_lens, context_lens, token_ids, slot_mapping,
+                               pool_incarnation=pool_incarnation, copy_lens=copy_lens, copy_from=copy_from)[0]
+
+    def split_step(self, version: int, seq_ids: Sequence[str], query_lens: Sequence[int],
+                   context_lens: Sequence[int], token_ids: Sequence[int],
+                   slot_mapping: Sequence[int], *, pool_incarnation: str | None = None,
+                   copy_lens: Sequence[int] = (), copy_from: Sequence[int] = (),
+                   greedy: Sequence[bool] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`step` for a batch whose sequences ``greedy[i]`` (default: all) take the
+        argmax: ``(tokens, logits)``, the greedy rows' tokens (int64 ``[batch]``, -1 in
+        the other rows) and the other rows' logits (float32 ``[others, vocab]``, in batch
+        order), so that only those rows need the float32 LM head."""
         batch = self.check(version, seq_ids, query_lens, context_lens, token_ids, slot_mapping, pool_incarnation,
                            copy_lens, copy_from)
-        return self._step(batch, True)
+        rows = [True] * len(batch.seq_ids) if greedy is None else [bool(g) for g in greedy]
+        if len(rows) != len(batch.seq_ids):
+            raise InvalidArgument(f"greedy needs one entry per sequence ({len(batch.seq_ids)}), got {len(rows)}")
+        return self._step(batch, rows)  # type: ignore[return-value]
 
-    def _step(self, batch: StepInput, greedy: bool) -> torch.Tensor:
+    def _step(self, batch: StepInput, greedy: list[bool] | None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         with self._lock:
             prepared = self._prepare(batch)
             error = prepared if isinstance(prepared, BlockdError) else None
@@ -289,22 +305,35 @@ class ModelRunner:
                                       f"{batch.version} (expected {want[:8]}...)")
             row += q
 
-    def _forward(self, batch: StepInput, prepared: PreparedStep, greedy: bool) -> torch.Tensor:
-        """Logits, or greedy tokens where ``greedy`` (the final hidden states through the screen)."""
+    def _forward(self, batch: StepInput, prepared: PreparedStep,
+                 greedy: list[bool] | None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Logits (``greedy`` None), or :meth:`split_step`'s tokens and logits (the greedy
+        rows' final hidden states through the screen where it is on)."""
         positions = torch.cat([torch.arange(n - q, n) for q, n in zip(batch.query_lens, batch.context_lens)])
         last = torch.tensor(batch.query_lens).cumsum(0) - 1
         paged = PagedBatch(self.runtime, batch.version, batch.seq_ids, batch.query_lens, batch.context_lens,
                            batch.slot_mapping, batch.pool_incarnation, prepared)
-        screen = greedy and self.screening
+        screen = greedy is not None and any(greedy) and self.screening
         if self.compiled is not None and self.compiled.applies(batch.query_lens):
             out = self.compiled.forward(paged, batch.token_ids, positions, hidden=screen)
         else:
             out = self._eager(paged, batch.token_ids, positions, last, hidden=screen)
         self.runtime.finish_step(prepared)
+        if greedy is None:
+            return out.float().cpu()
+        chosen = torch.tensor([i for i, g in enumerate(greedy) if g], dtype=torch.int64)
+        others = torch.tensor([i for i, g in enumerate(greedy) if not g], dtype=torch.int64)
+        tokens = torch.full((len(greedy),), -1, dtype=torch.int64)
         if screen:
-            return self._screened(out)
+            tokens[chosen] = self._screened(out[chosen])
+            if not len(others):
+                return tokens, out.new_empty((0, self.model.lm_head.out_features), dtype=torch.float32)
+            with torch.inference_mode():  # only the sampled rows through the float32 head
+                return tokens, self.model.lm_head(out[others]).float()
         logits = out.float().cpu()
-        return greedy_tokens(logits) if greedy else logits
+        if len(chosen):
+            tokens[chosen] = greedy_tokens(logits[chosen])
+        return tokens, logits if len(others) == len(greedy) else logits[others]
 
     def _screened(self, hidden: torch.Tensor) -> torch.Tensor:
         """Greedy tokens of the final hidden states by the screen (the float32 head where it cannot)."""
