@@ -331,6 +331,8 @@ class ModelRunner:
             with torch.inference_mode():  # only the sampled rows through the float32 head
                 return tokens, self.model.lm_head(out[others]).float()
         logits = out.float().cpu()
+        if not len(others):  # all greedy: no copy of the rows
+            return greedy_tokens(logits), logits[:0]
         if len(chosen):
             tokens[chosen] = greedy_tokens(logits[chosen])
         return tokens, logits if len(others) == len(greedy) else logits[others]
