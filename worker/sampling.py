@@ -91,25 +91,30 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
 
 
 def next_tokens(logits: torch.Tensor, specs: Sequence[SamplingSpec] | None,
-                positions: Sequence[int]) -> list[int]:
+                positions: Sequence[int], chosen: Sequence[int] | None = None) -> list[int]:
     """The chosen tokens, flattened in batch order: ``specs[i].num_samples``
     for row ``i`` (one per row with ``specs`` None or empty: all greedy).
 
     * ``logits``: ``[batch, vocab]``, float32 on the CPU;
-    * ``positions[i]``: the index row ``i``'s new token takes in its sequence.
+    * ``positions[i]``: the index row ``i``'s new token takes in its sequence;
+    * ``chosen``: the greedy rows' tokens, already picked (one per row, any
+      value in the others: ``ModelRunner.split_step``); ``logits`` then holds
+      only the other rows, in batch order.
     """
-    greedy = greedy_tokens(logits).tolist()
+    greedy = greedy_tokens(logits).tolist() if chosen is None else list(chosen)
     if not specs:
         return greedy
     if len(specs) != len(greedy) or len(positions) != len(greedy):
         raise InvalidArgument(f"need one sampling spec and position per sequence ({len(greedy)}), got "
                               f"{len(specs)} and {len(positions)}")
-    rows, draws = [], []  # the row and the (spec, sample index, position) of every random draw
+    rows, draws = [], []  # the logits row and the (spec, sample index, position) of every random draw
+    sampled = 0  # the sampled rows so far: their logits rows where only they have logits
     for row, (spec, position) in enumerate(zip(specs, positions)):
         if not spec.is_greedy:
             for offset in range(spec.num_samples):
-                rows.append(row)
+                rows.append(row if chosen is None else sampled)
                 draws.append((spec, spec.sample_index + offset, position))
+            sampled += 1
     drawn = iter(_draw(logits, rows, draws) if rows else [])
     out: list[int] = []
     for row, spec in enumerate(specs):

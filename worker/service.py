@@ -21,8 +21,6 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import torch
-
 from blockd.auth.identity import require_tenant
 from blockd.auth.security import ServerSecurity
 from blockd.core.errors import InvalidArgument, NotFound, WrongState, shown
@@ -221,38 +219,19 @@ class KVShardServicer:
                 list(request.token_ids), list(request.slot_mapping))
         kwargs = {"pool_incarnation": incarnation, "copy_lens": list(request.copy_lens),
                   "copy_from": list(request.copy_from)}
-        logits: torch.Tensor | None = None
+        chosen: list[int] | None = None
         with span("model_forward"):  # the parent of the layers' write_kv and attention spans
-            if split:
-                chosen, others = self.runner.split_step(*args, **kwargs, greedy=greedy)
+            if split:  # logits of the sampled rows alone
+                picked, logits = self.runner.split_step(*args, **kwargs, greedy=greedy)
+                chosen = picked.tolist()
             else:
                 logits = self.runner.step(*args, **kwargs)
         forward_done = time.perf_counter()
-        positions = list(request.context_lens)
-        if logits is None:
-            tokens = _split_tokens(chosen, others, specs, positions)
-        else:
-            tokens = next_tokens(logits, specs, positions)
+        tokens = next_tokens(logits, specs, list(request.context_lens), chosen=chosen)
         metrics = self.runtime.metrics
         metrics.observe_kernel("model_forward", forward_done - start)
         metrics.observe_kernel("sampling", time.perf_counter() - forward_done)
-        return logits, tokens
-
-
-def _split_tokens(chosen: torch.Tensor, logits: torch.Tensor, specs: list[SamplingSpec],
-                  positions: list[int]) -> list[int]:
-    """:func:`~worker.sampling.next_tokens`' answer from a split step: the greedy rows'
-    tokens (``chosen``), and draws for the others from their ``logits`` (batch order)."""
-    if not specs:
-        return chosen.tolist()
-    others = [row for row, spec in enumerate(specs) if not spec.is_greedy]
-    drawn = iter(next_tokens(logits, [specs[row] for row in others], [positions[row] for row in others])
-                 if others else [])
-    picked = chosen.tolist()
-    out: list[int] = []
-    for row, spec in enumerate(specs):
-        out += [picked[row]] * spec.num_samples if spec.is_greedy else [next(drawn) for _ in range(spec.num_samples)]
-    return out
+        return None if split else logits, tokens
 
 
 def _check_tiers(tiers, field: str) -> None:

@@ -105,7 +105,7 @@ def test_the_screen_applies_only_where_it_is_exact_to_do_so():
 
 
 class GreedyChecked:
-    """``runner.step``'s logits for the scenario, and on every step ``greedy_step``
+    """``runner.step``'s logits for the scenario, and on every step ``split_step``
     over the same batch (it writes the same K/V again) must give their argmax."""
 
     def __init__(self, runner) -> None:
@@ -113,7 +113,7 @@ class GreedyChecked:
 
     def __call__(self, *args):
         logits = self.runner.step(*args)
-        tokens = self.runner.greedy_step(*args)
+        tokens, _ = self.runner.split_step(*args)  # every row greedy
         want = greedy_tokens(logits).tolist()
         assert tokens.tolist() == want
         # a step of greedy and sampled rows: the greedy rows' tokens, the others' logits

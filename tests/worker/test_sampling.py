@@ -183,7 +183,7 @@ def test_model_steps_run_on_one_thread_whichever_rpc_thread_takes_them():
     local = Local("tiny-llama")
     local.runtime.mirror.adopt("pool-life-1")
     seen: list[str] = []
-    step = local.runner._step  # behind step and greedy_step both
+    step = local.runner._step  # behind step and split_step both
 
     def recording_step(*args, **kwargs):
         seen.append(threading.current_thread().name)

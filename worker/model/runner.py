@@ -12,9 +12,9 @@ All sequences' new tokens are packed into one row (``input_ids`` ``[1, T]``,
 new K/V into ``slot_mapping`` and attends over the sequence's whole context.
 The result is the logits of each sequence's last new token, ``[batch, vocab]``
 (:meth:`ModelRunner.step`), or only the greedy sequences' tokens and the
-others' logits (:meth:`ModelRunner.split_step`, :meth:`ModelRunner.greedy_step`:
-the greedy rows by the bfloat16 screen of :mod:`worker.model.greedy_head`
-where it is on, without the float32 LM head).
+others' logits (:meth:`ModelRunner.split_step`: the greedy rows by the
+bfloat16 screen of :mod:`worker.model.greedy_head` where it is on, without
+the float32 LM head).
 
 Errors are the runtime's (:mod:`blockd.core.errors`): inconsistent lengths,
 token ids past the vocabulary, slots that are not the sequence's slots at that
@@ -199,14 +199,6 @@ class ModelRunner:
                            copy_lens, copy_from)
         return self._step(batch, None)  # type: ignore[return-value]
 
-    def greedy_step(self, version: int, seq_ids: Sequence[str], query_lens: Sequence[int],
-                    context_lens: Sequence[int], token_ids: Sequence[int],
-                    slot_mapping: Sequence[int], *, pool_incarnation: str | None = None,
-                    copy_lens: Sequence[int] = (), copy_from: Sequence[int] = ()) -> torch.Tensor:
-        """:meth:`step`, but only each sequence's greedy token (int64 ``[batch]``)."""
-        return self.split_step(version, seq_ids, query_lens, context_lens, token_ids, slot_mapping,
-                               pool_incarnation=pool_incarnation, copy_lens=copy_lens, copy_from=copy_from)[0]
-
     def split_step(self, version: int, seq_ids: Sequence[str], query_lens: Sequence[int],
                    context_lens: Sequence[int], token_ids: Sequence[int],
                    slot_mapping: Sequence[int], *, pool_incarnation: str | None = None,
@@ -321,21 +313,22 @@ class ModelRunner:
         self.runtime.finish_step(prepared)
         if greedy is None:
             return out.float().cpu()
+        if all(greedy):  # the usual case: no row to pick apart, no copy of the rows
+            if screen:
+                return self._screened(out), out.new_empty((0, self.model.lm_head.out_features))
+            logits = out.float().cpu()
+            return greedy_tokens(logits), logits[:0]
         chosen = torch.tensor([i for i, g in enumerate(greedy) if g], dtype=torch.int64)
         others = torch.tensor([i for i, g in enumerate(greedy) if not g], dtype=torch.int64)
         tokens = torch.full((len(greedy),), -1, dtype=torch.int64)
         if screen:
             tokens[chosen] = self._screened(out[chosen])
-            if not len(others):
-                return tokens, out.new_empty((0, self.model.lm_head.out_features), dtype=torch.float32)
             with torch.inference_mode():  # only the sampled rows through the float32 head
                 return tokens, self.model.lm_head(out[others]).float()
         logits = out.float().cpu()
-        if not len(others):  # all greedy: no copy of the rows
-            return greedy_tokens(logits), logits[:0]
         if len(chosen):
             tokens[chosen] = greedy_tokens(logits[chosen])
-        return tokens, logits if len(others) == len(greedy) else logits[others]
+        return tokens, logits[others]
 
     def _screened(self, hidden: torch.Tensor) -> torch.Tensor:
         """Greedy tokens of the final hidden states by the screen (the float32 head where it cannot)."""
