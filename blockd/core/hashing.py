@@ -93,12 +93,17 @@ def tenant_digest(extra_digest: bytes, tenant: str) -> bytes:
     return h.digest()
 
 
+#: the hash state after the domain tag: each block's hash starts from a copy of it
+_BLOCK_STATE = hashlib.blake2b(_DOMAIN, digest_size=HASH_BYTES)
+
+
 def hash_block(parent: bytes | None, token_ids: Sequence[int], extra_digest: bytes) -> bytes:
     """Hash of one full block, chained on its parent's hash (``None`` for the first)."""
-    h = hashlib.blake2b(_DOMAIN, digest_size=HASH_BYTES)
-    h.update(parent if parent is not None else _ROOT)
-    h.update(extra_digest)
-    h.update(array("I", token_ids) if _ARRAY_IS_LE_U32 else struct.pack(f"<{len(token_ids)}I", *token_ids))
+    # a copy of the seeded state and one update of the joined parts: 0.65 us a block
+    # against 1.0 for a new state and three updates (a decode step hashes 1 in 16 of its sequences)
+    h = _BLOCK_STATE.copy()
+    h.update(b"".join((parent if parent is not None else _ROOT, extra_digest,
+                       array("I", token_ids) if _ARRAY_IS_LE_U32 else struct.pack(f"<{len(token_ids)}I", *token_ids))))
     return h.digest()
 
 

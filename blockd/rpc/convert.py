@@ -171,21 +171,22 @@ def op_from_proto(msg: pb.Op, index: int) -> Op:
     kind = msg.WhichOneof("kind")
     where = f"ops[{index}].{kind}"
     if kind == "decode_append":
-        seq_ids = list(msg.decode_append.seq_ids)
+        # a repeated field's [:] is a list, built in C a third faster than list() iterating it
+        seq_ids = msg.decode_append.seq_ids[:]
         if "" in seq_ids:
             raise BadField(f"{where}.seq_ids[{seq_ids.index('')}]", "must be a non-empty sequence id",
                            op_index=index)
-        return DecodeAppend(seq_ids, list(msg.decode_append.token_ids))
+        return DecodeAppend(seq_ids, msg.decode_append.token_ids[:])
     if kind == "allocate":
         alloc = msg.allocate
         extra = (extra_keys_from_proto(alloc.extra_keys, f"{where}.extra_keys") if alloc.HasField("extra_keys")
                  else NO_EXTRA_KEYS)
-        return Allocate(require_id(alloc.seq_id, f"{where}.seq_id", index), list(alloc.prompt_token_ids), extra,
+        return Allocate(require_id(alloc.seq_id, f"{where}.seq_id", index), alloc.prompt_token_ids[:], extra,
                         alloc.source_pool, alloc.retain_ttl_s,
                         alloc.priority if alloc.HasField("priority") else DEFAULT_PRIORITY,
                         optional_id(alloc.share_seq_id, f"{where}.share_seq_id", index), alloc.share_tokens)
     if kind == "append":
-        return Append(require_id(msg.append.seq_id, f"{where}.seq_id", index), list(msg.append.token_ids))
+        return Append(require_id(msg.append.seq_id, f"{where}.seq_id", index), msg.append.token_ids[:])
     if kind == "commit":
         return Commit(require_id(msg.commit.seq_id, f"{where}.seq_id", index), msg.commit.num_tokens)
     if kind == "fork":
@@ -297,14 +298,23 @@ def step_result_to_proto(result: StepResult, response: pb.StepResponse | None = 
         response.tier_ops.extend(tier_ops_to_proto(result.tier_ops))
     add = response.results.add  # built in place: no copy of the slot arrays
     for r in result.results:
-        add(seq_id=r.seq_id, num_tokens=r.num_tokens, num_cached_tokens=r.num_cached_tokens,
-            new_block_ids=r.new_block_ids, copy_ops=_copies_to_proto(r.copy_ops), slot_start=r.slot_start,
-            slot_mapping=r.slot_mapping, num_restored_tokens=r.num_restored_tokens,
-            miss_never_stored=r.miss_never_stored, miss_evicted_device=r.miss_evicted_device,
-            miss_evicted_host=r.miss_evicted_host, miss_partial=r.miss_partial,
-            miss_other_extra_keys=r.miss_other_extra_keys)
+        # fields a decode step leaves at zero are set only when they are not: each keyword
+        # given costs its conversion (2 us of a 256-sequence decode answer's 7)
+        out = add(seq_id=r.seq_id, num_tokens=r.num_tokens, new_block_ids=r.new_block_ids,
+                  slot_start=r.slot_start, slot_mapping=r.slot_mapping)
+        if r.num_cached_tokens:
+            out.num_cached_tokens = r.num_cached_tokens
+        if r.copy_ops:
+            out.copy_ops.extend(_copies_to_proto(r.copy_ops))
+        if r.num_restored_tokens:
+            out.num_restored_tokens = r.num_restored_tokens
+        if r.miss_never_stored or r.miss_evicted_device or r.miss_evicted_host or r.miss_partial \
+                or r.miss_other_extra_keys:
+            out.miss_never_stored, out.miss_evicted_device = r.miss_never_stored, r.miss_evicted_device
+            out.miss_evicted_host, out.miss_partial = r.miss_evicted_host, r.miss_partial
+            out.miss_other_extra_keys = r.miss_other_extra_keys
         if r.transfer is not None:
-            _transfer_to_proto(r.transfer, response.results[-1].transfer)
+            _transfer_to_proto(r.transfer, out.transfer)
     return response
 
 
