@@ -32,6 +32,16 @@ started with ``--step-lane-port 0``: the steps go over the step lane,
   the CPU per step: what one core could serve if the daemon were the only cost);
 * ``sdk_cpu_us_per_step``: each scheduler process's own CPU per step (the
   client side: building the request, the SDK, gRPC);
+* ``threads``: the daemon's threads by name (``/proc/<pid>/task``; blockd
+  names its own: ``blockd-lane`` the lane's loop, ``blockd-fsync`` the
+  compiled fsync thread, ``blockd-lane-sync``, ``blockd-fsync-py``), each
+  with ``cpu_us_per_step`` (utime + stime), ``runqueue_wait_us_per_step``
+  (time runnable but not running, ``schedstat``: the cores were busy) and
+  ``switches_per_step``; threads under 1 us a step are left out;
+* ``fsyncs_per_step`` (``--fsync always`` rows): the log's fdatasyncs over
+  the steps (``blockd_wal_sync_duration_seconds_count`` from the daemon's
+  metrics endpoint, which every configuration serves, as deployments do);
+  1.0 means no two steps shared a sync;
 * ``core_cpu_us_per_step``: the same step on an in-process
   :class:`blockd.core.Pool` (CPU time, the baseline: the allocator's work with
   nothing around it) and ``ratio_vs_core``; ``core_cold_cpu_us_per_step``
@@ -90,11 +100,13 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from collections import Counter
 from collections.abc import Iterator
 
 from bench.auth import security_variants
 from bench.daemon import BLOCK_SIZE, MAX_STEPS, NUM_BLOCKS, NUM_SEQS, start_daemon, stop_daemon
+from blockd.cluster.local import free_port
 from blockd.core import Allocate, Pool, PoolConfig
 from blockd.core.types import DecodeAppend, Free
 from blockd.engine.config import EngineConfig
@@ -121,6 +133,48 @@ def process_cpu_s(pid: int) -> float:
         # the command name (field 2) may hold spaces: the fields after its ')' are fixed
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / _CLK_TCK
+
+
+def thread_times(pid: int) -> dict[str, list[float]]:
+    """``{thread name: [cpu s, runqueue wait s, switches]}`` of ``pid``'s threads now, summed by
+    name (``/proc/<pid>/task/<tid>/stat`` and ``schedstat``); a thread that ends meanwhile is left out."""
+    out: dict[str, list[float]] = {}
+    with os.scandir(f"/proc/{pid}/task") as tasks:
+        for task in tasks:
+            try:
+                with open(f"{task.path}/stat") as f:
+                    head, _, rest = f.read().rpartition(")")
+                with open(f"{task.path}/schedstat") as f:
+                    _, wait_ns, slices = f.read().split()
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+            fields = rest.split()
+            times = out.setdefault(head.partition("(")[2], [0.0, 0.0, 0.0])
+            times[0] += (int(fields[11]) + int(fields[12])) / _CLK_TCK
+            times[1] += int(wait_ns) / 1e9
+            times[2] += int(slices)
+    return out
+
+
+def threads_per_step(before: dict[str, list[float]], after: dict[str, list[float]], steps: int) -> dict:
+    """:func:`thread_times` over a window, per step; threads under 1 us of CPU a step are left out."""
+    rows = {}
+    for name, (cpu, wait, slices) in sorted(after.items()):
+        cpu0, wait0, slices0 = before.get(name, (0.0, 0.0, 0.0))
+        if (cpu - cpu0) / steps * 1e6 >= 1.0:
+            rows[name] = {"cpu_us_per_step": round((cpu - cpu0) / steps * 1e6, 1),
+                          "runqueue_wait_us_per_step": round((wait - wait0) / steps * 1e6, 1),
+                          "switches_per_step": round((slices - slices0) / steps, 2)}
+    return rows
+
+
+def wal_syncs(metrics_port: int) -> float:
+    """The daemon's fdatasyncs so far (its metrics endpoint's ``blockd_wal_sync_duration_seconds_count``)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as answer:
+        for line in answer.read().decode().splitlines():
+            if line.startswith("blockd_wal_sync_duration_seconds_count"):
+                return float(line.split()[-1])
+    return 0.0
 
 
 class _Steps:
@@ -280,7 +334,8 @@ def measure(kind: str, schedulers: int, durability: str, security: str, transpor
         flags = [*flags, "--data-dir", data_dir, "--fsync", "always"]
     if transport == "lane":
         flags = [*flags, "--step-lane-port", "0"]
-    proc, address = start_daemon(*flags)
+    metrics_port = free_port()
+    proc, address = start_daemon(*flags, "--metrics-port", str(metrics_port))
     ctx = multiprocessing.get_context("spawn")
     barrier, results = ctx.Barrier(schedulers + 1), ctx.Queue()
     procs = [ctx.Process(target=_scheduler, args=(address, kwargs, f"{kind}-{i}", kind, transport, seconds, barrier,
@@ -298,6 +353,7 @@ def measure(kind: str, schedulers: int, durability: str, security: str, transpor
             except queue.Empty:
                 said = "no scheduler reached its first timed step within 120 s"
             raise RuntimeError(said) from None
+        threads0, syncs0 = thread_times(proc.pid), wal_syncs(metrics_port)
         cpu0, wall0 = process_cpu_s(proc.pid), time.perf_counter()
         spy = _start_py_spy(proc.pid, profile_s, directory) if profile_s else None
         runs = [results.get(timeout=seconds + 120) for _ in procs]
@@ -305,6 +361,7 @@ def measure(kind: str, schedulers: int, durability: str, security: str, transpor
         if failed:
             raise RuntimeError("; ".join(failed))
         cpu, wall = process_cpu_s(proc.pid) - cpu0, time.perf_counter() - wall0
+        threads1, syncs = thread_times(proc.pid), wal_syncs(metrics_port) - syncs0
         if spy is not None:
             stacks = _stop_py_spy(*spy)
         for p in procs:
@@ -325,7 +382,10 @@ def measure(kind: str, schedulers: int, durability: str, security: str, transpor
            "sdk_cpu_us_per_step": round(sum(c for _, c in runs) / steps * 1e6, 1),
            "seqs": NUM_SEQS if kind == "decode" else 1,
            "tokens_per_step": NUM_SEQS if kind == "decode" else PREFILL_TOKENS,
-           "block_size": BLOCK_SIZE, "cpus": os.cpu_count()}
+           "block_size": BLOCK_SIZE, "cpus": os.cpu_count(),
+           "threads": threads_per_step(threads0, threads1, steps)}
+    if durability == "fsync_always":
+        row["fsyncs_per_step"] = round(syncs / steps, 3)
     if stacks is not None:
         row["_cpu_s"] = cpu
     return row, stacks

@@ -21,7 +21,7 @@ from tests.conftest import ROOT
 PACKAGES = ("blockd", "client", "worker")
 #: stdlib-only or protocol modules of the blockd package that are not the daemon
 #: (blockd.logs, blockd.build_info: log set-up and the build's metrics, the workers' too)
-NOT_DAEMON = {"blockd.config_env", "blockd.ha", "blockd.auth", "blockd.logs", "blockd.build_info"}
+NOT_DAEMON = {"blockd.config_env", "blockd.ha", "blockd.auth", "blockd.logs", "blockd.build_info", "blockd.threads"}
 PATH = re.compile(r"`((?:blockd|client|worker|bench|tests|docs|deploy|scripts|proto)/[\w/.-]*)`")
 
 

@@ -10,10 +10,10 @@ sub-message, an empty id, an id longer than
 the value; the range checks of sizes and counts stay in the core (one place
 for each rule), which raises InvalidArgument naming the failing operation.
 
-Repeated ints are copied with ``list()`` (a C-level copy of a packed array):
-the core requires real lists, and this is the whole per-step parsing cost of
-a decode step. Imports protobuf, the core and :mod:`blockd.rpc.errors`;
-never the daemon.
+Repeated fields are copied by slicing (``[:]``, a list built in C, a third
+faster than ``list()``): the core requires real lists, and this is the whole
+per-step parsing cost of a decode step. Imports protobuf, the core and
+:mod:`blockd.rpc.errors`; never the daemon.
 """
 
 from __future__ import annotations
@@ -61,6 +61,7 @@ from blockd.v1 import replication_pb2 as rpb
 _OP_KINDS = "allocate, append, decode_append, commit, fork, free"
 _STATS_FIELDS = tuple(f for f in PoolStats.__dataclass_fields__ if f != "prefix_miss_tokens")
 _MISS_FIELDS = tuple(f"miss_{reason}" for reason in MISS_REASONS)
+_RARE_COUNTS = ("num_cached_tokens", "num_restored_tokens", *_MISS_FIELDS)
 _WORKER_FIELDS = tuple(WorkerInfo.__dataclass_fields__)
 _EVENT_KINDS = {
     BLOCK_STORED: pb.EVENT_KIND_BLOCK_STORED,
@@ -171,7 +172,6 @@ def op_from_proto(msg: pb.Op, index: int) -> Op:
     kind = msg.WhichOneof("kind")
     where = f"ops[{index}].{kind}"
     if kind == "decode_append":
-        # a repeated field's [:] is a list, built in C a third faster than list() iterating it
         seq_ids = msg.decode_append.seq_ids[:]
         if "" in seq_ids:
             raise BadField(f"{where}.seq_ids[{seq_ids.index('')}]", "must be a non-empty sequence id",
@@ -289,8 +289,7 @@ def tier_ops_from_proto(msgs, field: str = "tier_ops") -> tuple[TierOp, ...]:
 def step_result_to_proto(result: StepResult, response: pb.StepResponse | None = None) -> pb.StepResponse:
     """``result`` as a StepResponse; written into ``response`` when given (a
     StepStream answer's, so that the answer is not built and then copied)."""
-    if response is None:
-        response = pb.StepResponse()
+    response = pb.StepResponse() if response is None else response
     response.version, response.pool_incarnation, response.term = result.version, result.incarnation, result.term
     if result.copy_ops:
         response.copy_ops.extend(_copies_to_proto(result.copy_ops))
@@ -298,21 +297,12 @@ def step_result_to_proto(result: StepResult, response: pb.StepResponse | None = 
         response.tier_ops.extend(tier_ops_to_proto(result.tier_ops))
     add = response.results.add  # built in place: no copy of the slot arrays
     for r in result.results:
-        # fields a decode step leaves at zero are set only when they are not: each keyword
-        # given costs its conversion (2 us of a 256-sequence decode answer's 7)
+        # counts a decode step leaves at zero are set only when not (a keyword costs: 2 us of 7 here)
         out = add(seq_id=r.seq_id, num_tokens=r.num_tokens, new_block_ids=r.new_block_ids,
-                  slot_start=r.slot_start, slot_mapping=r.slot_mapping)
-        if r.num_cached_tokens:
-            out.num_cached_tokens = r.num_cached_tokens
-        if r.copy_ops:
-            out.copy_ops.extend(_copies_to_proto(r.copy_ops))
-        if r.num_restored_tokens:
-            out.num_restored_tokens = r.num_restored_tokens
-        if r.miss_never_stored or r.miss_evicted_device or r.miss_evicted_host or r.miss_partial \
-                or r.miss_other_extra_keys:
-            out.miss_never_stored, out.miss_evicted_device = r.miss_never_stored, r.miss_evicted_device
-            out.miss_evicted_host, out.miss_partial = r.miss_evicted_host, r.miss_partial
-            out.miss_other_extra_keys = r.miss_other_extra_keys
+                  copy_ops=_copies_to_proto(r.copy_ops), slot_start=r.slot_start, slot_mapping=r.slot_mapping)
+        for name in _RARE_COUNTS:
+            if value := getattr(r, name):
+                setattr(out, name, value)
         if r.transfer is not None:
             _transfer_to_proto(r.transfer, out.transfer)
     return response

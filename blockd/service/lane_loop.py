@@ -53,6 +53,7 @@ from blockd.engine.durability import Held
 from blockd.rpc.lane import frame
 from blockd.service.lane_conn import WOULD_BLOCK, Aborted, Conn, status_of
 from blockd.storage.fsyncer import Fsyncer
+from blockd.threads import name_os_thread
 from blockd.v1 import blockd_pb2 as pb
 
 log = logging.getLogger("blockd.lane")
@@ -148,6 +149,7 @@ class LaneLoop:
 
     # --- the syncer --------------------------------------------------------------------------
     def _sync(self) -> None:
+        name_os_thread("blockd-lane-sync")
         cv, queue = self._sync_cv, self._to_sync
         while True:
             with cv:
@@ -174,6 +176,7 @@ class LaneLoop:
 
     # --- the loop ----------------------------------------------------------------------------
     def _run(self) -> None:
+        name_os_thread("blockd-lane")
         try:
             while not self._stopping:
                 self._round()

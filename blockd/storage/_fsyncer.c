@@ -53,6 +53,10 @@ static int64_t now_ns(void) {
 
 static void *run(void *arg) {
     Fsyncer *self = (Fsyncer *)arg;
+#ifdef __linux__
+    /* what top -H, perf and bench/daemon_cost.py's per-thread rows call it */
+    pthread_setname_np(pthread_self(), "blockd-fsync");
+#endif
     for (;;) {
         pthread_mutex_lock(&self->mu);
         while (self->fd < 0 && !self->stop)

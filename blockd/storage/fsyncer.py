@@ -30,6 +30,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from blockd.threads import name_os_thread
+
 log = logging.getLogger("blockd.storage")
 
 #: a completion: the LSN the sync covered, its errno (0: it succeeded), its nanoseconds
@@ -64,6 +66,7 @@ class _PythonFsyncer:
         return self._read
 
     def _run(self) -> None:
+        name_os_thread("blockd-fsync-py")
         while True:
             with self._cv:
                 while self._next is None and not self._stop:

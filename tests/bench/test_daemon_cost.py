@@ -71,6 +71,48 @@ def test_the_daemon_on_a_core_of_its_own(tmp_path):
     assert row["placement"] == "own_core" and row["steps"] > 50 and row["daemon_cpu_us_per_step"] > 0
 
 
+def test_the_threads_and_fsyncs_of_durable_steps_over_the_lane(tmp_path):
+    from blockd.storage.fsyncer import BUILD
+    row, _ = daemon_cost.measure("decode", 2, "fsync_always", "plain", "lane", 1.5, str(tmp_path),
+                                 security_variants(str(tmp_path)))
+    threads = row["threads"]
+    # the lane's loop, named by blockd, does most of the daemon's work; two schedulers'
+    # waits go to the fsync thread (compiled, or the Python fallback), named too
+    assert threads["blockd-lane"]["cpu_us_per_step"] > 0.5 * row["daemon_cpu_us_per_step"]
+    assert ("blockd-fsync" if BUILD == "compiled" else "blockd-fsync-py") in threads
+    for figures in threads.values():
+        assert figures["cpu_us_per_step"] >= 1.0 and figures["runqueue_wait_us_per_step"] >= 0
+        assert figures["switches_per_step"] >= 0
+    # every step's record is synced by some fdatasync, and no step needs two
+    assert 0 < row["fsyncs_per_step"] <= 1.05
+
+
+def test_thread_times_sum_a_process_threads_by_name():
+    import threading
+
+    from blockd.threads import name_os_thread
+    done, named = threading.Event(), threading.Event()
+
+    def spin() -> None:  # 50 ms of this thread's CPU, then it waits, alive, to be read
+        name_os_thread("bench-test-spin")
+        while time.thread_time() < 0.05:
+            pass
+        named.set()
+        done.wait(10)
+
+    thread = threading.Thread(target=spin)
+    thread.start()
+    try:
+        assert named.wait(10)
+        times = daemon_cost.thread_times(os.getpid())
+        assert times["bench-test-spin"][0] >= 0.04 and times["bench-test-spin"][2] >= 1
+        rows = daemon_cost.threads_per_step({}, times, 10)
+        assert rows["bench-test-spin"]["cpu_us_per_step"] >= 4000
+    finally:
+        done.set()
+        thread.join(10)
+
+
 def test_the_profile_of_a_prefill_step(tmp_path):
     if daemon_cost._has_py_spy():
         pytest.skip(daemon_cost._has_py_spy())
