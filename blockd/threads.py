@@ -35,4 +35,7 @@ def name_os_thread(name: str) -> bool:
     """Give the calling thread ``name`` (cut to 15 bytes) where the OS keeps one; whether it did."""
     if _PRCTL is None:
         return False
-    return _PRCTL(_PR_SET_NAME, ctypes.c_char_p(name.encode()[:MAX_NAME_BYTES]), 0, 0, 0) == 0
+    # prctl is variadic: each argument passed as the unsigned long it reads
+    zero = ctypes.c_ulong(0)
+    return _PRCTL(ctypes.c_int(_PR_SET_NAME), ctypes.c_char_p(name.encode()[:MAX_NAME_BYTES]), zero, zero,
+                  zero) == 0

@@ -220,7 +220,7 @@ class BlockdMetrics:
 
         Runs on every step, so the labelled series are looked up in dicts of
         their own (``labels()`` checks and joins its values each call: 6.6 us a
-        step against 1.8 with the series kept; a series, once made, is the same
+        step against 2.0 with the series kept; a series, once made, is the same
         object for the registry's life, and none is ever removed)."""
         label = self._pool_label(pool, outcome)
         if outcome == "ok":
