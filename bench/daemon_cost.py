@@ -127,12 +127,18 @@ IDLE_S = 0.0002
 TRANSPORTS = ("unary", "stream", "lane")
 
 
+def _stat_cpu_s(path: str) -> tuple[str, float]:
+    """(command name, utime + stime in seconds) of a ``/proc`` ``stat`` file."""
+    with open(path) as f:
+        # the command name (field 2) may hold spaces: the fields after its ')' are fixed
+        head, _, rest = f.read().rpartition(")")
+    fields = rest.split()
+    return head.partition("(")[2], (int(fields[11]) + int(fields[12])) / _CLK_TCK
+
+
 def process_cpu_s(pid: int) -> float:
     """utime + stime of every thread of ``pid`` so far, seconds (``/proc/<pid>/stat``)."""
-    with open(f"/proc/{pid}/stat") as f:
-        # the command name (field 2) may hold spaces: the fields after its ')' are fixed
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / _CLK_TCK
+    return _stat_cpu_s(f"/proc/{pid}/stat")[1]
 
 
 def thread_times(pid: int) -> dict[str, list[float]]:
@@ -142,15 +148,13 @@ def thread_times(pid: int) -> dict[str, list[float]]:
     with os.scandir(f"/proc/{pid}/task") as tasks:
         for task in tasks:
             try:
-                with open(f"{task.path}/stat") as f:
-                    head, _, rest = f.read().rpartition(")")
+                name, cpu_s = _stat_cpu_s(f"{task.path}/stat")
                 with open(f"{task.path}/schedstat") as f:
                     _, wait_ns, slices = f.read().split()
             except (FileNotFoundError, ProcessLookupError):
                 continue
-            fields = rest.split()
-            times = out.setdefault(head.partition("(")[2], [0.0, 0.0, 0.0])
-            times[0] += (int(fields[11]) + int(fields[12])) / _CLK_TCK
+            times = out.setdefault(name, [0.0, 0.0, 0.0])
+            times[0] += cpu_s
             times[1] += int(wait_ns) / 1e9
             times[2] += int(slices)
     return out
